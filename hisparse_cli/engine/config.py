@@ -1,0 +1,111 @@
+"""Frozen, validated configuration of the sparse KV policy and of generation.
+
+`SparseConfig` describes which keys every query attends to: the first `sink_tokens`
+positions, the current global tokens of its layer/KV head, and the last `window_size`
+positions (causal). `window_size=None` means dense attention through the same paged path.
+Errors name the offending field (ConfigError -> exit code 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from hisparse_cli.errors import ConfigError
+
+IMPORTANCE_POLICIES = ("attention", "uniform")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}",
+                          hint=f"set {name} to a whole number of at least {minimum}")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Sparse attention policy. All sizes are in tokens.
+
+    sink_tokens:        first positions every query always sees (attention sinks)
+    window_size:        sliding window of most recent positions; None = dense attention
+    global_tokens:      per layer and KV head, evicted tokens kept for their importance
+    block_size:         tokens per paged KV block
+    recalibrate_every:  re-choose the global set every this many tokens ("segment")
+    recalibrate_topk:   best evicted candidates per layer/head held for the next recalibration
+    prefill_chunk:      tokens fed per forward pass while prefilling
+    importance:         "attention" (attention mass received while in the window) or
+                        "uniform" (evenly spaced tokens: the naive baseline)
+    """
+
+    sink_tokens: int = 4
+    window_size: int | None = 1024
+    global_tokens: int = 64
+    block_size: int = 16
+    recalibrate_every: int = 256
+    recalibrate_topk: int = 64
+    prefill_chunk: int = 256
+    importance: str = "attention"
+
+    def __post_init__(self) -> None:
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        if self.window_size is not None:
+            _check_int("window_size", self.window_size, 1)
+        _check_int("global_tokens", self.global_tokens, 0)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("recalibrate_every", self.recalibrate_every, 1)
+        _check_int("recalibrate_topk", self.recalibrate_topk, 0)
+        _check_int("prefill_chunk", self.prefill_chunk, 1)
+        if self.importance not in IMPORTANCE_POLICIES:
+            raise ConfigError(
+                f"importance must be one of {', '.join(IMPORTANCE_POLICIES)}, got {self.importance!r}",
+                hint="use importance='attention' (default) or 'uniform'",
+            )
+
+    @property
+    def dense(self) -> bool:
+        return self.window_size is None
+
+    @property
+    def uses_globals(self) -> bool:
+        return not self.dense and self.global_tokens > 0
+
+    def with_overrides(self, **overrides: object) -> "SparseConfig":
+        """A copy with the non-None overrides applied (CLI flag > profile > default)."""
+        known = {f.name for f in fields(self)}
+        bad = set(overrides) - known
+        if bad:
+            raise ConfigError(f"unknown sparse setting(s): {', '.join(sorted(bad))}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def dense_config(cls, block_size: int = 16, prefill_chunk: int = 256) -> "SparseConfig":
+        return cls(window_size=None, global_tokens=0, block_size=block_size,
+                   prefill_chunk=prefill_chunk, sink_tokens=0, recalibrate_topk=0)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding settings. temperature 0 = greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    stop_strings: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's own EOS ids
+    min_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 0)
+        _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
+        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        if not (self.temperature >= 0.0):
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (self.repetition_penalty > 0.0):
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+
+
+__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES"]

@@ -1,0 +1,65 @@
+"""One exception hierarchy for every user-facing failure, mapped to one exit-code table.
+
+The CLI catches `HisparseError`, prints `Error: <message>` and `Hint: <hint>` on stderr and
+exits with `exit_code`. Library code raises the most specific subclass; nothing else in the
+package decides exit codes.
+
+Exit codes (documented in the README):
+    0  success
+    1  unexpected internal error (a bug; traceback with HISPARSE_DEBUG=1)
+    2  bad usage: unknown option value, invalid setting, unknown profile
+    3  input problem: missing/unreadable/encrypted/scanned/corrupt document, bad repository
+    4  model problem: model not found, unsupported architecture or format, offline with no cache
+    5  resources: does not fit the memory budget, out of memory
+    6  batch finished but at least one document failed
+  130  interrupted (Ctrl-C)
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+EXIT_MODEL = 4
+EXIT_RESOURCES = 5
+EXIT_BATCH_FAILURES = 6
+EXIT_INTERRUPTED = 130
+
+
+class HisparseError(Exception):
+    """Base class: a failure with a one-line message, an optional hint and an exit code."""
+
+    exit_code: int = EXIT_INTERNAL
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(HisparseError):
+    """An invalid setting (profile field, sparse config, CLI value). Message names the field."""
+
+    exit_code = EXIT_USAGE
+
+
+class InputError(HisparseError):
+    """A document or repository that cannot be read."""
+
+    exit_code = EXIT_INPUT
+
+
+class ModelError(HisparseError):
+    """A model that cannot be found, fetched, converted or loaded."""
+
+    exit_code = EXIT_MODEL
+
+
+class ResourceError(HisparseError):
+    """The run does not fit the memory budget (planner refusal, pool cap, or a real OOM)."""
+
+    exit_code = EXIT_RESOURCES
