@@ -1,0 +1,192 @@
+"""`Engine`: the public API over model + paged sparse KV cache.
+
+    eng = Engine.from_pretrained(path, device="cpu", dtype=torch.float32, sparse=SparseConfig(...))
+    logits = eng.logits(token_ids)                 # [T, V], every position, chunk by chunk
+    res = eng.generate(token_ids, max_new_tokens=64)
+    res.token_ids, res.stats.kv_blocks_peak, res.stats.peak_memory_bytes
+
+Each call runs one sequence and returns every KV block to the pool when it ends (also on error).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hisparse_cli.engine.block_pool import BlockPool
+from hisparse_cli.engine.config import GenerationConfig, SparseConfig
+from hisparse_cli.engine.runner import KVRun
+from hisparse_cli.engine.sampling import Sampler
+from hisparse_cli.kernels.dispatch import select_backend
+from hisparse_cli.model.config import ModelConfig
+from hisparse_cli.model.llama import CausalLM
+from hisparse_cli.model.loader import load_model
+
+Progress = Callable[[str, int, int], None]  # (phase "prefill"|"decode", done, total)
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    kv_blocks_peak: int = 0
+    kv_bytes_peak: int = 0
+    blocks_allocated: int = 0
+    blocks_freed: int = 0
+    recalibrations: int = 0
+    peak_memory_bytes: int = 0
+    peak_memory_kind: str = ""  # "cuda_max_allocated" | "rss"
+    device: str = "cpu"
+    backend: str = "torch"
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prefill_tok_s"], d["decode_tok_s"] = self.prefill_tok_s, self.decode_tok_s
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: RunStats
+    finish_reason: str = "length"  # "eos" | "stop_string" | "length"
+    text: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss"
+
+
+class Engine:
+    def __init__(self, model: CausalLM, cfg: ModelConfig, *, sparse: SparseConfig,
+                 device: torch.device, kv_dtype: torch.dtype, path: Path | None = None,
+                 pool_cap_blocks: int | None = None, backend: str | None = None) -> None:
+        self.model, self.cfg, self.sparse, self.device = model, cfg, sparse, device
+        self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
+        self.backend = select_backend(device.type, backend)
+        self._tokenizer = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, sparse: SparseConfig | None = None,
+                        kv_dtype: torch.dtype | None = None, pool_cap_blocks: int | None = None,
+                        embeddings_on_host: bool = False, backend: str | None = None) -> "Engine":
+        device = torch.device(device)
+        model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host)
+        if kv_dtype is None:
+            kv_dtype = torch.float16 if device.type == "cuda" and dtype == torch.float16 else dtype
+        return cls(model, cfg, sparse=sparse or SparseConfig(), device=device, kv_dtype=kv_dtype,
+                   path=Path(path), pool_cap_blocks=pool_cap_blocks, backend=backend)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        return self._tokenizer
+
+    # -- runs --------------------------------------------------------------------------------
+    def new_run(self, total_tokens: int) -> tuple[KVRun, BlockPool]:
+        pool = BlockPool(self.pool_cap_blocks)
+        run = KVRun(self.cfg, self.sparse, self.device, self.kv_dtype, self.backend, pool)
+        run.seq.check_fits(self.sparse.prefill_chunk, total_tokens)
+        return run, pool
+
+    def _ids(self, token_ids) -> torch.Tensor:
+        ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
+                              dtype=torch.int64).to(self.device).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("token_ids is empty")
+        return ids
+
+    @torch.inference_mode()
+    def logits(self, token_ids, chunk: int | None = None) -> torch.Tensor:
+        """Logits [T, V] (fp32) for every position, through the same paged/sparse path."""
+        ids = self._ids(token_ids)
+        chunk = chunk or self.sparse.prefill_chunk
+        run, _ = self.new_run(ids.numel())
+        with run:
+            out = [run.step(self.model, ids[s:s + chunk], all_logits=True)
+                   for s in range(0, ids.numel(), chunk)]
+        return torch.cat(out, dim=0)
+
+    @torch.inference_mode()
+    def generate(self, token_ids, max_new_tokens: int | None = None, *,
+                 gen: GenerationConfig | None = None, progress: Progress | None = None,
+                 **overrides) -> GenerationResult:
+        gen = gen or GenerationConfig()
+        if max_new_tokens is not None:
+            overrides["max_new_tokens"] = max_new_tokens
+        if overrides:
+            gen = GenerationConfig(**{**asdict(gen), **overrides})
+        ids = self._ids(token_ids)
+        eos = set(gen.eos_token_ids if gen.eos_token_ids is not None else self.cfg.eos_token_ids)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        stats = RunStats(prompt_tokens=ids.numel(), device=str(self.device), backend=self.backend.attention)
+        run, pool = self.new_run(ids.numel() + gen.max_new_tokens)
+        sampler = Sampler(gen, self.device)
+        out: list[int] = []
+        reason = "length"
+        chunk = self.sparse.prefill_chunk
+        with run:
+            t0 = time.perf_counter()
+            logits = None
+            for s in range(0, ids.numel(), chunk):
+                logits = run.step(self.model, ids[s:s + chunk])
+                if progress:
+                    progress("prefill", min(s + chunk, ids.numel()), ids.numel())
+            self._sync()
+            stats.prefill_seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tail_text = ""
+            for i in range(gen.max_new_tokens):
+                suppress = tuple(eos) if i < gen.min_new_tokens else ()
+                tok = sampler(logits[-1], suppress)
+                out.append(tok)
+                if progress:
+                    progress("decode", i + 1, gen.max_new_tokens)
+                if tok in eos:
+                    reason = "eos"
+                    out.pop()
+                    break
+                if gen.stop_strings:
+                    tail_text = self.tokenizer.decode(out[-16:], skip_special_tokens=True)
+                    if any(stop in tail_text for stop in gen.stop_strings):
+                        reason = "stop_string"
+                        break
+                if i + 1 < gen.max_new_tokens:
+                    logits = run.step(self.model, torch.tensor([tok], device=self.device))
+            self._sync()
+            stats.decode_seconds = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        stats.kv_blocks_peak, stats.blocks_allocated, stats.blocks_freed = (
+            pool.peak_live, pool.allocated, pool.freed)
+        stats.kv_bytes_peak = run.kv_bytes_peak
+        stats.recalibrations = run.seq.recalibrations
+        stats.peak_memory_bytes, stats.peak_memory_kind = _peak_memory(self.device)
+        return GenerationResult(token_ids=out, stats=stats, finish_reason=reason)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,103 @@
+"""One sequence's run through the model: host policy (`SparseSequence`) + device state
+(`PagedKVCache`) + the step context the attention layers call. Prefill and decode are the same
+`step` with T tokens or one.
+
+Order of a step: reserve slots -> forward (each layer stores its K/V, attends over
+{sinks ∪ globals ∪ window}, adds importance mass) -> evict blocks that left every future
+window (best tokens copied to candidate slots first, then freed) -> recalibrate the globals
+when the step crossed a multiple of recalibrate_every.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse_cli.engine.block_pool import BlockPool
+from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.engine.kv_cache import PagedKVCache
+from hisparse_cli.engine.sparsity import SparseSequence
+from hisparse_cli.kernels.dispatch import KernelBackend
+from hisparse_cli.model.config import ModelConfig
+
+
+class StepContext:
+    """AttentionContext of one step: where the step's tokens go and which blocks it reads."""
+
+    def __init__(self, run: "KVRun", q_start: int, n: int) -> None:
+        self.run, self.q_start, self.n = run, q_start, n
+        dev = run.device
+        seq = run.seq
+        self.slots = torch.tensor(seq.slot_mapping(q_start, n), dtype=torch.int64, device=dev)
+        ids, starts = seq.visible_blocks(q_start, n)
+        self.block_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        self.block_starts = torch.tensor(starts, dtype=torch.int64, device=dev)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        run, cache = self.run, self.run.cache
+        run.backend.store_kv(cache.k[layer], cache.v[layer], k, v, self.slots)
+        glob = cache.G > 0
+        out, key_mass, g_mass = run.backend.sparse_attention(
+            q, cache.k[layer], cache.v[layer], self.block_ids, self.block_starts, self.q_start,
+            run.seq.sinks, run.seq.window, run.scale,
+            g_k=cache.gk[layer] if glob else None, g_v=cache.gv[layer] if glob else None,
+            g_pos=cache.gpos[layer] if glob else None, return_scores=run.track_scores)
+        if key_mass is not None:
+            cache.add_key_mass(layer, self.block_ids, key_mass)
+        if g_mass is not None:
+            cache.add_global_mass(layer, g_mass, self.n)
+        return out
+
+
+class KVRun:
+    """KV state of one sequence. Use as a context manager: every block returns to the pool."""
+
+    def __init__(self, cfg: ModelConfig, sparse: SparseConfig, device: torch.device,
+                 kv_dtype: torch.dtype, backend: KernelBackend, pool: BlockPool) -> None:
+        self.cfg, self.sparse, self.device, self.backend, self.pool = cfg, sparse, device, backend, pool
+        self.seq = SparseSequence(sparse, pool, model_window=cfg.sliding_window)
+        use_globals = self.seq.window is not None and sparse.global_tokens > 0
+        self.track_scores = use_globals and sparse.importance == "attention"
+        self.cache = PagedKVCache(
+            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, block_size=sparse.block_size, dtype=kv_dtype, device=device,
+            global_tokens=sparse.global_tokens if use_globals else 0,
+            candidate_slots=sparse.recalibrate_topk if use_globals else 0,
+            track_scores=self.track_scores, window=self.seq.window,
+            importance=sparse.importance, sinks=self.seq.sinks)
+        self.scale = cfg.head_dim ** -0.5
+        self.kv_bytes_peak = 0
+
+    def __enter__(self) -> "KVRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seq.release()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens
+
+    def step(self, model, input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """input_ids: [T] on the device -> logits [T, V] or [1, V] (fp32)."""
+        n = input_ids.shape[0]
+        start = self.seq.num_tokens
+        new_blocks = self.seq.append(n)
+        self.cache.ensure_capacity(self.pool.capacity)
+        self.cache.reset_scores(new_blocks)
+        live_bytes = self.pool.live * self.cache.bytes_per_block() + self.cache.slot_bytes()
+        self.kv_bytes_peak = max(self.kv_bytes_peak, live_bytes)
+        ctx = StepContext(self, start, n)
+        positions = torch.arange(start, start + n, device=self.device)
+        logits = model(input_ids, positions, ctx, all_logits=all_logits)
+        evicted = self.seq.evict()
+        if evicted:
+            self.cache.evict_to_candidates([e.physical for e in evicted], [e.start for e in evicted])
+        if self.cache.G and self.seq.recalibration_due(start, start + n):
+            self.cache.recalibrate()
+            self.seq.recalibrations += 1
+        return logits
+
+    # -- introspection for tests and the eval harness ---------------------------------------
+    def global_positions(self, layer: int) -> torch.Tensor:
+        """[Hkv, G] positions of the layer's current globals (-1 = empty slot)."""
+        return self.cache.gpos[layer].clone()

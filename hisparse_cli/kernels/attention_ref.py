@@ -1,0 +1,86 @@
+"""Torch reference of the paged sparse attention kernels (runs on any device; test oracle).
+
+Layouts (shared with the Triton kernels):
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]   paged storage of one layer
+    slot_mapping:     [T] int64, physical slot (block * block_size + offset) of each new token
+    block_ids:        [nb] int64, physical blocks the step may read, in position order
+    block_starts:     [nb] int64, position of each block's first token
+    g_k, g_v:         [Hkv, G, D] the layer's global tokens (per KV head); g_pos [Hkv, G] int64,
+                      -1 for an empty slot. Globals are older than every live window.
+Visibility: query position q sees key position k iff k <= q and (k < sinks or k > q - window)
+(window None: k <= q), plus every valid global of its KV head. GQA: query head h reads KV head
+h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new K/V ([T, Hkv, D]) into their paged slots."""
+    nb, bs, hkv, d = k_cache.shape
+    assert k.shape[1:] == (hkv, d) and v.shape == k.shape, (k.shape, k_cache.shape)
+    assert slot_mapping.shape == (k.shape[0],)
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sinks: int,
+                    window: int | None) -> torch.Tensor:
+    """[T, N] bool: which keys each query sees (without globals)."""
+    causal = k_pos[None, :] <= q_pos[:, None]
+    if window is None:
+        return causal
+    in_window = k_pos[None, :] > (q_pos[:, None] - window)
+    return causal & ((k_pos[None, :] < sinks) | in_window)
+
+
+def sparse_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_starts: torch.Tensor,
+    q_start: int,
+    sinks: int,
+    window: int | None,
+    scale: float,
+    g_k: torch.Tensor | None = None,
+    g_v: torch.Tensor | None = None,
+    g_pos: torch.Tensor | None = None,
+    return_scores: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Returns (out [T, Hq, D] in q's dtype, key_mass [Hkv, nb*bs] fp32 | None,
+    global_mass [Hkv, G] fp32 | None): attention probability each key received, summed over
+    the step's queries and the query heads of its KV head (the importance signal)."""
+    t, hq, d = q.shape
+    nb_total, bs, hkv, _ = k_cache.shape
+    grp = hq // hkv
+    assert hq % hkv == 0 and k_cache.shape[-1] == d and block_ids.shape == block_starts.shape
+    # keys of the step: [Hkv, N, D], N = nb * bs
+    k = k_cache[block_ids].reshape(-1, hkv, d).permute(1, 0, 2).float()
+    v = v_cache[block_ids].reshape(-1, hkv, d).permute(1, 0, 2).float()
+    k_pos = (block_starts[:, None] + torch.arange(bs, device=q.device)[None, :]).reshape(-1)
+    q_pos = q_start + torch.arange(t, device=q.device)
+    mask = visibility_mask(q_pos, k_pos, sinks, window)  # [T, N]
+    qf = q.float().reshape(t, hkv, grp, d).permute(1, 2, 0, 3)  # [Hkv, grp, T, D]
+    s = torch.matmul(qf, k.transpose(1, 2)[:, None]) * scale  # [Hkv, grp, T, N]
+    s = s.masked_fill(~mask, float("-inf"))
+    n = s.shape[-1]
+    has_g = g_k is not None and g_k.shape[1] > 0
+    if has_g:
+        sg = torch.matmul(qf, g_k.float().transpose(1, 2)[:, None]) * scale  # [Hkv, grp, T, G]
+        sg = sg.masked_fill((g_pos < 0)[:, None, None, :], float("-inf"))
+        s = torch.cat((s, sg), dim=-1)
+    p = torch.softmax(s, dim=-1)
+    out = torch.matmul(p[..., :n], v[:, None])  # [Hkv, grp, T, D]
+    if has_g:
+        out = out + torch.matmul(p[..., n:], g_v.float()[:, None])
+    out = out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype)
+    if not return_scores:
+        return out, None, None
+    key_mass = p[..., :n].sum(dim=(1, 2))
+    g_mass = p[..., n:].sum(dim=(1, 2)) if has_g else None
+    return out, key_mass, g_mass

@@ -1,0 +1,144 @@
+"""Load a Llama-family checkpoint (safetensors only: one file or a sharded index) into our
+`CausalLM`: build on the meta device, then copy each tensor (memory-mapped read) to the
+target device and dtype. AWQ INT4 linears (`<name>.qweight`) become `AWQLinear` modules.
+Never loads pickle files and never runs checkpoint code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hisparse_cli.errors import ModelError
+from hisparse_cli.model.config import ModelConfig
+from hisparse_cli.model.llama import CausalLM
+
+LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"bad safetensors index {index}: {exc}") from exc
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = ("hisparse loads only safetensors/GGUF (never pickle); convert with "
+                "transformers' save_pretrained(safe_serialization=True)") if pickles else None
+        raise ModelError(f"no *.safetensors weights in {folder}", hint=hint)
+    return files
+
+
+class _Tensors:
+    """Name -> file lookup over one or many safetensors files, opened memory-mapped."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._handles = []
+        self._where: dict[str, object] = {}
+        for f in files:
+            h = safe_open(str(f), framework="pt")
+            self._handles.append(h)
+            for key in h.keys():
+                self._where[key] = h
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            return self._where[key].get_tensor(key)
+        except KeyError:
+            raise ModelError(f"checkpoint is missing tensor {key!r}") from None
+
+    def keys(self):
+        return self._where.keys()
+
+
+def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    setattr(module, name, nn.Parameter(value, requires_grad=False))
+
+
+def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, awq_cfg,
+                 device: torch.device, dtype: torch.dtype) -> None:
+    lin: nn.Linear = getattr(parent, attr)
+    if f"{prefix}.qweight" in tensors:
+        if awq_cfg is None:
+            raise ModelError(f"{prefix} holds INT4 tensors but config.json has no AWQ quantization_config")
+        from hisparse_cli.model.awq import AWQLinear
+
+        bias = tensors.get(f"{prefix}.bias") if f"{prefix}.bias" in tensors else None
+        setattr(parent, attr, AWQLinear.from_checkpoint(
+            qweight=tensors.get(f"{prefix}.qweight"), qzeros=tensors.get(f"{prefix}.qzeros"),
+            scales=tensors.get(f"{prefix}.scales"), bias=bias, group_size=awq_cfg.group_size,
+            device=device, dtype=dtype))
+        return
+    w = tensors.get(f"{prefix}.weight")
+    if tuple(w.shape) != (lin.out_features, lin.in_features):
+        raise ModelError(f"{prefix}.weight has shape {tuple(w.shape)}, config implies "
+                         f"{(lin.out_features, lin.in_features)}")
+    _set_param(lin, "weight", w.to(device=device, dtype=dtype))
+    if lin.bias is not None:
+        _set_param(lin, "bias", tensors.get(f"{prefix}.bias").to(device=device, dtype=dtype))
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False
+               ) -> tuple[CausalLM, ModelConfig]:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelError(f"model folder not found: {folder}")
+    cfg = ModelConfig.from_folder(folder)
+    awq_cfg = None
+    if cfg.quantization_config is not None:
+        from hisparse_cli.model.awq import parse_quantization_config
+
+        awq_cfg = parse_quantization_config(cfg.quantization_config)
+    device = torch.device(device)
+    tensors = _Tensors(safetensors_files(folder))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    emb_device = torch.device("cpu") if embeddings_on_host else device
+    emb = tensors.get("model.embed_tokens.weight")
+    _set_param(model.model.embed_tokens, "weight", emb.to(device=emb_device, dtype=dtype))
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}"
+        for suffix in LINEAR_SUFFIXES:
+            sub, attr = suffix.split(".")
+            _load_linear(getattr(layer, sub), attr, f"{pre}.{suffix}", tensors, awq_cfg, device, dtype)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            _set_param(getattr(layer, norm), "weight",
+                       tensors.get(f"{pre}.{norm}.weight").to(device=device, dtype=dtype))
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                _set_param(getattr(layer.self_attn, norm), "weight",
+                           tensors.get(f"{pre}.self_attn.{norm}.weight").to(device=device, dtype=dtype))
+    _set_param(model.model.norm, "weight", tensors.get("model.norm.weight").to(device=device, dtype=dtype))
+    if "lm_head.weight" in tensors or "lm_head.qweight" in tensors:
+        _load_linear(model, "lm_head", "lm_head", tensors, awq_cfg, device, dtype)
+    elif cfg.tie_word_embeddings:
+        head = model.model.embed_tokens.weight
+        if embeddings_on_host:
+            head = head.to(device)
+        model.lm_head.weight = head if not embeddings_on_host else nn.Parameter(head, requires_grad=False)
+    else:
+        raise ModelError("checkpoint has no lm_head.weight and does not tie embeddings")
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise ModelError(f"checkpoint did not provide {len(left)} tensor(s), e.g. {left[0]}")
+    model.init_rope(device)
+    model.eval()
+    return model, cfg

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random Llama-family checkpoints written as safetensors, and the
+`gpu` marker that skips without CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def tiny_config(arch: str, **over):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(TINY)
+    if arch == "llama":
+        cls = LlamaConfig
+        kw.update(rope_theta=10000.0)
+    elif arch == "mistral":
+        cls = MistralConfig
+        kw.update(sliding_window=None, num_key_value_heads=1)
+    elif arch == "qwen2":
+        cls = Qwen2Config
+        kw.update(tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cls = Qwen3Config
+        kw.update(head_dim=32)
+    else:
+        raise ValueError(arch)
+    kw.update(over)
+    return cls(**kw)
+
+
+def save_tiny(tmp_dir, arch: str, seed: int = 0, **over):
+    """Build a random HF model of `arch`, save as safetensors; returns (path, hf_model)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **over)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # larger-than-default weights so logits are far from uniform
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (1.0 / p.shape[-1] ** 0.5))
+    path = tmp_dir / arch
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: save_tiny(root, arch) for arch in ("llama", "mistral", "qwen2", "qwen3")}
