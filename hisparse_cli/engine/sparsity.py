@@ -101,7 +101,7 @@ class SparseSequence:
             logical = range(0, last + 1)
         else:
             lo = max(self.sinks, q_start - self.window + 1)
-            sink_blocks = range(0, cdiv(self.sinks, bs))
+            sink_blocks = range(0, min(cdiv(self.sinks, bs), last + 1))
             win_blocks = range(min(lo, q_start + n - 1) // bs, last + 1)
             logical = sorted(set(sink_blocks) | set(win_blocks))
         phys, starts = [], []
@@ -120,6 +120,7 @@ class SparseSequence:
         bs = self.cfg.block_size
         first_visible = max(self.sinks, self.num_tokens - self.window + 1)
         out = []
+        first_visible = min(first_visible, self.num_tokens)  # only complete, written blocks
         while (self._next_evict + 1) * bs <= first_visible:
             b = self._next_evict
             phys = self.block_table[b]

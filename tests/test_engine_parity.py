@@ -1,0 +1,133 @@
+"""Dense parity with transformers (the oracle): our forward pass through the paged KV path
+gives HF's logits and HF's greedy tokens, for llama, mistral, qwen2, qwen3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse_cli.engine import Engine, SparseConfig
+from hisparse_cli.errors import ModelError
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(ids[None]).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("chunk", [None, 7, 1])
+def test_dense_logits_match_transformers(tiny_models, arch, chunk):
+    path, hf = tiny_models[arch]
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (61,))
+    ref = _hf_logits(hf, ids)
+    assert ref.std() > 0.1  # a real, non-degenerate oracle
+    eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config(block_size=8, prefill_chunk=chunk or 61))
+    out = eng.logits(ids)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generate_matches_transformers(tiny_models, arch):
+    path, hf = tiny_models[arch]
+    torch.manual_seed(2)
+    ids = torch.randint(3, 256, (40,))
+    with torch.no_grad():
+        ref = hf.generate(ids[None], max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, attention_mask=torch.ones(1, 40, dtype=torch.long))
+    ref_new = ref[0, 40:].tolist()
+    eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config(block_size=16, prefill_chunk=16))
+    res = eng.generate(ids, max_new_tokens=24, eos_token_ids=())
+    assert res.token_ids == ref_new
+    assert res.stats.blocks_allocated == res.stats.blocks_freed  # no leak
+    assert res.stats.new_tokens == 24 and res.stats.prompt_tokens == 40
+
+
+def test_sparse_with_everything_in_window_equals_dense(tiny_models):
+    path, hf = tiny_models["llama"]
+    ids = torch.randint(0, 256, (50,))
+    ref = _hf_logits(hf, ids)
+    eng = Engine.from_pretrained(path, sparse=SparseConfig(sink_tokens=2, window_size=64, global_tokens=4,
+                                                           block_size=8, prefill_chunk=9))
+    assert (eng.logits(ids) - ref).abs().max().item() <= 1e-4
+
+
+def test_sparse_window_changes_logits_only_past_the_window(tiny_models):
+    path, hf = tiny_models["qwen2"]
+    ids = torch.randint(0, 256, (80,))
+    ref = _hf_logits(hf, ids)
+    eng = Engine.from_pretrained(path, sparse=SparseConfig(sink_tokens=0, window_size=20, global_tokens=0,
+                                                           block_size=8, prefill_chunk=16))
+    out = eng.logits(ids)
+    assert (out[:20] - ref[:20]).abs().max().item() <= 1e-4  # positions whose window holds everything
+    assert (out[40:] - ref[40:]).abs().max().item() > 1e-3  # later positions lost context
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+])
+def test_rope_scaling_logits_match_transformers(tmp_path, rope_scaling):
+    from conftest import save_tiny
+
+    over = {"rope_scaling": dict(rope_scaling, rope_theta=10000.0)}
+    path, hf = save_tiny(tmp_path, "llama", **over)
+    ids = torch.randint(0, 256, (90,))
+    ref = _hf_logits(hf, ids)
+    eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config(block_size=16, prefill_chunk=32))
+    assert (eng.logits(ids) - ref).abs().max().item() <= 1e-4
+
+
+def test_unsupported_model_type_names_supported(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
+    with pytest.raises(ModelError, match="llama, mistral, qwen2, qwen3"):
+        Engine.from_pretrained(tmp_path)
+
+
+def test_missing_weights_and_pickle_only_are_refused(tiny_models, tmp_path):
+    import shutil
+
+    path, _ = tiny_models["llama"]
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelError, match="safetensors") as err:
+        Engine.from_pretrained(tmp_path)
+    assert "never pickle" in (err.value.hint or "")
+    with pytest.raises(ModelError, match="not found"):
+        Engine.from_pretrained(tmp_path / "nope")
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    from conftest import save_tiny
+
+    path, hf = save_tiny(tmp_path, "llama")
+    hf.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, 256, (20,))
+    eng = Engine.from_pretrained(tmp_path / "sharded", sparse=SparseConfig.dense_config())
+    assert (eng.logits(ids) - _hf_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+def test_transformers4_style_rope_keys_are_read(tmp_path):
+    """Older config.json files carry rope_theta/rope_scaling instead of rope_parameters."""
+    import json
+
+    from conftest import save_tiny
+
+    path, hf = save_tiny(tmp_path, "llama", rope_scaling={"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 5000.0})
+    cfg = json.loads((path / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = {"type": "linear", "factor": params["factor"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(0, 256, (40,))
+    eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config())
+    assert eng.cfg.rope_theta == 5000.0 and eng.cfg.rope_scaling["rope_type"] == "linear"
+    assert (eng.logits(ids) - _hf_logits(hf, ids)).abs().max().item() <= 1e-4
