@@ -1,0 +1,253 @@
+"""Triton INT4 (AWQ GEMM layout) linear for CUDA: fused-dequant GEMV, fused-dequant GEMM,
+and dequantize-then-cuBLAS; `awq_linear` picks one by token count.
+
+Contract: identical to kernels/awq_ref.py:awq_linear (the oracle). Written for Triton >= 3.0
+(checked with 3.6 and 3.9, also under TRITON_INTERPRET=1): plain loads with broadcast
+pointers, `tl.dot`, `tl.atomic_add`; no interleave, no descriptors, no autotune.
+
+Unpacking: logical column n of a tile sits in word n // 8 at bit 4 * AWQ_ORDER_INV[n % 8],
+where AWQ_ORDER_INV[j] = 4 * (j % 2) + j // 2 (= [0, 4, 1, 5, 2, 6, 3, 7]).
+Every K block lies inside one quantization group (BLOCK_K divides group_size), so one row of
+zeros/scales serves the whole block.
+
+Paths (M = tokens; thresholds measured by benchmarks/gpu_awq.py, see BENCHMARKS.md):
+    M <= GEMV_MAX_TOKENS             awq_gemv: one program per (word tile, K split, token),
+                                     fp32 split-K partial sums combined with atomics
+    M <= FUSED_GEMM_MAX_TOKENS       awq_gemm: tiled tl.dot on the dequantized tile
+    otherwise                        awq_dequantize (chunked over N) + torch.matmul (cuBLAS)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from hisparse_cli.kernels.awq_ref import check_awq_tensors
+
+GEMV_MAX_TOKENS = 4
+FUSED_GEMM_MAX_TOKENS = 256
+DEQUANT_CHUNK_ELEMS = 1 << 25  # temp weight of the cuBLAS path, at most 64 MiB in fp16
+
+
+@triton.jit
+def _awq_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, N, K, W, stride_xm, stride_ym,
+                     K_PER_SPLIT, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+    pid_w = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # [BW] word columns
+    j = tl.arange(0, 8)  # logical column inside a word
+    shift = (4 * (j % 2) + j // 2) * 4  # [8] bit offset of column j
+    cols = offs_w[:, None] * 8 + j[None, :]  # [BW, 8] output columns
+    mask_w = offs_w < W
+    mask_c = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        g = k0 // GROUP
+        xk = tl.load(x_ptr + m * stride_xm + k0 + offs_k).to(tl.float32)  # [BK]
+        words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * W + offs_w[None, :],
+                        mask=mask_w[None, :], other=0)  # [BK, BW] int32
+        q = ((words[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.float32)  # [BK, BW, 8]
+        part = tl.sum(xk[:, None, None] * q, axis=0)  # [BW, 8] = sum_k x_k q_k
+        zw = tl.load(qz_ptr + g * W + offs_w, mask=mask_w, other=0)  # [BW]
+        z = ((zw[:, None] >> shift[None, :]) & 0xF).to(tl.float32)  # [BW, 8]
+        s = tl.load(s_ptr + g * N + cols, mask=mask_c, other=0.0).to(tl.float32)  # [BW, 8]
+        # sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k): z and s constant in the block
+        acc += s * (part - z * tl.sum(xk, axis=0))
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, b, 0.0)
+    if ATOMIC:
+        tl.atomic_add(y_ptr + m * stride_ym + cols, acc, mask=mask_c)
+    else:
+        tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, offs_k, offs_n, mask_n, N, W,
+                  GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[BK, BN] dequantized tile of rows k0 + offs_k and columns offs_n, in OUT_DTYPE."""
+    jn = offs_n % 8
+    shift = (4 * (jn % 2) + jn // 2) * 4  # [BN]
+    g = k0 // GROUP
+    words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * W + (offs_n // 8)[None, :],
+                    mask=mask_n[None, :], other=0)  # [BK, BN], each word loaded for 8 columns
+    q = (words >> shift[None, :]) & 0xF
+    zw = tl.load(qz_ptr + g * W + offs_n // 8, mask=mask_n, other=0)  # [BN]
+    z = (zw >> shift) & 0xF
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+    return ((q - z[None, :]).to(tl.float32) * s[None, :]).to(OUT_DTYPE)
+
+
+@triton.jit
+def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, K, W,
+                     stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n  # grouped ordering: GROUP_M row tiles share weight tiles in L2
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=mask_m[:, None], other=0.0)  # [BM, BK]
+        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, offs_k, offs_n, mask_n, N, W,
+                          GROUP, x_ptr.dtype.element_ty)  # [BK, BN]
+        acc += tl.dot(a, w)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, w_ptr, N, W, n0, stride_wk,
+                        GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of w_ptr's chunk
+    offs_n = n0 + offs_out
+    mask_n = offs_n < N
+    w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, offs_k, offs_n, mask_n, N, W,
+                      GROUP, w_ptr.dtype.element_ty)
+    tl.store(w_ptr + (k0 + offs_k)[:, None] * stride_wk + offs_out[None, :], w,
+             mask=mask_n[None, :])
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter runs on CPU tensors: any small number exercises split-K
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check(x2: torch.Tensor, qweight, qzeros, scales, bias, group_size: int, block_k: int):
+    check_awq_tensors(x2, qweight, qzeros, scales, bias, group_size)
+    assert x2.dim() == 2 and x2.stride(1) == 1, "x must be [M, K] with unit stride in K"
+    for t in (qweight, qzeros, scales) + (() if bias is None else (bias,)):
+        assert t.is_contiguous(), "qweight/qzeros/scales/bias must be contiguous"
+    assert group_size % block_k == 0 and block_k >= 16, f"block_k {block_k} must divide group"
+
+
+def awq_gemv(x2, qweight, qzeros, scales, bias, group_size, *, block_k=None, block_w=32,
+             split_k=None, num_warps=4):
+    """Fused dequant GEMV for few tokens: x2 [M, K] -> y [M, N] in x2's dtype."""
+    block_k = block_k or min(group_size, 64)
+    _check(x2, qweight, qzeros, scales, bias, group_size, block_k)
+    (m, k), w_words = x2.shape, qweight.shape[1]
+    n = w_words * 8
+    tiles = triton.cdiv(w_words, block_w)
+    k_blocks = k // block_k
+    if split_k is None:  # enough programs to fill the GPU a few times over
+        split_k = max(1, min(k_blocks, (4 * _sm_count(x2.device)) // max(1, tiles * m)))
+    per_split = triton.cdiv(k_blocks, split_k) * block_k
+    split_k = triton.cdiv(k, per_split)
+    atomic = split_k > 1
+    y = torch.zeros((m, n), device=x2.device, dtype=torch.float32) if atomic else \
+        torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    _awq_gemv_kernel[(tiles, split_k, m)](
+        x2, qweight, qzeros, scales, bias if bias is not None else scales, y, n, k, w_words,
+        x2.stride(0), y.stride(0), per_split, GROUP=group_size, BLOCK_K=block_k,
+        BLOCK_W=block_w, HAS_BIAS=bias is not None, ATOMIC=atomic, num_warps=num_warps)
+    return y.to(x2.dtype) if atomic else y
+
+
+def _gemm_config(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m tokens: a starting point."""
+    if m <= 16:
+        return 16, 64, 64, 4, 3
+    if m <= 64:
+        return 32, 128, 64, 4, 3
+    return 64, 128, 64, 4, 3
+
+
+def awq_gemm(x2, qweight, qzeros, scales, bias, group_size, *, config=None):
+    """Fused dequant GEMM (tl.dot): x2 [M, K] -> y [M, N] in x2's dtype (fp16/bf16)."""
+    bm, bn, bk, warps, stages = config or _gemm_config(x2.shape[0])
+    bk = min(bk, group_size)
+    _check(x2, qweight, qzeros, scales, bias, group_size, bk)
+    assert x2.dtype in (torch.float16, torch.bfloat16), "tl.dot path takes fp16/bf16"
+    (m, k), w_words = x2.shape, qweight.shape[1]
+    n = w_words * 8
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _awq_gemm_kernel[grid](
+        x2, qweight, qzeros, scales, bias if bias is not None else scales, y, m, n, k, w_words,
+        x2.stride(0), y.stride(0), GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=8, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+    return y
+
+
+def awq_dequantize(qweight, qzeros, scales, group_size, dtype, *, n0=0, n1=None, out=None,
+                   block_k=32, block_n=128):
+    """Dequantized weight columns [n0, n1): [K, n1 - n0] in dtype (written into out if given)."""
+    k, w_words = qweight.shape
+    n = w_words * 8
+    n1 = n if n1 is None else n1
+    block_k = min(block_k, group_size)
+    assert group_size % block_k == 0 and 0 <= n0 < n1 <= n and n0 % 8 == 0
+    for t in (qweight, qzeros, scales):
+        assert t.is_contiguous(), "qweight/qzeros/scales must be contiguous"
+    w = out if out is not None else torch.empty((k, n1 - n0), device=qweight.device, dtype=dtype)
+    assert w.shape == (k, n1 - n0) and w.stride(1) == 1
+    grid = (k // block_k, triton.cdiv(n1 - n0, block_n))
+    _awq_dequant_kernel[grid](qweight, qzeros, scales, w, n, w_words, n0, w.stride(0),
+                              GROUP=group_size, BLOCK_K=block_k, BLOCK_N=block_n)
+    return w
+
+
+def awq_dequant_matmul(x2, qweight, qzeros, scales, bias, group_size):
+    """Dequantize (in column chunks of at most DEQUANT_CHUNK_ELEMS) then cuBLAS matmul."""
+    _check(x2, qweight, qzeros, scales, bias, group_size, min(32, group_size))
+    (m, k), n = x2.shape, qweight.shape[1] * 8
+    chunk = max(128, (DEQUANT_CHUNK_ELEMS // k) // 128 * 128)
+    if chunk >= n:
+        y = x2 @ awq_dequantize(qweight, qzeros, scales, group_size, x2.dtype)
+    else:
+        y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+        buf = torch.empty((k, chunk), device=x2.device, dtype=x2.dtype)
+        for n0 in range(0, n, chunk):
+            n1 = min(n, n0 + chunk)
+            w = awq_dequantize(qweight, qzeros, scales, group_size, x2.dtype, n0=n0, n1=n1,
+                               out=buf[:, : n1 - n0])
+            torch.matmul(x2, w, out=y[:, n0:n1])
+    if bias is not None:
+        y += bias.to(y.dtype)
+    return y
+
+
+def awq_linear(x, qweight, qzeros, scales, bias, group_size):
+    """y [..., out] = x [..., in] @ dequant(W) + bias (contract: kernels/awq_ref.py)."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        from hisparse_cli.kernels.awq_ref import awq_linear as ref
+
+        return ref(x, qweight, qzeros, scales, bias, group_size)  # fp32: no tensor-core path
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m <= GEMV_MAX_TOKENS:
+        y = awq_gemv(x2, qweight, qzeros, scales, bias, group_size)
+    elif m <= FUSED_GEMM_MAX_TOKENS:
+        y = awq_gemm(x2, qweight, qzeros, scales, bias, group_size)
+    else:
+        y = awq_dequant_matmul(x2, qweight, qzeros, scales, bias, group_size)
+    return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,166 @@
+"""AWQ INT4 checkpoints: which `quantization_config`s we load, and the `AWQLinear` module.
+
+Supported: what AutoAWQ publishes as "GEMM" checkpoints (`*-AWQ` models on the Hub):
+    {"quant_method": "awq", "version" (or "format"): "gemm", "bits": 4,
+     "group_size": 32 | 64 | 128, "zero_point": true, "modules_to_not_convert": [...] | null}
+Tensors per quantized linear `<name>`: qweight int32 [in, out/8], qzeros int32
+[in/group, out/8], scales fp16 [in/group, out], optional bias [out]; layout and nibble order in
+kernels/awq_pack.py. Everything else (GEMV, GEMV-fast, llm-awq, exllama, marlin, other bit
+widths, symmetric, GPTQ, ...) is refused with a `ModelError` naming what is supported.
+A module is quantized exactly when its `<name>.qweight` is in the checkpoint, so mixed
+checkpoints (some linears fp16, `modules_to_not_convert`) load as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hisparse_cli.errors import ModelError
+
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SUPPORTED = ("AWQ 'gemm' checkpoints (AutoAWQ layout): quant_method awq, version gemm, bits 4, "
+             "zero_point true, group_size 32/64/128")
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """A validated AWQ GEMM `quantization_config`."""
+
+    group_size: int
+    bits: int = 4
+    zero_point: bool = True
+    version: str = "gemm"
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.bits != 4:
+            raise ModelError(f"quantization_config.bits is {self.bits}; hisparse loads {SUPPORTED}")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ModelError(f"quantization_config.group_size is {self.group_size}; "
+                             f"hisparse loads {SUPPORTED}")
+        if not self.zero_point:
+            raise ModelError(f"quantization_config.zero_point is false; hisparse loads {SUPPORTED}")
+        if self.version != "gemm":
+            raise ModelError(f"quantization_config.version is {self.version!r}; hisparse loads "
+                             f"{SUPPORTED}")
+
+    def to_dict(self) -> dict:
+        """The `quantization_config` block as AutoAWQ/transformers write it."""
+        return {"quant_method": "awq", "bits": self.bits, "group_size": self.group_size,
+                "zero_point": self.zero_point, "version": self.version,
+                "modules_to_not_convert": list(self.modules_to_not_convert) or None}
+
+    def keeps_fp(self, module_name: str) -> bool:
+        """True when `module_name` is listed (as a name component path) to stay unquantized."""
+        return any(skip == module_name or skip in module_name.split(".")
+                   or module_name.startswith(skip + ".") for skip in self.modules_to_not_convert)
+
+
+def parse_quantization_config(qc: dict | None) -> AWQConfig | None:
+    """config.json's `quantization_config` -> AWQConfig; None when absent; ModelError otherwise."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ModelError(f"quantization_config must be an object, got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "awq":
+        raise ModelError(f"quantization method {method or 'unknown'!r} is not supported; "
+                         f"hisparse loads fp16/bf16/fp32 weights and {SUPPORTED}",
+                         hint="use an unquantized checkpoint or an AWQ (GEMM) one, or make one "
+                              "with `hisparse quantize`")
+    backend = str(qc.get("backend") or "").lower()
+    version = str(qc.get("version") or qc.get("format") or "gemm").lower()
+    if backend == "llm-awq" or version == "llm-awq":
+        version = "llm-awq (int16 packing)"
+    try:
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"quantization_config has a bad bits/group_size: {exc}") from exc
+    skip = qc.get("modules_to_not_convert") or ()
+    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise ModelError("quantization_config.modules_to_not_convert must be a list of names")
+    return AWQConfig(group_size=group, bits=bits, zero_point=bool(qc.get("zero_point", True)),
+                     version=version, modules_to_not_convert=tuple(skip))
+
+
+class AWQLinear(nn.Module):
+    """y = x @ dequant(qweight) + bias; computes through the kernel dispatch point.
+
+    Buffers: qweight int32 [in, out/8], qzeros int32 [in/group, out/8], scales [in/group, out]
+    (fp16 as stored), bias [out] or None (in the compute dtype).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int,
+                 bias: bool = False, device=None, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        if in_features % group_size or out_features % 8:
+            raise ModelError(f"AWQ linear {in_features}->{out_features}: in_features must be a "
+                             f"multiple of group_size {group_size} and out_features of 8")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups, words = in_features // group_size, out_features // 8
+        self.register_buffer("qweight", torch.zeros(in_features, words, dtype=torch.int32,
+                                                    device=device))
+        self.register_buffer("qzeros", torch.zeros(groups, words, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16,
+                                                   device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device)
+                             if bias else None)
+
+    @classmethod
+    def from_checkpoint(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None, group_size: int,
+                        device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float16, name: str = "") -> "AWQLinear":
+        """Validate checkpoint tensors (ModelError naming `name`) and move them to device."""
+        where = f"{name}: " if name else ""
+        if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+            raise ModelError(f"{where}qweight/qzeros are {qweight.dtype}/{qzeros.dtype}, expected "
+                             f"int32 (llm-awq's int16 packing is not supported); hisparse loads "
+                             f"{SUPPORTED}")
+        if qweight.dim() != 2 or qzeros.dim() != 2 or scales.dim() != 2:
+            raise ModelError(f"{where}AWQ tensors must be 2-D")
+        in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
+        if in_f % group_size:
+            raise ModelError(f"{where}qweight has {in_f} input rows, not a multiple of "
+                             f"group_size {group_size}")
+        groups = in_f // group_size
+        if tuple(qzeros.shape) != (groups, out_f // 8) or tuple(scales.shape) != (groups, out_f):
+            raise ModelError(
+                f"{where}AWQ shapes qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+                f"scales {tuple(scales.shape)} do not match the GEMM layout for group_size "
+                f"{group_size} (expected qzeros {(groups, out_f // 8)}, scales {(groups, out_f)}); "
+                f"hisparse loads {SUPPORTED}")
+        if bias is not None and tuple(bias.shape) != (out_f,):
+            raise ModelError(f"{where}bias has shape {tuple(bias.shape)}, expected ({out_f},)")
+        with torch.device("meta"):
+            mod = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype)
+        mod.qweight = qweight.to(device).contiguous()
+        mod.qzeros = qzeros.to(device).contiguous()
+        mod.scales = scales.to(device=device, dtype=torch.float16).contiguous()
+        mod.bias = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
+        return mod
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
+                   dtype: torch.dtype | None = None) -> "AWQLinear":
+        """Round-to-nearest INT4 of an fp weight [out, in] (tests, quantized lm_head)."""
+        from hisparse_cli.kernels.awq_pack import quantize_weight
+
+        p = quantize_weight(weight.detach(), group_size)
+        return cls.from_checkpoint(p.qweight, p.qzeros, p.scales, bias, group_size,
+                                   device=weight.device, dtype=dtype or weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        from hisparse_cli.kernels.dispatch import select_backend
+
+        return select_backend(x.device.type).awq_linear(
+            x, self.qweight, self.qzeros, self.scales, self.bias, self.group_size)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
