@@ -1,0 +1,369 @@
+"""Ingestion: PDFs (valid, truncated, encrypted, image-only, garbage, guards), text encodings,
+binary refusal, repositories (ignore rules, skips, symlinks, caps, order), genre guess."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+from pypdf import PdfReader, PdfWriter
+
+from hisparse_cli.documents import IngestLimits, guess_genre, load_document
+from hisparse_cli.errors import ConfigError, InputError
+
+SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+_spec = importlib.util.spec_from_file_location("make_contract_pdf",
+                                               SAMPLES / "make_contract_pdf.py")
+make_pdf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_pdf)
+
+PAGE_TEXT = "\n\n".join(f"Paragraph {i} says the quick brown fox jumps over the lazy dog."
+                        for i in range(80))  # 159 lines: three pages at 57 lines per page
+
+
+@pytest.fixture
+def good_pdf(tmp_path) -> Path:
+    path = tmp_path / "good.pdf"
+    path.write_bytes(make_pdf.build_pdf(PAGE_TEXT, title="Fox Report"))
+    return path
+
+
+def _error(path, **kw) -> InputError:
+    with pytest.raises(InputError) as info:
+        load_document(path, **kw)
+    assert info.value.exit_code == 3
+    return info.value
+
+
+# --- PDF --------------------------------------------------------------------------------------
+
+def test_pdf_pages_markers_and_sections(good_pdf):
+    doc = load_document(good_pdf)
+    reader = PdfReader(good_pdf)  # oracle: pypdf page by page, without our layer
+    assert doc.kind == "pdf" and doc.title == "Fox Report" and doc.meta["pages"] == 3
+    assert [s.label for s in doc.sections] == ["page 1", "page 2", "page 3"]
+    for section, page in zip(doc.sections, reader.pages):
+        chunk = doc.text[section.start:section.end]
+        assert chunk.startswith(f"[{section.label}]\n")
+        assert chunk.split()[2:] == page.extract_text().split()
+    assert doc.text.splitlines().count("[page 2]") == 1
+    assert doc.text.split().count("Paragraph") == 80
+
+
+def test_pdf_detected_by_magic_bytes_without_suffix(good_pdf, tmp_path):
+    renamed = tmp_path / "report.dat"
+    renamed.write_bytes(good_pdf.read_bytes())
+    assert load_document(renamed).kind == "pdf"
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.9, 0.1])
+def test_truncated_pdf_is_input_error(good_pdf, tmp_path, cut):
+    data = good_pdf.read_bytes()
+    broken = tmp_path / "broken.pdf"
+    broken.write_bytes(data[: int(len(data) * cut)])
+    assert "PDF" in _error(broken).message
+
+
+def test_garbage_with_pdf_suffix_is_input_error(tmp_path):
+    junk = tmp_path / "junk.pdf"
+    junk.write_bytes(bytes(range(256)) * 40)
+    assert "not a readable PDF" in _error(junk).message
+
+
+def test_pdf_magic_then_garbage_is_input_error(tmp_path):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"%PDF-1.7\n" + b"\x00garbage" * 500)
+    _error(junk)
+
+
+def _encrypted(source: Path, target: Path, user: str, owner: str) -> Path:
+    writer = PdfWriter(clone_from=str(source))
+    writer.encrypt(user_password=user, owner_password=owner, algorithm="RC4-128")
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    target.write_bytes(buffer.getvalue())
+    return target
+
+
+def test_encrypted_pdf_needs_password(good_pdf, tmp_path):
+    locked = _encrypted(good_pdf, tmp_path / "locked.pdf", "s3cret", "owner")
+    error = _error(locked)
+    assert "encrypted" in error.message and "--password" in error.hint
+    wrong = _error(locked, password="nope")
+    assert "wrong password" in wrong.message
+    doc = load_document(locked, password="s3cret")
+    assert doc.meta["encrypted"] and doc.text.split().count("Paragraph") == 80
+
+
+def test_pdf_with_empty_user_password_opens_without_one(good_pdf, tmp_path):
+    restricted = _encrypted(good_pdf, tmp_path / "restricted.pdf", "", "owner-only")
+    assert "Paragraph 0" in load_document(restricted).text
+
+
+def test_image_only_pdf_needs_ocr(tmp_path):
+    writer = PdfWriter()
+    writer.add_blank_page(width=612, height=792)
+    writer.add_blank_page(width=612, height=792)
+    scanned = tmp_path / "scanned.pdf"
+    with scanned.open("wb") as handle:
+        writer.write(handle)
+    error = _error(scanned)
+    assert "OCR" in error.message and "ocrmypdf" in error.hint
+
+
+def test_partly_scanned_pdf_reports_skipped_pages(good_pdf, tmp_path):
+    writer = PdfWriter(clone_from=str(good_pdf))
+    writer.add_blank_page(width=612, height=792)
+    mixed = tmp_path / "mixed.pdf"
+    with mixed.open("wb") as handle:
+        writer.write(handle)
+    doc = load_document(mixed)
+    assert [s.label for s in doc.sections] == ["page 1", "page 2", "page 3"]
+    assert doc.skipped == (("page 4", "no extractable text (image-only page?)"),)
+
+
+def test_pdf_guards_page_limit_and_clock(good_pdf):
+    assert "pages" in _error(good_pdf, limits=IngestLimits(max_pages=2)).message
+    assert "longer than" in _error(good_pdf, limits=IngestLimits(pdf_timeout_s=1e-9)).message
+    assert "characters" in _error(good_pdf, limits=IngestLimits(max_total_chars=500)).message
+
+
+def test_pdf_produces_no_log_noise(tmp_path, caplog, capsys):
+    junk = tmp_path / "junk.pdf"
+    junk.write_bytes(b"%PDF-1.4\n1 0 obj << /Type /Catalog >> endobj\ntrailer << >>\n")
+    with caplog.at_level("DEBUG"):
+        _error(junk)
+    assert not [r for r in caplog.records if r.name.startswith("pypdf")]
+    assert capsys.readouterr().err == ""
+
+
+# --- text -------------------------------------------------------------------------------------
+
+SAMPLE = "Naïve café — “quoted” €5\nsecond line ✓\n"
+
+
+@pytest.mark.parametrize("encoding, expected_codec", [
+    ("utf-8", "utf-8"), ("utf-8-sig", "utf-8-sig"), ("utf-16", "utf-16"),
+    ("utf-16-be-bom", "utf-16"), ("utf-32", "utf-32")])
+def test_text_unicode_encodings(tmp_path, encoding, expected_codec):
+    path = tmp_path / "note.txt"
+    if encoding == "utf-16-be-bom":
+        path.write_bytes(b"\xfe\xff" + SAMPLE.encode("utf-16-be"))
+    else:
+        path.write_bytes(SAMPLE.encode(encoding))
+    doc = load_document(path)
+    assert doc.text == SAMPLE and doc.kind == "text" and doc.meta["encoding"] == expected_codec
+
+
+def test_text_legacy_encodings_and_newlines(tmp_path):
+    cp = tmp_path / "cp1252.txt"
+    cp.write_bytes("Price: 5 € – naïve\r\nnext\rlast".encode("cp1252"))
+    doc = load_document(cp)
+    assert doc.text == "Price: 5 € – naïve\nnext\nlast" and doc.meta["encoding"] == "cp1252"
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9 \x81 ok")  # 0x81 is undefined in cp1252 -> latin-1
+    assert load_document(latin).text == "café \x81 ok"
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(200),
+    b"text then a NUL \x00 byte",
+    bytes([1, 2, 3, 4, 5, 6, 14, 15, 16, 17]) * 30 + b"some words",
+    "UTF-16 without a BOM".encode("utf-16-le"),
+])
+def test_binary_files_refused(tmp_path, payload):
+    path = tmp_path / "blob.txt"
+    path.write_bytes(payload)
+    assert "binary" in _error(path).message
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.md"
+    empty.write_bytes(b"")
+    assert "empty" in _error(empty).message
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\t\n")
+    assert "empty" in _error(blank).message
+    assert "no such file" in _error(tmp_path / "missing.txt").message
+
+
+def test_markdown_is_text_with_heading_title(tmp_path):
+    md = tmp_path / "notes.md"
+    md.write_text("\n# Release plan\n\nShip *it*.\n", encoding="utf-8")
+    doc = load_document(md)
+    assert doc.kind == "text" and doc.title == "Release plan" and "Ship *it*." in doc.text
+
+
+def test_limits_validated():
+    with pytest.raises(ConfigError, match="max_pages"):
+        IngestLimits(max_pages=0)
+    with pytest.raises(ConfigError, match="pdf_timeout_s"):
+        IngestLimits(pdf_timeout_s=-1.0)
+
+
+# --- genre ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, kind, genre", [
+    ("This Agreement is made between the parties. Clause 4 limits liability; the governing "
+     "law is Dutch and breach of confidentiality allows termination.", "pdf", "legal"),
+    ("The patient was admitted with pneumonia. Diagnosis confirmed; treatment with 500 mg "
+     "levofloxacin. Discharge medication and follow-up with the physician.", "text", "medical"),
+    ("Abstract. We propose a method; experiments on the dataset beat the baseline, with "
+     "significant results (Table 2, Figure 3).", "pdf", "scientific"),
+    ("import os\n\ndef main():\n    return None\n\nclass Store:\n    def get(self):\n"
+     "        return self.x\n", "text", "code"),
+    ("We walked to the lake and had a picnic in the sun.", "text", "generic"),
+    ("anything at all", "repository", "code"),
+])
+def test_guess_genre(text, kind, genre):
+    assert guess_genre(text, kind) == genre
+
+
+# --- repositories -----------------------------------------------------------------------------
+
+def _tree(root: Path, files: dict[str, str | bytes]) -> Path:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+    return root
+
+
+REPO = {
+    "README.md": "# Demo\nA demo project.\n",
+    "pyproject.toml": "[project]\nname = 'demo'\n",
+    "Makefile": "test:\n\tpytest\n",
+    "docs/guide.md": "Guide text.\n",
+    "src/app.py": "print('app')\n",
+    "src/zeta.py": "print('zeta')\n",
+    "src/Alpha.py": "print('alpha')\n",
+    "config/settings.yaml": "debug: false\n",
+    ".gitignore": "*.log\n!keep.log\nsecret_dir/\n",
+    "debug.log": "IGNORED-LOG\n",
+    "keep.log": "kept log line\n",
+    "secret_dir/x.py": "IGNORED-DIR\n",
+    "pkg/.gitignore": "generated.py\n!important.log\n",
+    "pkg/generated.py": "IGNORED-NESTED\n",
+    "pkg/real.py": "REAL = 1\n",
+    "pkg/important.log": "re-included by the nested file\n",
+    "other/generated.py": "nested rule does not reach here\n",
+    ".git/HEAD": "ref: refs/heads/main\n",
+    ".git/info/exclude": "local_notes.txt\n",
+    "local_notes.txt": "IGNORED-EXCLUDE\n",
+    "image.png": b"\x89PNG\r\n\x1a\n" + bytes(100),
+    "blob": b"\x00\x01\x02BINARY-CONTENT" * 10,
+    "package-lock.json": '{"LOCKFILE": true}\n',
+    "poetry.lock": "LOCKFILE\n",
+    "go.sum": "LOCKFILE\n",
+    "node_modules/lib/index.js": "VENDORED\n",
+    "vendor/dep.go": "VENDORED\n",
+    "build/out.py": "VENDORED\n",
+    "src/__pycache__/app.cpython-311.pyc": b"\x00\x01VENDORED",
+    "myenv/pyvenv.cfg": "home = /usr/bin\n",
+    "myenv/lib/site.py": "VENDORED-VENV\n",
+    "big.txt": "BIG " * 1500,
+    "static/app.min.js": "var a=1;MINIFIED\n",
+    "static/bundle.js": "var x=1;" * 300 + "MINIFIED\n",
+    "empty.py": "",
+}
+# Hand-written: README, then config, docs, sources, other; case-insensitive A-Z in each group.
+EXPECTED_ORDER = ["README.md",
+                  "Makefile", "pyproject.toml",
+                  "docs/guide.md",
+                  "link_in.py", "other/generated.py", "pkg/real.py", "src/Alpha.py", "src/app.py",
+                  "src/zeta.py",
+                  ".gitignore", "config/settings.yaml", "keep.log", "pkg/.gitignore",
+                  "pkg/important.log"]
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    root = _tree(tmp_path / "demo", REPO)
+    outside = _tree(tmp_path / "outside", {"secret.txt": "TOP-SECRET-OUTSIDE\n"})
+    (root / "link_out.txt").symlink_to(outside / "secret.txt")
+    (root / "link_dir").symlink_to(outside, target_is_directory=True)
+    (root / "link_in.py").symlink_to(root / "src" / "app.py")
+    (root / "dangling.txt").symlink_to(tmp_path / "nowhere")
+    return root
+
+
+def test_repository_reads_the_right_files_in_order(repo):
+    doc = load_document(repo, limits=IngestLimits(max_file_bytes=5000))
+    assert [s.label for s in doc.sections] == EXPECTED_ORDER
+    assert doc.text.count("print('app')") == 2  # link_in.py -> src/app.py, inside the root
+    assert doc.kind == "repository" and doc.genre == "code" and doc.title == "demo"
+    for section in doc.sections:
+        assert doc.text[section.start:section.end].startswith(f"===== {section.label} =====\n")
+    for marker in ("IGNORED", "LOCKFILE", "VENDORED", "BINARY-CONTENT", "TOP-SECRET",
+                   "MINIFIED", "BIG BIG"):
+        assert marker not in doc.text, marker
+
+
+def test_repository_reports_every_skip_with_reason(repo):
+    skipped = dict(load_document(repo, limits=IngestLimits(max_file_bytes=5000)).skipped)
+    expect = {
+        ".git/": "version-control metadata", "debug.log": "ignored by .gitignore",
+        "secret_dir/": "ignored by .gitignore", "pkg/generated.py": "ignored by .gitignore",
+        "local_notes.txt": "ignored by .gitignore", "image.png": "binary file",
+        "blob": "binary file", "package-lock.json": "lock file", "poetry.lock": "lock file",
+        "go.sum": "lock file", "node_modules/": "vendored/build/cache folder",
+        "vendor/": "vendored/build/cache folder", "build/": "vendored/build/cache folder",
+        "src/__pycache__/": "vendored/build/cache folder", "myenv/": "virtualenv folder",
+        "static/app.min.js": "minified or source-map file",
+        "static/bundle.js": "minified or machine-generated (very long lines)",
+        "empty.py": "empty file", "link_dir": "symlink points outside the repository "
+        "(not followed)", "link_out.txt": "symlink points outside the repository (not followed)",
+        "dangling.txt": "broken or looping symlink",
+    }
+    for item, reason in expect.items():
+        assert skipped.get(item) == reason, item
+    assert skipped["big.txt"].startswith("larger than the per-file limit of 5,000 bytes")
+
+
+def test_symlinked_directory_inside_root_not_followed(tmp_path):
+    root = _tree(tmp_path / "r", {"README.md": "hi\n", "src/a.py": "A = 1\n"})
+    (root / "alias").symlink_to(root / "src", target_is_directory=True)
+    doc = load_document(root)
+    assert [s.label for s in doc.sections] == ["README.md", "src/a.py"]
+    assert dict(doc.skipped)["alias"] == "symlinked directory (not followed)"
+
+
+def test_repository_order_is_deterministic(tmp_path):
+    files = {"b.py": "b\n", "A.py": "a\n", "README.rst": "read me\n", "docs/x.md": "x\n",
+             "setup.py": "setup()\n", "lib/c.py": "c\n"}
+    first = _tree(tmp_path / "one", files)
+    second = _tree(tmp_path / "two", dict(reversed(list(files.items()))))
+    a, b = load_document(first), load_document(second)
+    assert a.text == b.text
+    assert [s.label for s in a.sections] == ["README.rst", "setup.py", "docs/x.md", "A.py",
+                                             "b.py", "lib/c.py"]
+
+
+def test_repository_total_cap_keeps_priority_files(tmp_path):
+    files = {"README.md": "r" * 100 + "\n"}
+    files.update({f"src/m{i}.py": f"x{i} = {i}\n" * 20 for i in range(5)})
+    doc = load_document(_tree(tmp_path / "r", files), limits=IngestLimits(max_total_chars=400))
+    assert doc.sections[0].label == "README.md" and len(doc.text) <= 400
+    reasons = dict(doc.skipped)
+    assert reasons["src/m4.py"] == "total size cap of 400 characters reached"
+    assert len(doc.sections) + sum(r.startswith("total size cap") for r in reasons.values()) == 6
+
+
+def test_repository_file_count_cap(tmp_path):
+    root = _tree(tmp_path / "r", {f"f{i}.py": f"v = {i}\n" for i in range(5)})
+    doc = load_document(root, limits=IngestLimits(max_files=2))
+    assert [s.label for s in doc.sections] == ["f0.py", "f1.py"]
+    assert dict(doc.skipped)["f4.py"] == "file-count cap of 2 files reached"
+
+
+def test_empty_or_unreadable_repository_is_input_error(tmp_path):
+    (tmp_path / "nothing").mkdir()
+    assert "no readable text files" in _error(tmp_path / "nothing").message
+    only_binary = _tree(tmp_path / "bin", {"a.png": b"\x89PNG" + bytes(20), "x.lock": "l\n"})
+    error = _error(only_binary)
+    assert "binary file" in error.hint and "lock file" in error.hint
