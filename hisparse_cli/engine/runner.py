@@ -40,7 +40,8 @@ class StepContext:
             q, cache.k[layer], cache.v[layer], self.block_ids, self.block_starts, self.q_start,
             run.seq.sinks, run.seq.window, run.scale,
             g_k=cache.gk[layer] if glob else None, g_v=cache.gv[layer] if glob else None,
-            g_pos=cache.gpos[layer] if glob else None, return_scores=run.track_scores)
+            g_pos=cache.gpos[layer] if glob else None, return_scores=run.track_scores,
+            **run.score_kwargs)
         if key_mass is not None:
             cache.add_key_mass(layer, self.block_ids, key_mass)
         if g_mass is not None:
@@ -65,6 +66,8 @@ class KVRun:
             track_scores=self.track_scores, window=self.seq.window,
             importance=sparse.importance, sinks=self.seq.sinks)
         self.scale = cfg.head_dim ** -0.5
+        stride = sparse.score_stride
+        self.score_kwargs = {"score_stride": stride} if self.track_scores and stride > 1 else {}
         self.kv_bytes_peak = 0
 
     def __enter__(self) -> "KVRun":

@@ -51,36 +51,45 @@ def sparse_attention(
     g_v: torch.Tensor | None = None,
     g_pos: torch.Tensor | None = None,
     return_scores: bool = False,
+    score_stride: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Returns (out [T, Hq, D] in q's dtype, key_mass [Hkv, nb*bs] fp32 | None,
     global_mass [Hkv, G] fp32 | None): attention probability each key received, summed over
-    the step's queries and the query heads of its KV head (the importance signal)."""
+    the step's queries and the query heads of its KV head (the importance signal).
+
+    score_stride s > 1 estimates the masses from the queries whose position is a multiple of s
+    (scaled by s), which cuts the scoring cost by s; s = 1 is exact."""
     t, hq, d = q.shape
     nb_total, bs, hkv, _ = k_cache.shape
     grp = hq // hkv
     assert hq % hkv == 0 and k_cache.shape[-1] == d and block_ids.shape == block_starts.shape
+    dt = torch.float32 if q.device.type == "cpu" else q.dtype
     # keys of the step: [Hkv, N, D], N = nb * bs
-    k = k_cache[block_ids].reshape(-1, hkv, d).permute(1, 0, 2).float()
-    v = v_cache[block_ids].reshape(-1, hkv, d).permute(1, 0, 2).float()
+    k = k_cache[block_ids].reshape(-1, hkv, d).transpose(0, 1).to(dt)
+    v = v_cache[block_ids].reshape(-1, hkv, d).transpose(0, 1).to(dt)
     k_pos = (block_starts[:, None] + torch.arange(bs, device=q.device)[None, :]).reshape(-1)
     q_pos = q_start + torch.arange(t, device=q.device)
     mask = visibility_mask(q_pos, k_pos, sinks, window)  # [T, N]
-    qf = q.float().reshape(t, hkv, grp, d).permute(1, 2, 0, 3)  # [Hkv, grp, T, D]
-    s = torch.matmul(qf, k.transpose(1, 2)[:, None]) * scale  # [Hkv, grp, T, N]
-    s = s.masked_fill(~mask, float("-inf"))
-    n = s.shape[-1]
+    n = k.shape[1]
     has_g = g_k is not None and g_k.shape[1] > 0
-    if has_g:
-        sg = torch.matmul(qf, g_k.float().transpose(1, 2)[:, None]) * scale  # [Hkv, grp, T, G]
-        sg = sg.masked_fill((g_pos < 0)[:, None, None, :], float("-inf"))
-        s = torch.cat((s, sg), dim=-1)
-    p = torch.softmax(s, dim=-1)
-    out = torch.matmul(p[..., :n], v[:, None])  # [Hkv, grp, T, D]
-    if has_g:
-        out = out + torch.matmul(p[..., n:], g_v.float()[:, None])
-    out = out.permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype)
+    if has_g:  # globals: an extra key segment per KV head
+        k = torch.cat((k, g_k.to(dt)), dim=1)
+        v = torch.cat((v, g_v.to(dt)), dim=1)
+        g_ok = (g_pos >= 0)[:, None, :].expand(hkv, t, -1)
+        mask = torch.cat((mask[None].expand(hkv, t, n), g_ok), dim=-1)  # [Hkv, T, N+G]
+        mask = mask.repeat_interleave(grp, dim=0)  # [Hq, T, N+G]
+    qh = q.to(dt).transpose(0, 1)  # [Hq, T, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh[None], k[None], v[None], attn_mask=mask if mask.dim() == 2 else mask[None],
+        scale=scale, enable_gqa=grp > 1)[0]
+    out = out.transpose(0, 1).to(q.dtype)  # [T, Hq, D]
     if not return_scores:
         return out, None, None
-    key_mass = p[..., :n].sum(dim=(1, 2))
-    g_mass = p[..., n:].sum(dim=(1, 2)) if has_g else None
-    return out, key_mass, g_mass
+    rows = torch.nonzero(q_pos % score_stride == 0).flatten() if score_stride > 1 else None
+    qs = qh if rows is None else qh[:, rows]  # [Hq, Ts, D]
+    ms = mask if rows is None else mask[..., rows, :]
+    s = torch.bmm(qs.reshape(hkv, -1, d).float(), k.float().transpose(1, 2)) * scale  # [Hkv, grp*Ts, N(+G)]
+    s = s.view(hkv, grp, qs.shape[1], -1)
+    ms = ms.view(hkv, grp, qs.shape[1], -1) if ms.dim() == 3 else ms[None, None]
+    p = torch.softmax(s.masked_fill(~ms, float("-inf")), dim=-1).sum(dim=(1, 2)) * score_stride
+    return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)

@@ -1,0 +1,114 @@
+"""CPU benchmark (issue: core engine): `Engine.generate` vs transformers' own `generate` on the
+same ~5K-token real-document prompt, greedy, 256 new tokens, in one run.
+
+Each variant runs in its own subprocess so peak RSS (ru_maxrss) is per variant.
+Usage:
+    python benchmarks/cpu_engine_vs_hf.py [--model DIR] [--doc FILE] [--prompt-tokens 5000]
+        [--new-tokens 256] [--threads 2] [--json OUT.json]
+Default document: ../shared/eval_dev/gov_report/govreport-00.txt (not shipped with the repo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DOC = ROOT.parent / "shared" / "eval_dev" / "gov_report" / "govreport-00.txt"
+
+
+def prompt_ids(model_dir: str, doc: str, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    text = Path(doc).read_text(encoding="utf-8")
+    body = tok.decode(tok(text)["input_ids"][: n - 40])
+    msgs = [{"role": "user", "content": "Summarize the following report.\n\n" + body}]
+    return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def run_variant(variant: str, model_dir: str, ids: list[int], new_tokens: int) -> dict:
+    import resource
+
+    import torch
+
+    if variant == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            wall = time.perf_counter() - t0
+        toks = out[0, len(ids):].tolist()
+        extra = {}
+    else:
+        from hisparse_cli.engine import Engine, SparseConfig
+
+        sparse = SparseConfig.dense_config(prefill_chunk=512) if variant == "dense" else SparseConfig()
+        eng = Engine.from_pretrained(model_dir, sparse=sparse)
+        t0 = time.perf_counter()
+        res = eng.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        wall = time.perf_counter() - t0
+        toks = res.token_ids
+        extra = res.stats.to_dict()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"variant": variant, "wall_s": wall, "tokens": toks, "peak_rss_bytes": rss, "stats": extra}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--doc", default=str(DEFAULT_DOC))
+    ap.add_argument("--prompt-tokens", type=int, default=5000)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default="hf,dense,sparse")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a._child:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        spec = json.loads(a._child)
+        print(json.dumps(run_variant(spec["variant"], spec["model"], spec["ids"], spec["new"])))
+        return
+    model = a.model
+    if model is None:
+        from hisparse_cli.models.resolve import resolve_model
+
+        model = str(resolve_model(None))
+    ids = prompt_ids(model, a.doc, a.prompt_tokens)
+    rows = []
+    for v in a.variants.split(","):
+        spec = json.dumps({"variant": v, "model": model, "ids": ids, "new": a.new_tokens})
+        out = subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--_child", spec],
+                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if out.returncode != 0:
+            sys.exit(f"{v} failed:\n{out.stderr[-3000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    hf = next((r for r in rows if r["variant"] == "hf"), None)
+    print(f"prompt tokens: {len(ids)}, new tokens: {a.new_tokens}, threads: {a.threads}")
+    print(f"{'variant':8} {'wall s':>8} {'x HF':>6} {'peak RSS MiB':>13} {'same tokens as HF':>18}")
+    for r in rows:
+        ratio = r["wall_s"] / hf["wall_s"] if hf else float("nan")
+        same = (r["tokens"] == hf["tokens"]) if hf else None
+        if hf and not same:
+            n_same = next((i for i, (x, y) in enumerate(zip(r["tokens"], hf["tokens"])) if x != y),
+                          min(len(r["tokens"]), len(hf["tokens"])))
+            same = f"first {n_same}"
+        print(f"{r['variant']:8} {r['wall_s']:8.2f} {ratio:6.2f} {r['peak_rss_bytes'] / 2**20:13.0f} {str(same):>18}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"prompt_tokens": len(ids), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
