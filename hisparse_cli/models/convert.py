@@ -21,6 +21,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -122,9 +124,29 @@ def _fix_tokenizer_files(out: Path, tokenizer: Any) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
 
 
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' own tqdm bars (weight loading, shard writing) while converting; the
+    GGUF dequantization bar is a plain tqdm that transformers does not let us switch off."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def convert_into(gguf: Path, out: Path, reporter: Reporter) -> dict[str, Any]:
     """Write config, safetensors and tokenizer for `gguf` into the existing folder `out`.
     Returns facts for the provenance file."""
+    with _quiet_transformers():
+        return _convert_into(gguf, out, reporter)
+
+
+def _convert_into(gguf: Path, out: Path, reporter: Reporter) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=".empty-", dir=out.parent) as empty:
         with reporter.step(f"reading the tokenizer from {gguf.name}"):
             tokenizer = _load_tokenizer(gguf, Path(empty))
