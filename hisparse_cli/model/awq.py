@@ -114,8 +114,12 @@ class AWQLinear(nn.Module):
     def from_checkpoint(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                         bias: torch.Tensor | None, group_size: int,
                         device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float16, name: str = "") -> "AWQLinear":
-        """Validate checkpoint tensors (ModelError naming `name`) and move them to device."""
+                        dtype: torch.dtype = torch.float16, name: str = "",
+                        expect: tuple[int, int] | None = None) -> "AWQLinear":
+        """Validate checkpoint tensors (ModelError naming `name`) and move them to device.
+
+        expect: (out_features, in_features) the model config implies, checked when given.
+        """
         where = f"{name}: " if name else ""
         if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
             raise ModelError(f"{where}qweight/qzeros are {qweight.dtype}/{qzeros.dtype}, expected "
@@ -126,7 +130,12 @@ class AWQLinear(nn.Module):
         in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
         if in_f % group_size:
             raise ModelError(f"{where}qweight has {in_f} input rows, not a multiple of "
-                             f"group_size {group_size}")
+                             f"group_size {group_size}: not the GEMM layout; hisparse loads "
+                             f"{SUPPORTED}")
+        if expect is not None and (out_f, in_f) != tuple(expect):
+            raise ModelError(f"{where}qweight {tuple(qweight.shape)} encodes a {in_f}->{out_f} "
+                             f"linear, the config implies {expect[1]}->{expect[0]}: not the GEMM "
+                             f"layout; hisparse loads {SUPPORTED}")
         groups = in_f // group_size
         if tuple(qzeros.shape) != (groups, out_f // 8) or tuple(scales.shape) != (groups, out_f):
             raise ModelError(

@@ -1,0 +1,136 @@
+"""AWQ checkpoints in the model: which quantization_configs load, `AWQLinear`, a mixed
+checkpoint (some linears INT4, some fp) against HF transformers with the independently decoded
+weights (the oracle), and `HostEmbedding` against `nn.Embedding`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hisparse_cli.errors import ModelError
+from hisparse_cli.kernels.awq_pack import quantize_weight
+from hisparse_cli.model.awq import AWQConfig, AWQLinear, parse_quantization_config
+from hisparse_cli.model.host_embedding import HostEmbedding
+from test_awq_ref import oracle_weight
+
+PUBLISHED = {"bits": 4, "group_size": 128, "modules_to_not_convert": None,
+             "quant_method": "awq", "version": "GEMM", "zero_point": True}
+
+
+def test_published_config_parses():
+    cfg = parse_quantization_config(PUBLISHED)
+    assert cfg == AWQConfig(group_size=128)
+    assert parse_quantization_config(None) is None
+    t5 = {"quant_method": "awq", "bits": 4, "group_size": 64, "format": "gemm",
+          "backend": "autoawq", "zero_point": True, "modules_to_not_convert": ["visual"]}
+    cfg = parse_quantization_config(t5)
+    assert cfg.group_size == 64 and cfg.keeps_fp("visual.blocks.0") and not cfg.keeps_fp("lm_head")
+    assert parse_quantization_config(cfg.to_dict()) == cfg  # what we write, we read
+
+
+@pytest.mark.parametrize("change", [
+    {"version": "gemv"}, {"version": "gemv_fast"}, {"version": "exllama"},
+    {"version": "marlin"}, {"backend": "llm-awq"}, {"bits": 8}, {"bits": 3},
+    {"zero_point": False}, {"group_size": 256}, {"group_size": -1},
+    {"quant_method": "gptq"}, {"quant_method": "bitsandbytes"},
+])
+def test_other_variants_are_refused_naming_what_is_supported(change):
+    with pytest.raises(ModelError) as exc:
+        parse_quantization_config({**PUBLISHED, **change})
+    assert "gemm" in str(exc.value) and "group_size 32/64/128" in str(exc.value)
+
+
+def test_awq_linear_forward_and_checkpoint_validation():
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 64), torch.randn(40)
+    p = quantize_weight(w, 32)
+    lin = AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, b, 32, dtype=torch.float32)
+    assert (lin.in_features, lin.out_features, lin.group_size) == (64, 40, 32)
+    x = torch.randn(2, 5, 64)
+    expect = x.double() @ oracle_weight(p.qweight, p.qzeros, p.scales, 32) + b.double()
+    assert torch.allclose(lin(x).double(), expect, atol=1e-4)
+    assert {n for n, _ in lin.named_buffers()} == {"qweight", "qzeros", "scales", "bias"}
+    with pytest.raises(ModelError, match="int16"):
+        AWQLinear.from_checkpoint(p.qweight.to(torch.int16), p.qzeros, p.scales, None, 32)
+    with pytest.raises(ModelError, match="GEMM layout"):
+        AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, None, 64)
+    with pytest.raises(ModelError, match="GEMM layout"):  # transposed words [out, in/8]
+        AWQLinear.from_checkpoint(torch.zeros(64, 8, dtype=torch.int32), p.qzeros, p.scales,
+                                  None, 32, expect=(40, 64))
+
+
+def make_tiny_llama(path, seed=0, **over):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    kw.update(over)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
+                    else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def test_mixed_checkpoint_matches_hf_with_decoded_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hisparse_cli.model.llama import forward_full
+    from hisparse_cli.model.loader import load_model
+
+    hf = make_tiny_llama(tmp_path / "fp")
+    tensors = load_file(str(tmp_path / "fp" / "model.safetensors"))
+    quantized = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+                 "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.up_proj", "lm_head"]
+    group = 32
+    for prefix in quantized:
+        p = quantize_weight(tensors.pop(f"{prefix}.weight"), group)
+        tensors.update({f"{prefix}.qweight": p.qweight, f"{prefix}.qzeros": p.qzeros,
+                        f"{prefix}.scales": p.scales})
+        with torch.no_grad():  # the oracle: HF forward with the independently decoded weight
+            hf.get_submodule(prefix).weight.copy_(
+                oracle_weight(p.qweight, p.qzeros, p.scales, group).t().float())
+    out = tmp_path / "mixed"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "fp" / "config.json").read_text())
+    cfg["quantization_config"] = {**PUBLISHED, "group_size": group,
+                                  "modules_to_not_convert": ["self_attn.k_proj"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(out, "cpu", torch.float32)
+    assert isinstance(model.get_submodule("lm_head"), AWQLinear)
+    assert isinstance(model.get_submodule("model.layers.1.self_attn.v_proj"), AWQLinear)
+    assert not isinstance(model.get_submodule("model.layers.0.self_attn.q_proj"), AWQLinear)
+    ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expect = hf(ids[None]).logits[0]
+    got = forward_full(model, ids)
+    assert torch.allclose(got, expect, atol=2e-4, rtol=1e-4), float((got - expect).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_host_embedding_gathers_on_cpu(dtype):
+    table = torch.randn(100, 16)
+    emb = HostEmbedding(table, device="cpu", dtype=dtype)
+    ids = torch.tensor([[3, 99, 0], [3, 3, 7]])
+    ref = torch.nn.Embedding.from_pretrained(table.to(dtype))
+    assert emb.weight.device.type == "cpu" and emb.weight.dtype == dtype
+    assert torch.equal(emb(ids), ref(ids))
+    assert emb.state_dict().keys() == {"weight"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_embedding_to_cuda():
+    table = torch.randn(1000, 64)
+    emb = HostEmbedding(table, device="cuda", dtype=torch.float16)
+    ids = torch.tensor([5, 999, 5], device="cuda")
+    out = emb(ids)
+    assert out.device.type == "cuda" and emb.weight.device.type == "cpu" and emb.weight.is_pinned()
+    assert torch.equal(out.cpu(), table.half()[ids.cpu()])
