@@ -1,0 +1,156 @@
+"""The `hisparse` command line: the Typer app, its one error handler, and command registration.
+
+Commands live in cli_*.py modules (thin: parse flags, call library functions, render):
+    summarize, batch            cli_summarize.py, cli_batch.py (shared flags: cli_options.py)
+    score, profiles, models     cli_misc.py
+    plan, quantize, eval        optional modules, registered when present (EXTRA_COMMANDS)
+
+Error handling, in one place (`HisparseGroup`): a `HisparseError` prints `Error: …` and
+`Hint: …` on stderr and exits with its code (errors.py); Ctrl-C exits 130; a torch or host
+out-of-memory error becomes a ResourceError (5); any other exception is an internal error
+(1). Usage errors (bad flag values) keep Click's exit code 2 in the same two-line form. A
+traceback is printed only with HISPARSE_DEBUG=1. Heavy imports happen inside commands, so
+`hisparse --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import traceback
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+try:  # recent Typer vendors Click; its exception classes are the ones raised
+    from typer import _click as click
+except ImportError:  # pragma: no cover - older Typer runs on the click package
+    import click
+
+from hisparse_cli import __version__
+from hisparse_cli.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, HisparseError, ResourceError
+
+EXTRA_COMMANDS = ("hisparse_cli.cli_plan", "hisparse_cli.cli_quantize", "hisparse_cli.cli_eval")
+
+
+def as_resource_error(exc: BaseException) -> ResourceError | None:
+    """A ResourceError for out-of-memory exceptions (torch CUDA OOM, host MemoryError)."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    is_oom = (isinstance(exc, MemoryError)
+              or (oom_type is not None and isinstance(exc, oom_type))
+              or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()))
+    if not is_oom:
+        return None
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return ResourceError(f"out of memory: {first}",
+                         hint="use a smaller profile, --window, --prefill-chunk or "
+                              "--max-new-tokens; `hisparse plan` shows what fits")
+
+
+def report_exception(exc: BaseException) -> int:
+    """Print the one-line error for `exc` (traceback only with HISPARSE_DEBUG=1); return
+    the exit code."""
+    from hisparse_cli.console import debug_enabled, print_error
+
+    if debug_enabled():
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    if isinstance(exc, KeyboardInterrupt):
+        print_error("interrupted")
+        return EXIT_INTERRUPTED
+    err = exc if isinstance(exc, HisparseError) else as_resource_error(exc)
+    if err is not None:
+        print_error(err.message, err.hint)
+        return err.exit_code
+    print_error(f"internal error: {type(exc).__name__}: {exc}",
+                hint="this is a bug; rerun with HISPARSE_DEBUG=1 for the traceback and report it")
+    return EXIT_INTERNAL
+
+
+class HisparseGroup(TyperGroup):
+    """Typer group with the error handling described in the module docstring."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, click.ClickException):
+            raise
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the one handler
+            raise typer.Exit(report_exception(exc)) from None
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
+             **extra):
+        from hisparse_cli.console import print_error, stderr_console
+
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "hisparse",
+                              complete_var=complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            if not standalone_mode:
+                raise
+            stderr_console().print(exc.format_message(), markup=False)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            if not standalone_mode:
+                raise
+            path = exc.ctx.command_path if getattr(exc, "ctx", None) else "hisparse"
+            print_error(exc.format_message(), hint=f"see `{path} --help`")
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            print_error("aborted")
+            sys.exit(EXIT_INTERRUPTED)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(
+    name="hisparse", cls=HisparseGroup, no_args_is_help=True, add_completion=False,
+    pretty_exceptions_enable=False, rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Summarize long documents (PDF, text, code repositories) with a paged, sparse-"
+         "attention KV cache. Results go to stdout; progress and logs to stderr.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"hisparse {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[Optional[bool], typer.Option(
+        "--version", "-V", callback=_version, is_eager=True,
+        help="Print the version and exit.")] = None) -> None:
+    """hisparse: long-document summarizer with sparse attention."""
+
+
+def _register() -> None:
+    from hisparse_cli import cli_batch, cli_misc, cli_summarize
+
+    cli_summarize.register(app)
+    cli_batch.register(app)
+    cli_misc.register(app)
+    for name in EXTRA_COMMANDS:  # commands other modules add: present → registered
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name).register(app)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point (`hisparse = hisparse_cli.cli:main`)."""
+    try:
+        app()
+    except KeyboardInterrupt:  # outside a command (e.g. during start-up)
+        sys.stderr.write("Error: interrupted\n")
+        sys.exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,130 @@
+"""`hisparse batch INPUTS… --out results.jsonl`: many documents, one engine, resumable.
+
+Input forms, reference matching and the results-file format are in batch.py. stderr gets
+one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
+stdout gets nothing, or the batch summary as one JSON object with --json. Exit codes: 0 all
+documents succeeded, 6 at least one failed (recorded in the file), 130 interrupted (finished
+lines stay; rerun with --resume), or the setup error's own code (bad flags 2, model 4).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from hisparse_cli.cli_options import P_OUT, RunOptions, run_options
+from hisparse_cli.errors import EXIT_BATCH_FAILURES, InputError
+
+
+def _reporter(quiet: bool):
+    from rich.text import Text
+
+    from hisparse_cli.console import stderr_console
+
+    def report(event: str, index: int, total: int, given: str, record: dict | None) -> None:
+        if quiet or event == "start":
+            return
+        head = f"[{index}/{total}] {given}: "
+        if event == "skip":
+            line = Text.assemble(head, ("already done", "dim"))
+        elif record and record.get("status") == "ok":
+            rouge = record.get("rouge") or {}
+            extra = f", rougeL {rouge['rougeL']:.3f}" if "rougeL" in rouge else ""
+            line = Text.assemble(head, ("ok", "green"), f" ({record['seconds']:.1f} s, "
+                                                        f"{record['strategy']}{extra})")
+        else:
+            err = (record or {}).get("error") or {}
+            line = Text.assemble(head, ("failed", "bold red"),
+                                 f" ({err.get('type')}, exit {err.get('exit_code')}): "
+                                 f"{err.get('message')}")
+        stderr_console().print(line)
+
+    return report
+
+
+def _summary_table(summary: dict):
+    from rich.table import Table
+
+    table = Table(title=f"hisparse batch → {summary['results']}", title_justify="left")
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    table.add_column("95% CI", justify="right")
+    table.add_row("documents", str(summary["documents"]), "")
+    table.add_row("succeeded", str(summary["ok"]), "")
+    table.add_row("failed", str(summary["failed"]), "")
+    for name, ci in summary["rouge"].items():
+        table.add_row(f"{name} (n={ci['n']})", f"{ci['mean']:.4f}",
+                      f"[{ci['lo']:.4f}, {ci['hi']:.4f}]")
+    return table
+
+
+def batch(
+    inputs: Annotated[List[str], typer.Argument(
+        help="Files, folders (their document files) or @list.txt (one path per line; a "
+             "folder named there is one repository).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", rich_help_panel=P_OUT,
+                                      help="Results file (JSON lines, appended).")],
+    references: Annotated[Optional[Path], typer.Option(
+        "--references", rich_help_panel=P_OUT,
+        help="Folder of reference summaries: <stem>.ref.txt, <stem>.txt or <stem>.md "
+             "(<stem>.ref.txt beside an input is used too).")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", rich_help_panel=P_OUT,
+        help="Continue an existing results file: skip documents already in it.")] = False,
+    retry_failed: Annotated[bool, typer.Option(
+        "--retry-failed", rich_help_panel=P_OUT,
+        help="With --resume: summarize documents that failed before again.")] = False,
+    recursive: Annotated[bool, typer.Option(
+        "--recursive", "-R", rich_help_panel=P_OUT,
+        help="Take document files from subfolders of folder inputs too.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", rich_help_panel=P_OUT,
+        help="Print the batch summary (counts, ROUGE CIs) as one JSON object.")] = False,
+    *, opts: RunOptions,
+) -> None:
+    """Summarize many documents into a JSON-lines file (one engine, resumable)."""
+    from hisparse_cli.batch import ResultsFile, expand_inputs
+    from hisparse_cli.batch_runner import batch_summary, run_batch
+    from hisparse_cli.cli_summarize import build_job
+    from hisparse_cli.console import TokenProgress, note, print_table, write_result
+
+    job = build_job(opts)
+    if references is not None and not references.is_dir():
+        raise InputError(f"--references {references} is not a folder",
+                         hint="give the folder that holds the reference summaries")
+    items = expand_inputs(inputs, recursive=recursive)
+    if not items:
+        raise InputError("no documents found in the given inputs",
+                         hint=f"folders contribute files ending in .pdf, .txt, .md, …; "
+                              "name a repository folder inside an @list file")
+    results = ResultsFile(out)
+    results.open(resume=resume)
+    if results.torn_bytes and not opts.quiet:
+        note(f"removed an incomplete last line ({results.torn_bytes} bytes) from {out}")
+
+    def progress_factory(index: int, total: int):
+        return TokenProgress(quiet=opts.quiet, prefix=f"[{index}/{total}] ")
+
+    try:
+        outcome = run_batch(items, job, results, references=references, password=opts.password,
+                            retry_failed=retry_failed, progress_factory=progress_factory,
+                            report=_reporter(opts.quiet))
+    except KeyboardInterrupt:
+        if not opts.quiet:
+            note(f"stopped; {out} keeps every finished document — rerun with --resume")
+        raise
+    summary = batch_summary(results, outcome.keys)
+    summary["skipped_already_done"] = outcome.skipped
+    if not opts.quiet:
+        print_table(_summary_table(summary))
+    if as_json:
+        write_result(json.dumps(summary, ensure_ascii=False, indent=2))
+    if summary["failed"]:
+        raise typer.Exit(EXIT_BATCH_FAILURES)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("batch", no_args_is_help=True)(run_options(batch))

@@ -1,0 +1,102 @@
+"""`hisparse summarize PATH`: one document → summary on stdout (or JSON, or --out FILE).
+
+Order: flags and profile are validated first (exit 2), then the document and reference are
+read (exit 3), then the model is resolved and loaded (exit 4), then the run (exit 5 when it
+does not fit). stdout receives only the summary (or the one JSON object); progress, warnings
+and the stats table go to stderr. With --out the result is written atomically to FILE
+instead of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from hisparse_cli.cli_options import P_OUT, RunOptions, run_options
+from hisparse_cli.errors import InputError
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same folder + fsync + rename."""
+    path = path.expanduser()
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"cannot write {path}: folder {folder} does not exist",
+                         hint="create the folder or choose another --out path")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_job(opts: RunOptions, *, console_progress: bool = True):
+    """Profile, sparse settings and summary settings from the flags (validated), as a Job."""
+    from hisparse_cli.console import stderr_console, warn
+    from hisparse_cli.job import Job
+
+    profile = opts.load_profile()
+    sparse = opts.sparse(profile)
+    settings = opts.summary_settings(profile)
+    progress = None if opts.quiet else stderr_console()
+    return Job(profile, sparse, settings, model_spec=opts.model,
+               warn=None if opts.quiet else warn, model_progress=progress)
+
+
+def summarize(
+    path: Annotated[Path, typer.Argument(help="A PDF, a text file, or a source folder.",
+                                         show_default=False)],
+    reference: Annotated[Optional[Path], typer.Option(
+        "--reference", "-r", rich_help_panel=P_OUT,
+        help="Reference summary (text): adds ROUGE to the output.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", "-o", rich_help_panel=P_OUT,
+        help="Write the summary (the JSON with --json) to FILE atomically, not to stdout.")] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", rich_help_panel=P_OUT,
+        help="Print one JSON object: summary, rouge, settings, stats, document.")] = False,
+    *, opts: RunOptions,
+) -> None:
+    """Summarize one document: summary on stdout, stats on stderr."""
+    from hisparse_cli.console import TokenProgress, print_table, stats_table, status, write_result
+    from hisparse_cli.documents import load_document
+    from hisparse_cli.job import read_reference
+
+    job = build_job(opts)
+    started = time.perf_counter()
+    with status(f"reading {path}", quiet=opts.quiet):
+        doc = load_document(path, password=opts.password)
+    ingest_seconds = time.perf_counter() - started
+    reference_text = read_reference(reference) if reference is not None else None
+    job.engine()
+    with TokenProgress(quiet=opts.quiet) as progress:
+        record = job.run(doc, reference_text=reference_text,
+                         reference_path=str(reference) if reference else None,
+                         ingest_seconds=ingest_seconds, progress=progress)
+    text = json.dumps(record, ensure_ascii=False, indent=2) + "\n" if as_json \
+        else record["summary"] + "\n"
+    if out is not None:
+        write_atomic(out, text)
+    else:
+        write_result(text)
+    if not opts.quiet:
+        print_table(stats_table(record, record["document"]))
+        if out is not None:
+            from hisparse_cli.console import note
+
+            note(f"wrote {out}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("summarize", no_args_is_help=True)(run_options(summarize))

@@ -1,0 +1,179 @@
+"""Rich helpers for the CLI: the stderr console, error/warning lines, progress, stats tables.
+
+stdout carries only results (written with `write_result`); everything here goes to stderr.
+Consoles are created per call, so they follow whatever sys.stderr is at that moment (Click's
+test runner swaps it). Progress bars appear only when stderr is a terminal; otherwise
+`TokenProgress` prints one short line per finished phase (or nothing with quiet=True).
+Long lines are never wrapped, so `Error: …` stays one line in logs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+from rich.progress import TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def stdout_console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("HISPARSE_DEBUG", "").strip() not in ("", "0", "false", "no")
+
+
+def write_result(text: str) -> None:
+    """The command's result on stdout, exactly as given (plus a final newline)."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+
+
+def print_error(message: str, hint: str | None = None) -> None:
+    console = stderr_console()
+    console.print(Text.assemble(("Error: ", "bold red"), " ".join(message.split("\n"))))
+    if hint:
+        console.print(Text.assemble(("Hint: ", "bold"), " ".join(hint.split("\n"))))
+
+
+def warn(message: str) -> None:
+    stderr_console().print(Text.assemble(("Warning: ", "bold yellow"), message))
+
+
+def note(message: str) -> None:
+    stderr_console().print(Text.assemble(("hisparse: ", "dim"), message))
+
+
+def human_bytes(n: float | int | None) -> str:
+    if not n:
+        return "0 B"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.1f} tok/s" if speed else "", style="cyan")
+
+
+class TokenProgress:
+    """Pipeline progress (step, phase, done, total) → Rich bars on a terminal; otherwise one
+    short log line per finished generation (prefill and decode rates). Use as a context
+    manager; pass the object as the pipeline's `progress`."""
+
+    def __init__(self, quiet: bool = False, prefix: str = "") -> None:
+        self.console = stderr_console()
+        self.quiet, self.prefix = quiet, prefix
+        self.live = self.console.is_terminal and not quiet
+        self._progress: Progress | None = None
+        self._task = None
+        self._key: tuple[str, str] | None = None
+        self._started = 0.0
+        self._phases: dict[str, tuple[int, float]] = {}  # phase -> (tokens, seconds)
+
+    def __enter__(self) -> "TokenProgress":
+        if self.live:
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                _RateColumn(), TimeElapsedColumn(), console=self.console, transient=True)
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        elif exc[0] is None:
+            self._log_step()
+
+    def _log_step(self) -> None:
+        if self._key is None or self.quiet or self.live:
+            return
+        parts = []
+        for phase, noun in (("prefill", "prompt"), ("decode", "new")):
+            if phase in self._phases:
+                n, sec = self._phases[phase]
+                parts.append(f"{n:,} {noun} tokens ({n / sec if sec > 0 else 0.0:,.1f} tok/s)")
+        note(f"{self.prefix}{self._key[0]}: " + ", ".join(parts))
+        self._phases = {}
+
+    def __call__(self, step: str, phase: str, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        if self._key is None or self._key[0] != step:
+            self._log_step()
+        if (step, phase) != self._key:
+            self._key, self._started = (step, phase), time.perf_counter()
+            if self._progress is not None:
+                if self._task is not None:
+                    self._progress.remove_task(self._task)
+                self._task = self._progress.add_task(f"{self.prefix}{step} · {phase}",
+                                                     total=total)
+        self._phases[phase] = (done, time.perf_counter() - self._started)
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=done, total=total)
+
+
+def status(message: str, quiet: bool = False):
+    """A spinner on a terminal, nothing otherwise (a context manager either way)."""
+    from contextlib import nullcontext
+
+    console = stderr_console()
+    if quiet or not console.is_terminal:
+        return nullcontext()
+    return console.status(message)
+
+
+def stats_table(result: dict, document: dict | None = None) -> Table:
+    """The summarize stats table from a summarize JSON object (see cli_summarize)."""
+    stats = result["stats"]
+    table = Table(title="hisparse summarize", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    chunks = len([c for c in result.get("chunks", []) if c["level"] == 0]) or 1
+    rows = [
+        ("strategy", f"{result['strategy']} ({chunks} chunk{'s' if chunks > 1 else ''})"),
+        ("prompt tokens", f"{stats['prompt_tokens']:,}"),
+        ("new tokens", f"{stats['new_tokens']:,}"),
+        ("prefill", f"{stats['prefill_tok_s']:,.1f} tok/s"),
+        ("decode", f"{stats['decode_tok_s']:,.1f} tok/s"),
+        ("peak KV blocks", f"{stats['kv_blocks_peak']:,}"),
+        ("peak KV bytes", human_bytes(stats["kv_bytes_peak"])),
+        ("recalibrations", f"{stats['recalibrations']:,}"),
+        ("peak memory", f"{human_bytes(stats['peak_memory_bytes'])} ({stats['peak_memory_kind']})"),
+        ("device", f"{stats['device']} / {stats['backend']}"),
+        ("time", f"{result['timings']['total_seconds']:.1f} s"),
+    ]
+    if document:
+        size = (f"{document['sections']:,} {document['unit']}" if document["unit"] != "sections"
+                else f"{document['chars']:,} chars")
+        skipped = f", {document['skipped']} skipped" if document.get("skipped") else ""
+        rows.insert(0, ("document", f"{document['kind']} ({document.get('genre', '')}), "
+                                    f"{size}{skipped}"))
+    for name, value in rows:
+        table.add_row(name, value)
+    for name, value in (result.get("rouge") or {}).items():
+        table.add_row(name, f"{value:.4f}")
+    return table
+
+
+def print_table(table: Table, to_stdout: bool = False) -> None:
+    (stdout_console() if to_stdout else stderr_console()).print(table)
+
+
+__all__ = ["stderr_console", "stdout_console", "write_result", "print_error", "warn", "note",
+           "TokenProgress", "status", "stats_table", "print_table", "human_bytes",
+           "debug_enabled"]

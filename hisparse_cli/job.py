@@ -1,0 +1,108 @@
+"""One summarization setup shared by `summarize` and `batch`: profile + model + settings,
+the engine loaded once (lazily), and a document (+ reference) → one JSON-ready result.
+
+    job = Job(profile, sparse, settings, model_spec=None)
+    record = job.run(load_document(path), reference_text=None, progress=None)
+    record["summary"], record["rouge"], record["stats"], record["settings"]
+
+Everything is validated in the constructor's inputs (profile, SparseConfig, SummarySettings
+raise ConfigError), so a bad flag fails before the model is resolved or loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from hisparse_cli.documents.base import Document
+from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.errors import InputError
+from hisparse_cli.pipeline import PipelineProgress, SummarySettings, summarize_document
+from hisparse_cli.profiles import HardwareProfile
+
+
+def document_info(doc: Document) -> dict:
+    """What the JSON output says about the document."""
+    unit = {"pdf": "pages", "repository": "files"}.get(doc.kind, "sections")
+    count = doc.meta.get(unit, len(doc.sections)) if unit != "sections" else len(doc.sections)
+    return {"source": doc.source, "kind": doc.kind, "genre": doc.genre, "title": doc.title,
+            "chars": len(doc.text), "unit": unit, "sections": count,
+            "skipped": len(doc.skipped),
+            "skipped_items": [{"item": item, "reason": why} for item, why in doc.skipped]}
+
+
+def read_reference(path: str | Path) -> str:
+    """A reference summary file as text (InputError when missing/unreadable/empty)."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise InputError(f"reference {path}: no such file",
+                         hint="check the path given to --reference") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read reference {path} as UTF-8 text: {exc}",
+                         hint="give a plain-text (UTF-8) reference summary") from None
+    if not text.strip():
+        raise InputError(f"reference {path} is empty", hint="give a non-empty reference summary")
+    return text
+
+
+class Job:
+    def __init__(self, profile: HardwareProfile, sparse: SparseConfig,
+                 settings: SummarySettings, *, model_spec: str | None = None,
+                 warn: Callable[[str], None] | None = None, model_progress=None,
+                 resolve: Callable | None = None) -> None:
+        self.profile, self.sparse, self.settings = profile, sparse, settings
+        self.model_spec, self.warn, self.model_progress = model_spec, warn, model_progress
+        self._resolve = resolve
+        self._engine = None
+        self.model_path: Path | None = None
+        self.device_plan = None
+        self.model = {}
+
+    @property
+    def loaded(self) -> bool:
+        return self._engine is not None
+
+    def engine(self):
+        """The Engine, resolved (pulled when needed) and loaded on first use."""
+        if self._engine is None:
+            from hisparse_cli import models
+            from hisparse_cli.runtime import load_engine, model_info
+
+            resolve = self._resolve or models.resolve_model
+            self.model_path = Path(resolve(self.model_spec, progress=self.model_progress))
+            self.model = model_info(self.model_path)
+            self._engine, self.device_plan = load_engine(self.model_path, self.profile,
+                                                         self.sparse, warn=self.warn)
+        return self._engine
+
+    def settings_dict(self) -> dict:
+        """Profile, model, device and sparse settings (the pipeline adds its own)."""
+        return {"profile": self.profile.name, "model": self.model,
+                "device": self.device_plan.to_dict() if self.device_plan else None,
+                "sparse": asdict(self.sparse)}
+
+    def run(self, doc: Document, *, reference_text: str | None = None,
+            reference_path: str | None = None, ingest_seconds: float = 0.0,
+            progress: PipelineProgress | None = None) -> dict:
+        """Summarize `doc` (and score it when a reference is given) → the result object."""
+        engine = self.engine()
+        result = summarize_document(doc, engine, self.settings, progress)
+        if reference_text is not None:
+            from hisparse_cli.scoring import rouge_scores
+
+            started = time.perf_counter()
+            result.rouge = rouge_scores(result.summary, reference_text)
+            result.timings["rouge_seconds"] = time.perf_counter() - started
+        out = result.to_dict()
+        out["timings"] = {"ingest_seconds": ingest_seconds, **out["timings"]}
+        out["settings"] = {**self.settings_dict(), **out["settings"]}
+        out["reference"] = reference_path
+        out["document"] = document_info(doc)
+        return out
+
+
+__all__ = ["Job", "document_info", "read_reference"]
