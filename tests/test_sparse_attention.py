@@ -187,3 +187,71 @@ def test_planted_tokens_found_with_strided_scoring():
     drive(cfg, 200, 8, src)
     final = src.globals_at[max(src.globals_at)]
     assert all(set(planted) <= set(final[kv].tolist()) for kv in range(HKV))
+
+
+@pytest.mark.parametrize("stride", [2, 3])
+def test_strided_scoring_decode_steps_without_sampled_query(stride):
+    cfg = SparseConfig(sink_tokens=2, window_size=12, global_tokens=3, block_size=4,
+                       recalibrate_every=8, recalibrate_topk=4, prefill_chunk=5, score_stride=stride)
+    src = RandomQKV(80, seed=9)
+    drive(cfg, 80, 5, src, decode_from=20)  # decode steps at positions not multiple of stride
+    final = src.globals_at[max(src.globals_at)]
+    assert (final >= 0).all()
+
+
+def test_snapkv_counts_only_the_observation_window():
+    """A key attended only by queries right after it (not by the late observation queries)
+    loses to one attended by the late queries under snapkv, and wins under attention."""
+    from hisparse_cli.kernels.attention_ref import sparse_attention
+
+    g = torch.Generator().manual_seed(0)
+    bs, t, window = 4, 16, 16
+    kc = torch.randn(4, bs, HKV, D, generator=g) * 0.01
+    vc = torch.randn(4, bs, HKV, D, generator=g)
+    q = torch.randn(t, HQ, D, generator=g) * 0.01
+    a, b = torch.zeros(D), torch.zeros(D)
+    a[0], b[1] = 8.0, 8.0
+    kc[0, 1, :], kc[0, 2, :] = a, b  # key positions 1 and 2
+    q[1:9, :] += a  # early queries look at key 1
+    q[13:16, :] += b  # only the last 3 queries look at key 2
+    ids, starts = torch.arange(4), torch.arange(4) * bs
+    _, full, _ = sparse_attention(q, kc, vc, ids, starts, 0, 0, window, 1.0, return_scores=True)
+    _, obs, _ = sparse_attention(q, kc, vc, ids, starts, 0, 0, window, 1.0, return_scores=True,
+                                 score_min_distance=window - 4)
+    assert (full[:, 1] > full[:, 2]).all()
+    assert (obs[:, 2] > obs[:, 1]).all()
+
+
+def test_probe_policy_keeps_what_the_scorer_ranks_highest():
+    """importance='probe': globals are the evicted tokens the scorer ranked highest."""
+    from hisparse_cli.engine.engine import Engine
+
+    favourite = {30, 45, 61}
+
+    class PositionProbe:  # a stand-in scorer: ranks tokens by their (known) position
+        def __init__(self):
+            self.pos = 0
+
+        def __call__(self, layer, x):
+            t = x.shape[0]
+            pos = torch.arange(self.pos, self.pos + t)
+            if layer == 1:
+                self.pos += t
+            return torch.tensor([[10.0 if int(p) in favourite else 0.0] * 1 for p in pos]).expand(t, 1)
+
+    import tempfile
+    from pathlib import Path
+
+    from conftest import save_tiny
+
+    path, _ = save_tiny(Path(tempfile.mkdtemp()), "mistral")  # 1 KV head
+    cfg = SparseConfig(sink_tokens=2, window_size=8, global_tokens=3, block_size=4,
+                       recalibrate_every=8, recalibrate_topk=3, prefill_chunk=4, importance="probe")
+    eng = Engine.from_pretrained(path, sparse=cfg, probe=PositionProbe())
+    run, pool = eng.new_run(100)
+    with run:
+        for s in range(0, 100, 4):
+            run.step(eng.model, torch.arange(s, s + 4) % 200)
+        for layer in range(2):
+            assert set(run.global_positions(layer)[0].tolist()) == favourite
+    assert pool.live == 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 from hisparse_cli.errors import ConfigError
 
-IMPORTANCE_POLICIES = ("attention", "uniform")
+IMPORTANCE_POLICIES = ("attention", "snapkv", "uniform", "probe")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -32,8 +32,10 @@ class SparseConfig:
     recalibrate_every:  re-choose the global set every this many tokens ("segment")
     recalibrate_topk:   best evicted candidates per layer/head held for the next recalibration
     prefill_chunk:      tokens fed per forward pass while prefilling
-    importance:         "attention" (attention mass received while in the window) or
-                        "uniform" (evenly spaced tokens: the naive baseline)
+    importance:         "attention" (H2O-like: attention mass received while in the window),
+                        "snapkv" (mass from the last `observation_window` queries before the
+                        token leaves the window), "uniform" (evenly spaced tokens: the naive
+                        baseline), or "probe" (a learned scorer on hidden states; needs a probe)
     score_stride:       importance is estimated from the queries at positions that are multiples
                         of this (1 = exact; 4 cuts scoring cost 4x, see QUALITY.md)
     """
@@ -47,6 +49,7 @@ class SparseConfig:
     prefill_chunk: int = 256
     importance: str = "attention"
     score_stride: int = 4
+    observation_window: int = 64
 
     def __post_init__(self) -> None:
         _check_int("sink_tokens", self.sink_tokens, 0)
@@ -58,10 +61,11 @@ class SparseConfig:
         _check_int("recalibrate_topk", self.recalibrate_topk, 0)
         _check_int("prefill_chunk", self.prefill_chunk, 1)
         _check_int("score_stride", self.score_stride, 1)
+        _check_int("observation_window", self.observation_window, 1)
         if self.importance not in IMPORTANCE_POLICIES:
             raise ConfigError(
                 f"importance must be one of {', '.join(IMPORTANCE_POLICIES)}, got {self.importance!r}",
-                hint="use importance='attention' (default) or 'uniform'",
+                hint="use importance='attention' (default), 'snapkv', 'uniform' or 'probe'",
             )
 
     @property

@@ -79,8 +79,10 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
 class Engine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, sparse: SparseConfig,
                  device: torch.device, kv_dtype: torch.dtype, path: Path | None = None,
-                 pool_cap_blocks: int | None = None, backend: str | None = None) -> None:
+                 pool_cap_blocks: int | None = None, backend: str | None = None,
+                 probe=None) -> None:
         self.model, self.cfg, self.sparse, self.device = model, cfg, sparse, device
+        self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)
         self._tokenizer = None
@@ -89,13 +91,14 @@ class Engine:
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, sparse: SparseConfig | None = None,
                         kv_dtype: torch.dtype | None = None, pool_cap_blocks: int | None = None,
-                        embeddings_on_host: bool = False, backend: str | None = None) -> "Engine":
+                        embeddings_on_host: bool = False, backend: str | None = None,
+                        probe=None) -> "Engine":
         device = torch.device(device)
         model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host)
         if kv_dtype is None:
             kv_dtype = torch.float16 if device.type == "cuda" and dtype == torch.float16 else dtype
         return cls(model, cfg, sparse=sparse or SparseConfig(), device=device, kv_dtype=kv_dtype,
-                   path=Path(path), pool_cap_blocks=pool_cap_blocks, backend=backend)
+                   path=Path(path), pool_cap_blocks=pool_cap_blocks, backend=backend, probe=probe)
 
     @property
     def tokenizer(self):
@@ -108,7 +111,8 @@ class Engine:
     # -- runs --------------------------------------------------------------------------------
     def new_run(self, total_tokens: int) -> tuple[KVRun, BlockPool]:
         pool = BlockPool(self.pool_cap_blocks)
-        run = KVRun(self.cfg, self.sparse, self.device, self.kv_dtype, self.backend, pool)
+        run = KVRun(self.cfg, self.sparse, self.device, self.kv_dtype, self.backend, pool,
+                    token_scorer=self.probe)
         run.seq.check_fits(self.sparse.prefill_chunk, total_tokens)
         return run, pool
 

@@ -8,6 +8,8 @@ Importance (policy "attention", H2O-like): a token's score is the attention prob
 received while in the window, summed over queries and the query heads of its KV head, divided
 by the number of queries that saw it (its mean attention per query). Globals keep accruing
 mass and query count while they are global, so a global that stops being attended loses rank.
+Policy "snapkv": the same, counting only the last `observation_window` queries before the
+token leaves the window. Policy "probe": a learned scorer's output for the token (no mass).
 Policy "uniform": priority = trailing zeros of (position + 1), so the kept set is evenly
 spaced over the evicted history (the naive baseline).
 """
@@ -23,10 +25,11 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, global_tokens: int = 0,
                  candidate_slots: int = 0, track_scores: bool = False, window: int | None = None,
-                 importance: str = "attention", sinks: int = 0) -> None:
+                 importance: str = "attention", sinks: int = 0, queries_per_candidate: float = 1.0) -> None:
         self.L, self.H, self.D, self.bs = num_layers, num_kv_heads, head_dim, block_size
         self.dtype, self.device = dtype, device
         self.window, self.importance, self.sinks = window, importance, sinks
+        self.queries_per_candidate = queries_per_candidate  # normaliser of a candidate's mass
         self.capacity = 0
         shape = (num_layers, 0, block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
@@ -83,6 +86,10 @@ class PagedKVCache:
         nb = block_ids.shape[0]
         self.score[layer].index_add_(0, block_ids, key_mass.reshape(self.H, nb, self.bs).permute(1, 2, 0))
 
+    def set_token_scores(self, layer: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
+        """Probe policy: per-token scores [T, Hkv] written at the tokens' slots."""
+        self.score[layer].view(-1, self.H).index_copy_(0, slots, scores.float())
+
     def add_global_mass(self, layer: int, g_mass: torch.Tensor, n_queries: int) -> None:
         self.gmass[layer] += g_mass
         self.gseen[layer] += n_queries
@@ -122,7 +129,7 @@ class PagedKVCache:
             mass = self.score[:, ids].reshape(self.L, ne * self.bs, self.H).transpose(1, 2)
         else:
             mass = torch.zeros(pos.shape, dtype=torch.float32, device=self.device)
-        seen = torch.full(pos.shape, float(self.window or 1), device=self.device)
+        seen = torch.full(pos.shape, float(self.queries_per_candidate), device=self.device)
         cat = [torch.cat(pair, dim=2) for pair in ((self.ck, k), (self.cv, v), (self.cpos, pos),
                                                    (self.cmass, mass), (self.cseen, seen))]
         self.ck, self.cv, self.cpos, self.cmass, self.cseen = self._select(*cat, n=self.C)

@@ -31,6 +31,12 @@ class StepContext:
         ids, starts = seq.visible_blocks(q_start, n)
         self.block_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         self.block_starts = torch.tensor(starts, dtype=torch.int64, device=dev)
+        self.memo: dict = {}  # per-step values shared by all layers (torch reference)
+        self.wants_hidden = run.token_scorer is not None
+
+    def observe(self, layer: int, x: torch.Tensor) -> None:
+        """Probe policy: score the step's tokens from the layer's normed hidden states [T, hs]."""
+        self.run.cache.set_token_scores(layer, self.slots, self.run.token_scorer(layer, x))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         run, cache = self.run, self.run.cache
@@ -41,7 +47,7 @@ class StepContext:
             run.seq.sinks, run.seq.window, run.scale,
             g_k=cache.gk[layer] if glob else None, g_v=cache.gv[layer] if glob else None,
             g_pos=cache.gpos[layer] if glob else None, return_scores=run.track_scores,
-            **run.score_kwargs)
+            memo=self.memo, **run.score_kwargs)
         if key_mass is not None:
             cache.add_key_mass(layer, self.block_ids, key_mass)
         if g_mass is not None:
@@ -53,21 +59,34 @@ class KVRun:
     """KV state of one sequence. Use as a context manager: every block returns to the pool."""
 
     def __init__(self, cfg: ModelConfig, sparse: SparseConfig, device: torch.device,
-                 kv_dtype: torch.dtype, backend: KernelBackend, pool: BlockPool) -> None:
+                 kv_dtype: torch.dtype, backend: KernelBackend, pool: BlockPool,
+                 token_scorer=None) -> None:
         self.cfg, self.sparse, self.device, self.backend, self.pool = cfg, sparse, device, backend, pool
         self.seq = SparseSequence(sparse, pool, model_window=cfg.sliding_window)
         use_globals = self.seq.window is not None and sparse.global_tokens > 0
-        self.track_scores = use_globals and sparse.importance == "attention"
+        imp = sparse.importance
+        self.track_scores = use_globals and imp in ("attention", "snapkv")
+        if use_globals and imp == "probe" and token_scorer is None:
+            from hisparse_cli.errors import ConfigError
+
+            raise ConfigError("importance='probe' needs a trained probe",
+                              hint="train one with `hisparse probe train` or pick another importance")
+        self.token_scorer = token_scorer if use_globals and imp == "probe" else None
+        w = self.seq.window or 1
+        obs = min(sparse.observation_window, w)
+        per_candidate = {"attention": w, "snapkv": obs}.get(imp, 1)
         self.cache = PagedKVCache(
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, block_size=sparse.block_size, dtype=kv_dtype, device=device,
             global_tokens=sparse.global_tokens if use_globals else 0,
             candidate_slots=sparse.recalibrate_topk if use_globals else 0,
-            track_scores=self.track_scores, window=self.seq.window,
-            importance=sparse.importance, sinks=self.seq.sinks)
+            track_scores=self.track_scores or self.token_scorer is not None, window=self.seq.window,
+            importance=imp, sinks=self.seq.sinks, queries_per_candidate=per_candidate)
         self.scale = cfg.head_dim ** -0.5
         stride = sparse.score_stride
         self.score_kwargs = {"score_stride": stride} if self.track_scores and stride > 1 else {}
+        if self.track_scores and imp == "snapkv" and w - obs > 0:
+            self.score_kwargs["score_min_distance"] = w - obs
         self.kv_bytes_peak = 0
 
     def __enter__(self) -> "KVRun":

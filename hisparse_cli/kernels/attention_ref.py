@@ -37,6 +37,20 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sinks: int,
     return causal & ((k_pos[None, :] < sinks) | in_window)
 
 
+def _step_keys(memo: dict | None, block_starts, bs, q_start, t, sinks, window, device):
+    """Key positions and the additive visibility mask [T, N] of a step: the same for every
+    layer, so computed once per step when the caller passes a memo dict."""
+    if memo is not None and "mask" in memo:
+        return memo["k_pos"], memo["q_pos"], memo["mask"]
+    k_pos = (block_starts[:, None] + torch.arange(bs, device=device)[None, :]).reshape(-1)
+    q_pos = q_start + torch.arange(t, device=device)
+    vis = visibility_mask(q_pos, k_pos, sinks, window)
+    mask = torch.zeros(vis.shape, device=device).masked_fill_(~vis, float("-inf"))
+    if memo is not None:
+        memo.update(k_pos=k_pos, q_pos=q_pos, mask=mask)
+    return k_pos, q_pos, mask
+
+
 def sparse_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,
@@ -52,13 +66,18 @@ def sparse_attention(
     g_pos: torch.Tensor | None = None,
     return_scores: bool = False,
     score_stride: int = 1,
+    score_min_distance: int = 0,
+    memo: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Returns (out [T, Hq, D] in q's dtype, key_mass [Hkv, nb*bs] fp32 | None,
     global_mass [Hkv, G] fp32 | None): attention probability each key received, summed over
     the step's queries and the query heads of its KV head (the importance signal).
 
     score_stride s > 1 estimates the masses from the queries whose position is a multiple of s
-    (scaled by s), which cuts the scoring cost by s; s = 1 is exact."""
+    (scaled by s), which cuts the scoring cost by s; s = 1 is exact.
+    score_min_distance m > 0 counts a window key's mass only from queries at least m positions
+    after it (the "observation window" of SnapKV: the last window - m queries before eviction).
+    memo: an optional dict shared by the layers of one step (caches the step's mask)."""
     t, hq, d = q.shape
     nb_total, bs, hkv, _ = k_cache.shape
     grp = hq // hkv
@@ -67,29 +86,38 @@ def sparse_attention(
     # keys of the step: [Hkv, N, D], N = nb * bs
     k = k_cache[block_ids].reshape(-1, hkv, d).transpose(0, 1).to(dt)
     v = v_cache[block_ids].reshape(-1, hkv, d).transpose(0, 1).to(dt)
-    k_pos = (block_starts[:, None] + torch.arange(bs, device=q.device)[None, :]).reshape(-1)
-    q_pos = q_start + torch.arange(t, device=q.device)
-    mask = visibility_mask(q_pos, k_pos, sinks, window)  # [T, N]
+    k_pos, q_pos, mask = _step_keys(memo, block_starts, bs, q_start, t, sinks, window, q.device)
     n = k.shape[1]
     has_g = g_k is not None and g_k.shape[1] > 0
     if has_g:  # globals: an extra key segment per KV head
         k = torch.cat((k, g_k.to(dt)), dim=1)
         v = torch.cat((v, g_v.to(dt)), dim=1)
-        g_ok = (g_pos >= 0)[:, None, :].expand(hkv, t, -1)
-        mask = torch.cat((mask[None].expand(hkv, t, n), g_ok), dim=-1)  # [Hkv, T, N+G]
-        mask = mask.repeat_interleave(grp, dim=0)  # [Hq, T, N+G]
+        g_ok = g_pos >= 0  # [Hkv, G]
+        if bool(g_ok.all()):
+            mask = torch.cat((mask, mask.new_zeros(t, g_ok.shape[1])), dim=-1)  # [T, N+G]
+        else:
+            g_add = torch.zeros(g_ok.shape, device=q.device).masked_fill_(~g_ok, float("-inf"))
+            mask = torch.cat((mask[None].expand(hkv, t, n), g_add[:, None, :].expand(hkv, t, -1)), -1)
+            mask = mask.repeat_interleave(grp, dim=0)[None]  # [1, Hq, T, N+G]
     qh = q.to(dt).transpose(0, 1)  # [Hq, T, D]
     out = torch.nn.functional.scaled_dot_product_attention(
-        qh[None], k[None], v[None], attn_mask=mask if mask.dim() == 2 else mask[None],
-        scale=scale, enable_gqa=grp > 1)[0]
+        qh[None], k[None], v[None], attn_mask=mask.to(dt), scale=scale, enable_gqa=grp > 1)[0]
     out = out.transpose(0, 1).to(q.dtype)  # [T, Hq, D]
     if not return_scores:
         return out, None, None
     rows = torch.nonzero(q_pos % score_stride == 0).flatten() if score_stride > 1 else None
+    if rows is not None and rows.numel() == 0:  # no sampled query in this step
+        zg = torch.zeros(hkv, k.shape[1] - n, device=q.device) if has_g else None
+        return out, torch.zeros(hkv, n, device=q.device), zg
     qs = qh if rows is None else qh[:, rows]  # [Hq, Ts, D]
+    ts = qs.shape[1]
     ms = mask if rows is None else mask[..., rows, :]
+    ms = ms.reshape(hkv, grp, ts, -1) if ms.dim() == 4 else ms[None, None]
     s = torch.bmm(qs.reshape(hkv, -1, d).float(), k.float().transpose(1, 2)) * scale  # [Hkv, grp*Ts, N(+G)]
-    s = s.view(hkv, grp, qs.shape[1], -1)
-    ms = ms.view(hkv, grp, qs.shape[1], -1) if ms.dim() == 3 else ms[None, None]
-    p = torch.softmax(s.masked_fill(~ms, float("-inf")), dim=-1).sum(dim=(1, 2)) * score_stride
+    p = torch.softmax(s.view(hkv, grp, ts, -1) + ms, dim=-1)
+    if score_min_distance > 0:
+        qp = q_pos if rows is None else q_pos[rows]
+        far = (qp[:, None] - k_pos[None, :]) >= score_min_distance  # [Ts, N]
+        p = torch.cat((p[..., :n] * far, p[..., n:]), dim=-1)
+    p = p.sum(dim=(1, 2)) * score_stride
     return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)

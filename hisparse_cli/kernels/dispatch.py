@@ -34,6 +34,8 @@ class KernelBackend:
         """See kernels/attention_ref.py:sparse_attention for the contract."""
         if self.attention == "triton":
             from hisparse_cli.kernels.attention_triton import sparse_attention
+
+            kwargs.pop("memo", None)  # a torch-reference optimisation hint
         else:
             from hisparse_cli.kernels.attention_ref import sparse_attention
         return sparse_attention(*args, **kwargs)

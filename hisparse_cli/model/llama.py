@@ -55,6 +55,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
+        if getattr(ctx, "wants_hidden", False):  # learned importance probe reads hidden states
+            ctx.observe(self.layer, x)
         q = self.q_proj(x).view(t, self.hq, self.d)  # q: [T, Hq, D]
         k = self.k_proj(x).view(t, self.hkv, self.d)  # k: [T, Hkv, D]
         v = self.v_proj(x).view(t, self.hkv, self.d)
