@@ -90,7 +90,8 @@ class HisparseGroup(TyperGroup):
         except click.exceptions.NoArgsIsHelpError as exc:
             if not standalone_mode:
                 raise
-            stderr_console().print(exc.format_message(), markup=False)
+            if exc.format_message().strip():  # plain Click; Typer's rich help printed already
+                stderr_console().print(exc.format_message(), markup=False)
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
             if not standalone_mode:

