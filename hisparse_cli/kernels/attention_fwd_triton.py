@@ -1,0 +1,199 @@
+"""Triton forward kernel of paged sparse attention (prefill chunks and decode, one kernel).
+
+Torch reference: kernels/attention_ref.py:sparse_attention (same layouts, same visibility rule).
+Public entry: kernels/attention_triton.py. Versions: v1 flash-style online softmax over
+{globals ∪ sinks ∪ window}, GQA rows, optional split along the keys (flash-decoding) with a
+reduce kernel, optional logits side-output for exact small-T importance scoring.
+
+Tiling. A program owns BLOCK_M "rows" of one KV head: row r = t * GRP + g (query t, query
+head kvh * GRP + g), so the query heads that share a KV head are processed together and every
+K/V tile is loaded once for all of them. Keys are read through the block list in BLOCK_N
+tiles: key j of the list sits in physical block block_ids[j // BS] at offset j % BS and has
+position block_starts[j // BS] + j % BS (no dense mask, positions derived per tile).
+The visible part of the list for the program's query range [q_lo, q_hi] is two index ranges,
+found by counting block_starts entries (the list is in position order):
+    A = [0, min(n_sink_blocks, n_before_window) * BS)       blocks holding sink positions
+    B = [n_before_window * BS, n_not_after_q_hi * BS)        blocks overlapping the window
+Blocks outside A ∪ B are never touched; the exact rule is applied per element inside tiles.
+Globals ([Hkv, G, D], g_pos >= 0 valid) are a third key segment seen by every query.
+
+Split-K. With SPLIT, program (m, kvh, s) walks only its share of the virtual tile sequence
+(global tiles, then A tiles, then B tiles) and writes unnormalized partials (max, sum, acc)
+to fp32 workspaces; `_attn_reduce` combines them. All softmax math is fp32 in the log2
+domain: s2 = q.k * scale * log2(e), lse2 = m + log2(l).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _visible_ranges(bstart_ptr, nb, q_lo, q_hi, sinks, window,
+                    BS: tl.constexpr, WINDOWED: tl.constexpr, CB: tl.constexpr):
+    """(a_end, b_lo, b_hi): list-index ranges [0, a_end) and [b_lo, b_hi) to visit."""
+    c_hi = nb * 0
+    e_lo = nb * 0
+    s_cnt = nb * 0
+    for i in range(0, nb, CB):
+        idx = i + tl.arange(0, CB)
+        ok = idx < nb
+        st = tl.load(bstart_ptr + idx, mask=ok, other=0)
+        c_hi += tl.sum((ok & (st <= q_hi)).to(tl.int32), axis=0)
+        if WINDOWED:
+            e_lo += tl.sum((ok & (st + (BS - 1) <= q_lo - window)).to(tl.int32), axis=0)
+            s_cnt += tl.sum((ok & (st < sinks)).to(tl.int32), axis=0)
+    return tl.minimum(s_cnt, e_lo) * BS, e_lo * BS, c_hi * BS
+
+
+@triton.jit
+def _online_update(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST: tl.constexpr):
+    """One key tile of the online softmax. q [M, D], k/v [N, D], visible [M, N]."""
+    if UPCAST:  # fp32 cache, or the interpreter (numpy has no bf16 matmul): exact fp32 dots
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i, s
+
+
+@triton.jit
+def _attn_fwd(
+    q_ptr, k_ptr, v_ptr, bid_ptr, bstart_ptr, gk_ptr, gv_ptr, gpos_ptr,
+    out_ptr, lse_ptr, m_ws, l_ws, acc_ws, s_ptr,
+    T, nb, G, q_start, sinks, window, qk_scale, n_split,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_gh, stride_gg, stride_ph, stride_sh, stride_sr,
+    HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CB: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_G: tl.constexpr, SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr, STORE_S: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sid = tl.program_id(2)
+    n_rows = T * GRP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    t = rows // GRP
+    hq = kvh * GRP + rows % GRP
+    qpos = q_start + t
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+    q_lo = q_start + (pid_m * BLOCK_M) // GRP
+    q_hi = q_start + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GRP, T - 1)
+
+    a_end, b_lo, b_hi = _visible_ranges(bstart_ptr, nb, q_lo, q_hi, sinks, window,
+                                        BS, WINDOWED, CB)
+    n_gt = tl.cdiv(G, BLOCK_N) if HAS_G else 0
+    n_at = tl.cdiv(a_end, BLOCK_N)
+    n_bt = tl.cdiv(b_hi - b_lo, BLOCK_N)
+    if SPLIT:  # this program's share [v0, v1) of the virtual tile sequence G | A | B
+        per = tl.cdiv(n_gt + n_at + n_bt, n_split)
+        v0 = sid * per
+        v1 = tl.minimum(v0 + per, n_gt + n_at + n_bt)
+    else:
+        v0 = 0
+        v1 = n_gt + n_at + n_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    s_row = s_ptr + kvh * stride_sh + rows[:, None] * stride_sr
+
+    if HAS_G:  # global tiles: every row sees the valid entries of its KV head
+        for vt in range(tl.maximum(v0, 0), tl.minimum(v1, n_gt)):
+            gi = vt * BLOCK_N + offs_n
+            g_ok = gi < G
+            gp = tl.load(gpos_ptr + kvh * stride_ph + gi, mask=g_ok, other=-1)
+            g_off = (kvh * stride_gh + gi * stride_gg)[:, None] + offs_d[None, :]
+            k = tl.load(gk_ptr + g_off, mask=g_ok[:, None], other=0.0)
+            v = tl.load(gv_ptr + g_off, mask=g_ok[:, None], other=0.0)
+            vis = row_ok[:, None] & (gp >= 0)[None, :]
+            acc, m_i, l_i, s = _online_update(acc, m_i, l_i, q, k, v, vis, qk_scale, UPCAST)
+            if STORE_S:
+                tl.store(s_row + gi[None, :], s, mask=row_ok[:, None] & g_ok[None, :])
+
+    # list tiles: A then B as one loop (one software pipeline)
+    for lt in range(tl.maximum(v0 - n_gt, 0), tl.minimum(v1 - n_gt, n_at + n_bt)):
+        in_a = lt < n_at
+        kj = tl.where(in_a, lt * BLOCK_N, b_lo + (lt - n_at) * BLOCK_N) + offs_n
+        k_ok = kj < tl.where(in_a, a_end, b_hi)
+        ent = kj // BS
+        off = kj % BS
+        bid = tl.load(bid_ptr + ent, mask=k_ok, other=0)
+        kpos = (tl.load(bstart_ptr + ent, mask=k_ok, other=0) + off).to(tl.int32)
+        kv_off = (bid * stride_kb + off * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0.0)
+        # the visibility rule as a row interval per key: rows [r_lo, r_hi) see it
+        r_lo = tl.where(k_ok, (kpos - q_start) * GRP, n_rows)  # q >= k
+        if WINDOWED:  # and q < k + window unless k is a sink
+            r_hi = tl.where(kpos < sinks, n_rows, tl.minimum((kpos + window - q_start) * GRP, n_rows))
+            vis = (rows[:, None] >= r_lo[None, :]) & (rows[:, None] < r_hi[None, :])
+        else:
+            vis = (rows[:, None] >= r_lo[None, :]) & row_ok[:, None]
+        acc, m_i, l_i, s = _online_update(acc, m_i, l_i, q, k, v, vis, qk_scale, UPCAST)
+        if STORE_S:
+            tl.store(s_row + (G + kj)[None, :], s, mask=row_ok[:, None] & k_ok[None, :])
+
+    if SPLIT:
+        ws = (sid * HKV + kvh) * n_rows + rows
+        tl.store(m_ws + ws, m_i, mask=row_ok)
+        tl.store(l_ws + ws, l_i, mask=row_ok)
+        tl.store(acc_ws + ws[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            lse = m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))
+            tl.store(lse_ptr + kvh * n_rows + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_reduce(
+    m_ws, l_ws, acc_ws, out_ptr, lse_ptr, T, n_split, stride_ot, stride_oh,
+    HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """Combine split partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    kvh = tl.program_id(1)
+    n_rows = T * GRP
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    offs_d = tl.arange(0, D)
+    m_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, n_split):
+        m_s = tl.load(m_ws + (s * HKV + kvh) * n_rows + rows, mask=row_ok, other=float("-inf"))
+        m_max = tl.maximum(m_max, m_s)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for s in range(0, n_split):
+        ws = (s * HKV + kvh) * n_rows + rows
+        w = tl.math.exp2(tl.load(m_ws + ws, mask=row_ok, other=float("-inf")) - m_use)
+        l_sum += w * tl.load(l_ws + ws, mask=row_ok, other=0.0)
+        a = tl.load(acc_ws + ws[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        acc += w[:, None] * a
+    t = rows // GRP
+    hq = kvh * GRP + rows % GRP
+    out = acc / tl.where(row_ok, l_sum, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = m_use + tl.math.log2(tl.where(row_ok, l_sum, 1.0))
+        tl.store(lse_ptr + kvh * n_rows + rows, lse, mask=row_ok)

@@ -1,0 +1,175 @@
+"""Triton backend of the paged sparse attention contract (selected by kernels/dispatch.py).
+
+Same signatures and semantics as kernels/attention_ref.py (the torch oracle):
+    store_kv(k_cache, v_cache, k, v, slot_mapping)                 -> store_kv_triton.py
+    sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window,
+                     scale, g_k=None, g_v=None, g_pos=None, return_scores=False)
+        -> (out [T, Hq, D] q.dtype, key_mass [Hkv, nb*bs] fp32 | None, global_mass | None)
+plus keyword-only tuning knobs the reference does not have:
+    num_splits:   key splits per (row tile, KV head); None = fill the GPU (flash-decoding)
+    score_stride: importance from every r-th query (see importance_triton.py); None = 1 for
+                  T < 64, else DEFAULT_SCORE_STRIDE. Small steps (T*GRP <= 16) are always exact.
+    config:       AttnConfig overriding the tile/warp choice (benchmarks, tests).
+
+Kernels: attention_fwd_triton.py (forward + split reduce), importance_triton.py (mass).
+Everything is launched asynchronously: no host sync, so decode steps can be graph-captured.
+Invisible cache slots inside visited blocks must hold finite values (as for the reference).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+
+from hisparse_cli.kernels.attention_fwd_triton import _attn_fwd, _attn_reduce
+from hisparse_cli.kernels.importance_triton import _mass_from_logits, _mass_recompute
+from hisparse_cli.kernels.store_kv_triton import store_kv
+
+__all__ = ["store_kv", "sparse_attention", "AttnConfig", "choose_config", "DEFAULT_SCORE_STRIDE"]
+
+DEFAULT_SCORE_STRIDE = 8  # prefill importance from every 8th query (~1/16 of attention work)
+EXACT_SCORE_MAX_T = 64  # steps shorter than this are scored from every query
+LOGITS_MAX_ROWS = 16  # T * GRP <= this: exact mass from stored logits (no K re-read)
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    block_m: int = 128  # rows (query x group head) per program
+    block_n: int = 64  # keys per tile
+    num_warps: int = 8
+    num_stages: int = 2
+    score_block_m: int = 64  # sampled rows per scoring tile
+    score_block_n: int = 64  # keys per scoring program
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: small, so CPU tests exercise the split path
+
+
+def choose_config(n_rows: int, head_dim: int, fp32: bool = False) -> AttnConfig:
+    """Tiles for a step with n_rows = T * GRP query rows per KV head (fp32: FMA dots)."""
+    if fp32:  # fallback for fp32 caches: small tiles keep the FMA dot out of local memory
+        return AttnConfig(block_m=16 if n_rows <= 16 else 32, block_n=32, num_warps=4,
+                          num_stages=2, score_block_m=32, score_block_n=32)
+    if n_rows <= 16:  # decode: memory bound, a 16-row MMA is the floor
+        return AttnConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    if n_rows <= 64:
+        return AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    return AttnConfig(block_m=128, block_n=64, num_warps=8 if head_dim >= 128 else 4,
+                      num_stages=2)
+
+
+def _pick_splits(m_tiles: int, hkv: int, key_tiles: int, device: torch.device) -> int:
+    progs = m_tiles * hkv
+    target = 2 * _num_sms(device)
+    if progs >= target // 2 or key_tiles < 4:
+        return 1
+    return max(1, min(math.ceil(target / progs), key_tiles // 2, 64))
+
+
+def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window, scale,
+                     g_k=None, g_v=None, g_pos=None, return_scores=False, *,
+                     num_splits: int | None = None, score_stride: int | None = None,
+                     config: AttnConfig | None = None):
+    t_len, hq, d = q.shape
+    n_blocks, bs, hkv, _ = k_cache.shape
+    assert hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}"
+    grp = hq // hkv
+    assert q.dtype in _DTYPES and k_cache.dtype in _DTYPES and q.stride(-1) == 1
+    assert k_cache.shape[-1] == d and d >= 16 and d & (d - 1) == 0, f"head_dim {d}: power of 2 >= 16"
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert k_cache.stride(-1) == 1 and v_cache.dtype == k_cache.dtype
+    assert block_ids.shape == block_starts.shape and block_ids.ndim == 1 and block_ids.numel() > 0
+    assert block_ids.is_contiguous() and block_starts.is_contiguous()
+    assert block_ids.dtype in (torch.int32, torch.int64) and block_starts.dtype == torch.int64
+    assert q.device == k_cache.device == block_ids.device == block_starts.device
+    has_g = g_k is not None and g_k.shape[1] > 0
+    G = g_k.shape[1] if has_g else 0
+    if has_g:
+        assert g_k.shape == (hkv, G, d) and g_v.shape == g_k.shape and g_pos.shape == (hkv, G)
+        assert g_k.stride(-1) == 1 and g_v.stride() == g_k.stride() and g_pos.stride(-1) == 1
+        assert g_k.dtype == k_cache.dtype == g_v.dtype and g_pos.dtype == torch.int64
+    nb = block_ids.shape[0]
+    n_keys = nb * bs
+    n_rows = t_len * grp
+    cfg = config or choose_config(n_rows, d, fp32=k_cache.dtype == torch.float32)
+    windowed = window is not None
+    dev = q.device
+    upcast = _interpreting() or k_cache.dtype == torch.float32
+    m_tiles = triton.cdiv(n_rows, cfg.block_m)
+    visible_keys = min(n_keys, (window + sinks + t_len) if windowed else n_keys)
+    key_tiles = triton.cdiv(visible_keys, cfg.block_n) + triton.cdiv(G, cfg.block_n)
+    splits = num_splits or _pick_splits(m_tiles, hkv, key_tiles, dev)
+    store_s = return_scores and n_rows <= LOGITS_MAX_ROWS
+    write_lse = return_scores
+
+    out = torch.empty((t_len, hq, d), dtype=q.dtype, device=dev)
+    f32 = dict(dtype=torch.float32, device=dev)
+    lse = torch.empty((hkv, n_rows), **f32) if write_lse else out
+    s_ws = torch.empty((hkv, n_rows, G + n_keys), **f32) if store_s else lse
+    if splits > 1:
+        m_ws = torch.empty((splits, hkv, n_rows), **f32)
+        l_ws = torch.empty((splits, hkv, n_rows), **f32)
+        acc_ws = torch.empty((splits, hkv, n_rows, d), **f32)
+    else:
+        m_ws = l_ws = acc_ws = lse
+    gk, gv, gp = (g_k, g_v, g_pos) if has_g else (k_cache, v_cache, block_starts)
+    _attn_fwd[(m_tiles, hkv, splits)](
+        q, k_cache, v_cache, block_ids, block_starts, gk, gv, gp,
+        out, lse, m_ws, l_ws, acc_ws, s_ws,
+        t_len, nb, G, q_start, sinks if windowed else 0, window if windowed else 0,
+        scale * LOG2E, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        gk.stride(0) if has_g else 0, gk.stride(1) if has_g else 0,
+        gp.stride(0) if has_g else 0,
+        s_ws.stride(0) if store_s else 0, s_ws.stride(1) if store_s else 0,
+        HKV=hkv, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
+        WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, WRITE_LSE=write_lse,
+        STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        block_r = 16
+        _attn_reduce[(triton.cdiv(n_rows, block_r), hkv)](
+            m_ws, l_ws, acc_ws, out, lse, t_len, splits, out.stride(0), out.stride(1),
+            HKV=hkv, GRP=grp, D=d, BLOCK_R=block_r, WRITE_LSE=write_lse, num_warps=4)
+    if not return_scores:
+        return out, None, None
+
+    key_mass = torch.empty((hkv, n_keys), **f32)
+    g_mass = torch.empty((hkv, G), **f32) if has_g else key_mass
+    common = dict(t_len=t_len, n_keys=n_keys, G=G, q_start=q_start,
+                  sinks=sinks if windowed else 0, window=window if windowed else 0)
+    if store_s:
+        bn = 128
+        _mass_from_logits[(triton.cdiv(G + n_keys, bn), hkv)](
+            s_ws, lse, block_starts, gp, key_mass, g_mass,
+            *common.values(), s_ws.stride(0), s_ws.stride(1), gp.stride(0) if has_g else 0,
+            GRP=grp, BS=bs, BLOCK_R=16, BLOCK_N=bn, WINDOWED=windowed, HAS_G=has_g,
+            num_warps=4)
+    else:
+        stride = score_stride or (1 if t_len < EXACT_SCORE_MAX_T else DEFAULT_SCORE_STRIDE)
+        assert stride >= 1
+        bn = cfg.score_block_n
+        _mass_recompute[(triton.cdiv(G + n_keys, bn), hkv)](
+            q, k_cache, block_ids, block_starts, gk, gp, lse, key_mass, g_mass,
+            *common.values(), scale * LOG2E, stride,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            gk.stride(0) if has_g else 0, gk.stride(1) if has_g else 0,
+            gp.stride(0) if has_g else 0,
+            GRP=grp, D=d, BS=bs, BLOCK_M=cfg.score_block_m, BLOCK_N=bn, WINDOWED=windowed,
+            HAS_G=has_g, UPCAST=upcast, num_warps=4, num_stages=2)
+    return out, key_mass, (g_mass if has_g else None)
