@@ -59,22 +59,29 @@ class PackedInt4:
     group_size: int
 
 
+def _round_small(x: torch.Tensor) -> torch.Tensor:
+    """Round half to even of fp32 values with |x| < 2^22, in place (torch.round is slow on CPU)."""
+    return x.add_(12582912.0).sub_(12582912.0)  # 1.5 * 2^23: the sum keeps no fraction bits
+
+
 def group_minmax_params(w: torch.Tensor, group_size: int,
                         wmin: torch.Tensor | None = None, wmax: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit grid per (out row, input group) of w [out, in].
 
     wmin/wmax: optional [out, in/group] ranges (e.g. clipped); default the group's min/max.
-    Returns (scale fp32 [out, in/group], zero fp32 integer-valued in 0..15 [out, in/group]).
-    The range is widened to include 0 so that a zero weight stays representable.
+    Returns (scale, zero), fp32 [out, in/group]: scale is already rounded to fp16 (what the
+    checkpoint stores, so the zero point is chosen for the scale the kernel will see), zero is
+    integer-valued in 0..15. The range is widened to include 0 (a zero weight stays exact).
     """
     out, inf = w.shape
-    g = w.float().view(out, inf // group_size, group_size)
-    lo = g.amin(-1) if wmin is None else wmin.float()
-    hi = g.amax(-1) if wmax is None else wmax.float()
+    if wmin is None or wmax is None:
+        lo, hi = torch.aminmax(w.float().view(out, inf // group_size, group_size), dim=-1)
+    else:
+        lo, hi = wmin.float(), wmax.float()
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-    scale = ((hi - lo) / QMAX).clamp(min=1e-5)
-    zero = (-lo / scale).round().clamp(0, QMAX)
+    scale = ((hi - lo) / QMAX).clamp_(min=1e-5).to(torch.float16).float()
+    zero = _round_small((-lo / scale).clamp_(0, QMAX))
     return scale, zero
 
 
@@ -83,8 +90,8 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     """w [out, in], scale/zero [out, in/group] -> integer codes [out, in] in 0..15."""
     out, inf = w.shape
     g = w.float().view(out, inf // group_size, group_size)
-    q = (g / scale.unsqueeze(-1)).round() + zero.unsqueeze(-1)
-    return q.clamp(0, QMAX).view(out, inf)
+    q = torch.div(g, scale.unsqueeze(-1)).add_(zero.unsqueeze(-1)).clamp_(0, QMAX)
+    return _round_small(q).view(out, inf)  # clamping first is exact: the bounds are integers
 
 
 def fake_quantize(w: torch.Tensor, group_size: int, wmin: torch.Tensor | None = None,
@@ -92,10 +99,11 @@ def fake_quantize(w: torch.Tensor, group_size: int, wmin: torch.Tensor | None = 
     """Round-to-nearest INT4 then dequantize: what the packed weight will compute, [out, in]."""
     out, inf = w.shape
     scale, zero = group_minmax_params(w, group_size, wmin, wmax)
-    # the checkpoint stores fp16 scales: quantize with the scale the kernel will see
-    scale = scale.to(torch.float16).float()
-    q = quantize_codes(w, scale, zero, group_size).view(out, inf // group_size, group_size)
-    return ((q - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).view(out, inf).to(w.dtype)
+    s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)
+    g = w.float().view(out, inf // group_size, group_size)
+    q = torch.div(g, s)  # code - zero, clamped to the grid's [-z, 15 - z], then rounded
+    q = _round_small(torch.maximum(torch.minimum(q, QMAX - z), -z))
+    return q.mul_(s).view(out, inf).to(w.dtype)
 
 
 def quantize_weight(w: torch.Tensor, group_size: int, wmin: torch.Tensor | None = None,
@@ -106,12 +114,11 @@ def quantize_weight(w: torch.Tensor, group_size: int, wmin: torch.Tensor | None 
         raise ValueError(f"weight {tuple(w.shape)}: in must be a multiple of group_size "
                          f"{group_size} and out a multiple of 8")
     scale, zero = group_minmax_params(w, group_size, wmin, wmax)
-    scale16 = scale.to(torch.float16)
-    codes = quantize_codes(w, scale16.float(), zero, group_size)  # [out, in]
+    codes = quantize_codes(w, scale, zero, group_size)  # [out, in]
     return PackedInt4(
         qweight=pack_int4(codes.t().contiguous()),  # [in, out/8]
         qzeros=pack_int4(zero.t().contiguous()),  # [in/group, out/8]
-        scales=scale16.t().contiguous(),  # [in/group, out]
+        scales=scale.to(torch.float16).t().contiguous(),  # [in/group, out]
         group_size=group_size,
     )
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from hisparse_cli.errors import ConfigError, ModelError
 from hisparse_cli.quantize.layerwise import GroupResult
 
+CPU_MLP_TOKENS = 1024  # the MLP-output objective dominates CPU time; fewer rows there
 Progress = Callable[[str, int, int], None]  # (stage, done, total); stage: calibrate|layer|write
 
 
@@ -113,8 +114,10 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: l
                 n_params += _numel(h.get_slice(k).get_shape())
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     store_dtype = torch.float32 if n_params < 3e9 else torch.float16  # host copy while working
+    cuda = dev.type == "cuda"
     st = SearchSettings(group_size=group_size, awq=method == "awq", search_tokens=search_tokens,
-                        device=dev, dtype=torch.float16 if dev.type == "cuda" else torch.float32)
+                        mlp_tokens=search_tokens if cuda else min(search_tokens, CPU_MLP_TOKENS),
+                        device=dev, dtype=torch.float16 if cuda else torch.float32)
     model, cfg = load_model(src, "cpu", store_dtype)
     layers = model.model.layers
     calls = capture_layer_inputs(layers, lambda ids: forward_full(model, ids), blocks)

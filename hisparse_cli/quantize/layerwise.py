@@ -35,8 +35,8 @@ class SearchSettings:
     group_size: int = 128
     awq: bool = True  # False: plain round-to-nearest (the baseline), no search
     n_grid: int = 20
-    search_tokens: int = 4096  # token rows kept for the scale search
-    clip_tokens: int = 512  # of those, rows used by the clip search
+    search_tokens: int = 4096  # token rows kept for the searches (Gram-based objectives)
+    mlp_tokens: int = 4096  # of those, rows for the MLP-output objective (the costly one)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32  # the layer's compute dtype during calibration
 
@@ -175,7 +175,8 @@ def quantize_layer(index: int, layer: nn.Module, calls: list[tuple[tuple, dict]]
             x_mean, x = feats[tap]
             ws = [w[n] for n in names]
             if tap == "mlp_in":
-                loss = gated_mlp_loss(x, ws[0], ws[1], w["mlp.down_proj"], F.silu)
+                xm = x[:: max(1, x.shape[0] // st.mlp_tokens)][: st.mlp_tokens]
+                loss = gated_mlp_loss(xm, ws[0], ws[1], w["mlp.down_proj"], F.silu)
             else:
                 loss = linear_outputs_loss(x, ws)
             res = search_scale(x_mean, ws, g, loss, st.n_grid)
@@ -193,9 +194,7 @@ def quantize_layer(index: int, layer: nn.Module, calls: list[tuple[tuple, dict]]
         wt = mod.weight.data.float()
         lo = hi = None
         if st.awq and name not in NO_CLIP:
-            x = feats[tap_of[name]][1]
-            x = x[:: max(1, x.shape[0] // st.clip_tokens)][: st.clip_tokens]  # spread over seqs
-            lo, hi = search_clip(x, wt, g, st.n_grid)
+            lo, hi = search_clip(feats[tap_of[name]][1], wt, g, st.n_grid)
         p = quantize_weight(wt, g, lo, hi)
         packed[name] = PackedInt4(p.qweight.cpu(), p.qzeros.cpu(), p.scales.cpu(), g)
     layer.to(store_device, store_dtype)
@@ -227,7 +226,7 @@ def quantize_head(norm: nn.Module, head_weight: torch.Tensor, calls: list[tuple[
             norm.weight.data = (norm.weight.data.float() / res.scales).to(norm.weight.dtype)
             w = w * res.scales
             x = x / res.scales
-        lo, hi = search_clip(x[: st.clip_tokens], w, st.group_size, st.n_grid)
+        lo, hi = search_clip(x, w, st.group_size, st.n_grid)
     p = quantize_weight(w, st.group_size, lo, hi)
     norm.to(*store)
     return PackedInt4(p.qweight.cpu(), p.qzeros.cpu(), p.scales.cpu(), st.group_size), result

@@ -43,11 +43,25 @@ def weight_salience(weights: list[torch.Tensor], group_size: int) -> torch.Tenso
 
 def linear_outputs_loss(x: torch.Tensor, weights: list[torch.Tensor]
                         ) -> Callable[[list[torch.Tensor]], float]:
-    """Objective: mean squared error of the group's outputs x @ w.T, summed over linears."""
-    refs = [x @ w.float().t() for w in weights]
+    """Objective: mean squared error of the group's outputs x @ w.T, summed over linears.
+
+    With more rows than input channels the error of D = w - q is read off the Gram matrix,
+    mean((x D^T)^2) = sum((D G) * D) / (T * out) with G = x^T x: same value, less work.
+    """
+    x = x.float()
+    ws = [w.float() for w in weights]
+    t, d = x.shape
+    gram = x.t() @ x if t > d else None  # [in, in]
 
     def loss(qweights: list[torch.Tensor]) -> float:
-        return float(sum(((x @ q.t()) - r).pow(2).mean() for q, r in zip(qweights, refs)))
+        total = 0.0
+        for w, q in zip(ws, qweights):
+            diff = w - q.float()  # [out, in]
+            if gram is not None:
+                total += float(((diff @ gram) * diff).sum()) / (t * diff.shape[0])
+            else:
+                total += float((x @ diff.t()).pow(2).mean())
+        return total
 
     return loss
 
@@ -86,38 +100,39 @@ def search_scale(x_mean: torch.Tensor, weights: list[torch.Tensor], group_size: 
 
 
 def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, n_grid: int = 20,
-                max_shrink: float = 0.5, rows_per_chunk: int | None = None
+                max_shrink: float = 0.5, chunk_elems: int = 1 << 24
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(row, group) quantization range minimising the partial-output error.
 
     x: [T, in] calibration inputs (already divided by the group's scales), w: [out, in].
-    Returns (wmin, wmax) [out, in/group] to pass to awq_pack.quantize_weight.
+    The error of row r, group g is mean_t (x_tg . d_rg)^2 = d_rg G_g d_rg / T with the
+    group's Gram block G_g = x_g^T x_g [G, G]. Returns (wmin, wmax) [out, in/group] for
+    awq_pack.quantize_weight.
     """
     w = w.float()
     out, inf = w.shape
     ng = inf // group_size
-    xg = x.float().view(-1, ng, group_size)  # [T, ng, G]
-    if rows_per_chunk is None:  # keep the [T, rows, ng] partial-output tensor near 64 MiB
-        rows_per_chunk = max(8, (1 << 24) // max(1, xg.shape[0] * ng))
+    xg = x.float().view(-1, ng, group_size).transpose(0, 1)  # [ng, T, G]
+    gram = xg.transpose(1, 2) @ xg  # [ng, G, G]
+    rows = max(8, chunk_elems // inf)  # bounds the [rows, in] temporaries
     lo_all = torch.empty(out, ng, device=w.device)
     hi_all = torch.empty(out, ng, device=w.device)
     steps = int(round(max_shrink * n_grid))
-    for r0 in range(0, out, rows_per_chunk):
-        wc = w[r0:r0 + rows_per_chunk]  # [R, in]
-        wgrp = wc.view(-1, ng, group_size)  # [R, ng, G]
-        lo0, hi0 = wgrp.amin(-1), wgrp.amax(-1)  # [R, ng]
+    for r0 in range(0, out, rows):
+        wc = w[r0:r0 + rows]  # [R, in]
+        lo0, hi0 = torch.aminmax(wc.view(-1, ng, group_size), dim=-1)  # [R, ng]
         best_err = torch.full_like(lo0, float("inf"))
         best_lo, best_hi = lo0.clone(), hi0.clone()
         for i in range(steps + 1):
             r = 1.0 - i / n_grid
             lo, hi = lo0 * r, hi0 * r
-            q = fake_quantize(wc, group_size, lo, hi)  # codes clamp to the shrunk range
-            diff = (wgrp - q.view_as(wgrp))  # [R, ng, G]
-            err = torch.einsum("tgk,rgk->trg", xg, diff).pow(2).mean(0)  # [R, ng]
+            diff = (wc - fake_quantize(wc, group_size, lo, hi)).view(-1, ng, group_size)
+            diff = diff.transpose(0, 1)  # [ng, R, G]
+            err = ((diff @ gram) * diff).sum(-1).t()  # [R, ng]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_lo = torch.where(better, lo, best_lo)
             best_hi = torch.where(better, hi, best_hi)
-        lo_all[r0:r0 + rows_per_chunk] = best_lo
-        hi_all[r0:r0 + rows_per_chunk] = best_hi
+        lo_all[r0:r0 + rows] = best_lo
+        hi_all[r0:r0 + rows] = best_hi
     return lo_all, hi_all
