@@ -72,6 +72,9 @@ _SHARED: list[tuple[str, object, object]] = [
         min=0, help="Candidates per layer/head held for the next recalibration.")], None),
     ("prefill_chunk", Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1,
         help="Tokens per forward pass while prefilling.")], None),
+    ("importance", Annotated[Optional[str], _opt("--importance", panel=P_SPARSE,
+        help="How global tokens are chosen: attention, snapkv, uniform or probe.  "
+             "[default: the profile's]")], None),
     ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,
         help="Dense attention (no window, no globals): the exact baseline.")], False),
     ("password", Annotated[Optional[str], _opt("--password", panel=P_MODEL,
@@ -103,6 +106,7 @@ class RunOptions:
     recalibrate_every: int | None = None
     recalibrate_topk: int | None = None
     prefill_chunk: int | None = None
+    importance: str | None = None
     dense: bool = False
     password: str | None = None
     quiet: bool = False
@@ -119,7 +123,7 @@ class RunOptions:
             profile, dense=self.dense, window_size=self.window, global_tokens=self.global_tokens,
             sink_tokens=self.sink_tokens, block_size=self.block_size,
             recalibrate_every=self.recalibrate_every, recalibrate_topk=self.recalibrate_topk,
-            prefill_chunk=self.prefill_chunk)
+            prefill_chunk=self.prefill_chunk, importance=self.importance)
 
     def summary_settings(self, profile):
         from hisparse_cli.engine.config import GenerationConfig

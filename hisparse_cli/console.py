@@ -83,7 +83,7 @@ class TokenProgress:
         self._task = None
         self._key: tuple[str, str] | None = None
         self._started = 0.0
-        self._phases: dict[str, tuple[int, float]] = {}  # phase -> (tokens, seconds)
+        self._phases: dict[str, tuple[int, float, int]] = {}  # phase -> (done, s, total)
 
     def __enter__(self) -> "TokenProgress":
         if self.live:
@@ -103,10 +103,12 @@ class TokenProgress:
         if self._key is None or self.quiet or self.live:
             return
         parts = []
-        for phase, noun in (("prefill", "prompt"), ("decode", "new")):
-            if phase in self._phases:
-                n, sec = self._phases[phase]
+        for phase, (n, sec, total) in self._phases.items():
+            if phase in ("prefill", "decode"):
+                noun = "prompt" if phase == "prefill" else "new"
                 parts.append(f"{n:,} {noun} tokens ({n / sec if sec > 0 else 0.0:,.1f} tok/s)")
+            else:
+                parts.append(f"{phase} {n:,}/{total:,} ({sec:.1f} s)")
         note(f"{self.prefix}{self._key[0]}: " + ", ".join(parts))
         self._phases = {}
 
@@ -122,7 +124,7 @@ class TokenProgress:
                     self._progress.remove_task(self._task)
                 self._task = self._progress.add_task(f"{self.prefix}{step} · {phase}",
                                                      total=total)
-        self._phases[phase] = (done, time.perf_counter() - self._started)
+        self._phases[phase] = (done, time.perf_counter() - self._started, total)
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=done, total=total)
 

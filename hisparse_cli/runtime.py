@@ -22,7 +22,7 @@ from hisparse_cli.errors import ConfigError
 from hisparse_cli.profiles import HardwareProfile
 
 SPARSE_FLAGS = ("sink_tokens", "window_size", "global_tokens", "block_size",
-                "recalibrate_every", "recalibrate_topk", "prefill_chunk")
+                "recalibrate_every", "recalibrate_topk", "prefill_chunk", "importance")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def plan_device(profile: HardwareProfile, cuda_available: bool) -> DevicePlan:
 
 
 def sparse_settings(profile: HardwareProfile, *, dense: bool = False,
-                    **flags: int | None) -> SparseConfig:
+                    **flags: int | str | None) -> SparseConfig:
     """The profile's SparseConfig with CLI flags applied (None = flag not given).
 
     `dense=True` turns the sliding window off (every query sees every key); it cannot be
