@@ -113,6 +113,12 @@ class PagedKVCache:
         return (k.gather(2, gather), v.gather(2, gather), pos_sel, mass.gather(-1, idx),
                 seen.gather(-1, idx))
 
+    @staticmethod
+    def _assign(dst: tuple, src: tuple) -> None:
+        """Update slot tensors in place: their storage stays fixed (CUDA-graph safe)."""
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
     def evict_to_candidates(self, physical: list[int], starts: list[int]) -> None:
         """Score the tokens of evicted blocks and keep the best `C` per layer/head as candidates.
         Must run before the blocks are reused (they are freed by the host policy)."""
@@ -132,7 +138,7 @@ class PagedKVCache:
         seen = torch.full(pos.shape, float(self.queries_per_candidate), device=self.device)
         cat = [torch.cat(pair, dim=2) for pair in ((self.ck, k), (self.cv, v), (self.cpos, pos),
                                                    (self.cmass, mass), (self.cseen, seen))]
-        self.ck, self.cv, self.cpos, self.cmass, self.cseen = self._select(*cat, n=self.C)
+        self._assign((self.ck, self.cv, self.cpos, self.cmass, self.cseen), self._select(*cat, n=self.C))
 
     def recalibrate(self) -> None:
         """Segmented recalibration: new globals = best G of (globals ∪ candidates)."""
@@ -141,7 +147,7 @@ class PagedKVCache:
         cat = [torch.cat(pair, dim=2) for pair in ((self.gk, self.ck), (self.gv, self.cv),
                                                    (self.gpos, self.cpos), (self.gmass, self.cmass),
                                                    (self.gseen, self.cseen))]
-        self.gk, self.gv, self.gpos, self.gmass, self.gseen = self._select(*cat, n=self.G)
+        self._assign((self.gk, self.gv, self.gpos, self.gmass, self.gseen), self._select(*cat, n=self.G))
         self.cpos.fill_(-1)
         self.cmass.zero_()
         self.cseen.zero_()
