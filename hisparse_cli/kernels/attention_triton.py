@@ -49,6 +49,11 @@ class AttnConfig:
     score_block_n: int = 64  # keys per scoring program
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output/workspace comes from here (tests swap it for a NaN-poisoning version)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -117,14 +122,14 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     store_s = return_scores and n_rows <= LOGITS_MAX_ROWS
     write_lse = return_scores
 
-    out = torch.empty((t_len, hq, d), dtype=q.dtype, device=dev)
-    f32 = dict(dtype=torch.float32, device=dev)
-    lse = torch.empty((hkv, n_rows), **f32) if write_lse else out
-    s_ws = torch.empty((hkv, n_rows, G + n_keys), **f32) if store_s else lse
+    out = _alloc((t_len, hq, d), q.dtype, dev)
+    f32 = (torch.float32, dev)
+    lse = _alloc((hkv, n_rows), *f32) if write_lse else out
+    s_ws = _alloc((hkv, n_rows, G + n_keys), *f32) if store_s else lse
     if splits > 1:
-        m_ws = torch.empty((splits, hkv, n_rows), **f32)
-        l_ws = torch.empty((splits, hkv, n_rows), **f32)
-        acc_ws = torch.empty((splits, hkv, n_rows, d), **f32)
+        m_ws = _alloc((splits, hkv, n_rows), *f32)
+        l_ws = _alloc((splits, hkv, n_rows), *f32)
+        acc_ws = _alloc((splits, hkv, n_rows, d), *f32)
     else:
         m_ws = l_ws = acc_ws = lse
     gk, gv, gp = (g_k, g_v, g_pos) if has_g else (k_cache, v_cache, block_starts)
@@ -149,8 +154,8 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     if not return_scores:
         return out, None, None
 
-    key_mass = torch.empty((hkv, n_keys), **f32)
-    g_mass = torch.empty((hkv, G), **f32) if has_g else key_mass
+    key_mass = _alloc((hkv, n_keys), *f32)
+    g_mass = _alloc((hkv, G), *f32) if has_g else key_mass
     common = dict(t_len=t_len, n_keys=n_keys, G=G, q_start=q_start,
                   sinks=sinks if windowed else 0, window=window if windowed else 0)
     if store_s:

@@ -20,7 +20,8 @@ def _store_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     slot = tl.load(slot_ptr + t)
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, D)
-    ok = (h < HKV)[:, None] & (slot >= 0)
+    n_heads = tl.where(slot >= 0, HKV, 0)  # a padding slot writes nothing
+    ok = (h[:, None] < n_heads) & (d[None, :] < D)
     dst = (slot // BS) * stride_cb + (slot % BS) * stride_cs + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=ok)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
