@@ -1,0 +1,182 @@
+"""Replay of one `Engine.generate` run: the host policy itself (engine/sparsity.py's
+`SparseSequence` on an engine/block_pool.py `BlockPool`: plain Python, no torch) decides,
+step by step, how many blocks are live, how many each step reads, which are evicted and when
+the globals are recalibrated; the device-side tensors of each step are replayed with the
+traces of planner_step.py on top of what is resident (ids, paged KV storage grown by
+`PagedKVCache.ensure_capacity`'s doubling rule, slots, logits).
+
+The result is the peak of device bytes the run allocates besides the weights (and cuBLAS's
+workspace), what was live at that moment, and the KV numbers `RunStats` reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hisparse_cli.engine.block_pool import BlockPool
+from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.engine.sparsity import SparseSequence, cdiv
+from hisparse_cli.planner_attn import AttnStep
+from hisparse_cli.planner_step import evict_peak, forward_peak, recalibrate_peak
+from hisparse_cli.planner_trace import StepShape, SubPeak, Trace
+
+
+@dataclass(frozen=True)
+class KVSummary:
+    """KV numbers of the run. `peak_live_blocks` / `kv_bytes_peak` are what `RunStats`
+    reports as kv_blocks_peak / kv_bytes_peak (live blocks x bytes per block + K/V slots)."""
+
+    block_size: int
+    bytes_per_block: int  # K and V of one block, every layer
+    window: int | None  # effective window (profile window, capped by a model-native one)
+    sinks: int
+    sink_blocks: int
+    span_blocks: int  # blocks spanning window + chunk - 1 positions, plus one boundary block
+    working_set_bound_blocks: int  # SparseSequence.working_set_bound (what check_fits uses)
+    peak_live_blocks: int
+    kv_bytes_peak: int
+    capacity_blocks: int  # paged storage after ensure_capacity's growth (>= peak live)
+    growths: int
+    global_slots: int  # per layer and KV head
+    candidate_slots: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class RunTrace:
+    peak: int  # device bytes allocated at the run's peak, weights and workspace excluded
+    peak_live: dict[str, int]  # what was live then, by name
+    peak_label: str  # when: "prefill step 12 (tokens 6144-6655): forward"
+    phase_peaks: dict[str, int]  # largest transient of each kind of work
+    resident_end: dict[str, int]  # live after the last step
+    kv: KVSummary
+    prefill_steps: int
+    decode_steps: int
+    extra: dict = field(default_factory=dict)
+
+
+def visible_count(seq: SparseSequence, q_start: int, n: int) -> int:
+    """len(seq.visible_blocks(q_start, n)[0]) without building the lists."""
+    bs = seq.cfg.block_size
+    last = (q_start + n - 1) // bs
+    if seq.window is None:
+        return last + 1
+    lo = max(seq.sinks, q_start - seq.window + 1)
+    a = min(cdiv(seq.sinks, bs), last + 1)  # sink blocks [0, a)
+    b = min(lo, q_start + n - 1) // bs  # window blocks [b, last]
+    return (last + 1 - b) + min(a, b)
+
+
+def sampled_queries(q_start: int, n: int, stride: int) -> int:
+    """Positions q in [q_start, q_start + n) with q % stride == 0."""
+    return (q_start + n - 1) // stride - (q_start - 1) // stride
+
+
+def policy(sparse: SparseConfig, model_window: int | None) -> SparseSequence:
+    return SparseSequence(sparse, BlockPool(), model_window=model_window)
+
+
+def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, prompt: int,
+                 new_tokens: int) -> RunTrace:
+    pool = BlockPool()
+    seq = SparseSequence(sparse, pool, model_window=model_window)
+    assert (seq.window, seq.sinks) == (s.window, s.sinks), "StepShape disagrees with the policy"
+    tr = Trace(512 if s.cuda else 1)
+    tr.label = "setup"
+    lh, bs, chunk = s.layers * s.hkv, sparse.block_size, sparse.prefill_chunk
+    ids = tr.alloc("input_ids", prompt * 8)
+    for name, n in (("kv.global_slots", s.G), ("kv.candidate_slots", s.C)):
+        for nbytes in (lh * n * s.d * s.kvb, lh * n * s.d * s.kvb, lh * n * 8, lh * n * 4,
+                       lh * n * 4):
+            tr.alloc(name, nbytes)
+    bpb = 2 * s.layers * bs * s.hkv * s.d * s.kvb
+    slot_bytes = 2 * lh * (s.G + s.C) * s.d * s.kvb  # PagedKVCache.slot_bytes()
+    cap, k, v, score, logits, growths, kv_peak = 0, -1, -1, -1, -1, 0, 0
+    fwd_memo: dict[tuple, tuple[SubPeak, list[int]]] = {}
+    g_valid = c_valid = 0  # filled global / candidate slots (reference mask branch)
+    evict_memo: dict[int, SubPeak] = {}
+    recal = recalibrate_peak(s) if s.G else None
+    phase: dict[str, int] = {}
+
+    def note(kind: str, value: int) -> None:
+        phase[kind] = max(phase.get(kind, 0), value)
+
+    steps = [(st, min(chunk, prompt - st)) for st in range(0, prompt, chunk)]
+    n_prefill = len(steps)
+    steps += [(prompt + i, 1) for i in range(max(new_tokens - 1, 0))]
+    sample = SubPeak(tr.size(s.vocab * 4) + tr.size(8), {"sampling": tr.size(s.vocab * 4)})
+    for i, (start, n) in enumerate(steps):
+        decode = i >= n_prefill
+        where = (f"decode step {i - n_prefill + 1} (position {start})" if decode else
+                 f"prefill step {i + 1}/{n_prefill} (tokens {start}-{start + n - 1})")
+        tr.label = where
+        inp = -1
+        if decode:  # sampler on the previous logits, then torch.tensor([tok])
+            tr.bump(sample, where + ": sampling")
+            inp = tr.alloc("step_tensors", 8)
+        new_blocks = seq.append(n)
+        if pool.capacity > cap:  # PagedKVCache.ensure_capacity
+            new_cap = (max(pool.capacity, min(2 * cap, pool.capacity + cap)) if cap
+                       else pool.capacity)
+            tr.label = where + ": KV storage growth"
+            before = tr.cur
+            nk = tr.alloc("kv.paged_kv", s.layers * new_cap * bs * s.hkv * s.d * s.kvb)
+            nv = tr.alloc("kv.paged_kv", s.layers * new_cap * bs * s.hkv * s.d * s.kvb)
+            note("kv_growth", tr.cur - before)
+            tr.free(k, v)
+            k, v = nk, nv
+            if s.score_tensor:
+                ns = tr.alloc("kv.importance_scores", s.layers * new_cap * bs * s.hkv * 4)
+                tr.free(score)
+                score = ns
+            cap, growths = new_cap, growths + 1
+            tr.label = where
+        if s.score_tensor and new_blocks:  # reset_scores: index tensor
+            tr.bump(SubPeak(tr.size(8 * len(new_blocks))), where)
+        kv_peak = max(kv_peak, pool.live * bpb + slot_bytes)
+        nb = visible_count(seq, start, n)
+        ctx = [tr.alloc("step_tensors", n * 8), tr.alloc("step_tensors", nb * 8),
+               tr.alloc("step_tensors", nb * 8), tr.alloc("step_tensors", n * 8)]
+        ts = (sampled_queries(start, n, s.score_stride)
+              if s.backend == "torch" and s.track_scores and s.score_stride > 1 else 0)
+        a = AttnStep(t=n, nb=nb, ts=ts, globals_full=g_valid == s.G)
+        if a.key not in fwd_memo:
+            fwd_memo[a.key] = forward_peak(s, a)
+        fwd, kept = fwd_memo[a.key]
+        note("decode_forward" if decode else "prefill_forward", fwd.peak)
+        tr.bump(fwd, where + ": forward")
+        ctx += [tr.alloc("step_tensors", b) for b in kept]  # the reference's mask memo
+        new_logits = tr.alloc("logits", s.vocab * 4)
+        evicted = seq.evict()
+        if evicted and s.C:
+            ne = len(evicted)
+            fresh = sum(bs - min(bs, max(0, seq.sinks - e.start)) for e in evicted)
+            c_valid = min(s.C, c_valid + fresh)
+            if ne not in evict_memo:
+                evict_memo[ne] = evict_peak(s, ne)
+            note("evict", evict_memo[ne].peak)
+            tr.bump(evict_memo[ne], where + ": eviction to candidate slots")
+        if recal is not None and seq.recalibration_due(start, start + n):
+            g_valid, c_valid = min(s.G, g_valid + c_valid), 0
+            note("recalibrate", recal.peak)
+            tr.bump(recal, where + ": recalibration")
+        tr.free(*ctx, inp, logits)
+        logits = new_logits
+    if new_tokens:
+        tr.bump(sample, "final sampling")
+    resident = tr.live_by_name()
+    tr.free(ids)
+    bound_seq = policy(sparse, model_window)
+    kv = KVSummary(
+        block_size=bs, bytes_per_block=bpb, window=seq.window, sinks=seq.sinks,
+        sink_blocks=cdiv(seq.sinks, bs) if seq.window is not None else 0,
+        span_blocks=cdiv(seq.window + chunk - 1, bs) + 1 if seq.window is not None else 0,
+        working_set_bound_blocks=bound_seq.working_set_bound(chunk, prompt + new_tokens),
+        peak_live_blocks=pool.peak_live, kv_bytes_peak=kv_peak, capacity_blocks=cap,
+        growths=growths, global_slots=s.G, candidate_slots=s.C)
+    seq.release()
+    return RunTrace(peak=tr.peak, peak_live=tr.peak_live, peak_label=tr.peak_label,
+                    phase_peaks=phase, resident_end=resident, kv=kv, prefill_steps=n_prefill,
+                    decode_steps=len(steps) - n_prefill)

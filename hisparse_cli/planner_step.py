@@ -1,0 +1,152 @@
+"""Allocation traces of a whole engine step: the forward pass (model/llama.py), the attention
+backends (kernels/attention_ref.py, kernels/attention_triton.py) and the KV cache's own work
+(engine/kv_cache.py: eviction into candidate slots, recalibration). Each function returns the
+peak of its temporaries measured from zero (`SubPeak`); see planner_trace.py for the rules.
+"""
+
+from __future__ import annotations
+
+from hisparse_cli.planner_attn import AttnStep, attn_ref, attn_triton, memo_bytes
+from hisparse_cli.planner_trace import StepShape, SubPeak, Trace, cos_sin, linear, rms_norm, rope
+
+
+# -- one decoder layer and the whole forward -------------------------------------------------
+def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> int:
+    t, hs, qd, kd = a.t, s.hidden, s.hq * s.d, s.hkv * s.d
+    h = rms_norm(tr, s, "norm", t, hs)
+    q = linear(tr, s, "attn.q", t, hs, qd, s.awq, s.qkv_bias)
+    k = linear(tr, s, "attn.k", t, hs, kd, s.awq, s.qkv_bias)
+    v = linear(tr, s, "attn.v", t, hs, kd, s.awq, s.qkv_bias)
+    if s.qk_norm:
+        q2 = rms_norm(tr, s, "attn.q", t * s.hq, s.d)
+        k2 = rms_norm(tr, s, "attn.k", t * s.hkv, s.d)
+        tr.free(q, k)
+        q, k = q2, k2
+    q2 = rope(tr, s, "attn.q", t, s.hq)
+    k2 = rope(tr, s, "attn.k", t, s.hkv)
+    tr.free(q, k)
+    q, k = q2, k2
+    if s.backend == "torch" and s.kvb != s.cb:  # store_kv: k.to(cache dtype), then v
+        tr.free(tr.alloc("attn.store", t * kd * s.kvb))
+    if s.backend == "triton":
+        out, masses = attn_triton(tr, s, a)
+    else:
+        out, masses = attn_ref(tr, s, a, first)
+    tr.free(*masses)
+    copy = s.backend == "torch" and t > 1  # reshape of the reference's transposed output
+    flat = tr.alloc("attn.out", t * qd * s.cb) if copy else -1
+    o = linear(tr, s, "attn.o", t, qd, hs, s.awq, s.o_bias)
+    tr.free(flat, q, k, v, out, h)
+    return o
+
+
+def layer_peak(s: StepShape, a: AttnStep, first: bool = False) -> SubPeak:
+    """One DecoderLayer.forward on top of its input x [t, hidden] (held by the caller).
+    first: the step's first layer, which builds the reference's mask memo (left live)."""
+    tr = Trace(512 if s.cuda else 1)
+    t, hs, cb = a.t, s.hidden, s.cb
+    att = _attention(tr, s, a, first)
+    x2 = tr.alloc("residual", t * hs * cb)
+    tr.free(att)
+    h2 = rms_norm(tr, s, "norm", t, hs)
+    g = linear(tr, s, "mlp.gate", t, hs, s.inter, s.awq, s.mlp_bias)
+    act = tr.alloc("mlp.act", t * s.inter * cb)  # silu
+    tr.free(g)
+    u = linear(tr, s, "mlp.up", t, hs, s.inter, s.awq, s.mlp_bias)
+    p = tr.alloc("mlp.act", t * s.inter * cb)
+    tr.free(act, u)
+    d = linear(tr, s, "mlp.down", t, s.inter, hs, s.awq, s.mlp_bias)
+    tr.free(p, h2)
+    tr.alloc("residual", t * hs * cb)
+    tr.free(d, x2)
+    return SubPeak.of(tr)
+
+
+def forward_peak(s: StepShape, a: AttnStep) -> tuple[SubPeak, list[int]]:
+    """CausalLM.forward for a step -> (peak of its temporaries, byte sizes of what stays live
+    until the step ends besides the logits: the reference's mask memo)."""
+    tr = Trace(512 if s.cuda else 1)
+    x = tr.alloc("residual", a.t * s.hidden * s.cb)  # embedding rows (also when host-resident)
+    cos, sin = cos_sin(tr, s, a.t)
+    kept: list[int] = []
+    if s.backend == "torch":
+        tr.bump(layer_peak(s, a, first=True), "layer")
+        kept = [tr.size(b) for b in memo_bytes(s, a)]
+        for b in kept:
+            tr.alloc("attn.memo", b)
+        if s.layers > 1:
+            tr.bump(layer_peak(s, a), "layer")
+    else:
+        tr.bump(layer_peak(s, a), "layer")
+    h = rms_norm(tr, s, "final_norm", 1, s.hidden)
+    y = linear(tr, s, "lm_head", 1, s.hidden, s.vocab, s.awq and s.awq_lm_head)
+    logits = tr.alloc("logits", s.vocab * 4) if s.cb != 4 else y
+    tr.free(h, x, cos, sin)
+    if logits != y:
+        tr.free(y)
+    return SubPeak.of(tr), kept
+
+
+# -- KV cache work after the forward ---------------------------------------------------------
+def select_peak(tr: Trace, s: StepShape, width: int, keep: int, name: str) -> list[int]:
+    """PagedKVCache._select over [L, H, width] candidates keeping `keep`: the new slots."""
+    lh = s.layers * s.hkv
+    if s.importance == "uniform":
+        p1 = tr.alloc(name, lh * width * 8)  # pos + 1
+        ng = tr.alloc(name, lh * width * 8)
+        an = tr.alloc(name, lh * width * 8)  # p1 & -p1
+        tr.free(ng)
+        cl = tr.alloc(name, lh * width * 8)
+        tr.free(an)
+        fl = tr.alloc(name, lh * width * 4)
+        tr.free(cl)
+        pr = tr.alloc(name, lh * width * 4)  # log2
+        tr.free(fl)
+    else:
+        cl = tr.alloc(name, lh * width * 4)  # seen.clamp
+        pr = tr.alloc(name, lh * width * 4)  # mass / seen
+        tr.free(cl)
+    neg = tr.alloc(name, lh * width)  # pos < 0
+    pr2 = tr.alloc(name, lh * width * 4)  # masked_fill
+    tr.free(neg, pr, p1 if s.importance == "uniform" else -1)
+    vals, idx = tr.alloc(name, lh * keep * 4), tr.alloc(name, lh * keep * 8)  # topk
+    g1 = tr.alloc(name, lh * keep * 8)  # pos.gather
+    eq = tr.alloc(name, lh * keep)
+    pos = tr.alloc(name, lh * keep * 8)  # masked_fill
+    tr.free(g1, eq)
+    kv = [tr.alloc(name, lh * keep * s.d * s.kvb) for _ in range(2)]
+    new = kv + [pos, tr.alloc(name, lh * keep * 4), tr.alloc(name, lh * keep * 4)]
+    tr.free(pr2, vals, idx)
+    return new
+
+
+def evict_peak(s: StepShape, ne: int) -> SubPeak:
+    """evict_to_candidates for ne blocks (the old candidate slots stay live until replaced)."""
+    tr = Trace(512 if s.cuda else 1)
+    lh, n, name = s.layers * s.hkv, ne * s.bs, "evict"
+    tmp = [tr.alloc(name, ne * 8)]  # ids
+    tmp += [tr.alloc(name, s.layers * n * s.hkv * s.d * s.kvb) for _ in range(2)]  # k, v gather
+    a, b = tr.alloc(name, ne * 8), tr.alloc(name, s.bs * 8)
+    p0 = tr.alloc(name, n * 8)
+    tr.free(a, b)
+    lt = tr.alloc(name, n)
+    tmp.append(tr.alloc(name, n * 8))  # pos.masked_fill
+    tr.free(lt, p0)
+    tmp.append(tr.alloc(name, lh * n * 4))  # mass (score gather or zeros)
+    tmp.append(tr.alloc(name, lh * n * 4))  # seen
+    w = s.C + n
+    tmp += [tr.alloc(name, lh * w * s.d * s.kvb) for _ in range(2)]  # cat k, v
+    tmp += [tr.alloc(name, lh * w * 8), tr.alloc(name, lh * w * 4), tr.alloc(name, lh * w * 4)]
+    new = select_peak(tr, s, w, s.C, name)
+    tr.free(*tmp, *new)
+    return SubPeak.of(tr)
+
+
+def recalibrate_peak(s: StepShape) -> SubPeak:
+    tr = Trace(512 if s.cuda else 1)
+    lh, w, name = s.layers * s.hkv, s.G + s.C, "recalibrate"
+    tmp = [tr.alloc(name, lh * w * s.d * s.kvb) for _ in range(2)]
+    tmp += [tr.alloc(name, lh * w * 8), tr.alloc(name, lh * w * 4), tr.alloc(name, lh * w * 4)]
+    new = select_peak(tr, s, w, s.G, name)
+    tr.free(*tmp, *new)
+    return SubPeak.of(tr)
