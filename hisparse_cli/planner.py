@@ -176,7 +176,7 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     items += _run_items(run, shape, context_tokens)
     peak = weights + workspace + run.peak
     assert sum(i.bytes for i in items if i.counted) == peak
-    items += _info_items(run, shape, cuda)
+    items += _info_items(run)
     context = CUDA_CONTEXT_BYTES if cuda else 0
     resident = weights + workspace + sum(run.resident_end.values())
     fits = None if budget_bytes is None else peak <= budget_bytes
@@ -234,7 +234,7 @@ def _run_items(run, s: StepShape, prompt: int) -> list[LineItem]:
     return items
 
 
-def _info_items(run, s: StepShape, cuda: bool) -> list[LineItem]:
+def _info_items(run) -> list[LineItem]:
     kv = run.kv
     out = [
         LineItem("kv.working_set_bound", kv.working_set_bound_blocks * kv.bytes_per_block,
@@ -253,10 +253,6 @@ def _info_items(run, s: StepShape, cuda: bool) -> list[LineItem]:
         if key in run.phase_peaks:
             out.append(LineItem(label, run.phase_peaks[key],
                                 "largest transient of this kind in the run", False))
-    if cuda:
-        out.append(LineItem("cuda_context", CUDA_CONTEXT_BYTES,
-                            "driver context outside torch's allocator (calibrated constant)",
-                            False))
     return out
 
 

@@ -1,0 +1,153 @@
+"""`hisparse plan`: the memory plan of a run before anything is loaded (registered by cli.py).
+
+The model is a built-in shape (`llama-3-8b`, `llama-3-8b-awq`, `mistral-7b`, `qwen2.5-7b`,
+`smollm2-135m`: no weights needed) or anything `--model` accepts elsewhere, resolved without
+downloading (its config.json is read). Settings: CLI flag > profile > built-in default; the
+plan is for the profile's device (a GPU profile plans CUDA even on a CPU-only machine).
+stdout gets the plan (a table, or one JSON document with --json); `--check` exits 5 when the
+plan does not fit the budget.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+P_MODEL, P_SPARSE, P_MEM = "Model and profile", "Sparse attention", "Memory"
+
+
+class WeightFormat(str, Enum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp32 = "fp32"
+    awq = "awq-int4"
+
+
+class KVDtype(str, Enum):
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+class Device(str, Enum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class Backend(str, Enum):
+    triton = "triton"
+    torch = "torch"
+
+
+def _opt(*decls: str, panel: str, **kw):
+    return typer.Option(*decls, rich_help_panel=panel, **kw)
+
+
+def _quantized_lm_head(folder: Path) -> bool:
+    """Does the checkpoint hold lm_head as INT4 (reads safetensors headers only)?"""
+    from hisparse_cli.model.loader import safetensors_files
+
+    try:
+        from safetensors import safe_open
+
+        return any("lm_head.qweight" in safe_open(str(f), framework="pt").keys()
+                   for f in safetensors_files(folder))
+    except Exception:  # noqa: BLE001 - a header we cannot read: assume the usual fp16 head
+        return False
+
+
+def resolve_config(spec: str | None):
+    """(ModelConfig, display name, AWQ lm_head?) for a shape name or a model spec."""
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner_shapes import is_shape, shape_config
+
+    if is_shape(spec):
+        return shape_config(spec), spec.strip().lower(), False
+    from hisparse_cli.models.resolve import resolve_model
+
+    folder = Path(resolve_model(spec, auto_pull=False))
+    return ModelConfig.from_folder(folder), folder.name, _quantized_lm_head(folder)
+
+
+def plan(
+    model: Annotated[Optional[str], _opt("--model", "-m", panel=P_MODEL, help=(
+        "A built-in shape (llama-3-8b, llama-3-8b-awq, mistral-7b, qwen2.5-7b, smollm2-135m) "
+        "or a model as summarize takes it (its config.json is read; nothing is downloaded). "
+        " [default: the embedded default model]"))] = None,
+    profile: Annotated[str, _opt("--profile", "-p", panel=P_MODEL, help=(
+        "Hardware profile: a name, 'auto' or a .toml file."))] = "auto",
+    context: Annotated[Optional[int], _opt("--context", "-c", panel=P_MODEL, min=1, help=(
+        "Prompt tokens.  [default: the model's positions minus --max-new-tokens]"))] = None,
+    max_new_tokens: Annotated[Optional[int], _opt("--max-new-tokens", "-n", panel=P_MODEL,
+                                                  min=0, help="Summary length in tokens. "
+                                                  " [default: the profile's]")] = None,
+    window: Annotated[Optional[int], _opt("--window", panel=P_SPARSE, min=1)] = None,
+    global_tokens: Annotated[Optional[int], _opt("--global-tokens", panel=P_SPARSE, min=0)] = None,
+    sink_tokens: Annotated[Optional[int], _opt("--sink-tokens", panel=P_SPARSE, min=0)] = None,
+    block_size: Annotated[Optional[int], _opt("--block-size", panel=P_SPARSE, min=1)] = None,
+    recalibrate_every: Annotated[Optional[int], _opt("--recalibrate-every", panel=P_SPARSE,
+                                                     min=1)] = None,
+    recalibrate_topk: Annotated[Optional[int], _opt("--recalibrate-topk", panel=P_SPARSE,
+                                                    min=0)] = None,
+    prefill_chunk: Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1)] = None,
+    dense: Annotated[bool, _opt("--dense", panel=P_SPARSE, help="Dense attention.")] = False,
+    weight_format: Annotated[Optional[WeightFormat], _opt("--weight-format", panel=P_MEM, help=(
+        "Override the weights' format.  [default: what the checkpoint holds]"))] = None,
+    embeddings_on_host: Annotated[Optional[bool], _opt(
+        "--embeddings-on-host/--embeddings-on-device", panel=P_MEM, help=(
+            "Keep the embedding table in host RAM.  [default: the profile's]"))] = None,
+    kv_dtype: Annotated[Optional[KVDtype], _opt("--kv-dtype", panel=P_MEM)] = None,
+    device: Annotated[Optional[Device], _opt("--device", panel=P_MEM, help=(
+        "Plan for this device.  [default: the profile's]"))] = None,
+    backend: Annotated[Optional[Backend], _opt("--backend", panel=P_MEM, help=(
+        "Kernel backend on CUDA.  [default: triton]"))] = None,
+    budget_gib: Annotated[Optional[float], _opt("--budget-gib", panel=P_MEM, min=0.01, help=(
+        "VRAM budget in GiB.  [default: the profile's]"))] = None,
+    check: Annotated[bool, _opt("--check", panel=P_MEM, help=(
+        "Exit with code 5 when the plan does not fit the budget."))] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+) -> None:
+    """Predict the GPU (or host) memory of a summarize run, line by line, and what to change
+    when it does not fit."""
+    from hisparse_cli.console import print_table, write_result
+    from hisparse_cli.planner import GIB
+    from hisparse_cli.planner_profile import plan_for_profile
+    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.runtime import sparse_settings
+
+    prof = load_profile(profile)
+    sparse = sparse_settings(prof, dense=dense, window_size=window, global_tokens=global_tokens,
+                             sink_tokens=sink_tokens, block_size=block_size,
+                             recalibrate_every=recalibrate_every,
+                             recalibrate_topk=recalibrate_topk, prefill_chunk=prefill_chunk)
+    cfg, name, awq_head = resolve_config(model)
+    new = prof.max_new_tokens if max_new_tokens is None else max_new_tokens
+    ctx = context if context is not None else max(1, cfg.max_position_embeddings - new)
+    result = plan_for_profile(
+        cfg, prof, context_tokens=ctx, max_new_tokens=new, sparse=sparse,
+        device_kind=device.value if device else None, backend=backend.value if backend else None,
+        weight_format=weight_format.value if weight_format else None,
+        kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
+        awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
+        model_name=name)
+    if as_json:
+        write_result(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        from hisparse_cli.planner_render import render_plan
+
+        print_table(render_plan(result), to_stdout=True)
+    if check:
+        from hisparse_cli.vram import check_plan_fits
+
+        check_plan_fits(result)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)
+
+
+__all__ = ["plan", "register", "resolve_config"]
