@@ -1,0 +1,171 @@
+"""`hisparse eval` (summary quality under sparsity) and `hisparse probe train`.
+
+    hisparse eval DIR|FILES... [--settings dense --settings w1024-g64 ...] [--out DIR]
+    hisparse probe train [--model M] [--out FILE] [--texts PATH ...]
+
+eval: every document (DIR: each <id>.txt below it, with <id>.ref.txt as its reference) is
+truncated to --max-tokens and evaluated under each setting (spec language:
+hisparse_cli/quality/settings.py; the dense baseline is always included) against the dense
+run: attention recall, teacher-forced KL / top-1 / perplexity ratio, long-range retention,
+KV memory and speed, and ROUGE of generated summaries (unless --no-rouge). stdout: the
+summary table (Markdown) or, with --json, one JSON object; report.md, report.json and
+fidelity_vs_kv.png go to --out. Precedence: --settings specs > profile > built-in default.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+probe_app = typer.Typer(help="The learned importance probe (importance='probe').",
+                        no_args_is_help=True)
+
+
+def _progress_printer(quiet: bool):
+    from hisparse_cli.console import note
+
+    def report(what: str, done: int, total: int) -> None:
+        if not quiet:
+            note(f"[{done}/{total}] {what}")
+
+    return report
+
+
+def _load(model: str | None, profile_name: str, quiet: bool):
+    from hisparse_cli import models
+    from hisparse_cli.console import stderr_console, warn
+    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.runtime import load_engine, model_info
+
+    profile = load_profile(profile_name)
+    path = Path(models.resolve_model(model, progress=None if quiet else stderr_console()))
+    engine, plan = load_engine(path, profile, profile.sparse_config(),
+                               warn=None if quiet else warn)
+    return profile, path, engine, plan, model_info(path)
+
+
+def eval_command(
+    paths: Annotated[list[Path], typer.Argument(
+        help="Documents: folders of <id>.txt (+ <id>.ref.txt) or text files.",
+        show_default=False)],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
+        "Model: registry name, local HF folder, .gguf file.  [default: the embedded "
+        "smollm2-135m-instruct]"))] = None,
+    profile: Annotated[str, typer.Option("--profile", "-p", help=(
+        "Hardware profile: base sparse settings (the 'profile' setting) and device."))] = "auto",
+    settings: Annotated[Optional[list[str]], typer.Option("--settings", "-s", help=(
+        "A setting to evaluate (repeat the flag): dense, profile, w1024-g64, "
+        "w512-g32-uniform, window=1024,globals=64,importance=snapkv.  [default: dense and "
+        "profile]"))] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Report folder.")] = Path("eval_report"),
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=64, help=(
+        "Truncate every document to this many tokens."))] = 3072,
+    no_rouge: Annotated[bool, typer.Option("--no-rouge", help=(
+        "Skip generation and ROUGE (teacher-forced metrics only)."))] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help=(
+        "Summary length limit for ROUGE."))] = 160,
+    recall_queries: Annotated[int, typer.Option("--recall-queries", min=1, help=(
+        "Query positions sampled for attention recall."))] = 64,
+    probe: Annotated[Optional[Path], typer.Option("--probe", help=(
+        "Probe file for importance=probe settings.  [default: the shipped one]"))] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+) -> None:
+    """Summary quality under sparsity: fidelity, attention recall and ROUGE vs dense."""
+    from hisparse_cli.console import note, write_result
+    from hisparse_cli.quality.aggregate import summarize_settings
+    from hisparse_cli.quality.dataset import LayoutConfig, load_eval_documents
+    from hisparse_cli.quality.harness import HarnessConfig, evaluate
+    from hisparse_cli.quality.probe import load_probe
+    from hisparse_cli.quality.report import summary_table, write_report
+    from hisparse_cli.quality.settings import parse_settings
+    from hisparse_cli.profiles import load_profile
+
+    base = load_profile(profile).sparse_config()
+    named = parse_settings(list(settings or ["dense", "profile"]), base)  # exit 2 before loading
+    docs = load_eval_documents(list(paths))
+    scorer = load_probe(probe) if probe is not None else None
+    cfg = HarnessConfig(layout=LayoutConfig(max_tokens=max_tokens, recall_queries=recall_queries),
+                        rouge=not no_rouge, max_new_tokens=max_new_tokens)
+    prof, model_path, engine, plan, info = _load(model, profile, quiet)
+    if not quiet:
+        note(f"{len(docs)} document(s) x {len(named)} setting(s) on {plan.device}, "
+             f"profile {prof.name}, model {model_path.name}")
+    started = time.perf_counter()
+    result = evaluate(engine, docs, named, cfg, probe=scorer, progress=_progress_printer(quiet))
+    result.meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": info.get("name"),
+                   "model_path": str(model_path), "profile": prof.name,
+                   "device": plan.device, "dtype": plan.dtype,
+                   "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+                   "documents": [d.id for d in docs], "seconds": round(time.perf_counter() - started, 1)}
+    written = write_report(result, out)
+    summary = summarize_settings(result)
+    if as_json:
+        write_result(json.dumps({"meta": result.meta, "summary": summary,
+                                 "files": {k: str(v) for k, v in written.items()}},
+                                indent=2, default=str))
+    else:
+        write_result(summary_table(summary))
+    if not quiet:
+        note(f"wrote {', '.join(str(p) for p in written.values())}")
+
+
+def _default_texts() -> list[Path]:
+    samples = Path(__file__).resolve().parent.parent / "samples"
+    if samples.is_dir():
+        return [samples]
+    from hisparse_cli.errors import InputError
+
+    raise InputError("no training texts: the repository's samples/ folder is not here",
+                     hint="pass --texts FILE_OR_FOLDER (text we may use, not eval data)")
+
+
+@probe_app.command("train")
+def probe_train(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
+        "Model to distill from.  [default: the embedded smollm2-135m-instruct]"))] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help=(
+        "Output .safetensors (a .json sidecar is written beside it).  "
+        "[default: ./<model>.probe.safetensors]"))] = None,
+    texts: Annotated[Optional[list[Path]], typer.Option("--texts", "-t", help=(
+        "Training text files or folders (repeat).  [default: the repository's samples/]"))] = None,
+    window: Annotated[int, typer.Option("--window", min=8, help=(
+        "Window whose attention mass is the target."))] = 512,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=32, help=(
+        "Tokens per training piece."))] = 2048,
+    epochs: Annotated[int, typer.Option("--epochs", min=1)] = 40,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+) -> None:
+    """Train the importance probe on the model's own attention; print its sidecar JSON."""
+    from hisparse_cli.console import note, write_result
+    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.errors import InputError
+    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.quality.probe import save_probe
+    from hisparse_cli.quality.probe_train import ProbeTrainConfig, read_texts, train_probe
+
+    cfg = ProbeTrainConfig(window=window, max_tokens=max(max_tokens, window), epochs=epochs,
+                           seed=seed)
+    pairs = read_texts(list(texts) if texts else _default_texts())
+    if not pairs:
+        raise InputError("no training text found", hint="pass --texts with text files")
+    _, model_path, engine, _, _ = _load(model, "cpu", quiet)
+    engine.sparse = SparseConfig.dense_config()
+    module, meta = train_probe(engine, pairs, cfg, progress=None if quiet else note,
+                               model_name=model_path.name)
+    target = out or Path(f"{model_path.name}.probe.safetensors")
+    weights, sidecar = save_probe(module, target, meta)
+    if not quiet:
+        note(f"wrote {weights} and {sidecar} ({module.num_parameters()} parameters)")
+    write_result(sidecar.read_text(encoding="utf-8"))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval", no_args_is_help=True)(eval_command)
+    app.add_typer(probe_app, name="probe")

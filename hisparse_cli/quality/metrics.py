@@ -1,0 +1,122 @@
+"""Fidelity metrics of a sparse run against the dense run over the same tokens (pure torch).
+
+    keep = kept_mask(q_pos, n_keys, sinks, window, gpos)     # [S, Hkv, N] bool
+    r = attention_recall(q, k, q_pos, keep, scale)           # [S, Hq] in [0, 1]
+    f = token_fidelity(dense_logits, sparse_logits, targets) # FidelitySums (additive)
+
+Attention recall (Quest / SnapKV style): the share of the *dense* attention probability
+of a query that falls on the keys the sparse run kept for it — sinks ∪ window ∪ the globals
+its layer/KV head held at that step. 1.0 means the sparse set lost nothing the dense
+softmax looked at. Token fidelity: KL(dense ‖ sparse) of the next-token distributions,
+top-1 agreement, and the negative log-likelihoods of the actual next tokens under both
+(perplexity ratio = exp(mean NLL sparse − mean NLL dense)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def kept_mask(q_pos: torch.Tensor, n_keys: int, sinks: int, window: int | None,
+              gpos: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
+    """[S, Hkv, N] bool: keys 0..N-1 the sparse run let each query see.
+
+    q_pos: [S] positions; gpos: [S, Hkv, G] globals in force at each query's step
+    (-1 = empty slot) or None; the visibility rule is the engine's (sparsity.py)."""
+    k_pos = torch.arange(n_keys, device=q_pos.device)
+    causal = k_pos[None, :] <= q_pos[:, None]  # [S, N]
+    if window is None:
+        vis = causal
+    else:
+        vis = causal & ((k_pos[None, :] < sinks) | (k_pos[None, :] > q_pos[:, None] - window))
+    keep = vis[:, None, :].expand(-1, num_kv_heads, -1).clone()  # [S, Hkv, N]
+    if gpos is not None and gpos.numel():
+        ok = (gpos >= 0) & (gpos < n_keys)
+        idx = torch.where(ok, gpos, torch.full_like(gpos, n_keys))  # invalid -> spare column
+        extra = torch.zeros(keep.shape[:2] + (n_keys + 1,), dtype=torch.bool, device=keep.device)
+        extra.scatter_(2, idx, True)
+        keep |= extra[..., :n_keys]
+    return keep
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Dense causal softmax [S, Hq, N] of queries q [S, Hq, D] over keys k [N, Hkv, D]."""
+    s, hq, d = q.shape
+    n, hkv, _ = k.shape
+    grp = hq // hkv
+    kk = k.float().repeat_interleave(grp, dim=1)  # [N, Hq, D]
+    scores = torch.einsum("shd,nhd->shn", q.float(), kk) * scale
+    causal = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # [S, N]
+    scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def attention_recall(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
+                     keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """[S, Hq]: dense attention mass on the kept keys (keep: [S, Hkv, N] bool)."""
+    p = attention_probs(q, k, q_pos, scale)  # [S, Hq, N]
+    grp = q.shape[1] // k.shape[1]
+    return (p * keep.repeat_interleave(grp, dim=1)).sum(-1).clamp(max=1.0)
+
+
+@dataclass
+class FidelitySums:
+    """Additive sums over scored positions (merge with `+`)."""
+
+    n: int = 0
+    kl: float = 0.0
+    agree: int = 0
+    nll_dense: float = 0.0
+    nll_sparse: float = 0.0
+
+    def __add__(self, other: "FidelitySums") -> "FidelitySums":
+        return FidelitySums(self.n + other.n, self.kl + other.kl, self.agree + other.agree,
+                            self.nll_dense + other.nll_dense, self.nll_sparse + other.nll_sparse)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / self.n if self.n else float("nan")
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.agree / self.n if self.n else float("nan")
+
+    @property
+    def ppl_dense(self) -> float:
+        return math.exp(self.nll_dense / self.n) if self.n else float("nan")
+
+    @property
+    def ppl_sparse(self) -> float:
+        return math.exp(self.nll_sparse / self.n) if self.n else float("nan")
+
+    @property
+    def ppl_ratio(self) -> float:
+        return math.exp((self.nll_sparse - self.nll_dense) / self.n) if self.n else float("nan")
+
+    def to_dict(self) -> dict:
+        return {"positions": self.n, "kl": self.mean_kl, "top1_agreement": self.top1_agreement,
+                "ppl_dense": self.ppl_dense, "ppl_sparse": self.ppl_sparse,
+                "ppl_ratio": self.ppl_ratio}
+
+
+def token_fidelity(dense_logits: torch.Tensor, sparse_logits: torch.Tensor,
+                   targets: torch.Tensor) -> FidelitySums:
+    """Sums over positions of KL(dense ‖ sparse), top-1 agreement and both NLLs of `targets`.
+    dense_logits, sparse_logits: [n, V]; targets: [n] next-token ids."""
+    if targets.numel() == 0:
+        return FidelitySums()
+    ld = torch.log_softmax(dense_logits.float(), dim=-1)
+    ls = torch.log_softmax(sparse_logits.float(), dim=-1)
+    kl = (ld.exp() * (ld - ls)).sum(-1).clamp(min=0.0)  # [n]
+    agree = (ld.argmax(-1) == ls.argmax(-1)).sum()
+    t = targets[:, None]
+    return FidelitySums(n=int(targets.numel()), kl=float(kl.sum()), agree=int(agree),
+                        nll_dense=float(-ld.gather(1, t).sum()),
+                        nll_sparse=float(-ls.gather(1, t).sum()))
+
+
+__all__ = ["kept_mask", "attention_probs", "attention_recall", "FidelitySums", "token_fidelity"]

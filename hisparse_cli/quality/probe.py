@@ -1,0 +1,146 @@
+"""The learned importance probe: a tiny MLP over a layer's normed hidden states that scores
+how much attention each token will draw while it is in the window (importance="probe").
+
+    scorer = load_probe(find_probe(engine.cfg))   # or load_probe("my.safetensors")
+    Engine.from_pretrained(path, sparse=SparseConfig(importance="probe"), probe=scorer)
+    scorer(layer, x)   # x: [T, hidden] -> [T, Hkv] (higher = keep)
+
+Architecture (one network for all layers, < 10K parameters):
+    u = x / rms(x)                                   # scale-free input
+    h = gelu(W_in u + b_in + E[layer])               # rank r, E: a learned layer embedding
+    y = W_out[layer] h + b_out[layer]                # [Hkv]: one output per KV head
+Files: `<name>.safetensors` (weights only — never pickle) + `<name>.json` sidecar (shape,
+the model it was trained for, training data and fit). Shipped probes live in
+hisparse_cli/probes/; `find_probe` picks the one whose sidecar matches the model's shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hisparse_cli.errors import ConfigError
+
+FORMAT = "hisparse-probe/1"
+PARAM_BUDGET = 9_500  # < 10K parameters including embeddings and heads
+PROBES_DIR = Path(__file__).resolve().parent.parent / "probes"
+FINGERPRINT_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads",
+                    "vocab_size")
+
+
+def rank_for(hidden: int, layers: int, kv_heads: int, budget: int = PARAM_BUDGET) -> int:
+    """Largest bottleneck rank (2..16) whose parameter count stays within `budget`."""
+    per_rank = hidden + 1 + layers + layers * kv_heads
+    return max(2, min(16, (budget - layers * kv_heads) // per_rank))
+
+
+class ImportanceProbe(nn.Module):
+    def __init__(self, hidden_size: int, num_layers: int, num_kv_heads: int,
+                 rank: int | None = None) -> None:
+        super().__init__()
+        rank = rank or rank_for(hidden_size, num_layers, num_kv_heads)
+        self.hidden_size, self.num_layers, self.num_kv_heads, self.rank = (
+            hidden_size, num_layers, num_kv_heads, rank)
+        self.inp = nn.Linear(hidden_size, rank)
+        self.layer_emb = nn.Embedding(num_layers, rank)
+        self.out_w = nn.Parameter(torch.randn(num_layers, num_kv_heads, rank) * rank ** -0.5)
+        self.out_b = nn.Parameter(torch.zeros(num_layers, num_kv_heads))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, layer: torch.Tensor | int, x: torch.Tensor) -> torch.Tensor:
+        """layer: int, or [N] int64 (one layer per row); x: [N, hidden] -> [N, Hkv]."""
+        u = x.float()
+        u = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if isinstance(layer, int):
+            h = F.gelu(self.inp(u) + self.layer_emb.weight[layer])
+            return F.linear(h, self.out_w[layer], self.out_b[layer])
+        h = F.gelu(self.inp(u) + self.layer_emb(layer))  # [N, r]
+        return torch.einsum("nr,nhr->nh", h, self.out_w[layer]) + self.out_b[layer]
+
+
+class ProbeScorer:
+    """The callable Engine(probe=...) takes: (layer, x [T, hidden]) -> scores [T, Hkv]."""
+
+    def __init__(self, module: ImportanceProbe, meta: dict) -> None:
+        self.module, self.meta = module.eval(), meta
+        self._device = None
+
+    @torch.inference_mode()
+    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self._device != x.device:
+            self.module.to(x.device)
+            self._device = x.device
+        return self.module(int(layer), x)
+
+
+def fingerprint(cfg) -> dict:
+    """The model shape a probe is tied to (from a ModelConfig or a config dict)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
+    return {k: get(k) for k in FINGERPRINT_KEYS}
+
+
+def save_probe(module: ImportanceProbe, path: str | Path, meta: dict) -> tuple[Path, Path]:
+    """Write `path` (.safetensors) and its .json sidecar; returns both paths."""
+    from safetensors.torch import save_file
+
+    path = Path(path).expanduser().with_suffix(".safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    save_file(tensors, str(path), metadata={"format": FORMAT})
+    sidecar = path.with_suffix(".json")
+    full = {"format": FORMAT, "hidden_size": module.hidden_size, "num_layers": module.num_layers,
+            "num_kv_heads": module.num_kv_heads, "rank": module.rank,
+            "parameters": module.num_parameters(), **meta}
+    sidecar.write_text(json.dumps(full, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path, sidecar
+
+
+def load_probe(path: str | Path) -> ProbeScorer:
+    """A ProbeScorer from `path` (.safetensors with its .json sidecar beside it)."""
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    if path.suffix != ".safetensors":
+        raise ConfigError(f"probe {path} must be a .safetensors file",
+                          hint="probes are saved by `hisparse probe train` (never pickle)")
+    sidecar = path.with_suffix(".json")
+    try:
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+        tensors = load_file(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read probe {path} (+ {sidecar.name}): {exc}",
+                          hint="train one with `hisparse probe train --out FILE`") from None
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"probe {path}: unknown format {meta.get('format')!r}")
+    module = ImportanceProbe(meta["hidden_size"], meta["num_layers"], meta["num_kv_heads"],
+                             meta["rank"])
+    module.load_state_dict(tensors)
+    return ProbeScorer(module, meta)
+
+
+def find_probe(cfg, folder: Path = PROBES_DIR) -> Path:
+    """The shipped probe trained for a model of `cfg`'s shape (ConfigError when none)."""
+    want = fingerprint(cfg)
+    for sidecar in sorted(Path(folder).glob("*.json")):
+        try:
+            meta = json.loads(sidecar.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if meta.get("format") == FORMAT and meta.get("model") == want:
+            weights = sidecar.with_suffix(".safetensors")
+            if weights.is_file():
+                return weights
+    raise ConfigError(f"no shipped probe for this model ({want['model_type']}, hidden "
+                      f"{want['hidden_size']}, {want['num_hidden_layers']} layers)",
+                      hint="train one with `hisparse probe train --model M --out FILE` and "
+                           "pass it with --probe FILE")
+
+
+__all__ = ["ImportanceProbe", "ProbeScorer", "load_probe", "save_probe", "find_probe",
+           "fingerprint", "rank_for", "PROBES_DIR"]
