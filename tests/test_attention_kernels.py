@@ -122,7 +122,7 @@ def test_prefill_and_decode_match_reference(i):
     step = make_step(i, t=t, q_start=q_start, extra_block=bool(i % 2), **shape)
     check(step, dtype, config=SMALL, score_stride=1)
     # decode step right after it: default tiles, logits-based exact importance, split keys
-    step = make_step(100 + i, t=1, q_start=q_start + t, **shape)
+    step = make_step(100 + i, t=1, q_start=q_start + t, extra_block=bool(i % 2), **shape)
     check(step, dtype, num_splits=2)
 
 
@@ -154,8 +154,9 @@ def test_strided_importance_matches_its_reference(stride):
 
 
 def test_strided_importance_error_is_small_for_a_long_prefill():
-    """Documented approximation (importance_triton.py): scoring a 2048-token chunk from every
-    8th query keeps the heavy hitters. Torch only (oracle vs oracle), so shapes can be real."""
+    """Documented approximation (importance_triton.py): scoring a 512-token chunk from every
+    8th query (the coarsest default) keeps the heavy hitters; measured here rel. L1 ~0.07,
+    top-64 overlap ~56/64. Torch only (oracle vs oracle), so shapes can be real."""
     gen = torch.Generator().manual_seed(5)
     t, q_start, bs, hkv, grp, d, window, g = 512, 1536, 16, 2, 4, 64, 1024, 32
     n_blocks = cdiv(q_start + t, bs)
@@ -171,7 +172,7 @@ def test_strided_importance_error_is_small_for_a_long_prefill():
                 g_k=torch.randn(hkv, g, d, generator=gen), g_v=torch.randn(hkv, g, d, generator=gen),
                 g_pos=torch.randint(4, first * bs, (hkv, g), generator=gen))
     _, exact, g_exact = ref.sparse_attention(**step, return_scores=True)
-    approx, g_approx = strided_mass_reference(**step, stride=tri.DEFAULT_SCORE_STRIDE)
+    approx, g_approx = strided_mass_reference(**step, stride=tri.MAX_SCORE_STRIDE)
     rel_l1 = ((approx - exact).abs().sum() / exact.sum()).item()
     assert rel_l1 < 0.10, rel_l1
     g_rel = ((g_approx - g_exact).abs().sum() / g_exact.sum()).item()
@@ -208,6 +209,14 @@ def test_store_kv_matches_reference(dtype, src):
     pad = torch.full((t,), -1, device=DEV)  # padding slots are skipped
     tri.store_kv(k_cache, v_cache, k, v, pad)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_default_score_stride_is_cost_aware():
+    assert tri.default_score_stride(32, 10_000, 32, 128) == 1  # short steps: exact
+    assert tri.default_score_stride(256, 1_280, 32, 128) <= 2  # 8B, small window: ~exact
+    wide = tri.default_score_stride(2048, 10_752, 32, 128)  # 8B, window 8192
+    assert 4 <= wide <= tri.MAX_SCORE_STRIDE
+    assert tri.default_score_stride(2048, 10_752, 16, 128) >= wide  # smaller model
 
 
 def test_launcher_rejects_bad_layouts():

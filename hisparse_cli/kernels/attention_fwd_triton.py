@@ -15,6 +15,8 @@ found by counting block_starts entries (the list is in position order):
     A = [0, min(n_sink_blocks, n_before_window) * BS)       blocks holding sink positions
     B = [n_before_window * BS, n_not_after_q_hi * BS)        blocks overlapping the window
 Blocks outside A ∪ B are never touched; the exact rule is applied per element inside tiles.
+The scan costs a few dependent loads, so it runs only with SCAN (several row tiles, i.e.
+prefill); a single row tile (decode) walks the whole list, which the engine keeps visible.
 Globals ([Hkv, G, D], g_pos >= 0 valid) are a third key segment seen by every query.
 
 Split-K. With SPLIT, program (m, kvh, s) walks only its share of the virtual tile sequence
@@ -77,7 +79,7 @@ def _attn_fwd(
     stride_kb, stride_ks, stride_kh, stride_gh, stride_gg, stride_ph, stride_sh, stride_sr,
     HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CB: tl.constexpr,
-    WINDOWED: tl.constexpr, HAS_G: tl.constexpr, SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_G: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr,
     WRITE_LSE: tl.constexpr, STORE_S: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -95,8 +97,13 @@ def _attn_fwd(
     q_lo = q_start + (pid_m * BLOCK_M) // GRP
     q_hi = q_start + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GRP, T - 1)
 
-    a_end, b_lo, b_hi = _visible_ranges(bstart_ptr, nb, q_lo, q_hi, sinks, window,
-                                        BS, WINDOWED, CB)
+    if SCAN:  # several row tiles (prefill): each visits only the blocks its queries see
+        a_end, b_lo, b_hi = _visible_ranges(bstart_ptr, nb, q_lo, q_hi, sinks, window,
+                                            BS, WINDOWED, CB)
+    else:  # one row tile (decode): every listed block is (nearly) all visible; no scan latency
+        a_end = nb * 0
+        b_lo = nb * 0
+        b_hi = nb * BS
     n_gt = tl.cdiv(G, BLOCK_N) if HAS_G else 0
     n_at = tl.cdiv(a_end, BLOCK_N)
     n_bt = tl.cdiv(b_hi - b_lo, BLOCK_N)
@@ -105,7 +112,7 @@ def _attn_fwd(
         v0 = sid * per
         v1 = tl.minimum(v0 + per, n_gt + n_at + n_bt)
     else:
-        v0 = 0
+        v0 = sid * 0
         v1 = n_gt + n_at + n_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -7,8 +7,9 @@ Same signatures and semantics as kernels/attention_ref.py (the torch oracle):
         -> (out [T, Hq, D] q.dtype, key_mass [Hkv, nb*bs] fp32 | None, global_mass | None)
 plus keyword-only tuning knobs the reference does not have:
     num_splits:   key splits per (row tile, KV head); None = fill the GPU (flash-decoding)
-    score_stride: importance from every r-th query (see importance_triton.py); None = 1 for
-                  T < 64, else DEFAULT_SCORE_STRIDE. Small steps (T*GRP <= 16) are always exact.
+    score_stride: importance from every r-th query (see importance_triton.py); None = exact
+                  for T < 64, else `default_score_stride` (cost-aware, at most 8). Steps with
+                  T*GRP <= 16 (decode) are always exact, from the logits the kernel stored.
     config:       AttnConfig overriding the tile/warp choice (benchmarks, tests).
 
 Kernels: attention_fwd_triton.py (forward + split reduce), importance_triton.py (mass).
@@ -30,9 +31,10 @@ from hisparse_cli.kernels.attention_fwd_triton import _attn_fwd, _attn_reduce
 from hisparse_cli.kernels.importance_triton import _mass_from_logits, _mass_recompute
 from hisparse_cli.kernels.store_kv_triton import store_kv
 
-__all__ = ["store_kv", "sparse_attention", "AttnConfig", "choose_config", "DEFAULT_SCORE_STRIDE"]
+__all__ = ["store_kv", "sparse_attention", "AttnConfig", "choose_config", "default_score_stride"]
 
-DEFAULT_SCORE_STRIDE = 8  # prefill importance from every 8th query (~1/16 of attention work)
+MAX_SCORE_STRIDE = 8  # coarsest default query subsampling for prefill importance
+SCORE_BUDGET = 0.03  # default stride keeps scoring under ~3% of a layer's weight work
 EXACT_SCORE_MAX_T = 64  # steps shorter than this are scored from every query
 LOGITS_MAX_ROWS = 16  # T * GRP <= this: exact mass from stored logits (no K re-read)
 LOG2E = 1.4426950408889634
@@ -47,6 +49,7 @@ class AttnConfig:
     num_stages: int = 2
     score_block_m: int = 64  # sampled rows per scoring tile
     score_block_n: int = 64  # keys per scoring program
+    score_warps: int = 4
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -76,6 +79,23 @@ def choose_config(n_rows: int, head_dim: int, fp32: bool = False) -> AttnConfig:
         return AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     return AttnConfig(block_m=128, block_n=64, num_warps=8 if head_dim >= 128 else 4,
                       num_stages=2)
+
+
+def default_score_stride(t_len: int, visible_keys: int, hq: int, head_dim: int) -> int:
+    """Smallest power-of-two query stride whose scoring work fits SCORE_BUDGET of the layer.
+
+    Exact scoring (q.k + exp per visible pair) costs about 0.7x the attention itself, i.e.
+    ~2.8 * keys * Hq * D per query token; a Llama-family layer's projections cost ~26 * h^2
+    per token with hidden size h ~= Hq * D. Ratio ~= keys / (9 * Hq * D): 1280 keys of an 8B
+    model (h = 4096) give stride 1-2, a 10K-key window (8192 + chunk + globals) stride 4-8.
+    """
+    if t_len < EXACT_SCORE_MAX_T:
+        return 1
+    ratio = visible_keys / (9.0 * hq * head_dim)
+    stride = 1
+    while stride < MAX_SCORE_STRIDE and ratio / stride > SCORE_BUDGET:
+        stride *= 2
+    return stride
 
 
 def _pick_splits(m_tiles: int, hkv: int, key_tiles: int, device: torch.device) -> int:
@@ -144,7 +164,7 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         gp.stride(0) if has_g else 0,
         s_ws.stride(0) if store_s else 0, s_ws.stride(1) if store_s else 0,
         HKV=hkv, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
-        WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, WRITE_LSE=write_lse,
+        WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, SCAN=m_tiles > 1, WRITE_LSE=write_lse,
         STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block_r = 16
@@ -166,7 +186,7 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
             GRP=grp, BS=bs, BLOCK_R=16, BLOCK_N=bn, WINDOWED=windowed, HAS_G=has_g,
             num_warps=4)
     else:
-        stride = score_stride or (1 if t_len < EXACT_SCORE_MAX_T else DEFAULT_SCORE_STRIDE)
+        stride = score_stride or default_score_stride(t_len, visible_keys + G, hq, d)
         assert stride >= 1
         bn = cfg.score_block_n
         _mass_recompute[(triton.cdiv(G + n_keys, bn), hkv)](
@@ -176,5 +196,5 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
             gk.stride(0) if has_g else 0, gk.stride(1) if has_g else 0,
             gp.stride(0) if has_g else 0,
             GRP=grp, D=d, BS=bs, BLOCK_M=cfg.score_block_m, BLOCK_N=bn, WINDOWED=windowed,
-            HAS_G=has_g, UPCAST=upcast, num_warps=4, num_stages=2)
+            HAS_G=has_g, UPCAST=upcast, num_warps=cfg.score_warps, num_stages=2)
     return out, key_mass, (g_mass if has_g else None)
