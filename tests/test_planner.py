@@ -1,0 +1,343 @@
+"""Memory planner against independent oracles: hand arithmetic (weights, AWQ bytes, KV), the
+engine's own RunStats and loaded parameters, and every byte torch allocates during a real CPU
+`Engine.generate` (recorded by a dispatch mode: op outputs and their lifetimes, by storage).
+The `gpu` test compares the predicted peak with torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import weakref
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from conftest import save_tiny
+from hisparse_cli.engine import Engine, SparseConfig
+from hisparse_cli.engine.block_pool import BlockPool
+from hisparse_cli.engine.sparsity import SparseSequence
+from hisparse_cli.errors import ConfigError, ResourceError
+from hisparse_cli.model.config import ModelConfig
+from hisparse_cli.planner import plan_memory
+from hisparse_cli.planner_run import visible_count
+from hisparse_cli.planner_shapes import shape_config
+from hisparse_cli.planner_weights import awq_linear_bytes
+
+
+class AllocRecorder(TorchDispatchMode):
+    """Live bytes of every storage an op creates while active, and their peak. Blind to
+    buffers a kernel allocates and frees inside one op, except SDPA's (see below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage ptr -> [bytes, tensors alive]
+        self.cur = self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.cur -= entry[0]
+            del self.live[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in self.live:
+                if key in inputs and func is not torch.ops.aten.lift_fresh.default:
+                    continue  # a view / in-place result of a tensor made before recording
+                self.live[key] = [t.untyped_storage().nbytes(), 0]
+                self.cur += self.live[key][0]
+                self.peak = max(self.peak, self.cur)
+            self.live[key][1] += 1
+            weakref.finalize(t, self._drop, key)
+        if func is torch.ops.aten.scaled_dot_product_attention.default:
+            # not decomposed under inference mode: the CPU flash kernel's log-sum-exp
+            # [B, Hq, T] fp32 lives inside the op, beside its output
+            self.peak = max(self.peak, self.cur + args[0].shape[:-1].numel() * 4)
+        return out
+
+
+def cpu_plan(path, sparse, prompt, new, dtype=torch.float32, **kw):
+    cfg = ModelConfig.from_folder(path)
+    return plan_memory(cfg, weight_format=kw.pop("weight_format", "fp32"), sparse=sparse,
+                       context_tokens=prompt, max_new_tokens=new, kv_dtype=dtype,
+                       compute_dtype=dtype, device_kind="cpu", backend="torch", **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    return {a: save_tiny(root, a)[0] for a in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+# -- weights: hand arithmetic and the loaded model ---------------------------------------------
+def test_llama3_8b_fp16_weights_are_16_06_gb():
+    plan = plan_memory(shape_config("llama-3-8b"), weight_format="fp16", sparse=SparseConfig(),
+                       context_tokens=1024, max_new_tokens=1, kv_dtype="float16",
+                       compute_dtype="float16", device_kind="cpu", backend="torch")
+    items = {i.name: i.bytes for i in plan.items}
+    emb = 128256 * 4096 * 2
+    layer = (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336 + 2 * 4096) * 2
+    assert items["weights.embeddings"] == items["weights.lm_head"] == emb
+    assert items["weights.linears"] + items["weights.norms"] == 32 * layer + 4096 * 2
+    assert plan.weights_bytes - items["weights.rope"] == 16_060_522_496  # 8,030,261,248 params
+
+
+def test_awq_bytes_of_one_4096x4096_linear():
+    qweight = 4096 * 4096 // 2  # int32 [4096, 512]: 8 nibbles a word
+    qzeros = (4096 // 128) * (4096 // 8) * 4  # int32 [32, 512]
+    scales = (4096 // 128) * 4096 * 2  # fp16 [32, 4096]
+    assert awq_linear_bytes(4096, 4096, 128) == (qweight, qzeros, scales) == (8388608, 65536,
+                                                                               262144)
+    plan = plan_memory(shape_config("llama-3-8b-awq"), weight_format="awq-int4",
+                       sparse=SparseConfig(), context_tokens=64, max_new_tokens=1,
+                       kv_dtype="float16", compute_dtype="float16", device_kind="cuda",
+                       backend="triton")
+    per_layer = sum(sum(awq_linear_bytes(i, o, 128)) for i, o in (
+        (4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336),
+        (14336, 4096)))  # every tensor is a multiple of 512 B: no allocator rounding
+    assert {i.name: i.bytes for i in plan.items}["weights.linears"] == 32 * per_layer
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_weights_equal_the_loaded_model(tiny, arch):
+    from hisparse_cli.model.loader import load_model
+
+    model, _ = load_model(tiny[arch], "cpu", torch.float32)
+    tensors = {t.data_ptr(): t.nbytes for t in list(model.parameters()) + list(model.buffers())}
+    loaded = sum(tensors.values()) + model.rope.inv_freq.nbytes
+    assert cpu_plan(tiny[arch], SparseConfig(), 64, 1).weights_bytes == loaded
+
+
+# -- KV: the engine's numbers and the engine's bound -------------------------------------------
+def test_tiny_kv_lines_by_hand(tiny):
+    """llama tiny: L=2, Hkv=2, D=16, fp32 KV, bs=16, window 64, chunk 32, G=C=8, 200+8 tokens."""
+    sp = SparseConfig(window_size=64, global_tokens=8, recalibrate_topk=8, prefill_chunk=32)
+    plan = cpu_plan(tiny["llama"], sp, 200, 8)
+    bpb = 2 * 2 * 16 * 2 * 16 * 4  # K and V x L x bs x Hkv x D x 4 B = 8 KiB
+    assert plan.kv.bytes_per_block == bpb
+    # sinks: 1 block; span: window + chunk - 1 = 95 positions -> 6 blocks, +1 boundary
+    assert plan.kv.working_set_bound_blocks == 1 + 6 + 1
+    # live blocks grow 2, 4, 6, then 7 (chunk 3 evicts); capacity doubles 2 -> 4 -> 8
+    assert plan.kv.peak_live_blocks == 7 and plan.kv.capacity_blocks == 8
+    slot = 2 * (2 * 2 * 8 * 16 * 4) + 2 * 2 * 8 * (8 + 4 + 4)  # K, V + pos int64, mass, seen
+    items = {i.name: i.bytes for i in plan.items if i.counted}
+    assert items["kv.global_slots"] == items["kv.candidate_slots"] == slot
+    assert plan.kv.kv_bytes_peak == 7 * bpb + 2 * 2 * 2 * (8 + 8) * 16 * 4
+    assert items["logits"] in (256 * 4, 2 * 256 * 4)  # the previous step's and the new one
+
+
+KV_CASES = [
+    ("llama", dict(window_size=64, global_tokens=8, recalibrate_topk=8, prefill_chunk=32), 200, 8),
+    ("llama", dict(window_size=None, global_tokens=0, recalibrate_topk=0, sink_tokens=0,
+                   prefill_chunk=48), 200, 8),
+    ("llama", dict(window_size=40, global_tokens=0, sink_tokens=0, prefill_chunk=7,
+                   block_size=4), 97, 30),
+    ("qwen2", dict(window_size=48, global_tokens=4, recalibrate_topk=6, prefill_chunk=20,
+                   recalibrate_every=40, block_size=8), 177, 6),
+    ("qwen3", dict(window_size=48, global_tokens=4, recalibrate_topk=6, prefill_chunk=20,
+                   block_size=8, importance="snapkv", observation_window=16), 177, 6),
+    ("mistral", dict(window_size=48, global_tokens=4, recalibrate_topk=6, prefill_chunk=20,
+                     block_size=8, importance="uniform", score_stride=1), 150, 12),
+    ("llama", dict(window_size=64, global_tokens=8, recalibrate_topk=8, prefill_chunk=32,
+                   score_stride=1, sink_tokens=20), 150, 5),
+]
+
+
+@pytest.mark.parametrize("arch,sp,prompt,new", KV_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_peak_and_kv_equal_a_recorded_cpu_run(tiny, arch, sp, prompt, new, dtype):
+    """Every byte the run allocates besides the weights: recorded == planned; and the KV
+    numbers RunStats reports == planned."""
+    sparse = SparseConfig(**sp)
+    eng = Engine.from_pretrained(tiny[arch], sparse=sparse, dtype=dtype)
+    rec = AllocRecorder()
+    with rec:
+        res = eng.generate(list(range(1, prompt + 1)), max_new_tokens=new, min_new_tokens=new)
+    plan = cpu_plan(tiny[arch], sparse, prompt, new, dtype)
+    assert res.stats.kv_blocks_peak == plan.kv.peak_live_blocks
+    assert res.stats.kv_bytes_peak == plan.kv.kv_bytes_peak
+    assert res.stats.recalibrations >= 0
+    assert rec.peak == plan.peak_allocated_bytes - plan.weights_bytes, plan.peak_when
+
+
+def test_awq_cpu_run_matches(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hisparse_cli.kernels.awq_pack import quantize_weight
+
+    path, _ = save_tiny(tmp_path, "llama")
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [k[:-7] for k in tensors if k.endswith("proj.weight") or k == "lm_head.weight"]:
+        p = quantize_weight(tensors.pop(name + ".weight"), 32)
+        tensors.update({f"{name}.qweight": p.qweight, f"{name}.qzeros": p.qzeros,
+                        f"{name}.scales": p.scales})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                  "zero_point": True, "version": "gemm"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    sparse = SparseConfig(window_size=64, global_tokens=8, recalibrate_topk=8, prefill_chunk=32)
+    eng = Engine.from_pretrained(path, sparse=sparse)
+    rec = AllocRecorder()
+    with rec:
+        eng.generate(list(range(1, 121)), max_new_tokens=4, min_new_tokens=4)
+    plan = cpu_plan(path, sparse, 120, 4, weight_format="awq-int4", group_size=32,
+                    awq_lm_head=True)
+    model_bytes = sum(t.nbytes for t in list(eng.model.parameters()) + list(eng.model.buffers()))
+    assert plan.weights_bytes == model_bytes + eng.model.rope.inv_freq.nbytes
+    assert rec.peak == plan.peak_allocated_bytes - plan.weights_bytes, plan.peak_when
+
+
+def test_bound_is_the_engines_and_visible_count_matches():
+    rng = random.Random(0)
+    for _ in range(300):
+        sp = SparseConfig(sink_tokens=rng.randint(0, 40), block_size=rng.choice([1, 4, 16]),
+                          window_size=rng.choice([None, 1, 17, 64, 300]),
+                          prefill_chunk=rng.randint(1, 90))
+        seq = SparseSequence(sp, BlockPool())
+        pos = 0
+        for n in [sp.prefill_chunk] * rng.randint(1, 6) + [1] * rng.randint(0, 20):
+            seq.append(n)
+            assert visible_count(seq, pos, n) == len(seq.visible_blocks(pos, n)[0])
+            seq.evict()
+            pos += n
+        total = pos
+        cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                                     "intermediate_size": 64, "num_hidden_layers": 1,
+                                     "num_attention_heads": 2, "num_key_value_heads": 1})
+        plan = plan_memory(cfg, weight_format="fp32", sparse=sp, context_tokens=total,
+                           max_new_tokens=0, kv_dtype="float32", compute_dtype="float32",
+                           device_kind="cpu", backend="torch")
+        expect = SparseSequence(sp, BlockPool()).working_set_bound(sp.prefill_chunk, total)
+        assert plan.kv.working_set_bound_blocks == expect
+        assert plan.kv.peak_live_blocks <= expect
+
+
+# -- budgets and suggestions -------------------------------------------------------------------
+def test_items_sum_to_peak_and_json_round_trips():
+    plan = plan_memory(shape_config("qwen2.5-7b"), weight_format="fp16", sparse=SparseConfig(),
+                       context_tokens=32000, max_new_tokens=256, kv_dtype="float16",
+                       compute_dtype="float16", device_kind="cuda", backend="triton",
+                       budget_bytes=40 << 30)
+    assert sum(i.bytes for i in plan.items if i.counted) == plan.peak_allocated_bytes
+    assert plan.fits and plan.device_total_bytes == plan.peak_allocated_bytes + \
+        plan.cuda_context_bytes
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert d["peak_allocated_bytes"] == plan.peak_allocated_bytes and d["kv"]["block_size"] == 16
+
+
+H200_LIKE = SparseConfig(window_size=8192, global_tokens=512, recalibrate_topk=512,
+                         prefill_chunk=2048, recalibrate_every=2048)
+
+
+@pytest.mark.parametrize("budget,expect", [(5.5, "together:"), (16.0, "AWQ"),
+                                           ("window 4096", "--window 4096")])
+def test_suggestions_make_a_non_fitting_plan_fit(budget, expect):
+    from hisparse_cli.planner_suggest import _replan
+
+    base = dict(weight_format="fp16", context_tokens=65536, max_new_tokens=256,
+                kv_dtype="float16", compute_dtype="float16", device_kind="cuda",
+                backend="triton")
+    cfg = shape_config("llama-3-8b")
+    if isinstance(budget, str):  # exactly what the smaller window needs
+        budget = plan_memory(cfg, sparse=replace(H200_LIKE, window_size=4096),
+                             **base).peak_allocated_bytes
+    else:
+        budget = int(budget * (1 << 30))
+    plan = plan_memory(cfg, sparse=H200_LIKE, budget_bytes=budget, **base)
+    assert plan.fits is False and plan.suggestions
+    fitting = [s for s in plan.suggestions if s.fits]
+    assert any(s.change.startswith(expect) for s in fitting), [s.change for s in fitting]
+    for s in fitting:  # re-planned with the suggestion's overrides, the plan fits
+        over = dict(s.overrides)
+        fields = {k[7:]: over.pop(k) for k in list(over) if k.startswith("sparse.")}
+        if fields:
+            over["sparse"] = replace(H200_LIKE, **fields)
+        again = _replan(plan, **over)
+        assert again.peak_allocated_bytes == s.peak_allocated_bytes
+        assert again.peak_allocated_bytes <= again.budget_bytes
+
+
+def test_check_plan_fits_and_oom_guard():
+    from hisparse_cli.vram import allocator_cap_bytes, check_plan_fits, oom_guard
+
+    plan = plan_memory(shape_config("llama-3-8b"), weight_format="fp16", sparse=SparseConfig(),
+                       context_tokens=8192, max_new_tokens=64, kv_dtype="float16",
+                       compute_dtype="float16", device_kind="cuda", backend="triton",
+                       budget_bytes=6 << 30)
+    with pytest.raises(ResourceError) as err:
+        check_plan_fits(plan)
+    assert err.value.exit_code == 5 and "AWQ" in err.value.hint
+    check_plan_fits(plan_memory(**{**plan.request, "budget_bytes": 40 << 30}))
+    with pytest.raises(ResourceError, match="out of memory during prefill"):
+        with oom_guard("prefill"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(ValueError):
+        with oom_guard():
+            raise ValueError("not an OOM")
+    assert allocator_cap_bytes(int(5.5 * (1 << 30))) == 6 << 30  # profile: + 0.5 GiB margin
+    assert allocator_cap_bytes(6 << 30, card=True, context_bytes=1 << 29) == 11 << 29
+
+
+def test_validation_names_the_field():
+    base = dict(sparse=SparseConfig(), context_tokens=10, max_new_tokens=1, kv_dtype="float16",
+                compute_dtype="float16", device_kind="cuda", backend="triton")
+    cfg = shape_config("smollm2-135m")
+    with pytest.raises(ConfigError, match="weight_format"):
+        plan_memory(cfg, weight_format="int8", **base)
+    with pytest.raises(ConfigError, match="triton"):
+        plan_memory(cfg, weight_format="fp16", **{**base, "device_kind": "cpu"})
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        plan_memory(cfg, weight_format="fp16", **{**base, "kv_dtype": "int8"})
+    with pytest.raises(ConfigError, match="group_size 128"):  # 576 = 4.5 groups of 128
+        plan_memory(cfg, weight_format="awq-int4", **base)
+
+
+def test_cli_plan_json_parses():
+    from typer.testing import CliRunner
+
+    from hisparse_cli.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "-m", "llama-3-8b-awq", "-p", "4060ti-6g", "-c",
+                                 "32768", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["fits"] is True and d["settings"]["weight_format"] == "awq-int4"
+    r = CliRunner().invoke(app, ["plan", "-m", "llama-3-8b", "-p", "4060ti-6g", "--check"])
+    assert r.exit_code == 5
+
+
+# -- the GPU: predicted vs torch.cuda.max_memory_allocated -------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_peak_within_5_percent(tmp_path, backend):
+    from hisparse_cli.kernels.dispatch import triton_available
+
+    if backend == "triton" and not triton_available():
+        pytest.skip("triton is not installed")
+    path, _ = save_tiny(tmp_path, "llama", vocab_size=32000, hidden_size=512,
+                        intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=2, max_position_embeddings=8192)
+    sparse = SparseConfig(window_size=1024, global_tokens=64, recalibrate_topk=64,
+                          prefill_chunk=512, recalibrate_every=512)
+    eng = Engine.from_pretrained(path, device="cuda", dtype=torch.float16, sparse=sparse,
+                                 kv_dtype=torch.float16, backend=backend)
+    res = eng.generate(list(range(1, 4097)), max_new_tokens=32, min_new_tokens=32)
+    plan = plan_memory(ModelConfig.from_folder(path), weight_format="fp16", sparse=sparse,
+                       context_tokens=4096, max_new_tokens=32, kv_dtype="float16",
+                       compute_dtype="float16", device_kind="cuda", backend=backend,
+                       num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    measured = res.stats.peak_memory_bytes
+    assert abs(plan.peak_allocated_bytes - measured) <= 0.05 * measured, (
+        plan.peak_allocated_bytes, measured, plan.peak_when)
