@@ -75,8 +75,8 @@ class HisparseGroup(TyperGroup):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, click.ClickException):
-            raise
+        except (typer.Exit, typer.Abort, click.ClickException, BrokenPipeError):
+            raise  # Click's own handling (BrokenPipeError: stdout closed, e.g. `| head`)
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the one handler
             raise typer.Exit(report_exception(exc)) from None
 

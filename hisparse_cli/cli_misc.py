@@ -47,6 +47,7 @@ def score(
 @profiles_app.command("list")
 def profiles_list(as_json: JsonOpt = False) -> None:
     """List the shipped profiles."""
+    from rich.markup import escape
     from rich.table import Table
 
     from hisparse_cli.console import print_table
@@ -59,8 +60,8 @@ def profiles_list(as_json: JsonOpt = False) -> None:
     table = Table("name", "VRAM budget", "window", "globals", "weights", "description")
     for p in profiles:
         budget = f"{p.vram_budget_gib:g} GiB" if p.vram_budget_gib else "cpu"
-        table.add_row(p.name, budget, str(p.window_size), str(p.global_tokens),
-                      p.weight_format, p.description)
+        table.add_row(escape(p.name), budget, str(p.window_size), str(p.global_tokens),
+                      p.weight_format, escape(p.description))
     print_table(table, to_stdout=True)
 
 
@@ -71,6 +72,7 @@ def profiles_show(
     as_json: JsonOpt = False,
 ) -> None:
     """Show every setting of one profile ('auto' shows the one this machine gets)."""
+    from rich.markup import escape
     from rich.table import Table
 
     from hisparse_cli.console import print_table
@@ -82,13 +84,14 @@ def profiles_show(
         return
     table = Table("setting", "value", title=f"profile {profile.name}", title_justify="left")
     for key, value in profile.to_dict().items():
-        table.add_row(key, "none" if value is None else str(value))
+        table.add_row(key, "none" if value is None else escape(str(value)))
     print_table(table, to_stdout=True)
 
 
 @models_app.command("list")
 def models_list(as_json: JsonOpt = False) -> None:
     """List known and installed models."""
+    from rich.markup import escape
     from rich.table import Table
 
     from hisparse_cli.console import human_bytes, print_table
@@ -102,7 +105,8 @@ def models_list(as_json: JsonOpt = False) -> None:
     for r in rows:
         name = r.name + (" (default)" if r.is_default else "")
         table.add_row(name, "yes" if r.installed else "no",
-                      human_bytes(r.size_bytes) if r.installed else "-", r.source, r.description)
+                      human_bytes(r.size_bytes) if r.installed else "-", r.source,
+                      escape(r.description))
     print_table(table, to_stdout=True)
 
 

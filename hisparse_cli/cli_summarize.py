@@ -91,6 +91,11 @@ def summarize(
     else:
         write_result(text)
     if not opts.quiet:
+        if not record["summary"].strip():
+            from hisparse_cli.console import warn
+
+            warn("the model produced an empty summary (it stopped at once); try "
+                 "--instructions, another --model or a larger --max-new-tokens")
         print_table(stats_table(record, record["document"]))
         if out is not None:
             from hisparse_cli.console import note

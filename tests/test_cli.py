@@ -325,7 +325,7 @@ def test_end_to_end_real_model_on_samples(document, reference, monkeypatch):
     home = os.environ.get("HISPARSE_TEST_HOME") or str(Path.home() / ".cache" / "hisparse")
     monkeypatch.setenv("HISPARSE_HOME", home)
     result = run("summarize", SAMPLES / document, "--reference", SAMPLES / reference, "--json",
-                 "--profile", "cpu", "--max-new-tokens", "48")
+                 "--profile", "cpu", "--max-new-tokens", "32")
     assert result.exit_code == 0, show(result)
     record = json.loads(result.stdout)
     assert record["summary"].strip()
