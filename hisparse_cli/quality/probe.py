@@ -6,7 +6,8 @@ how much attention each token will draw while it is in the window (importance="p
     scorer(layer, x)   # x: [T, hidden] -> [T, Hkv] (higher = keep)
 
 Architecture (one network for all layers, < 10K parameters):
-    u = x / rms(x)                                   # scale-free input
+    u = pool(x / rms(x))                             # scale-free input; hidden sizes above
+                                                     # 1024 are average-pooled to 1024
     h = gelu(W_in u + b_in + E[layer])               # rank r, E: a learned layer embedding
     y = W_out[layer] h + b_out[layer]                # [Hkv]: one output per KV head
 Files: `<name>.safetensors` (weights only — never pickle) + `<name>.json` sidecar (shape,
@@ -27,15 +28,16 @@ from hisparse_cli.errors import ConfigError
 
 FORMAT = "hisparse-probe/1"
 PARAM_BUDGET = 9_500  # < 10K parameters including embeddings and heads
+MAX_INPUT = 1024  # larger hidden states are average-pooled to this many features
 PROBES_DIR = Path(__file__).resolve().parent.parent / "probes"
 FINGERPRINT_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads",
                     "vocab_size")
 
 
 def rank_for(hidden: int, layers: int, kv_heads: int, budget: int = PARAM_BUDGET) -> int:
-    """Largest bottleneck rank (2..16) whose parameter count stays within `budget`."""
-    per_rank = hidden + 1 + layers + layers * kv_heads
-    return max(2, min(16, (budget - layers * kv_heads) // per_rank))
+    """Largest bottleneck rank (1..16) whose parameter count stays within `budget`."""
+    per_rank = min(hidden, MAX_INPUT) + 1 + layers + layers * kv_heads
+    return max(1, min(16, (budget - layers * kv_heads) // per_rank))
 
 
 class ImportanceProbe(nn.Module):
@@ -45,7 +47,7 @@ class ImportanceProbe(nn.Module):
         rank = rank or rank_for(hidden_size, num_layers, num_kv_heads)
         self.hidden_size, self.num_layers, self.num_kv_heads, self.rank = (
             hidden_size, num_layers, num_kv_heads, rank)
-        self.inp = nn.Linear(hidden_size, rank)
+        self.inp = nn.Linear(min(hidden_size, MAX_INPUT), rank)
         self.layer_emb = nn.Embedding(num_layers, rank)
         self.out_w = nn.Parameter(torch.randn(num_layers, num_kv_heads, rank) * rank ** -0.5)
         self.out_b = nn.Parameter(torch.zeros(num_layers, num_kv_heads))
@@ -57,6 +59,8 @@ class ImportanceProbe(nn.Module):
         """layer: int, or [N] int64 (one layer per row); x: [N, hidden] -> [N, Hkv]."""
         u = x.float()
         u = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if u.shape[-1] > MAX_INPUT:
+            u = F.adaptive_avg_pool1d(u[None], MAX_INPUT)[0]
         if isinstance(layer, int):
             h = F.gelu(self.inp(u) + self.layer_emb.weight[layer])
             return F.linear(h, self.out_w[layer], self.out_b[layer])
