@@ -3,7 +3,9 @@
 Torch reference: kernels/attention_ref.py:sparse_attention (same layouts, same visibility rule).
 Public entry: kernels/attention_triton.py. Versions: v1 flash-style online softmax over
 {globals ∪ sinks ∪ window}, GQA rows, optional split along the keys (flash-decoding) with a
-reduce kernel, optional logits side-output for exact small-T importance scoring.
+reduce kernel, optional logits side-output for exact small-T importance scoring; v2 one
+pipelined loop per segment kind (a pointer select between the globals and the cache broke
+16-byte vectorization and spilled), unmasked loop for fully visible prefill tiles.
 
 Tiling. A program owns BLOCK_M "rows" of one KV head: row r = t * GRP + g (query t, query
 head kvh * GRP + g), so the query heads that share a KV head are processed together and every
@@ -17,6 +19,10 @@ found by counting block_starts entries (the list is in position order):
 Blocks outside A ∪ B are never touched; the exact rule is applied per element inside tiles.
 The scan costs a few dependent loads, so it runs only with SCAN (several row tiles, i.e.
 prefill); a single row tile (decode) walks the whole list, which the engine keeps visible.
+The scan also yields [f_lo, f_hi): blocks inside every row's window and causally before all
+of them. With FULL_TILES the B tiles wholly inside it run a second loop with no key, row or
+visibility masks (FlashAttention's causal trick; in a prefill only the window-edge and
+diagonal tiles, 2-4 per row tile, stay masked).
 Globals ([Hkv, G, D], g_pos >= 0 valid) are a third key segment seen by every query.
 
 Split-K. With SPLIT, program (m, kvh, s) walks only its share of the virtual tile sequence
@@ -34,29 +40,39 @@ import triton.language as tl
 @triton.jit
 def _visible_ranges(bstart_ptr, nb, q_lo, q_hi, sinks, window,
                     BS: tl.constexpr, WINDOWED: tl.constexpr, CB: tl.constexpr):
-    """(a_end, b_lo, b_hi): list-index ranges [0, a_end) and [b_lo, b_hi) to visit."""
-    c_hi = nb * 0
-    e_lo = nb * 0
-    s_cnt = nb * 0
+    """List-index ranges for queries [q_lo, q_hi]: visit [0, a_end) and [b_lo, b_hi);
+    keys in [f_lo, f_hi) are visible to every one of those queries (no mask needed)."""
+    c_hi = nb * 0  # entries with start <= q_hi (may hold a visible key)
+    e_lo = nb * 0  # entries wholly before every query's window
+    s_cnt = nb * 0  # entries holding a sink position
+    f_lo = nb * 0  # entries with start <= q_hi - window (not wholly inside every window)
+    f_hi = nb * 0  # entries wholly at or before q_lo (causally visible to every query)
     for i in range(0, nb, CB):
         idx = i + tl.arange(0, CB)
         ok = idx < nb
         st = tl.load(bstart_ptr + idx, mask=ok, other=0)
         c_hi += tl.sum((ok & (st <= q_hi)).to(tl.int32), axis=0)
+        f_hi += tl.sum((ok & (st + (BS - 1) <= q_lo)).to(tl.int32), axis=0)
         if WINDOWED:
             e_lo += tl.sum((ok & (st + (BS - 1) <= q_lo - window)).to(tl.int32), axis=0)
             s_cnt += tl.sum((ok & (st < sinks)).to(tl.int32), axis=0)
-    return tl.minimum(s_cnt, e_lo) * BS, e_lo * BS, c_hi * BS
+            f_lo += tl.sum((ok & (st <= q_hi - window)).to(tl.int32), axis=0)
+    return (tl.minimum(s_cnt, e_lo) * BS, e_lo * BS, c_hi * BS,
+            tl.maximum(f_lo, e_lo) * BS, f_hi * BS)
 
 
 @triton.jit
-def _online_update(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST: tl.constexpr):
+def _online_update(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST: tl.constexpr,
+                   MASKED: tl.constexpr = True):
     """One key tile of the online softmax. q [M, D], k/v [N, D], visible [M, N]."""
     if UPCAST:  # fp32 cache, or the interpreter (numpy has no bf16 matmul): exact fp32 dots
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+    if MASKED:
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+    else:
+        s = s * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
@@ -71,6 +87,49 @@ def _online_update(acc, m_i, l_i, q, k, v, visible, qk_scale, UPCAST: tl.constex
 
 
 @triton.jit
+def _list_tiles(acc, m_i, l_i, q, lt_lo, lt_hi, n_at, a_end, b_lo, b_hi, rows, row_ok, n_rows,
+                q_start, sinks, window, kvh, qk_scale, k_ptr, v_ptr, bid_ptr, bstart_ptr, s_row,
+                G, stride_kb, stride_ks, stride_kh, GRP: tl.constexpr, D: tl.constexpr,
+                BS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
+                MASKED: tl.constexpr, STORE_S: tl.constexpr, UPCAST: tl.constexpr):
+    """Key-list tiles [lt_lo, lt_hi) of the sequence A | B (one software-pipelined loop).
+    MASKED=False only for tiles every row sees in full (no key or row masks at all)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for lt in range(lt_lo, lt_hi):
+        in_a = lt < n_at
+        kj = tl.where(in_a, lt * BLOCK_N, b_lo + (lt - n_at) * BLOCK_N) + offs_n
+        ent = kj // BS
+        off = kj % BS
+        if MASKED:
+            k_ok = kj < tl.where(in_a, a_end, b_hi)
+            bid = tl.load(bid_ptr + ent, mask=k_ok, other=0)
+            kpos = (tl.load(bstart_ptr + ent, mask=k_ok, other=0) + off).to(tl.int32)
+            kv_off = (bid * stride_kb + off * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0.0)
+            # the visibility rule as a row interval per key: rows [r_lo, r_hi) see it
+            r_lo = tl.where(k_ok, (kpos - q_start) * GRP, n_rows)  # q >= k
+            if WINDOWED:  # and q < k + window unless k is a sink
+                r_hi = tl.where(kpos < sinks, n_rows,
+                                tl.minimum((kpos + window - q_start) * GRP, n_rows))
+                vis = (rows[:, None] >= r_lo[None, :]) & (rows[:, None] < r_hi[None, :])
+            else:
+                vis = (rows[:, None] >= r_lo[None, :]) & row_ok[:, None]
+        else:
+            k_ok = kj < b_hi  # always true here (only used for STORE_S)
+            bid = tl.load(bid_ptr + ent)
+            kv_off = (bid * stride_kb + off * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :]
+            k = tl.load(k_ptr + kv_off)
+            v = tl.load(v_ptr + kv_off)
+            vis = row_ok[:, None]
+        acc, m_i, l_i, s = _online_update(acc, m_i, l_i, q, k, v, vis, qk_scale, UPCAST, MASKED)
+        if STORE_S:
+            tl.store(s_row + (G + kj)[None, :], s, mask=row_ok[:, None] & k_ok[None, :])
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attn_fwd(
     q_ptr, k_ptr, v_ptr, bid_ptr, bstart_ptr, gk_ptr, gv_ptr, gpos_ptr,
     out_ptr, lse_ptr, m_ws, l_ws, acc_ws, s_ptr,
@@ -80,6 +139,7 @@ def _attn_fwd(
     HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CB: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_G: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr,
+    FULL_TILES: tl.constexpr,
     WRITE_LSE: tl.constexpr, STORE_S: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -98,12 +158,14 @@ def _attn_fwd(
     q_hi = q_start + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GRP, T - 1)
 
     if SCAN:  # several row tiles (prefill): each visits only the blocks its queries see
-        a_end, b_lo, b_hi = _visible_ranges(bstart_ptr, nb, q_lo, q_hi, sinks, window,
-                                            BS, WINDOWED, CB)
+        a_end, b_lo, b_hi, f_lo, f_hi = _visible_ranges(bstart_ptr, nb, q_lo, q_hi, sinks,
+                                                        window, BS, WINDOWED, CB)
     else:  # one row tile (decode): every listed block is (nearly) all visible; no scan latency
         a_end = nb * 0
         b_lo = nb * 0
         b_hi = nb * BS
+        f_lo = b_hi
+        f_hi = b_hi
     n_gt = tl.cdiv(G, BLOCK_N) if HAS_G else 0
     n_at = tl.cdiv(a_end, BLOCK_N)
     n_bt = tl.cdiv(b_hi - b_lo, BLOCK_N)
@@ -119,7 +181,7 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    s_row = s_ptr + kvh * stride_sh + rows[:, None] * stride_sr
+    s_row = s_ptr + kvh * stride_sh + rows[:, None] * stride_sr  # STORE_S: logits rows
 
     if HAS_G:  # global tiles: every row sees the valid entries of its KV head
         for vt in range(tl.maximum(v0, 0), tl.minimum(v1, n_gt)):
@@ -134,28 +196,28 @@ def _attn_fwd(
             if STORE_S:
                 tl.store(s_row + gi[None, :], s, mask=row_ok[:, None] & g_ok[None, :])
 
-    # list tiles: A then B as one loop (one software pipeline)
-    for lt in range(tl.maximum(v0 - n_gt, 0), tl.minimum(v1 - n_gt, n_at + n_bt)):
-        in_a = lt < n_at
-        kj = tl.where(in_a, lt * BLOCK_N, b_lo + (lt - n_at) * BLOCK_N) + offs_n
-        k_ok = kj < tl.where(in_a, a_end, b_hi)
-        ent = kj // BS
-        off = kj % BS
-        bid = tl.load(bid_ptr + ent, mask=k_ok, other=0)
-        kpos = (tl.load(bstart_ptr + ent, mask=k_ok, other=0) + off).to(tl.int32)
-        kv_off = (bid * stride_kb + off * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0.0)
-        # the visibility rule as a row interval per key: rows [r_lo, r_hi) see it
-        r_lo = tl.where(k_ok, (kpos - q_start) * GRP, n_rows)  # q >= k
-        if WINDOWED:  # and q < k + window unless k is a sink
-            r_hi = tl.where(kpos < sinks, n_rows, tl.minimum((kpos + window - q_start) * GRP, n_rows))
-            vis = (rows[:, None] >= r_lo[None, :]) & (rows[:, None] < r_hi[None, :])
-        else:
-            vis = (rows[:, None] >= r_lo[None, :]) & row_ok[:, None]
-        acc, m_i, l_i, s = _online_update(acc, m_i, l_i, q, k, v, vis, qk_scale, UPCAST)
-        if STORE_S:
-            tl.store(s_row + (G + kj)[None, :], s, mask=row_ok[:, None] & k_ok[None, :])
+    n_lt = n_at + n_bt
+    if FULL_TILES:  # B tiles wholly inside [f_lo, f_hi) skip every mask (most of a prefill)
+        fb_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo - b_lo, BLOCK_N), 0), n_bt)
+        fb_hi = tl.minimum(tl.maximum((f_hi - b_lo) // BLOCK_N, fb_lo), n_bt)
+        acc, m_i, l_i = _list_tiles(
+            acc, m_i, l_i, q, 0, n_at + fb_lo, n_at, a_end, b_lo, b_hi, rows, row_ok, n_rows,
+            q_start, sinks, window, kvh, qk_scale, k_ptr, v_ptr, bid_ptr, bstart_ptr, s_row, G,
+            stride_kb, stride_ks, stride_kh, GRP, D, BS, BLOCK_N, WINDOWED, True, STORE_S, UPCAST)
+        acc, m_i, l_i = _list_tiles(
+            acc, m_i, l_i, q, n_at + fb_lo, n_at + fb_hi, n_at, a_end, b_lo, b_hi, rows, row_ok,
+            n_rows, q_start, sinks, window, kvh, qk_scale, k_ptr, v_ptr, bid_ptr, bstart_ptr,
+            s_row, G, stride_kb, stride_ks, stride_kh, GRP, D, BS, BLOCK_N, WINDOWED, False,
+            STORE_S, UPCAST)
+        lt_lo = n_at + fb_hi
+        lt_hi = n_lt
+    else:
+        lt_lo = tl.maximum(v0 - n_gt, 0)
+        lt_hi = tl.minimum(v1 - n_gt, n_lt)
+    acc, m_i, l_i = _list_tiles(
+        acc, m_i, l_i, q, lt_lo, lt_hi, n_at, a_end, b_lo, b_hi, rows, row_ok, n_rows,
+        q_start, sinks, window, kvh, qk_scale, k_ptr, v_ptr, bid_ptr, bstart_ptr, s_row, G,
+        stride_kb, stride_ks, stride_kh, GRP, D, BS, BLOCK_N, WINDOWED, True, STORE_S, UPCAST)
 
     if SPLIT:
         ws = (sid * HKV + kvh) * n_rows + rows

@@ -50,6 +50,7 @@ class AttnConfig:
     score_block_m: int = 64  # sampled rows per scoring tile
     score_block_n: int = 64  # keys per scoring program
     score_warps: int = 4
+    full_tiles: bool = True  # prefill: unmasked loop for the tiles every row sees in full
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -70,9 +71,11 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_config(n_rows: int, head_dim: int, fp32: bool = False) -> AttnConfig:
     """Tiles for a step with n_rows = T * GRP query rows per KV head (fp32: FMA dots)."""
-    if fp32:  # fallback for fp32 caches: small tiles keep the FMA dot out of local memory
-        return AttnConfig(block_m=16 if n_rows <= 16 else 32, block_n=32, num_warps=4,
-                          num_stages=2, score_block_m=32, score_block_n=32)
+    if fp32:  # fallback for fp32 caches: small tiles keep the FMA dots out of local memory
+        wide = head_dim > 64
+        return AttnConfig(block_m=16 if n_rows <= 16 else 32, block_n=16 if wide else 32,
+                          num_warps=8 if wide else 4, num_stages=2, score_block_m=32,
+                          score_block_n=16 if wide else 32, score_warps=8 if wide else 4)
     if n_rows <= 16:  # decode: memory bound, a 16-row MMA is the floor
         return AttnConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
     if n_rows <= 64:
@@ -164,7 +167,8 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         gp.stride(0) if has_g else 0,
         s_ws.stride(0) if store_s else 0, s_ws.stride(1) if store_s else 0,
         HKV=hkv, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
-        WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, SCAN=m_tiles > 1, WRITE_LSE=write_lse,
+        WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, SCAN=m_tiles > 1,
+        FULL_TILES=cfg.full_tiles and m_tiles > 1 and splits == 1, WRITE_LSE=write_lse,
         STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         block_r = 16
