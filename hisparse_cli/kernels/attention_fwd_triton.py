@@ -129,7 +129,8 @@ def _list_tiles(acc, m_i, l_i, q, lt_lo, lt_hi, n_at, a_end, b_lo, b_hi, rows, r
     return acc, m_i, l_i
 
 
-@triton.jit
+# runtime sizes/positions change every step: one compiled variant, not one per divisibility
+@triton.jit(do_not_specialize=["T", "nb", "G", "q_start", "sinks", "window", "n_split"])
 def _attn_fwd(
     q_ptr, k_ptr, v_ptr, bid_ptr, bstart_ptr, gk_ptr, gv_ptr, gpos_ptr,
     out_ptr, lse_ptr, m_ws, l_ws, acc_ws, s_ptr,
@@ -233,7 +234,7 @@ def _attn_fwd(
             tl.store(lse_ptr + kvh * n_rows + rows, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_split"])
 def _attn_reduce(
     m_ws, l_ws, acc_ws, out_ptr, lse_ptr, T, n_split, stride_ot, stride_oh,
     HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,

@@ -80,8 +80,7 @@ def choose_config(n_rows: int, head_dim: int, fp32: bool = False) -> AttnConfig:
         return AttnConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
     if n_rows <= 64:
         return AttnConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    return AttnConfig(block_m=128, block_n=64, num_warps=8 if head_dim >= 128 else 4,
-                      num_stages=2)
+    return AttnConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
 def default_score_stride(t_len: int, visible_keys: int, hq: int, head_dim: int) -> int:
@@ -131,10 +130,12 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         assert g_k.shape == (hkv, G, d) and g_v.shape == g_k.shape and g_pos.shape == (hkv, G)
         assert g_k.stride(-1) == 1 and g_v.stride() == g_k.stride() and g_pos.stride(-1) == 1
         assert g_k.dtype == k_cache.dtype == g_v.dtype and g_pos.dtype == torch.int64
+    assert t_len > 0
     nb = block_ids.shape[0]
     n_keys = nb * bs
     n_rows = t_len * grp
     cfg = config or choose_config(n_rows, d, fp32=k_cache.dtype == torch.float32)
+    assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.score_block_m >= 16, "MMA tiles >= 16"
     windowed = window is not None
     dev = q.device
     upcast = _interpreting() or k_cache.dtype == torch.float32

@@ -55,7 +55,7 @@ def _store_mass(mass, cols, g_ok, in_list, kj, kmass_ptr, gmass_ptr, kvh, n_keys
         tl.store(gmass_ptr + kvh * G + cols, tl.where(g_ok, mass, 0.0), mask=cols < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window"])
 def _mass_from_logits(
     s_ptr, lse_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr,
     T, n_keys, G, q_start, sinks, window, stride_sh, stride_sr, stride_ph,
@@ -79,7 +79,7 @@ def _mass_from_logits(
     _store_mass(mass, cols, g_ok, in_list, kj, kmass_ptr, gmass_ptr, kvh, n_keys, G, HAS_G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window", "stride"])
 def _mass_recompute(
     q_ptr, k_ptr, bid_ptr, bstart_ptr, gk_ptr, gpos_ptr, lse_ptr, kmass_ptr, gmass_ptr,
     T, n_keys, G, q_start, sinks, window, qk_scale, stride,
