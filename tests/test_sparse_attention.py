@@ -255,3 +255,25 @@ def test_probe_policy_keeps_what_the_scorer_ranks_highest():
         for layer in range(2):
             assert set(run.global_positions(layer)[0].tolist()) == favourite
     assert pool.live == 0
+
+
+@pytest.mark.parametrize("stride", [2, 3])
+def test_strided_scores_follow_the_kernel_contract(stride):
+    """The reference's strided estimate is the same estimator the Triton kernel implements
+    (importance_triton.strided_mass_reference), so both backends pick the same globals."""
+    pytest.importorskip("triton")
+    from hisparse_cli.kernels.attention_ref import sparse_attention
+    from hisparse_cli.kernels.importance_triton import strided_mass_reference
+
+    g = torch.Generator().manual_seed(stride)
+    bs, nb, t, q_start = 4, 7, 11, 17
+    kc, vc = torch.randn(nb, bs, HKV, D, generator=g), torch.randn(nb, bs, HKV, D, generator=g)
+    q = torch.randn(t, HQ, D, generator=g)
+    gk, gv = torch.randn(HKV, 3, D, generator=g), torch.randn(HKV, 3, D, generator=g)
+    gpos = torch.tensor([[1, -1, 0], [0, 1, 2]])
+    ids, starts = torch.tensor([6, 0, 2, 1, 4, 3, 5]), torch.arange(nb) * bs
+    args = (q, kc, vc, ids, starts, q_start, 2, 9, D ** -0.5)
+    _, km, gm = sparse_attention(*args, g_k=gk, g_v=gv, g_pos=gpos, return_scores=True,
+                                 score_stride=stride)
+    rk, rg = strided_mass_reference(*args, g_k=gk, g_v=gv, g_pos=gpos, stride=stride)
+    assert torch.allclose(km, rk, atol=1e-5) and torch.allclose(gm, rg, atol=1e-5)

@@ -73,8 +73,9 @@ def sparse_attention(
     global_mass [Hkv, G] fp32 | None): attention probability each key received, summed over
     the step's queries and the query heads of its KV head (the importance signal).
 
-    score_stride s > 1 estimates the masses from the queries whose position is a multiple of s
-    (scaled by s), which cuts the scoring cost by s; s = 1 is exact.
+    score_stride s > 1 estimates the masses from the step's queries T-1, T-1-s, T-1-2s, ...,
+    each key's sum scaled by (queries that see it) / (sampled queries that see it): the cost
+    falls by s; s = 1 is exact, and so is every single-query (decode) step.
     score_min_distance m > 0 counts a window key's mass only from queries at least m positions
     after it (the "observation window" of SnapKV: the last window - m queries before eviction).
     memo: an optional dict shared by the layers of one step (caches the step's mask)."""
@@ -105,19 +106,23 @@ def sparse_attention(
     out = out.transpose(0, 1).to(q.dtype)  # [T, Hq, D]
     if not return_scores:
         return out, None, None
-    rows = torch.nonzero(q_pos % score_stride == 0).flatten() if score_stride > 1 else None
-    if rows is not None and rows.numel() == 0:  # no sampled query in this step
-        zg = torch.zeros(hkv, k.shape[1] - n, device=q.device) if has_g else None
-        return out, torch.zeros(hkv, n, device=q.device), zg
+    # sampled queries: t = T-1, T-1-s, T-1-2s, ... (the last query of a step is always scored)
+    rows = torch.arange(t - 1, -1, -score_stride, device=q.device) if score_stride > 1 else None
     qs = qh if rows is None else qh[:, rows]  # [Hq, Ts, D]
     ts = qs.shape[1]
     ms = mask if rows is None else mask[..., rows, :]
     ms = ms.reshape(hkv, grp, ts, -1) if ms.dim() == 4 else ms[None, None]
     s = torch.bmm(qs.reshape(hkv, -1, d).float(), k.float().transpose(1, 2)) * scale  # [Hkv, grp*Ts, N(+G)]
     p = torch.softmax(s.view(hkv, grp, ts, -1) + ms, dim=-1)
-    if score_min_distance > 0:
-        qp = q_pos if rows is None else q_pos[rows]
-        far = (qp[:, None] - k_pos[None, :]) >= score_min_distance  # [Ts, N]
-        p = torch.cat((p[..., :n] * far, p[..., n:]), dim=-1)
-    p = p.sum(dim=(1, 2)) * score_stride
+    vis = torch.isfinite(mask if mask.dim() == 2 else mask[0, ::grp])  # [T, N+G] or [Hkv, T, N+G]
+    if score_min_distance > 0:  # snapkv: only queries at least m positions after the key
+        far = (q_pos[:, None] - k_pos[None, :]) >= score_min_distance  # [T, N]
+        far = torch.cat((far, far.new_ones(t, vis.shape[-1] - n)), dim=-1)
+        vis = vis & far
+        p = p * (far if rows is None else far[rows])
+    p = p.sum(dim=(1, 2))  # [Hkv, N(+G)]
+    if rows is not None:  # scale each key by (queries that see it) / (sampled queries that see it)
+        n_vis = vis.sum(-2).float()
+        n_smp = vis[..., rows, :].sum(-2).float()
+        p = p * torch.where(n_smp > 0, n_vis / n_smp.clamp(min=1), torch.zeros_like(n_vis))
     return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)

@@ -36,6 +36,16 @@ class KernelBackend:
             from hisparse_cli.kernels.attention_triton import sparse_attention
 
             kwargs.pop("memo", None)  # a torch-reference optimisation hint
+            if kwargs.get("score_min_distance"):
+                # snapkv scoring is not fused in the Triton kernels yet: attention output from
+                # Triton, the observation-window masses from the reference
+                from hisparse_cli.kernels.attention_ref import sparse_attention as ref
+
+                out, _, _ = sparse_attention(*args, **{**kwargs, "return_scores": False,
+                                                       "score_min_distance": None})
+                _, km, gm = ref(*args, **kwargs)
+                return out, km, gm
+            kwargs.pop("score_min_distance", None)
         else:
             from hisparse_cli.kernels.attention_ref import sparse_attention
         return sparse_attention(*args, **kwargs)
