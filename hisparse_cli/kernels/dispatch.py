@@ -41,8 +41,8 @@ class KernelBackend:
                 # Triton, the observation-window masses from the reference
                 from hisparse_cli.kernels.attention_ref import sparse_attention as ref
 
-                out, _, _ = sparse_attention(*args, **{**kwargs, "return_scores": False,
-                                                       "score_min_distance": None})
+                kw = {k: v for k, v in kwargs.items() if k != "score_min_distance"}
+                out, _, _ = sparse_attention(*args, **{**kw, "return_scores": False})
                 _, km, gm = ref(*args, **kwargs)
                 return out, km, gm
             kwargs.pop("score_min_distance", None)
