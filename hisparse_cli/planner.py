@@ -165,7 +165,7 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         num_sms=num_sms)
     run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens)
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
-                          embeddings_on_host=host_emb, align=512 if cuda else 1)
+                          embeddings_on_host=host_emb, cuda=cuda)
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
                       counted=w.on_device) for w in witems]
     weights = sum(w.bytes for w in witems if w.on_device)

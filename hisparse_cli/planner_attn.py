@@ -93,8 +93,10 @@ def build_memo(tr: Trace, s: StepShape, a: AttnStep) -> list[int]:
     return [kp, qp, mask]
 
 
-def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> tuple[int, list[int]]:
-    """Returns (out, [key_mass, global_mass]); the memo is built when `first` (left live)."""
+def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool,
+             keep_memo: bool = True) -> tuple[int, list[int]]:
+    """Returns (out, [key_mass, global_mass]); the mask memo is built when `first` and left
+    live for the step's other layers when `keep_memo` (without a memo: freed at return)."""
     ab, t, n = s.attn_b, a.t, a.nb * s.bs
     live = []
     for name in ("attn.k", "attn.v"):  # k_cache[block_ids] (+ .to(dt))
@@ -105,7 +107,9 @@ def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> tuple[int, li
             g = c
         live.append(g)
     if first:
-        build_memo(tr, s, a)
+        memo = build_memo(tr, s, a)
+        if not keep_memo:
+            live += memo
     mask, width, mask_rows = -1, n, 1  # -1: the memo's [T, N] mask
     if s.G:
         width = n + s.G
@@ -146,27 +150,13 @@ def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> tuple[int, li
 
 
 def _ref_scores(tr: Trace, s: StepShape, a: AttnStep, width: int, mask_rows: int) -> list[int]:
-    ab, t, n, ts, tmp = s.attn_b, a.t, a.nb * s.bs, a.ts, []
-
-    def masses() -> list[int]:
-        out = [tr.alloc("attn.key_mass", s.hkv * n * 4)]
-        return out + ([tr.alloc("attn.key_mass", s.hkv * s.G * 4)] if s.G else [])
-
+    ab, t, n, tmp = s.attn_b, a.t, a.nb * s.bs, []
     strided = s.score_stride > 1
-    if strided:  # rows = nonzero(q_pos % stride == 0)
-        m = tr.alloc("attn.score", t * 8)
-        e = tr.alloc("attn.score", t)
-        tr.free(m)
+    ts = (t - 1) // s.score_stride + 1 if strided else t  # rows = arange(t-1, -1, -stride)
+    if strided:
         tmp.append(tr.alloc("attn.score", ts * 8))
-        tr.free(e)
-        if ts == 0:
-            out = masses()
-            tr.free(*tmp)
-            return out
         tmp.append(tr.alloc("attn.score", s.hq * ts * s.d * ab))  # qh[:, rows]
         tmp.append(tr.alloc("attn.score", mask_rows * ts * width * 4))  # mask[..., rows, :]
-    else:
-        ts = t
     rows = s.hq * ts
     copy = not strided and t > 1 and s.grp > 1  # reshape of the transposed q copies
     qr = tr.alloc("attn.score", rows * s.d * ab) if copy else -1
@@ -179,20 +169,44 @@ def _ref_scores(tr: Trace, s: StepShape, a: AttnStep, width: int, mask_rows: int
     added = tr.alloc("attn.score", rows * width * 4)  # + mask
     p = tr.alloc("attn.score", rows * width * 4)  # softmax
     tr.free(added)
-    if s.min_distance > 0:  # snapkv: only queries far enough from the key count
-        qp = tr.alloc("attn.score", ts * 8) if strided else -1
-        diff = tr.alloc("attn.score", ts * n * 8)
-        far = tr.alloc("attn.score", ts * n)
+    vis_rows = 1 if mask_rows == 1 else s.hkv  # isfinite(mask or mask[0, ::grp])
+    vis = tr.alloc("attn.score", vis_rows * t * width)
+    if s.min_distance > 0:  # snapkv: only queries at least m positions after the key
+        diff = tr.alloc("attn.score", t * n * 8)
+        far = tr.alloc("attn.score", t * n)
         tr.free(diff)
-        x1 = tr.alloc("attn.score", rows * n * 4)
+        ones = tr.alloc("attn.score", t * (width - n))
+        far2 = tr.alloc("attn.score", t * width)
+        tr.free(ones, far)
+        v2 = tr.alloc("attn.score", vis_rows * t * width)  # vis & far
+        tr.free(vis)
+        vis = v2
+        fr = tr.alloc("attn.score", ts * width) if strided else -1  # far[rows]
         p2 = tr.alloc("attn.score", rows * width * 4)
-        tr.free(x1, p)
+        tr.free(fr, p)
         p = p2
-        tmp += [qp, far]
+        tmp.append(far2)
     su = tr.alloc("attn.score", s.hkv * width * 4)  # sum over (group, queries)
     tr.free(p)
-    p = tr.alloc("attn.score", s.hkv * width * 4)  # * score_stride
-    tr.free(su)
-    out = masses()
-    tr.free(p, s1, *tmp)
+    p = su
+    if strided:  # per-key scale: (queries that see it) / (sampled queries that see it)
+        cnt = vis_rows * width
+        a1 = tr.alloc("attn.score", cnt * 8)  # vis.sum(-2)
+        n_vis = tr.alloc("attn.score", cnt * 4)
+        tr.free(a1)
+        sel = tr.alloc("attn.score", vis_rows * ts * width)  # vis[..., rows, :]
+        a1 = tr.alloc("attn.score", cnt * 8)
+        tr.free(sel)
+        n_smp = tr.alloc("attn.score", cnt * 4)
+        tr.free(a1)
+        w = [tr.alloc("attn.score", cnt), tr.alloc("attn.score", cnt * 4),  # > 0, clamp
+             tr.alloc("attn.score", cnt * 4), tr.alloc("attn.score", cnt * 4)]  # /, zeros_like
+        ratio = tr.alloc("attn.score", cnt * 4)  # where
+        tr.free(*w)
+        p2 = tr.alloc("attn.score", s.hkv * width * 4)
+        tr.free(ratio, p, n_vis, n_smp)
+        p = p2
+    out = [tr.alloc("attn.key_mass", s.hkv * n * 4)]
+    out += [tr.alloc("attn.key_mass", s.hkv * s.G * 4)] if s.G else []
+    tr.free(p, s1, vis, *tmp)
     return out

@@ -83,7 +83,7 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
     pool = BlockPool()
     seq = SparseSequence(sparse, pool, model_window=model_window)
     assert (seq.window, seq.sinks) == (s.window, s.sinks), "StepShape disagrees with the policy"
-    tr = Trace(512 if s.cuda else 1)
+    tr = Trace(s.cuda)
     tr.label = "setup"
     lh, bs, chunk = s.layers * s.hkv, sparse.block_size, sparse.prefill_chunk
     ids = tr.alloc("input_ids", prompt * 8)

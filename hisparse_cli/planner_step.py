@@ -6,6 +6,8 @@ peak of its temporaries measured from zero (`SubPeak`); see planner_trace.py for
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hisparse_cli.planner_attn import AttnStep, attn_ref, attn_triton, memo_bytes
 from hisparse_cli.planner_trace import StepShape, SubPeak, Trace, cos_sin, linear, rms_norm, rope
 
@@ -28,7 +30,13 @@ def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> int:
     q, k = q2, k2
     if s.backend == "torch" and s.kvb != s.cb:  # store_kv: k.to(cache dtype), then v
         tr.free(tr.alloc("attn.store", t * kd * s.kvb))
-    if s.backend == "triton":
+    if s.backend == "triton" and s.min_distance > 0:
+        # dispatch: snapkv masses are not fused in Triton; the reference computes them
+        # (without the memo) after the Triton output
+        out, _ = attn_triton(tr, replace(s, track_scores=False), a)
+        ref_out, masses = attn_ref(tr, s, a, first=True, keep_memo=False)
+        tr.free(ref_out)
+    elif s.backend == "triton":
         out, masses = attn_triton(tr, s, a)
     else:
         out, masses = attn_ref(tr, s, a, first)
@@ -43,7 +51,7 @@ def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> int:
 def layer_peak(s: StepShape, a: AttnStep, first: bool = False) -> SubPeak:
     """One DecoderLayer.forward on top of its input x [t, hidden] (held by the caller).
     first: the step's first layer, which builds the reference's mask memo (left live)."""
-    tr = Trace(512 if s.cuda else 1)
+    tr = Trace(s.cuda)
     t, hs, cb = a.t, s.hidden, s.cb
     att = _attention(tr, s, a, first)
     x2 = tr.alloc("residual", t * hs * cb)
@@ -65,7 +73,7 @@ def layer_peak(s: StepShape, a: AttnStep, first: bool = False) -> SubPeak:
 def forward_peak(s: StepShape, a: AttnStep) -> tuple[SubPeak, list[int]]:
     """CausalLM.forward for a step -> (peak of its temporaries, byte sizes of what stays live
     until the step ends besides the logits: the reference's mask memo)."""
-    tr = Trace(512 if s.cuda else 1)
+    tr = Trace(s.cuda)
     x = tr.alloc("residual", a.t * s.hidden * s.cb)  # embedding rows (also when host-resident)
     cos, sin = cos_sin(tr, s, a.t)
     kept: list[int] = []
@@ -122,7 +130,7 @@ def select_peak(tr: Trace, s: StepShape, width: int, keep: int, name: str) -> li
 
 def evict_peak(s: StepShape, ne: int) -> SubPeak:
     """evict_to_candidates for ne blocks (the old candidate slots stay live until replaced)."""
-    tr = Trace(512 if s.cuda else 1)
+    tr = Trace(s.cuda)
     lh, n, name = s.layers * s.hkv, ne * s.bs, "evict"
     tmp = [tr.alloc(name, ne * 8)]  # ids
     tmp += [tr.alloc(name, s.layers * n * s.hkv * s.d * s.kvb) for _ in range(2)]  # k, v gather
@@ -143,7 +151,7 @@ def evict_peak(s: StepShape, ne: int) -> SubPeak:
 
 
 def recalibrate_peak(s: StepShape) -> SubPeak:
-    tr = Trace(512 if s.cuda else 1)
+    tr = Trace(s.cuda)
     lh, w, name = s.layers * s.hkv, s.G + s.C, "recalibrate"
     tmp = [tr.alloc(name, lh * w * s.d * s.kvb) for _ in range(2)]
     tmp += [tr.alloc(name, lh * w * 8), tr.alloc(name, lh * w * 4), tr.alloc(name, lh * w * 4)]

@@ -22,11 +22,29 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class Trace:
-    """Live bytes of simulated allocations. `align`: allocator rounding (CUDA: 512 B)."""
+MIB = 1 << 20
 
-    def __init__(self, align: int = 1) -> None:
-        self.align = align
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes torch's CUDA caching allocator counts as allocated for a request, when it is
+    served by a fresh segment: requests round up to 512 B; a request of 10 MiB or more gets a
+    segment rounded up to 2 MiB, and the rest stays in the block (is not split off) when it is
+    1 MiB or less. (A request served by a cached block may keep a different remainder.)"""
+    if nbytes <= 0:
+        return 0
+    r = cdiv(nbytes, 512) * 512
+    if r >= 10 * MIB:
+        seg = cdiv(r, 2 * MIB) * 2 * MIB
+        if seg - r <= MIB:
+            return seg
+    return r
+
+
+class Trace:
+    """Live bytes of simulated allocations; `cuda`: with the CUDA allocator's rounding."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
         self.cur = 0
         self.peak = 0
         self.peak_live: dict[str, int] = {}
@@ -36,7 +54,9 @@ class Trace:
         self._next = 0
 
     def size(self, nbytes: int) -> int:
-        return 0 if nbytes <= 0 else cdiv(nbytes, self.align) * self.align
+        if self.cuda:
+            return cuda_block_bytes(nbytes)
+        return max(nbytes, 0)
 
     def alloc(self, name: str, nbytes: int) -> int:
         n = self.size(nbytes)
@@ -144,7 +164,7 @@ def linear(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, quant: bo
 def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> int:
     cb = s.cb
     if m <= 4:  # awq_gemv: fp32 split-K accumulator when split
-        block_k, words = min(s.group, 64), n // 8
+        block_k, words = min(s.group, 32), n // 8
         tiles, k_blocks = cdiv(words, 32), k // block_k
         split = max(1, min(k_blocks, (4 * s.num_sms) // max(1, tiles * m)))
         split = cdiv(k, cdiv(k_blocks, split) * block_k)

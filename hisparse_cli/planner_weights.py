@@ -8,7 +8,7 @@ linears (AutoAWQ GEMM layout, model/awq.py) hold per linear in -> out with group
 plus a bias [out] in the compute dtype where the architecture has one. Norms, embeddings and
 (unless `awq_lm_head`) the LM head stay in the compute dtype. With `embeddings_on_host` the
 embedding table stays in host RAM; a tied LM head then gets its own device copy.
-On CUDA every tensor is rounded up to the caching allocator's 512-byte granule.
+On CUDA every tensor is sized as the caching allocator counts it (planner_trace.cuda_block_bytes).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.planner_trace import cdiv
+from hisparse_cli.planner_trace import cuda_block_bytes
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,9 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
 
 
 def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_head: bool,
-                 embeddings_on_host: bool, align: int) -> list[WeightItem]:
+                 embeddings_on_host: bool, cuda: bool) -> list[WeightItem]:
     def a(n: int) -> int:
-        return cdiv(n, align) * align if n > 0 else 0
+        return cuda_block_bytes(n) if cuda else max(n, 0)
 
     V, H, L, D = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
     dt = {2: "2 B", 4: "4 B"}[cb]

@@ -1,0 +1,590 @@
+"""GPU benchmark and planner validation (issue: GPU path, exact memory planner, VRAM budgets).
+
+    python benchmarks/gpu_engine.py [--out DIR] [--time-budget 540] [--budget-gib 6] [--smoke]
+
+One run, one H200, random weights built on the device (no download, no files):
+  (a) planner vs measured: `plan_memory(...).peak_allocated_bytes` against the
+      torch.cuda.max_memory_allocated of Engine.generate (reset at its start) for (context,
+      profile) pairs on a Llama-3-8B-shaped fp16 model; plus the calibration constants the
+      planner ships (CUDA context, cuBLAS workspace), measured here.
+  (b) speed at 8K/32K/128K: our engine (h200-141g profile) vs HF transformers dense (SDPA,
+      fp16, DynamicCache, logits_to_keep=1 as generate sets it) and HF static cache with the
+      auto-compiled decode step (generate(cache_implementation="static"): torch.compile,
+      mode reduce-overhead), same weights (HF's tensors are shared with ours), same prompt.
+  (c) the bandwidth-bound decode limit: device copy bandwidth / bytes read per decode token
+      (weights + KV actually read), and each system's fraction of it.
+  (d) a 6 GiB card emulated with set_per_process_memory_fraction (hisparse_cli.vram): the
+      4060ti-6g profile, 32K and 128K prompts, an 8B-shaped random AWQ INT4 model with host
+      embeddings and a Llama-3.2-1B-shaped fp16 model, each run only if the planner says it fits.
+Prints compact tables; writes $OUT/gpu_engine.json (OUT env or --out, default ./out).
+Attention backend: Triton when kernels/attention_triton.py imports and agrees with the torch
+reference on a smoke shape, else the torch reference (HISPARSE_BACKEND=torch), said loudly.
+Phases that would overrun --time-budget are skipped with the reason printed.
+--smoke: tiny shapes and contexts (also runs on a CPU, without the memory/bandwidth parts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from hisparse_cli.engine.config import SparseConfig  # noqa: E402
+from hisparse_cli.model.config import ModelConfig  # noqa: E402
+from hisparse_cli.planner import GIB, plan_memory  # noqa: E402
+from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
+from hisparse_cli.profiles import load_profile  # noqa: E402
+
+MIB = 1 << 20
+T0 = time.perf_counter()
+LLAMA_1B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "tie_word_embeddings": True,
+            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+SMOKE = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
+         "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+         "rope_theta": 10000.0, "tie_word_embeddings": False}
+SKIPPED: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def left(budget: float) -> float:
+    return budget - (time.perf_counter() - T0)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def free_all(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def gib(n) -> str:
+    return "-" if n is None else f"{n / GIB:.2f}"
+
+
+# -- environment, calibration, backend ---------------------------------------------------------
+def environment(dev: torch.device) -> dict:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__,
+           "device": str(dev), "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        env["triton"] = f"unavailable: {exc}"
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        env.update(gpu=p.name, sms=p.multi_processor_count, total_bytes=p.total_memory)
+    return env
+
+
+def calibrate(dev: torch.device) -> dict:
+    """CUDA context (device memory outside torch's allocator) and cuBLAS workspace bytes."""
+    if dev.type != "cuda":
+        return {}
+    torch.cuda.init()
+    torch.empty(1, device=dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    context = total - free - torch.cuda.memory_reserved(dev)
+    a = torch.randn(256, 256, device=dev, dtype=torch.float16)
+    b = torch.randn(256, device=dev, dtype=torch.float16)
+    sync(dev)
+    base = torch.cuda.memory_allocated(dev)
+    c = a @ a
+    del c
+    sync(dev)
+    ws_mm = torch.cuda.memory_allocated(dev) - base
+    c = torch.nn.functional.linear(a, a, b)
+    del c
+    sync(dev)
+    ws_all = torch.cuda.memory_allocated(dev) - base
+    free, total = torch.cuda.mem_get_info(dev)
+    return {"cuda_context_bytes_at_start": context, "cublas_workspace_bytes_mm": ws_mm,
+            "cublas_workspace_bytes_incl_lt": ws_all,
+            "non_allocator_bytes_after_cublas": total - free - torch.cuda.memory_reserved(dev)}
+
+
+def pick_backend(dev: torch.device) -> tuple[str, str]:
+    """("triton" | "torch", why). Triton must import and match the reference on a smoke step."""
+    if dev.type != "cuda":
+        return "torch", "no CUDA device"
+    try:
+        from hisparse_cli.kernels import attention_ref, attention_triton
+
+        g = torch.Generator(device=dev).manual_seed(0)
+        kc = torch.randn(8, 16, 2, 64, device=dev, dtype=torch.float16, generator=g)
+        vc = torch.randn(8, 16, 2, 64, device=dev, dtype=torch.float16, generator=g)
+        q = torch.randn(32, 8, 64, device=dev, dtype=torch.float16, generator=g)
+        ids, starts = torch.arange(6, device=dev), torch.arange(6, device=dev) * 16
+        args = (q, kc, vc, ids, starts, 64, 4, 48, 0.125)
+        got = attention_triton.sparse_attention(*args, return_scores=True)
+        ref = attention_ref.sparse_attention(*args, return_scores=True, score_stride=1)
+        err = float((got[0].float() - ref[0].float()).abs().max())
+        if not math.isfinite(err) or err > 2e-2:
+            raise RuntimeError(f"max |triton - ref| = {err}")
+        return "triton", f"triton attention matches the reference (max err {err:.1e})"
+    except Exception as exc:  # noqa: BLE001 - any failure means: run the reference
+        os.environ["HISPARSE_BACKEND"] = "torch"
+        return "torch", f"TRITON UNAVAILABLE, running the torch reference: {type(exc).__name__}: {exc}"
+
+
+# -- models with random weights, built on the device -------------------------------------------
+def build_hf(shape: dict, dev: torch.device):
+    """HF LlamaForCausalLM (SDPA) with random fp16 weights, materialized on `dev`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    kw = {k: v for k, v in shape.items() if k not in ("model_type", "quantization_config")}
+    config = LlamaConfig(**kw)
+    with torch.device("meta"):
+        try:
+            hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                  dtype=torch.float16)
+        except TypeError:
+            hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                  torch_dtype=torch.float16)
+    hf = hf.to_empty(device=dev).to(torch.float16)
+    g = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+    rot = hf.model.rotary_emb
+    hf.model.rotary_emb = type(rot)(config=hf.config).to(dev)
+    hf.eval()
+    hf.requires_grad_(False)
+    return hf
+
+
+def ours_sharing(hf, cfg: ModelConfig, dev: torch.device):
+    """Our CausalLM over the HF model's tensors (same names, no copy)."""
+    from hisparse_cli.model.llama import CausalLM
+
+    params = dict(hf.named_parameters())
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    for name, _ in list(model.named_parameters()):
+        mod, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(mod), attr, nn.Parameter(params[name], requires_grad=False))
+    model.init_rope(dev)
+    return model.eval()
+
+
+def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, seed: int = 0):
+    """Our CausalLM with random weights: fp16, or AWQ INT4 (random codes, zeros and scales)
+    for every decoder linear; the embedding table in host RAM when host_emb."""
+    from hisparse_cli.model.awq import AWQLinear
+    from hisparse_cli.model.llama import CausalLM
+    from hisparse_cli.model.loader import LINEAR_SUFFIXES
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    fp16 = torch.float16
+
+    def rnd(out_f: int, in_f: int) -> nn.Parameter:
+        w = torch.empty(out_f, in_f, device=dev, dtype=fp16).normal_(0, in_f ** -0.5, generator=g)
+        return nn.Parameter(w, requires_grad=False)
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if host_emb:  # made on the host: a device copy would not fit a small budget
+        table = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=fp16,
+                            generator=torch.Generator().manual_seed(seed))
+        model.model.embed_tokens.weight = nn.Parameter(table * cfg.hidden_size ** -0.5,
+                                                       requires_grad=False)
+        model.lm_head.weight = rnd(cfg.vocab_size, cfg.hidden_size)  # loader: a device copy
+    else:
+        model.model.embed_tokens.weight = rnd(cfg.vocab_size, cfg.hidden_size)
+        model.lm_head.weight = (model.model.embed_tokens.weight if cfg.tie_word_embeddings
+                                else rnd(cfg.vocab_size, cfg.hidden_size))
+    for layer in model.model.layers:
+        for suffix in LINEAR_SUFFIXES:
+            sub, attr = suffix.split(".")
+            parent = getattr(layer, sub)
+            lin = getattr(parent, attr)
+            if awq:
+                i, o = lin.in_features, lin.out_features
+                words = lambda r: torch.randint(-2 ** 31, 2 ** 31 - 1, (r, o // 8),  # noqa: E731
+                                                device=dev, dtype=torch.int32, generator=g)
+                scales = torch.full((i // 128, o), 1.0 / (6.5 * i ** 0.5), device=dev, dtype=fp16)
+                setattr(parent, attr, AWQLinear.from_checkpoint(words(i), words(i // 128), scales,
+                                                                None, 128, dev, fp16))
+            else:
+                lin.weight = rnd(lin.out_features, lin.in_features)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight = nn.Parameter(torch.ones(cfg.hidden_size, device=dev, dtype=fp16),
+                                       requires_grad=False)
+    model.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size, device=dev, dtype=fp16),
+                                           requires_grad=False)
+    model.init_rope(dev)
+    return model.eval()
+
+
+# -- runs ---------------------------------------------------------------------------------------
+def prompt(n: int, vocab: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def plan_for(cfg, sparse, ctx, new, backend, dev, **kw):
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
+        else 132
+    return plan_memory(cfg, weight_format=kw.pop("weight_format", "fp16"), sparse=sparse,
+                       context_tokens=ctx, max_new_tokens=new, kv_dtype="float16",
+                       compute_dtype="float16", device_kind=dev.type,
+                       backend=backend if dev.type == "cuda" else "torch", num_sms=sms, **kw)
+
+
+def run_ours(model, cfg, sparse, ids, new, backend, dev, **plan_kw) -> dict:
+    from hisparse_cli.engine.engine import Engine
+
+    eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16, backend=backend)
+    plan = plan_for(cfg, sparse, len(ids), new, backend, dev, **plan_kw)
+    free_all(dev)
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+    res = eng.generate(ids, max_new_tokens=new, min_new_tokens=new)
+    s = res.stats
+    measured = s.peak_memory_bytes if dev.type == "cuda" else None
+    out = {"system": "hisparse", "context": len(ids), "new_tokens": s.new_tokens,
+           "prefill_s": s.prefill_seconds, "prefill_tok_s": s.prefill_tok_s,
+           "decode_s": s.decode_seconds,
+           "decode_tok_s": (s.new_tokens - 1) / s.decode_seconds if s.decode_seconds else None,
+           "peak_bytes": measured, "predicted_peak_bytes": plan.peak_allocated_bytes,
+           "predicted_weights_bytes": plan.weights_bytes, "allocated_before_bytes": base,
+           "reserved_peak_bytes": torch.cuda.max_memory_reserved(dev) if measured else None,
+           "kv_blocks_peak": s.kv_blocks_peak, "predicted_kv_blocks_peak":
+           plan.kv.peak_live_blocks, "kv_bytes_peak": s.kv_bytes_peak, "peak_when": plan.peak_when,
+           "backend": s.backend, "plan": plan}
+    out["error_pct"] = (100.0 * (plan.peak_allocated_bytes - measured) / measured
+                        if measured else None)
+    return out
+
+
+def run_hf(hf, ids, new, dev, static: bool) -> dict:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Clock(LogitsProcessor):  # called once per generated token, after its forward
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            sync(dev)
+            self.times.append(time.perf_counter())
+            return scores
+
+    clock = Clock()
+    x = torch.tensor([ids], device=dev)
+    kw = {"cache_implementation": "static"} if static else {}
+    free_all(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    sync(dev)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, pad_token_id=0,
+                          logits_processor=LogitsProcessorList([clock]), **kw)
+    sync(dev)
+    n = int(out.shape[1] - x.shape[1])
+    del out
+    t = clock.times
+    skip = 3 if static else 0  # compile + CUDA-graph recording happen in the first decode steps
+    dec = (len(t) - 1 - skip) / (t[-1] - t[skip]) if len(t) - 1 - skip > 0 else None
+    return {"system": "hf-static-compiled" if static else "hf-dense-sdpa", "context": len(ids),
+            "new_tokens": n, "prefill_s": t[0] - t0, "prefill_tok_s": len(ids) / (t[0] - t0),
+            "decode_tok_s": dec, "first_decode_steps_s": (t[skip] - t[0]) if static else None,
+            "peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+            "compiled": bool(getattr(hf, "_compiled_call", None)) if static else False}
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 2 * GIB, reps: int = 10) -> float:
+    """Bytes moved per second by a device-to-device copy (read + write)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    sync(dev)
+    bw = 2 * nbytes * reps / (start.elapsed_time(end) / 1000)
+    del a, b
+    free_all(dev)
+    return bw
+
+
+def decode_bytes(plan, cfg: ModelConfig, sparse: SparseConfig | None, position: int) -> int:
+    """Bytes one decode step reads: device weights (one embedding row) + K/V it attends to."""
+    from hisparse_cli.planner_run import policy, visible_count
+
+    emb = next(i.bytes for i in plan.items if i.name == "weights.embeddings")
+    weights = plan.weights_bytes - emb + cfg.hidden_size * 2
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    if sparse is None:  # dense HF cache: every position
+        return weights + position * per_token
+    seq = policy(sparse, cfg.sliding_window)
+    seq.append(position + 1)
+    seq.evict()
+    keys = visible_count(seq, position, 1) * sparse.block_size + plan.kv.global_slots
+    return weights + keys * per_token
+
+
+# -- tables ---------------------------------------------------------------------------------------
+def table(title: str, rows: list[dict], cols: list[tuple[str, str, int]]) -> None:
+    print(f"\n== {title}")
+    print("  ".join(f"{name:>{w}}" for name, _, w in cols))
+    for r in rows:
+        cells = []
+        for _, key, w in cols:
+            v = r.get(key)
+            if v is None:
+                v = "-"
+            elif key.endswith("bytes"):
+                v = gib(v)
+            elif isinstance(v, float):
+                v = f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3g}"
+            cells.append(f"{v!s:>{w}}")
+        print("  ".join(cells), flush=True)
+
+
+def jsonable(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        r = dict(r)
+        plan = r.pop("plan", None)
+        if plan is not None:
+            r["plan_items"] = [i.__dict__ for i in plan.items]
+        out.append(r)
+    return out
+
+
+# -- phases ---------------------------------------------------------------------------------------
+def phase_ours(a, model, cfg, dev, backend, contexts, profiles) -> list[dict]:
+    rows = []
+    combos = [(c, "h200-141g") for c in contexts] + [
+        (contexts[0], "4060ti-6g"), (contexts[min(1, len(contexts) - 1)], "3090-24g"),
+        (contexts[-1], "4060ti-6g")]
+    for ctx, name in combos:
+        new = a.decode_tokens if name == "h200-141g" else 16
+        need = 10 + ctx / 8000
+        if left(a.time_budget) - a.reserve < need:
+            SKIPPED.append(f"hisparse {name} at {ctx}: {need:.0f} s needed, "
+                           f"{left(a.time_budget) - a.reserve:.0f} s left")
+            log("skip " + SKIPPED[-1])
+            continue
+        r = run_ours(model, cfg, profiles[name], prompt(ctx, cfg.vocab_size), new, backend, dev)
+        r["profile"] = name
+        rows.append(r)
+        log(f"hisparse {name} ctx {ctx}: prefill {r['prefill_tok_s']:,.0f} tok/s, decode "
+            f"{r['decode_tok_s'] or 0:,.1f} tok/s, peak {gib(r['peak_bytes'])} GiB "
+            f"(predicted {gib(r['predicted_peak_bytes'])}, {r['error_pct'] or 0:+.2f}%)")
+    return rows
+
+
+def phase_hf(a, hf, cfg, dev, contexts) -> list[dict]:
+    rows = []
+    for static in (False, True):
+        if static and a.skip_static:
+            SKIPPED.append("hf static: --skip-static")
+            continue
+        for ctx in contexts:
+            new = a.decode_tokens if ctx <= 40000 else 16
+            need = (8 + ctx / 10000 + new * 0.05) * (1 if not static else 2) + (
+                120 if static else 0)
+            tag = f"{'hf-static-compiled' if static else 'hf-dense-sdpa'} at {ctx}"
+            if left(a.time_budget) - a.reserve < need:
+                SKIPPED.append(f"{tag}: about {need:.0f} s needed, "
+                               f"{left(a.time_budget) - a.reserve:.0f} s left")
+                log("skip " + SKIPPED[-1])
+                continue
+            try:
+                r = run_hf(hf, prompt(ctx, cfg.vocab_size), new, dev, static)
+            except torch.OutOfMemoryError as exc:
+                r = {"system": tag.split(" at")[0], "context": ctx,
+                     "error": f"OOM: {str(exc).splitlines()[0][:160]}"}
+                free_all(dev)
+            rows.append(r)
+            log(f"{tag}: {r}")
+    return rows
+
+
+def phase_budget(a, dev, backend, calib) -> list[dict]:
+    """A 6 GiB card emulated on this GPU: the allocator may reserve card - CUDA context."""
+    from hisparse_cli.vram import allocator_cap_bytes, budget_fraction, oom_guard
+    from hisparse_cli.errors import ResourceError
+
+    prof = load_profile("4060ti-6g")
+    sparse = prof.sparse_config()
+    context = calib.get("non_allocator_bytes_after_cublas") or 500 * MIB
+    total = torch.cuda.get_device_properties(dev).total_memory
+    cap = allocator_cap_bytes(int(a.budget_gib * GIB), card=True, context_bytes=context)
+    torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), dev)
+    log(f"budget: a {a.budget_gib:g} GiB card: allocator cap {gib(cap)} GiB (context "
+        f"{gib(context)} GiB); planner budget = profile 4060ti-6g {prof.vram_budget_gib} GiB")
+    rows = []
+    models = [("llama-3-8b AWQ-int4, host embeddings", SHAPES["llama-3-8b"], True),
+              ("llama-3.2-1b-shaped fp16, host embeddings", LLAMA_1B, False)]
+    try:
+        for label, shape, awq in models:
+            cfg = ModelConfig.from_dict(shape)
+            kw = dict(weight_format="awq-int4" if awq else "fp16", embeddings_on_host=True,
+                      budget_bytes=prof.vram_budget_bytes)
+            ctxs = [32768, 131072 - 16]
+            plans = [plan_for(cfg, sparse, c, 16, backend, dev, **dict(kw)) for c in ctxs]
+            if not all(p.fits for p in plans):
+                rows += [{"model": label, "context": c, "fits": False, "predicted_peak_bytes":
+                          p.peak_allocated_bytes, "result": "not run: the planner says it does "
+                          "not fit"} for c, p in zip(ctxs, plans)]
+                continue
+            if left(a.time_budget) < 25:
+                SKIPPED.append(f"budget run {label}: out of time")
+                continue
+            free_all(dev)
+            try:
+                with oom_guard(f"building {label}"):
+                    model = build_ours(cfg, dev, awq=awq, host_emb=True)
+                    run_ours(model, cfg, sparse, prompt(1024, cfg.vocab_size), 2, backend, dev,
+                             **dict(kw))  # compile the kernels this model uses
+            except ResourceError as exc:
+                rows.append({"model": label, "context": 0, "result": exc.message})
+                continue
+            for ctx, plan in zip(ctxs, plans):
+                if left(a.time_budget) < 10 + ctx / 8000:
+                    SKIPPED.append(f"budget run {label} at {ctx}: out of time")
+                    continue
+                row = {"model": label, "context": ctx, "fits": True,
+                       "predicted_peak_bytes": plan.peak_allocated_bytes}
+                try:
+                    with oom_guard(f"{label} at {ctx}"):
+                        r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size), 16,
+                                     backend, dev, **dict(kw))
+                    row.update(result="ok", peak_bytes=r["peak_bytes"],
+                               reserved_peak_bytes=r["reserved_peak_bytes"],
+                               error_pct=r["error_pct"], prefill_tok_s=r["prefill_tok_s"],
+                               decode_tok_s=r["decode_tok_s"])
+                except ResourceError as exc:
+                    row.update(result=exc.message)
+                rows.append(row)
+                log(f"budget {label} ctx {ctx}: {row['result']}")
+            del model
+            free_all(dev)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="output folder (default: $OUT or ./out)")
+    ap.add_argument("--time-budget", type=float, default=540.0, help="seconds for the script")
+    ap.add_argument("--reserve", type=float, default=100.0,
+                    help="seconds kept for the bandwidth and budget phases")
+    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--budget-gib", type=float, default=6.0, help="card size for (d); 0: skip")
+    ap.add_argument("--skip-static", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a few seconds)")
+    a = ap.parse_args()
+    out_dir = Path(a.out or os.environ.get("OUT") or "out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+                 "env": environment(dev), "calibration": calibrate(dev)}
+    log(f"env {res['env']}")
+    log(f"calibration {res['calibration']}")
+    backend, why = pick_backend(dev)
+    res["backend"], res["backend_reason"] = backend, why
+    log(f"backend: {why}")
+    shape = SMOKE if a.smoke else SHAPES["llama-3-8b"]
+    cfg = ModelConfig.from_dict(shape)
+    new_max = a.decode_tokens
+    contexts = [512, 1024, 2048] if a.smoke else [
+        min(int(c), cfg.max_position_embeddings - new_max) for c in a.contexts.split(",")]
+    profiles = {n: load_profile(n).sparse_config() for n in ("h200-141g", "3090-24g", "4060ti-6g")}
+    if a.smoke:
+        small = SparseConfig(window_size=256, global_tokens=16, recalibrate_topk=16,
+                             prefill_chunk=128, recalibrate_every=128)
+        profiles = {n: small for n in profiles}
+    hf = build_hf(shape, dev)
+    model = ours_sharing(hf, cfg, dev)
+    log(f"built {'smoke' if a.smoke else 'llama-3-8b'}-shaped fp16 model (shared by all systems)")
+    w = profiles["h200-141g"]
+    run_ours(model, cfg, w, prompt(min(w.window_size + 3 * w.prefill_chunk, 16384),
+                                   cfg.vocab_size), 4, backend, dev)  # Triton JIT warm-up
+    run_hf(hf, prompt(512, cfg.vocab_size), 2, dev, static=False)
+    log("warm-up done")
+    ours = phase_ours(a, model, cfg, dev, backend, contexts, profiles)
+    table("(a) planner vs measured (torch.cuda.max_memory_allocated over generate)", ours, [
+        ("profile", "profile", 10), ("context", "context", 8), ("predicted", "predicted_peak_bytes", 9),
+        ("measured", "peak_bytes", 9), ("err %", "error_pct", 7),
+        ("kv blk pred", "predicted_kv_blocks_peak", 11), ("kv blk", "kv_blocks_peak", 7),
+        ("reserved", "reserved_peak_bytes", 9), ("peak at", "peak_when", 40)])
+    peers = phase_hf(a, hf, cfg, dev, contexts)
+    bench = [r for r in ours if r["profile"] == "h200-141g"] + peers
+    if dev.type == "cuda":
+        bw = copy_bandwidth(dev)
+        res["copy_bandwidth_bytes_s"] = bw
+        plan8 = ours[0]["plan"] if ours else plan_for(cfg, w, contexts[0], 1, backend, dev)
+        for r in bench:
+            pos = r["context"] + max(r.get("new_tokens", 1) - 1, 0)
+            sp = profiles["h200-141g"] if r["system"] == "hisparse" else None
+            r["bytes_per_token"] = decode_bytes(plan8, cfg, sp, pos)
+            r["limit_tok_s"] = bw / r["bytes_per_token"]
+            if r.get("decode_tok_s"):
+                r["fraction_of_limit"] = r["decode_tok_s"] / r["limit_tok_s"]
+        log(f"(c) device copy bandwidth {bw / 1e9:,.0f} GB/s (read + write)")
+    table("(b, c) speed, memory, bandwidth-bound decode limit", bench, [
+        ("system", "system", 18), ("context", "context", 8), ("prefill t/s", "prefill_tok_s", 11),
+        ("decode t/s", "decode_tok_s", 10), ("peak GiB", "peak_bytes", 8),
+        ("GB/token", "bytes_per_token", 9), ("limit t/s", "limit_tok_s", 9),
+        ("of limit", "fraction_of_limit", 8), ("note", "error", 30)])
+    for r in bench:
+        if r.get("bytes_per_token"):
+            r["bytes_per_token"] = int(r["bytes_per_token"])
+    res.update(planner_validation=jsonable(ours), bench=jsonable(bench))
+    del model, hf
+    free_all(dev)
+    if a.budget_gib > 0 and dev.type == "cuda":
+        rows = phase_budget(a, dev, backend, res["calibration"])
+        table(f"(d) {a.budget_gib:g} GiB card (set_per_process_memory_fraction)", rows, [
+            ("model", "model", 40), ("context", "context", 8),
+            ("predicted", "predicted_peak_bytes", 9), ("measured", "peak_bytes", 9),
+            ("err %", "error_pct", 7), ("reserved", "reserved_peak_bytes", 9),
+            ("decode t/s", "decode_tok_s", 10), ("result", "result", 40)])
+        res["budget"] = rows
+    res["skipped"] = SKIPPED
+    res["wall_s"] = time.perf_counter() - T0
+    path = out_dir / "gpu_engine.json"
+    path.write_text(json.dumps(res, indent=2, default=str))
+    for s in SKIPPED:
+        print(f"skipped: {s}")
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
