@@ -149,9 +149,6 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)
         stats = RunStats(prompt_tokens=ids.numel(), device=str(self.device), backend=self.backend.attention)
         run, pool = self.new_run(ids.numel() + gen.max_new_tokens)
-        sampler = Sampler(gen, self.device)
-        out: list[int] = []
-        reason = "length"
         chunk = self.sparse.prefill_chunk
         with run:
             t0 = time.perf_counter()
@@ -163,24 +160,11 @@ class Engine:
             self._sync()
             stats.prefill_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
-            tail_text = ""
-            for i in range(gen.max_new_tokens):
-                suppress = tuple(eos) if i < gen.min_new_tokens else ()
-                tok = sampler(logits[-1], suppress)
-                out.append(tok)
-                if progress:
-                    progress("decode", i + 1, gen.max_new_tokens)
-                if tok in eos:
-                    reason = "eos"
-                    out.pop()
-                    break
-                if gen.stop_strings:
-                    tail_text = self.tokenizer.decode(out[-16:], skip_special_tokens=True)
-                    if any(stop in tail_text for stop in gen.stop_strings):
-                        reason = "stop_string"
-                        break
-                if i + 1 < gen.max_new_tokens:
-                    logits = run.step(self.model, torch.tensor([tok], device=self.device))
+            if self._use_graph(gen):
+                out, reason = self._decode_graph(run, logits, gen, eos, ids.numel(), progress)
+            else:
+                out, reason = self._decode_eager(run, logits, gen, eos, Sampler(gen, self.device),
+                                                 progress)
             self._sync()
             stats.decode_seconds = time.perf_counter() - t0
         stats.new_tokens = len(out)
@@ -190,6 +174,62 @@ class Engine:
         stats.recalibrations = run.seq.recalibrations
         stats.peak_memory_bytes, stats.peak_memory_kind = _peak_memory(self.device)
         return GenerationResult(token_ids=out, stats=stats, finish_reason=reason)
+
+    def _use_graph(self, gen: GenerationConfig) -> bool:
+        """CUDA-graph decode: CUDA + Triton attention, and no host-side n-gram blocking.
+        HISPARSE_CUDA_GRAPH=0 turns it off."""
+        import os
+
+        return (self.device.type == "cuda" and self.backend.attention == "triton"
+                and gen.no_repeat_ngram_size == 0 and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
+
+    def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
+        if not gen.stop_strings:
+            return False
+        tail = self.tokenizer.decode(out[-16:], skip_special_tokens=True)
+        return any(stop in tail for stop in gen.stop_strings)
+
+    def _decode_eager(self, run, logits, gen, eos, sampler, progress):
+        out: list[int] = []
+        for i in range(gen.max_new_tokens):
+            suppress = tuple(eos) if i < gen.min_new_tokens else ()
+            tok = sampler(logits[-1], suppress)
+            out.append(tok)
+            if progress:
+                progress("decode", i + 1, gen.max_new_tokens)
+            if tok in eos:
+                out.pop()
+                return out, "eos"
+            if self._stopped(out, gen):
+                return out, "stop_string"
+            if i + 1 < gen.max_new_tokens:
+                logits = run.step(self.model, torch.tensor([tok], device=self.device))
+        return out, "length"
+
+    def _decode_graph(self, run, logits, gen, eos, prompt_len, progress, sync_every: int = 16):
+        from hisparse_cli.engine.cuda_graph import DeviceSampler, GraphDecoder
+
+        decoder = GraphDecoder(self.model, run, prompt_len + gen.max_new_tokens)
+        sampler = DeviceSampler(gen, logits.shape[-1], self.device)
+        eos_t = torch.tensor(sorted(eos), dtype=torch.int64, device=self.device) if eos else None
+        toks = torch.empty(gen.max_new_tokens, dtype=torch.int64, device=self.device)
+        out: list[int] = []
+        for i in range(gen.max_new_tokens):
+            tok = sampler(logits, eos_t if i < gen.min_new_tokens else None)
+            toks[i:i + 1].copy_(tok)
+            if (i + 1) % sync_every == 0 or i + 1 == gen.max_new_tokens:
+                new = toks[len(out):i + 1].tolist()  # the only host sync: once per sync_every
+                for j, t in enumerate(new):
+                    if t in eos:
+                        return out + new[:j], "eos"
+                out += new
+                if progress:
+                    progress("decode", len(out), gen.max_new_tokens)
+                if self._stopped(out, gen):
+                    return out, "stop_string"
+            if i + 1 < gen.max_new_tokens:
+                logits = decoder.step(tok)
+        return out, "length"
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,0 +1,154 @@
+"""CUDA-graph decode: one decode step (T = 1) captured once and replayed for every token.
+
+Everything a step reads lives in static device buffers: the token, its position (the attention
+kernels read `q_start` from that tensor), its slot, and the visible block list padded to the
+working-set bound (padding blocks start at a huge position, so the causal test masks them).
+The KV storage is sized to its bound before capture and global/candidate slots are updated in
+place, so captured pointers stay valid. Host bookkeeping (block table, eviction, recalibration)
+runs between replays as plain Python plus eager tensor ops; per-step inputs travel in one
+pinned-memory copy. Sampling stays on the device; the host reads tokens back only every
+`sync_every` steps (to stop at EOS), so there is no host synchronisation per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse_cli.engine.config import GenerationConfig
+from hisparse_cli.engine.runner import KVRun, StepContext
+from hisparse_cli.engine.sparsity import cdiv
+
+PAD_START = 1 << 40  # start position of padding blocks: later than any query, so masked
+
+
+class GraphStepContext(StepContext):
+    """StepContext over the decoder's static buffers (no per-step tensor creation)."""
+
+    def __init__(self, run: KVRun, q_pos: torch.Tensor, slots: torch.Tensor,
+                 block_ids: torch.Tensor, block_starts: torch.Tensor) -> None:
+        self.run, self.n = run, 1
+        self.q_start = q_pos  # [1] int64 device tensor
+        self.slots, self.block_ids, self.block_starts = slots, block_ids, block_starts
+        self.memo = None
+        self.wants_hidden = run.token_scorer is not None
+
+
+class DeviceSampler:
+    """Greedy / temperature + top-p sampling with a repetition penalty, all on the device."""
+
+    def __init__(self, gen: GenerationConfig, vocab: int, device: torch.device) -> None:
+        self.gen = gen
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.rng = None
+        if gen.temperature > 0:
+            self.rng = torch.Generator(device=device)
+            self.rng.manual_seed(gen.seed if gen.seed is not None else 0)
+
+    def __call__(self, logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
+        x = logits[-1].clone()  # [V]
+        g = self.gen
+        if g.repetition_penalty != 1.0:
+            pen = torch.where(x > 0, x / g.repetition_penalty, x * g.repetition_penalty)
+            x = torch.where(self.seen, pen, x)
+        if suppress is not None:
+            x[suppress] = float("-inf")
+        if g.temperature == 0:
+            tok = torch.argmax(x).reshape(1)
+        else:
+            probs = torch.softmax(x / g.temperature, dim=-1)
+            if g.top_p < 1.0:
+                sp, si = torch.sort(probs, descending=True)
+                keep = torch.cumsum(sp, -1) - sp < g.top_p
+                probs = torch.zeros_like(probs).scatter_(0, si, sp * keep)
+            tok = torch.multinomial(probs, 1, generator=self.rng)
+        self.seen[tok] = True
+        return tok
+
+
+class GraphDecoder:
+    """Decode steps of one run through a captured CUDA graph."""
+
+    def __init__(self, model, run: KVRun, total_tokens: int) -> None:
+        self.model, self.run = model, run
+        dev = run.device
+        seq, bs = run.seq, run.sparse.block_size
+        if seq.window is None:
+            self.nb_max = cdiv(total_tokens, bs)
+        else:
+            self.nb_max = min(seq.working_set_bound(1), cdiv(total_tokens, bs))
+        run.cache.ensure_capacity(max(seq.working_set_bound(run.sparse.prefill_chunk, total_tokens),
+                                      self.nb_max, run.pool.capacity + 1))
+        n = 2 + 2 * self.nb_max
+        self.dev = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.host = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+        self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.ctx = GraphStepContext(run, self.dev[0:1], self.dev[1:2], self.dev[2:2 + self.nb_max],
+                                    self.dev[2 + self.nb_max:])
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.steps = 0
+
+    def _prepare(self) -> None:
+        """Host bookkeeping for the next position; one pinned copy of the step's inputs."""
+        run, seq = self.run, self.run.seq
+        p = seq.num_tokens
+        new = seq.append(1)
+        assert run.pool.capacity <= run.cache.capacity, "KV storage must not grow after capture"
+        run.cache.reset_scores(new)
+        live = run.pool.live * run.cache.bytes_per_block() + run.cache.slot_bytes()
+        run.kv_bytes_peak = max(run.kv_bytes_peak, live)
+        ids, starts = seq.visible_blocks(p, 1)
+        pad = self.nb_max - len(ids)
+        assert pad >= 0, (len(ids), self.nb_max)
+        row = [p, seq.slot_mapping(p, 1)[0]] + ids + [ids[0]] * pad + starts + [PAD_START] * pad
+        buf = self.host[self.steps % 2]
+        self.copied[self.steps % 2].synchronize()  # the copy that last read this buffer is done
+        buf.copy_(torch.tensor(row, dtype=torch.int64))
+        self.dev.copy_(buf, non_blocking=True)
+        self.copied[self.steps % 2].record()
+
+    def _body(self) -> torch.Tensor:
+        return self.model(self.tok, self.dev[0:1], self.ctx)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """token: [1] int64 on the device (the token at the next position) -> logits [1, V]."""
+        self._prepare()
+        self.tok.copy_(token)
+        if self.graph is None:  # first step: run eagerly (warms kernels up), then capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = self._body()
+            torch.cuda.current_stream().wait_stream(stream)
+            snapshot = self._scores_snapshot()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._body()
+            self._scores_restore(snapshot)  # capture does not run, but be exact anyway
+            result = out
+        else:
+            self.graph.replay()
+            result = self.logits
+        self.steps += 1
+        self._after_step()
+        return result
+
+    def _after_step(self) -> None:
+        run = self.run
+        start = run.seq.num_tokens - 1
+        evicted = run.seq.evict()
+        if evicted:
+            run.cache.evict_to_candidates([e.physical for e in evicted], [e.start for e in evicted])
+        if run.cache.G and run.seq.recalibration_due(start, start + 1):
+            run.cache.recalibrate()
+            run.seq.recalibrations += 1
+
+    def _scores_snapshot(self):
+        c = self.run.cache
+        return [t.clone() for t in (c.score, c.gmass, c.gseen) if t is not None]
+
+    def _scores_restore(self, snap) -> None:
+        c = self.run.cache
+        for dst, src in zip([t for t in (c.score, c.gmass, c.gseen) if t is not None], snap):
+            dst.copy_(src)
