@@ -76,9 +76,9 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
             report("start", index, total, given, None)
             job.engine()  # loaded once; a model that cannot load ends the batch (its exit code)
             try:
-                record.update(status="ok", **_summarize(job, path, given, started, references,
-                                                        password, index, total,
-                                                        progress_factory))
+                progress = progress_factory(index, total) if progress_factory else None
+                record.update(status="ok", **_summarize(job, path, started, references,
+                                                        password, progress))
             except HisparseError as exc:
                 record.update(status="error", error=error_record(exc))
             except Exception as exc:  # noqa: BLE001 - record it, go on with the next document
@@ -91,8 +91,8 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
     return outcome
 
 
-def _summarize(job, path: Path, given: str, started: float, references: Path | None,
-               password: str | None, index: int, total: int, progress_factory) -> dict:
+def _summarize(job, path: Path, started: float, references: Path | None,
+               password: str | None, progress) -> dict:
     from contextlib import nullcontext
 
     from hisparse_cli.documents import load_document
@@ -102,7 +102,6 @@ def _summarize(job, path: Path, given: str, started: float, references: Path | N
     ingest = time.perf_counter() - started
     ref = find_reference(path, references)
     ref_text = read_reference(ref) if ref is not None else None
-    progress = progress_factory(index, total) if progress_factory else None
     with progress if progress is not None else nullcontext():
         return job.run(doc, reference_text=ref_text, reference_path=str(ref) if ref else None,
                        ingest_seconds=ingest, progress=progress)

@@ -13,6 +13,7 @@ import functools
 import inspect
 from dataclasses import dataclass, fields
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -75,6 +76,9 @@ _SHARED: list[tuple[str, object, object]] = [
     ("importance", Annotated[Optional[str], _opt("--importance", panel=P_SPARSE,
         help="How global tokens are chosen: attention, snapkv, uniform or probe.  "
              "[default: the profile's]")], None),
+    ("probe", Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE,
+        help="Probe file for --importance probe.  [default: the shipped one for the model]")],
+     None),
     ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,
         help="Dense attention (no window, no globals): the exact baseline.")], False),
     ("password", Annotated[Optional[str], _opt("--password", panel=P_MODEL,
@@ -107,6 +111,7 @@ class RunOptions:
     recalibrate_topk: int | None = None
     prefill_chunk: int | None = None
     importance: str | None = None
+    probe: Path | None = None
     dense: bool = False
     password: str | None = None
     quiet: bool = False

@@ -41,7 +41,7 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def build_job(opts: RunOptions, *, console_progress: bool = True):
+def build_job(opts: RunOptions):
     """Profile, sparse settings and summary settings from the flags (validated), as a Job."""
     from hisparse_cli.console import stderr_console, warn
     from hisparse_cli.job import Job
@@ -50,7 +50,7 @@ def build_job(opts: RunOptions, *, console_progress: bool = True):
     sparse = opts.sparse(profile)
     settings = opts.summary_settings(profile)
     progress = None if opts.quiet else stderr_console()
-    return Job(profile, sparse, settings, model_spec=opts.model,
+    return Job(profile, sparse, settings, model_spec=opts.model, probe_path=opts.probe,
                warn=None if opts.quiet else warn, model_progress=progress)
 
 

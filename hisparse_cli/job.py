@@ -53,8 +53,9 @@ class Job:
     def __init__(self, profile: HardwareProfile, sparse: SparseConfig,
                  settings: SummarySettings, *, model_spec: str | None = None,
                  warn: Callable[[str], None] | None = None, model_progress=None,
-                 resolve: Callable | None = None) -> None:
+                 resolve: Callable | None = None, probe_path: Path | None = None) -> None:
         self.profile, self.sparse, self.settings = profile, sparse, settings
+        self.probe_path = probe_path
         self.model_spec, self.warn, self.model_progress = model_spec, warn, model_progress
         self._resolve = resolve
         self._engine = None
@@ -76,7 +77,8 @@ class Job:
             self.model_path = Path(resolve(self.model_spec, progress=self.model_progress))
             self.model = model_info(self.model_path)
             self._engine, self.device_plan = load_engine(self.model_path, self.profile,
-                                                         self.sparse, warn=self.warn)
+                                                         self.sparse, warn=self.warn,
+                                                         probe_path=self.probe_path)
         return self._engine
 
     def settings_dict(self) -> dict:

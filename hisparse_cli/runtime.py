@@ -89,9 +89,22 @@ def weight_format_warning(profile: HardwareProfile, info: dict) -> str | None:
     return None
 
 
+def load_probe_for(model_path: Path, sparse: SparseConfig, probe_path: Path | None = None):
+    """The importance probe the engine needs for importance="probe" (else None): the file
+    given, or the shipped probe that matches the model's shape (ConfigError when none)."""
+    if not (sparse.importance == "probe" and sparse.uses_globals):
+        return None
+    from hisparse_cli.quality.probe import find_probe, load_probe
+
+    if probe_path is None:
+        cfg = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
+        probe_path = find_probe(cfg)
+    return load_probe(probe_path)
+
+
 def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig, *,
                 warn: Callable[[str], None] | None = None,
-                cuda_available: bool | None = None):
+                cuda_available: bool | None = None, probe_path: Path | None = None):
     """(Engine, DevicePlan) for `model_path` under `profile` (warnings go to `warn`)."""
     import torch
 
@@ -107,9 +120,11 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
             warn(message)
     engine = Engine.from_pretrained(
         model_path, device=plan.device, dtype=getattr(torch, plan.dtype), sparse=sparse,
-        kv_dtype=getattr(torch, plan.kv_dtype), embeddings_on_host=plan.embeddings_on_host)
+        kv_dtype=getattr(torch, plan.kv_dtype), embeddings_on_host=plan.embeddings_on_host,
+        probe=load_probe_for(model_path, sparse, probe_path))
     return engine, plan
 
 
-__all__ = ["DevicePlan", "plan_device", "sparse_settings", "load_engine", "model_info",
+__all__ = ["DevicePlan", "plan_device", "sparse_settings", "load_engine", "load_probe_for",
+           "model_info",
            "SPARSE_FLAGS"]

@@ -28,7 +28,7 @@ from hisparse_cli.pipeline import SummarySettings, aggregate_stats, summarize_do
 from hisparse_cli.profiles import load_profile
 from hisparse_cli.prompts import (FOCUS, chunk_prompt, document_prompt, prompt_text,
                                   render_prompt)
-from hisparse_cli.runtime import plan_device, sparse_settings
+from hisparse_cli.runtime import load_probe_for, plan_device, sparse_settings
 
 TINY_SPARSE = SparseConfig(sink_tokens=4, window_size=64, global_tokens=8, block_size=16,
                            recalibrate_every=64, recalibrate_topk=8, prefill_chunk=64)
@@ -306,3 +306,15 @@ def test_sparse_precedence_flag_over_profile_over_default():
     assert dense.window_size is None and dense.global_tokens == 0 and dense.block_size == 32
     with pytest.raises(ConfigError, match="--dense"):
         sparse_settings(profile, dense=True, window_size=64)
+
+
+def test_probe_importance_needs_a_probe_for_the_model(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}))
+    assert load_probe_for(folder, SparseConfig(importance="attention")) is None
+    assert load_probe_for(folder, SparseConfig(importance="probe", global_tokens=0)) is None
+    with pytest.raises(ConfigError, match="no shipped probe"):
+        load_probe_for(folder, SparseConfig(importance="probe"))
