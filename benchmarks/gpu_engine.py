@@ -304,10 +304,9 @@ def run_hf(hf, ids, new, dev, static: bool) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     sync(dev)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
-                          min_new_tokens=new, do_sample=False, pad_token_id=0,
-                          logits_processor=LogitsProcessorList([clock]), **kw)
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                      min_new_tokens=new, do_sample=False, pad_token_id=0,
+                      logits_processor=LogitsProcessorList([clock]), **kw)  # no_grad inside
     sync(dev)
     n = int(out.shape[1] - x.shape[1])
     del out
@@ -397,7 +396,17 @@ def phase_ours(a, model, cfg, dev, backend, contexts, profiles) -> list[dict]:
                            f"{left(a.time_budget) - a.reserve:.0f} s left")
             log("skip " + SKIPPED[-1])
             continue
-        r = run_ours(model, cfg, profiles[name], prompt(ctx, cfg.vocab_size), new, backend, dev)
+        try:
+            r = run_ours(model, cfg, profiles[name], prompt(ctx, cfg.vocab_size), new, backend,
+                         dev)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other runs go on
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"system": "hisparse", "profile": name, "context": ctx,
+                         "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
+            free_all(dev)
+            continue
         r["profile"] = name
         rows.append(r)
         log(f"hisparse {name} ctx {ctx}: prefill {r['prefill_tok_s']:,.0f} tok/s, decode "
@@ -412,7 +421,8 @@ def phase_hf(a, hf, cfg, dev, contexts) -> list[dict]:
         if static and a.skip_static:
             SKIPPED.append("hf static: --skip-static")
             continue
-        for ctx in contexts:
+        order = [contexts[0]] + contexts[:0:-1] if static else contexts  # 8K, 128K, 32K
+        for ctx in order:
             new = a.decode_tokens if ctx <= 40000 else 16
             need = (8 + ctx / 10000 + new * 0.05) * (1 if not static else 2) + (
                 120 if static else 0)
@@ -424,9 +434,13 @@ def phase_hf(a, hf, cfg, dev, contexts) -> list[dict]:
                 continue
             try:
                 r = run_hf(hf, prompt(ctx, cfg.vocab_size), new, dev, static)
-            except torch.OutOfMemoryError as exc:
+            except Exception as exc:  # noqa: BLE001 - OOM or a compile failure: recorded
+                import traceback
+
+                traceback.print_exc()
+                kind = "OOM" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
                 r = {"system": tag.split(" at")[0], "context": ctx,
-                     "error": f"OOM: {str(exc).splitlines()[0][:160]}"}
+                     "error": f"{kind}: {str(exc).splitlines()[0][:160]}"}
                 free_all(dev)
             rows.append(r)
             log(f"{tag}: {r}")
@@ -517,6 +531,15 @@ def main() -> None:
                  "env": environment(dev), "calibration": calibrate(dev)}
     log(f"env {res['env']}")
     log(f"calibration {res['calibration']}")
+    if res["calibration"]:
+        from hisparse_cli import planner
+
+        cal = res["calibration"]
+        log(f"planner constants: CUDA_CONTEXT_BYTES shipped {planner.CUDA_CONTEXT_BYTES}, "
+            f"measured {cal['non_allocator_bytes_after_cublas']} (after cuBLAS init); "
+            f"CUBLAS_WORKSPACE_BYTES shipped {planner.CUBLAS_WORKSPACE_BYTES}, measured "
+            f"{cal['cublas_workspace_bytes_mm']} (mm) / {cal['cublas_workspace_bytes_incl_lt']}"
+            " (+ addmm/Lt)")
     backend, why = pick_backend(dev)
     res["backend"], res["backend_reason"] = backend, why
     log(f"backend: {why}")
@@ -540,7 +563,8 @@ def main() -> None:
     log("warm-up done")
     ours = phase_ours(a, model, cfg, dev, backend, contexts, profiles)
     table("(a) planner vs measured (torch.cuda.max_memory_allocated over generate)", ours, [
-        ("profile", "profile", 10), ("context", "context", 8), ("predicted", "predicted_peak_bytes", 9),
+        ("profile", "profile", 10), ("context", "context", 8),
+        ("base", "allocated_before_bytes", 7), ("predicted", "predicted_peak_bytes", 9),
         ("measured", "peak_bytes", 9), ("err %", "error_pct", 7),
         ("kv blk pred", "predicted_kv_blocks_peak", 11), ("kv blk", "kv_blocks_peak", 7),
         ("reserved", "reserved_peak_bytes", 9), ("peak at", "peak_when", 40)])
@@ -568,7 +592,18 @@ def main() -> None:
             r["bytes_per_token"] = int(r["bytes_per_token"])
     res.update(planner_validation=jsonable(ours), bench=jsonable(bench))
     del model, hf
+    try:  # torch.compile's caches and CUDA-graph pools keep the HF model (and memory) alive
+        torch._dynamo.reset()
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+    except Exception as exc:  # noqa: BLE001
+        log(f"compile reset: {exc}")
     free_all(dev)
+    if dev.type == "cuda":
+        res["left_before_budget_bytes"] = {"allocated": torch.cuda.memory_allocated(dev),
+                                           "reserved": torch.cuda.memory_reserved(dev)}
+        log(f"before (d): {res['left_before_budget_bytes']} (counts against the cap)")
     if a.budget_gib > 0 and dev.type == "cuda":
         rows = phase_budget(a, dev, backend, res["calibration"])
         table(f"(d) {a.budget_gib:g} GiB card (set_per_process_memory_fraction)", rows, [

@@ -31,7 +31,7 @@ def triton_splits(s: StepShape, t: int, n_keys: int) -> int:
     """Split-K factor as attention_triton.choose_config / _pick_splits choose it."""
     n_rows = t * s.grp
     if s.kvb == 4:  # fp32 caches: small FMA tiles
-        block_m, block_n = (16 if n_rows <= 16 else 32), 32
+        block_m, block_n = (16 if n_rows <= 16 else 32), (16 if s.d > 64 else 32)
     else:
         block_m, block_n = (16 if n_rows <= 16 else 64 if n_rows <= 64 else 128), 64
     m_tiles = cdiv(n_rows, block_m)
