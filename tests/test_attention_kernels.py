@@ -293,3 +293,16 @@ def test_gpu_engine_triton_matches_torch(tmp_path):
     assert (logits["triton"] - logits["torch"]).abs().max().item() < 5e-2 * logits["torch"].abs().max().item()
     toks = {b: e.generate(ids, max_new_tokens=24, eos_token_ids=()).token_ids for b, e in engines.items()}
     assert toks["triton"] == toks["torch"]
+
+
+@pytest.mark.parametrize("t", [1, 9])
+def test_q_start_from_device_tensor_equals_int(t):
+    """CUDA-graph replay passes the query position as a 1-element device tensor."""
+    step = make_step(31, t=t, q_start=45, hq=4, hkv=2, d=16, bs=8, window=20, sinks=2, g=6,
+                     dtype=torch.float16)
+    o_i, km_i, gm_i = tri.sparse_attention(**step, return_scores=True, config=SMALL)
+    step["q_start"] = torch.tensor([45], dtype=torch.int64, device=DEV)
+    o_t, km_t, gm_t = tri.sparse_attention(**step, return_scores=True, config=SMALL)
+    assert torch.equal(o_i, o_t) and torch.equal(km_i, km_t) and torch.equal(gm_i, gm_t)
+    ref_out, _, _ = ref.sparse_attention(**step, return_scores=True)  # reference takes it too
+    assert_close(o_t, ref_out, TOL[torch.float16]["out"], "out")

@@ -137,12 +137,15 @@ def _attn_fwd(
     T, nb, G, q_start, sinks, window, qk_scale, n_split,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_gh, stride_gg, stride_ph, stride_sh, stride_sr,
+    qs_ptr,
     HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CB: tl.constexpr, QS_PTR: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_G: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr,
     FULL_TILES: tl.constexpr,
     WRITE_LSE: tl.constexpr, STORE_S: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    if QS_PTR:  # position of the first query read from device memory (CUDA-graph replay)
+        q_start = tl.load(qs_ptr).to(tl.int32)
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     sid = tl.program_id(2)

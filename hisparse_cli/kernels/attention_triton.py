@@ -157,6 +157,11 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     else:
         m_ws = l_ws = acc_ws = lse
     gk, gv, gp = (g_k, g_v, g_pos) if has_g else (k_cache, v_cache, block_starts)
+    # q_start: an int, or a 1-element int64 device tensor read in-kernel (CUDA-graph replay)
+    qs_tensor = torch.is_tensor(q_start)
+    if qs_tensor:
+        assert q_start.numel() == 1 and q_start.device == dev and q_start.dtype == torch.int64
+    qs_ptr, q_start = (q_start, 0) if qs_tensor else (block_starts, int(q_start))
     _attn_fwd[(m_tiles, hkv, splits)](
         q, k_cache, v_cache, block_ids, block_starts, gk, gv, gp,
         out, lse, m_ws, l_ws, acc_ws, s_ws,
@@ -166,8 +171,8 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         gk.stride(0) if has_g else 0, gk.stride(1) if has_g else 0,
         gp.stride(0) if has_g else 0,
-        s_ws.stride(0) if store_s else 0, s_ws.stride(1) if store_s else 0,
-        HKV=hkv, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
+        s_ws.stride(0) if store_s else 0, s_ws.stride(1) if store_s else 0, qs_ptr,
+        QS_PTR=qs_tensor, HKV=hkv, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
         WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, SCAN=m_tiles > 1,
         FULL_TILES=cfg.full_tiles and m_tiles > 1 and splits == 1, WRITE_LSE=write_lse,
         STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -187,8 +192,8 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         bn = 128
         _mass_from_logits[(triton.cdiv(G + n_keys, bn), hkv)](
             s_ws, lse, block_starts, gp, key_mass, g_mass,
-            *common.values(), s_ws.stride(0), s_ws.stride(1), gp.stride(0) if has_g else 0,
-            GRP=grp, BS=bs, BLOCK_R=16, BLOCK_N=bn, WINDOWED=windowed, HAS_G=has_g,
+            *common.values(), s_ws.stride(0), s_ws.stride(1), gp.stride(0) if has_g else 0, qs_ptr,
+            QS_PTR=qs_tensor, GRP=grp, BS=bs, BLOCK_R=16, BLOCK_N=bn, WINDOWED=windowed, HAS_G=has_g,
             num_warps=4)
     else:
         stride = score_stride or default_score_stride(t_len, visible_keys + G, hq, d)
@@ -199,7 +204,7 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
             *common.values(), scale * LOG2E, stride,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             gk.stride(0) if has_g else 0, gk.stride(1) if has_g else 0,
-            gp.stride(0) if has_g else 0,
-            GRP=grp, D=d, BS=bs, BLOCK_M=cfg.score_block_m, BLOCK_N=bn, WINDOWED=windowed,
+            gp.stride(0) if has_g else 0, qs_ptr,
+            QS_PTR=qs_tensor, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.score_block_m, BLOCK_N=bn, WINDOWED=windowed,
             HAS_G=has_g, UPCAST=upcast, num_warps=cfg.score_warps, num_stages=2)
     return out, key_mass, (g_mass if has_g else None)

@@ -103,17 +103,18 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, K, W,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
+    rows = offs_m.to(tl.int64)  # M * N can pass 2^31 (long prefill through lm_head)
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :],
                     mask=mask_m[:, None], other=0.0)  # [BM, BK]
         w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, offs_k, offs_n, mask_n, N, W,
                           GROUP, x_ptr.dtype.element_ty)  # [BK, BN]
         acc += tl.dot(a, w)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+    tl.store(y_ptr + rows[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -149,7 +150,7 @@ def _check(x2: torch.Tensor, qweight, qzeros, scales, bias, group_size: int, blo
 def awq_gemv(x2, qweight, qzeros, scales, bias, group_size, *, block_k=None, block_w=32,
              split_k=None, num_warps=4):
     """Fused dequant GEMV for few tokens: x2 [M, K] -> y [M, N] in x2's dtype."""
-    block_k = block_k or min(group_size, 64)
+    block_k = block_k or min(group_size, 32)
     _check(x2, qweight, qzeros, scales, bias, group_size, block_k)
     (m, k), w_words = x2.shape, qweight.shape[1]
     n = w_words * 8

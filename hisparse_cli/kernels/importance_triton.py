@@ -58,10 +58,12 @@ def _store_mass(mass, cols, g_ok, in_list, kj, kmass_ptr, gmass_ptr, kvh, n_keys
 @triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window"])
 def _mass_from_logits(
     s_ptr, lse_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr,
-    T, n_keys, G, q_start, sinks, window, stride_sh, stride_sr, stride_ph,
+    T, n_keys, G, q_start, sinks, window, stride_sh, stride_sr, stride_ph, qs_ptr,
     GRP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOWED: tl.constexpr, HAS_G: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_G: tl.constexpr, QS_PTR: tl.constexpr,
 ):
+    if QS_PTR:
+        q_start = tl.load(qs_ptr).to(tl.int32)
     kvh = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g_ok, in_list, kj, kpos = _column_info(cols, bstart_ptr, gpos_ptr, kvh, n_keys, G,
@@ -84,9 +86,13 @@ def _mass_recompute(
     q_ptr, k_ptr, bid_ptr, bstart_ptr, gk_ptr, gpos_ptr, lse_ptr, kmass_ptr, gmass_ptr,
     T, n_keys, G, q_start, sinks, window, qk_scale, stride,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_gh, stride_gg, stride_ph,
+    qs_ptr,
     GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, HAS_G: tl.constexpr, UPCAST: tl.constexpr,
+    QS_PTR: tl.constexpr,
 ):
+    if QS_PTR:
+        q_start = tl.load(qs_ptr).to(tl.int32)
     kvh = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g_ok, in_list, kj, kpos = _column_info(cols, bstart_ptr, gpos_ptr, kvh, n_keys, G,

@@ -143,9 +143,18 @@ def write_report(result, out_dir: str | Path) -> dict[str, Path]:
            "summary": summary, "rows": result.rows}
     paths["json"].write_text(json.dumps(doc, indent=2, ensure_ascii=False, default=str),
                              encoding="utf-8")
-    if any(e.get("kv_fraction") for e in summary.values()):
+    try:
+        import matplotlib  # noqa: F401  (optional: pip install "hisparse[eval]")
+    except ImportError:
+        matplotlib = None
+    if matplotlib is not None and any(e.get("kv_fraction") for e in summary.values()):
         plot(summary, paths["plot"])
     else:
+        if matplotlib is None:
+            import sys
+
+            print("hisparse: warning: matplotlib is not installed, so no fidelity_vs_kv.png "
+                  '(pip install "hisparse[eval]")', file=sys.stderr)
         paths.pop("plot")
     return paths
 
