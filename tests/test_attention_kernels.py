@@ -291,6 +291,10 @@ def test_gpu_engine_triton_matches_torch(tmp_path):
     assert engines["triton"].backend.attention == "triton"
     logits = {b: e.logits(ids) for b, e in engines.items()}
     assert (logits["triton"] - logits["torch"]).abs().max().item() < 5e-2 * logits["torch"].abs().max().item()
+    # tokens in fp32: in fp16 the two backends round differently and a random tiny model's
+    # near-tied logits (or near-tied importance scores at a recalibration) can flip
+    engines = {b: Engine.from_pretrained(path, device="cuda", dtype=torch.float32, sparse=sparse,
+                                         backend=b) for b in ("triton", "torch")}
     toks = {b: e.generate(ids, max_new_tokens=24, eos_token_ids=()).token_ids for b, e in engines.items()}
     assert toks["triton"] == toks["torch"]
 

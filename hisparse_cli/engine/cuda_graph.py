@@ -18,7 +18,8 @@ from hisparse_cli.engine.config import GenerationConfig
 from hisparse_cli.engine.runner import KVRun, StepContext
 from hisparse_cli.engine.sparsity import cdiv
 
-PAD_START = 1 << 40  # start position of padding blocks: later than any query, so masked
+PAD_START = 1 << 30  # start position of padding blocks: later than any query, so masked (the
+# kernels compute key positions in int32, so the pad start + block offsets must stay < 2**31)
 
 
 class GraphStepContext(StepContext):
@@ -68,8 +69,11 @@ class DeviceSampler:
 class GraphDecoder:
     """Decode steps of one run through a captured CUDA graph."""
 
-    def __init__(self, model, run: KVRun, total_tokens: int) -> None:
+    def __init__(self, model, run: KVRun, total_tokens: int, capture: bool | None = None) -> None:
+        """capture=False runs the same static-buffer step eagerly every time (no graph): the
+        CPU tests use it to check the padded block list and device q_start without CUDA."""
         self.model, self.run = model, run
+        self.capture = run.device.type == "cuda" if capture is None else capture
         dev = run.device
         seq, bs = run.seq, run.sparse.block_size
         if seq.window is None:
@@ -80,8 +84,9 @@ class GraphDecoder:
                                       self.nb_max, run.pool.capacity + 1))
         n = 2 + 2 * self.nb_max
         self.dev = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.host = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.copied = [torch.cuda.Event() for _ in range(2)]
+        cuda = dev.type == "cuda"
+        self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
         self.ctx = GraphStepContext(run, self.dev[0:1], self.dev[1:2], self.dev[2:2 + self.nb_max],
                                     self.dev[2 + self.nb_max:])
@@ -102,11 +107,13 @@ class GraphDecoder:
         pad = self.nb_max - len(ids)
         assert pad >= 0, (len(ids), self.nb_max)
         row = [p, seq.slot_mapping(p, 1)[0]] + ids + [ids[0]] * pad + starts + [PAD_START] * pad
-        buf = self.host[self.steps % 2]
-        self.copied[self.steps % 2].synchronize()  # the copy that last read this buffer is done
+        buf, done = self.host[self.steps % 2], self.copied[self.steps % 2]
+        if done is not None:
+            done.synchronize()  # the copy that last read this buffer is done
         buf.copy_(torch.tensor(row, dtype=torch.int64))
         self.dev.copy_(buf, non_blocking=True)
-        self.copied[self.steps % 2].record()
+        if done is not None:
+            done.record()
 
     def _body(self) -> torch.Tensor:
         return self.model(self.tok, self.dev[0:1], self.ctx)
@@ -115,7 +122,9 @@ class GraphDecoder:
         """token: [1] int64 on the device (the token at the next position) -> logits [1, V]."""
         self._prepare()
         self.tok.copy_(token)
-        if self.graph is None:  # first step: run eagerly (warms kernels up), then capture
+        if not self.capture:
+            result = self._body()
+        elif self.graph is None:  # first step: run eagerly (warms kernels up), then capture
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
