@@ -179,8 +179,13 @@ def sweeps(quick: bool, deadline: float) -> dict:
         for bw, bk, nw in gemv_cfgs:
             if time.time() > deadline:
                 return out
-            t = bench(lambda: at.awq_gemv(x, qw, qz, s, None, group, block_w=bw, block_k=bk,
-                                          num_warps=nw))
+            try:
+                t = bench(lambda: at.awq_gemv(x, qw, qz, s, None, group, block_w=bw,
+                                              block_k=bk, num_warps=nw))
+            except Exception as exc:  # noqa: BLE001  (e.g. a config over the shared-memory limit)
+                out["gemv_m1"].append(dict(shape=name, block_w=bw, block_k=bk, num_warps=nw,
+                                           error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                continue
             out["gemv_m1"].append(dict(shape=name, block_w=bw, block_k=bk, num_warps=nw, ms=t,
                                        GBs=model_bytes(1, k, n, group) / t / 1e6))
     gemm_cfgs = [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 128, 64, 4, 3),
@@ -193,7 +198,12 @@ def sweeps(quick: bool, deadline: float) -> dict:
             for cfg in gemm_cfgs:
                 if time.time() > deadline:
                     return out
-                t = bench(lambda: at.awq_gemm(x, qw, qz, s, None, group, config=cfg))
+                try:
+                    t = bench(lambda: at.awq_gemm(x, qw, qz, s, None, group, config=cfg))
+                except Exception as exc:  # noqa: BLE001  (shared-memory limit and the like)
+                    out["gemm"].append(dict(shape=name, m=m, config=cfg,
+                                            error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+                    continue
                 out["gemm"].append(dict(shape=name, m=m, config=cfg, ms=t,
                                         tflops=2 * m * k * n / t / 1e9))
     return out
@@ -229,7 +239,7 @@ def main() -> None:
     save()
     res["sweeps"] = sweeps(args.quick, t0 + args.budget_s)
     for name in SHAPES:
-        cands = [r for r in res["sweeps"]["gemv_m1"] if r["shape"] == name]
+        cands = [r for r in res["sweeps"]["gemv_m1"] if r["shape"] == name and "ms" in r]
         if cands:
             b = min(cands, key=lambda r: r["ms"])
             print(f"best GEMV m=1 {name}: bw={b['block_w']} bk={b['block_k']} "

@@ -457,7 +457,8 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
     context = calib.get("non_allocator_bytes_after_cublas") or 500 * MIB
     total = torch.cuda.get_device_properties(dev).total_memory
     cap = allocator_cap_bytes(int(a.budget_gib * GIB), card=True, context_bytes=context)
-    torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), index)
     log(f"budget: a {a.budget_gib:g} GiB card: allocator cap {gib(cap)} GiB (context "
         f"{gib(context)} GiB); planner budget = profile 4060ti-6g {prof.vram_budget_gib} GiB")
     rows = []
@@ -508,7 +509,7 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
             del model
             free_all(dev)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
     return rows
 
 
@@ -523,6 +524,7 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=6.0, help="card size for (d); 0: skip")
     ap.add_argument("--skip-static", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a few seconds)")
+    ap.add_argument("--only-budget", action="store_true", help="run only phase (d)")
     a = ap.parse_args()
     out_dir = Path(a.out or os.environ.get("OUT") or "out")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -553,6 +555,11 @@ def main() -> None:
         small = SparseConfig(window_size=256, global_tokens=16, recalibrate_topk=16,
                              prefill_chunk=128, recalibrate_every=128)
         profiles = {n: small for n in profiles}
+    if a.only_budget and dev.type == "cuda":
+        res["budget"] = phase_budget(a, dev, backend, res["calibration"])
+        print(json.dumps(jsonable(res["budget"]), indent=1))
+        (out_dir / "gpu_engine_budget.json").write_text(json.dumps(res, indent=2, default=str))
+        return
     hf = build_hf(shape, dev)
     model = ours_sharing(hf, cfg, dev)
     log(f"built {'smoke' if a.smoke else 'llama-3-8b'}-shaped fp16 model (shared by all systems)")
