@@ -176,12 +176,17 @@ class Engine:
         return GenerationResult(token_ids=out, stats=stats, finish_reason=reason)
 
     def _use_graph(self, gen: GenerationConfig) -> bool:
-        """CUDA-graph decode: CUDA + Triton attention, and no host-side n-gram blocking.
+        """CUDA-graph decode: CUDA + Triton attention, the embedding table on the device, and no
+        host-side n-gram blocking.
         HISPARSE_CUDA_GRAPH=0 turns it off."""
         import os
 
+        # a host-resident embedding table needs the token on the host every step, which a
+        # captured graph cannot do
+        host_embeddings = self.model.model.embed_tokens.weight.device.type != self.device.type
         return (self.device.type == "cuda" and self.backend.attention == "triton"
-                and gen.no_repeat_ngram_size == 0 and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
+                and not host_embeddings and gen.no_repeat_ngram_size == 0
+                and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
 
     def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
         if not gen.stop_strings:

@@ -36,38 +36,41 @@ DEQUANT_CHUNK_ELEMS = 1 << 25  # temp weight of the cuBLAS path, at most 64 MiB 
 def _awq_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, N, K, W, stride_xm, stride_ym,
                      K_PER_SPLIT, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr):
+    # Words are loaded once, as a coalesced 2-D [BLOCK_K, BLOCK_W] tile; the 8 nibbles of a
+    # word are taken one at a time with constant shifts (a static loop), each a 2-D tensor with
+    # its own [BLOCK_W] accumulator for columns 8 * w + j. No gathers, no 3-D broadcast.
     pid_w = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # [BW] word columns
-    j = tl.arange(0, 8)  # logical column inside a word
-    shift = (4 * (j % 2) + j // 2) * 4  # [8] bit offset of column j
-    cols = offs_w[:, None] * 8 + j[None, :]  # [BW, 8] output columns
     mask_w = offs_w < W
-    mask_c = cols < N
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        g = k0 // GROUP
-        xk = tl.load(x_ptr + m * stride_xm + k0 + offs_k).to(tl.float32)  # [BK]
-        words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * W + offs_w[None, :],
-                        mask=mask_w[None, :], other=0)  # [BK, BW] int32
-        q = ((words[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.float32)  # [BK, BW, 8]
-        part = tl.sum(xk[:, None, None] * q, axis=0)  # [BW, 8] = sum_k x_k q_k
-        zw = tl.load(qz_ptr + g * W + offs_w, mask=mask_w, other=0)  # [BW]
-        z = ((zw[:, None] >> shift[None, :]) & 0xF).to(tl.float32)  # [BW, 8]
-        s = tl.load(s_ptr + g * N + cols, mask=mask_c, other=0.0).to(tl.float32)  # [BW, 8]
-        # sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k): z and s constant in the block
-        acc += s * (part - z * tl.sum(xk, axis=0))
-    if HAS_BIAS:
-        b = tl.load(b_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
-        acc += tl.where(pid_k == 0, b, 0.0)
-    if ATOMIC:
-        tl.atomic_add(y_ptr + m * stride_ym + cols, acc, mask=mask_c)
-    else:
-        tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask_c)
+    for j in tl.static_range(8):
+        shift = 4 * (4 * (j % 2) + j // 2)  # bit offset of column 8w + j (a constant)
+        cols = offs_w * 8 + j
+        mask_c = mask_w & (cols < N)
+        acc = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            g = k0 // GROUP
+            xk = tl.load(x_ptr + m * stride_xm + k0 + offs_k).to(tl.float32)  # [BK]
+            words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * W + offs_w[None, :],
+                            mask=mask_w[None, :], other=0)  # [BK, BW] int32
+            q = ((words >> shift) & 0xF).to(tl.float32)
+            part = tl.sum(xk[:, None] * q, axis=0)  # [BW] = sum_k x_k q_k
+            zw = tl.load(qz_ptr + g * W + offs_w, mask=mask_w, other=0)
+            z = ((zw >> shift) & 0xF).to(tl.float32)
+            s = tl.load(s_ptr + g * N + cols, mask=mask_c, other=0.0).to(tl.float32)
+            # sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k): z, s constant in a block
+            acc += s * (part - z * tl.sum(xk, axis=0))
+        if HAS_BIAS:
+            b = tl.load(b_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
+            acc += tl.where(pid_k == 0, b, 0.0)
+        if ATOMIC:
+            tl.atomic_add(y_ptr + m * stride_ym + cols, acc, mask=mask_c)
+        else:
+            tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask_c)
 
 
 @triton.jit
@@ -150,7 +153,7 @@ def _check(x2: torch.Tensor, qweight, qzeros, scales, bias, group_size: int, blo
 def awq_gemv(x2, qweight, qzeros, scales, bias, group_size, *, block_k=None, block_w=32,
              split_k=None, num_warps=4):
     """Fused dequant GEMV for few tokens: x2 [M, K] -> y [M, N] in x2's dtype."""
-    block_k = block_k or min(group_size, 32)
+    block_k = block_k or min(group_size, 64)  # H200 sweep (BENCHMARKS.md): 64 beat 32 and 128
     _check(x2, qweight, qzeros, scales, bias, group_size, block_k)
     (m, k), w_words = x2.shape, qweight.shape[1]
     n = w_words * 8
