@@ -28,7 +28,9 @@ import triton.language as tl
 from hisparse_cli.kernels.awq_ref import check_awq_tensors
 
 GEMV_MAX_TOKENS = 4
-FUSED_GEMM_MAX_TOKENS = 256
+# The fused GEMM lost to dequantize + cuBLAS at every measured size on the H200 (8 to 2048
+# tokens, 20-60x slower; BENCHMARKS.md), so `awq_linear` does not pick it until it is fixed.
+FUSED_GEMM_MAX_TOKENS = GEMV_MAX_TOKENS
 DEQUANT_CHUNK_ELEMS = 1 << 25  # temp weight of the cuBLAS path, at most 64 MiB in fp16
 
 
