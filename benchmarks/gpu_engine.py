@@ -447,6 +447,40 @@ def phase_hf(a, hf, cfg, dev, contexts) -> list[dict]:
     return rows
 
 
+def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
+    """(e) the same 8B shape with fp16 and with AWQ INT4 (g128) weights, same sparse settings
+    (h200-141g), same prompts: prefill and decode tok/s and the INT4/fp16 ratios."""
+    sparse = load_profile("h200-141g").sparse_config()
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
+    rows = []
+    for label, awq in (("fp16", False), ("awq-int4", True)):
+        model = build_ours(cfg, dev, awq=awq, host_emb=False)
+        kw = dict(weight_format="awq-int4" if awq else "fp16")
+        run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 4, backend, dev, **kw)
+        for ctx in [int(c) for c in a.contexts.split(",")]:
+            if left(a.time_budget) < 20 + ctx / 5000:
+                SKIPPED.append(f"(e) {label} at {ctx}: out of time")
+                continue
+            r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size), a.decode_tokens,
+                         backend, dev, **kw)
+            r.update(system=label, weights_bytes=r["plan"].weights_bytes)
+            r.pop("plan")
+            rows.append(r)
+            log(f"(e) {label} ctx {ctx}: prefill {r['prefill_tok_s']:,.0f} tok/s, decode "
+                f"{r['decode_tok_s']:.1f} tok/s, peak {gib(r['peak_bytes'])} GiB, weights "
+                f"{gib(r['weights_bytes'])} GiB")
+        del model
+        free_all(dev)
+    for r in rows:
+        fp = next((x for x in rows if x["system"] == "fp16" and x["context"] == r["context"]), None)
+        if fp and r["system"] != "fp16":
+            r["decode_vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"]
+            r["prefill_vs_fp16"] = r["prefill_tok_s"] / fp["prefill_tok_s"]
+            log(f"(e) ctx {r['context']}: INT4/fp16 decode {r['decode_vs_fp16']:.2f}x, "
+                f"prefill {r['prefill_vs_fp16']:.2f}x")
+    return rows
+
+
 def phase_budget(a, dev, backend, calib) -> list[dict]:
     """A 6 GiB card emulated on this GPU: the allocator may reserve card - CUDA context."""
     from hisparse_cli.vram import allocator_cap_bytes, budget_fraction, oom_guard
@@ -525,6 +559,9 @@ def main() -> None:
     ap.add_argument("--skip-static", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a few seconds)")
     ap.add_argument("--only-budget", action="store_true", help="run only phase (d)")
+    ap.add_argument("--awq-vs-fp16", action="store_true",
+                    help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
+                         "embeddings on the device (CUDA-graph decode for both)")
     a = ap.parse_args()
     out_dir = Path(a.out or os.environ.get("OUT") or "out")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -555,6 +592,10 @@ def main() -> None:
         small = SparseConfig(window_size=256, global_tokens=16, recalibrate_topk=16,
                              prefill_chunk=128, recalibrate_every=128)
         profiles = {n: small for n in profiles}
+    if a.awq_vs_fp16 and dev.type == "cuda":
+        res["awq_vs_fp16"] = phase_awq_vs_fp16(a, dev, backend)
+        (out_dir / "gpu_engine_awq.json").write_text(json.dumps(res, indent=2, default=str))
+        return
     if a.only_budget and dev.type == "cuda":
         res["budget"] = phase_budget(a, dev, backend, res["calibration"])
         print(json.dumps(jsonable(res["budget"]), indent=1))
