@@ -126,28 +126,15 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, K, W,
 @triton.jit
 def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, w_ptr, N, W, n0, stride_wk,
                         GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Coalesced [BLOCK_K, BLOCK_N / 8] word tile, loaded once; nibble j of every word is
-    # column 8 * w + j, written in its own static pass (no per-column gather of the words).
-    BLOCK_W: tl.constexpr = BLOCK_N // 8
     k0 = tl.program_id(0) * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
-    offs_wl = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)  # words of w_ptr's chunk
-    offs_w = n0 // 8 + offs_wl
-    mask_w = offs_w < W
-    g = k0 // GROUP
-    words = tl.load(qw_ptr + (k0 + offs_k)[:, None] * W + offs_w[None, :],
-                    mask=mask_w[None, :], other=0)  # [BK, BW]
-    zw = tl.load(qz_ptr + g * W + offs_w, mask=mask_w, other=0)  # [BW]
-    for j in tl.static_range(8):
-        shift = 4 * (4 * (j % 2) + j // 2)  # bit offset of column 8w + j (a constant)
-        cols = offs_w * 8 + j
-        mask_c = mask_w & (cols < N)
-        z = (zw >> shift) & 0xF
-        sc = tl.load(s_ptr + g * N + cols, mask=mask_c, other=0.0).to(tl.float32)
-        q = (words >> shift) & 0xF
-        val = ((q - z[None, :]).to(tl.float32) * sc[None, :]).to(w_ptr.dtype.element_ty)
-        tl.store(w_ptr + (k0 + offs_k)[:, None] * stride_wk + (offs_wl * 8 + j)[None, :], val,
-                 mask=mask_c[None, :])
+    offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of w_ptr's chunk
+    offs_n = n0 + offs_out
+    mask_n = offs_n < N
+    w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, offs_k, offs_n, mask_n, N, W,
+                      GROUP, w_ptr.dtype.element_ty)
+    tl.store(w_ptr + (k0 + offs_k)[:, None] * stride_wk + offs_out[None, :], w,
+             mask=mask_n[None, :])
 
 
 @lru_cache(maxsize=8)
