@@ -61,7 +61,8 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     eng = Engine.from_pretrained(path, device="cpu", sparse=SparseConfig(**SPARSE))
     eng.backend = KernelBackend(attention="triton", int4_linear="torch")
     ids = torch.randint(3, 256, (prompt,), generator=torch.Generator().manual_seed(prompt))
-    g = GenerationConfig(max_new_tokens=new, eos_token_ids=(), repetition_penalty=1.1)
+    g = GenerationConfig(max_new_tokens=new, eos_token_ids=(), repetition_penalty=1.1,
+                         no_repeat_ngram_size=3)
     eager = eng.generate(ids, gen=g)
     init = cuda_graph.GraphDecoder.__init__
     monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
@@ -70,6 +71,27 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     static = eng.generate(ids, gen=g)
     assert static.token_ids == eager.token_ids
     assert static.stats.recalibrations == eager.stats.recalibrations > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_device_sampler_ngram_blocking_equals_host_sampler(n):
+    """DeviceSampler's tensor n-gram ban against sampling.Sampler's dictionary of n-grams,
+    on logits built to repeat: a few favourite tokens dominate every step."""
+    from hisparse_cli.engine import GenerationConfig
+    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.engine.sampling import Sampler
+
+    vocab, steps = 12, (10 if n == 1 else 80)  # n = 1 bans every generated token
+    g = GenerationConfig(max_new_tokens=steps, no_repeat_ngram_size=n, repetition_penalty=1.05)
+    host, dev = Sampler(g, torch.device("cpu")), DeviceSampler(g, vocab, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(n)
+    fav = torch.zeros(vocab)
+    fav[:3] = 6.0
+    for _ in range(steps):
+        logits = fav + torch.randn(vocab, generator=gen)
+        a = host(logits)
+        b = int(dev(logits.view(1, -1), None))
+        assert a == b
 
 
 @pytest.mark.gpu

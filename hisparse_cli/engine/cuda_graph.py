@@ -35,11 +35,15 @@ class GraphStepContext(StepContext):
 
 
 class DeviceSampler:
-    """Greedy / temperature + top-p sampling with a repetition penalty, all on the device."""
+    """Greedy / temperature + top-p sampling with a repetition penalty and no-repeat n-gram
+    blocking, all on the device (tensor shapes depend only on the step count, which the host
+    knows, so nothing here waits for the device)."""
 
     def __init__(self, gen: GenerationConfig, vocab: int, device: torch.device) -> None:
         self.gen = gen
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.hist = torch.zeros(max(gen.max_new_tokens, 1), dtype=torch.int64, device=device)
+        self.count = 0
         self.rng = None
         if gen.temperature > 0:
             self.rng = torch.Generator(device=device)
@@ -51,6 +55,9 @@ class DeviceSampler:
         if g.repetition_penalty != 1.0:
             pen = torch.where(x > 0, x / g.repetition_penalty, x * g.repetition_penalty)
             x = torch.where(self.seen, pen, x)
+        ban = self._ngram_banned(x.shape[0])
+        if ban is not None:
+            x = torch.where(ban, float("-inf"), x)
         if suppress is not None:
             x[suppress] = float("-inf")
         if g.temperature == 0:
@@ -63,7 +70,30 @@ class DeviceSampler:
                 probs = torch.zeros_like(probs).scatter_(0, si, sp * keep)
             tok = torch.multinomial(probs, 1, generator=self.rng)
         self.seen[tok] = True
+        if self.count < self.hist.shape[0]:
+            self.hist[self.count:self.count + 1].copy_(tok.reshape(1))
+        self.count += 1
         return tok
+
+    def _ngram_banned(self, vocab: int) -> torch.Tensor | None:
+        """[V] bool: tokens that would complete an n-gram already generated (the semantics of
+        sampling.NgramBlocker: generated tokens only)."""
+        n, length = self.gen.no_repeat_ngram_size, self.count
+        if n == 0 or length < n - 1 or length == 0:
+            return None
+        h = self.hist[:length]
+        if n == 1:
+            nxt, match = h, torch.ones_like(h, dtype=torch.bool)
+        else:
+            starts = length - n + 1  # windows h[i:i+n-1] that a generated token follows
+            if starts <= 0:
+                return None
+            windows = h.unfold(0, n - 1, 1)[:starts]  # [starts, n-1]
+            match = (windows == h[length - n + 1:]).all(dim=1)
+            nxt = h[n - 1:length]
+        ban = torch.zeros(vocab, dtype=torch.int32, device=h.device)
+        ban.scatter_reduce_(0, nxt, match.to(torch.int32), reduce="amax")
+        return ban.bool()
 
 
 class GraphDecoder:

@@ -176,8 +176,7 @@ class Engine:
         return GenerationResult(token_ids=out, stats=stats, finish_reason=reason)
 
     def _use_graph(self, gen: GenerationConfig) -> bool:
-        """CUDA-graph decode: CUDA + Triton attention, the embedding table on the device, and no
-        host-side n-gram blocking.
+        """CUDA-graph decode: CUDA + Triton attention and the embedding table on the device.
         HISPARSE_CUDA_GRAPH=0 turns it off."""
         import os
 
@@ -185,8 +184,7 @@ class Engine:
         # captured graph cannot do
         host_embeddings = self.model.model.embed_tokens.weight.device.type != self.device.type
         return (self.device.type == "cuda" and self.backend.attention == "triton"
-                and not host_embeddings and gen.no_repeat_ngram_size == 0
-                and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
+                and not host_embeddings and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
 
     def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
         if not gen.stop_strings:
