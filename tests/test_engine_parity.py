@@ -131,3 +131,22 @@ def test_transformers4_style_rope_keys_are_read(tmp_path):
     eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config())
     assert eng.cfg.rope_theta == 5000.0 and eng.cfg.rope_scaling["rope_type"] == "linear"
     assert (eng.logits(ids) - _hf_logits(hf, ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied (llama tiny) and qkv-bias configs
+def test_cpu_engine_holds_linears_input_major_with_the_checkpoint_values(tiny_models, arch):
+    """The engine stores fp32 CPU linear weights input-major (faster one-token matmuls); the
+    values are the checkpoint's, and tools that write weights back get the checkpoint layout."""
+    from hisparse_cli.model.loader import load_model
+
+    path, hf = tiny_models[arch]
+    eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config())
+    ours = eng.model.model.layers[0].self_attn.q_proj.weight
+    ref = hf.model.layers[0].self_attn.q_proj.weight
+    assert ours.shape == ref.shape and ours.stride() == (1, ours.shape[0])
+    assert torch.equal(ours, ref)
+    assert torch.equal(eng.model.lm_head.weight, hf.lm_head.weight)
+    assert eng.model.lm_head.weight.stride()[0] == 1
+    plain, _ = load_model(path)  # default: the checkpoint's [out, in] rows
+    assert plain.model.layers[0].self_attn.q_proj.weight.is_contiguous()
+    assert plain.model.embed_tokens.weight.is_contiguous()

@@ -67,7 +67,8 @@ def brute_force(src: RandomQKV, q_pos: int, sinks: int, window: int | None, gpos
 
 def drive(cfg: SparseConfig, n: int, chunk: int, src: RandomQKV, decode_from: int | None = None):
     pool = BlockPool()
-    run = KVRun(_cfg(), cfg, torch.device("cpu"), torch.float32, select_backend("cpu"), pool)
+    run = KVRun(_cfg(), cfg, torch.device("cpu"), torch.float32, select_backend("cpu"), pool,
+                total_tokens=n, chunk=chunk)
     src.run = run
     with run:
         pos = 0
@@ -143,11 +144,12 @@ def test_recalibration_counts_and_no_growth():
     assert peaks[0] == peaks[1]  # memory flat in length
 
 
-def test_importance_mass_equals_brute_force_probabilities():
+@pytest.mark.parametrize("t", [5, 1])  # a prefill chunk, and a decode step (its own code path)
+def test_importance_mass_equals_brute_force_probabilities(t):
     from hisparse_cli.kernels.attention_ref import sparse_attention
 
     g = torch.Generator().manual_seed(5)
-    bs, nb, t, q_start, sinks, window = 4, 6, 5, 19, 2, 9
+    bs, nb, q_start, sinks, window = 4, 6, 19 + 5 - t, 2, 9
     kc, vc = torch.randn(nb, bs, HKV, D, generator=g), torch.randn(nb, bs, HKV, D, generator=g)
     q = torch.randn(t, HQ, D, generator=g)
     gk, gv = torch.randn(HKV, 3, D, generator=g), torch.randn(HKV, 3, D, generator=g)
@@ -197,6 +199,23 @@ def test_strided_scoring_decode_steps_without_sampled_query(stride):
     drive(cfg, 80, 5, src, decode_from=20)  # decode steps at positions not multiple of stride
     final = src.globals_at[max(src.globals_at)]
     assert (final >= 0).all()
+
+
+def test_snapkv_decode_step_counts_only_keys_far_enough_back():
+    from hisparse_cli.kernels.attention_ref import sparse_attention
+
+    g = torch.Generator().manual_seed(2)
+    bs, nb, q_start, m = 4, 5, 19, 6
+    kc, vc = torch.randn(nb, bs, HKV, D, generator=g), torch.randn(nb, bs, HKV, D, generator=g)
+    q = torch.randn(1, HQ, D, generator=g)
+    ids, starts = torch.tensor([3, 0, 4, 1, 2]), torch.arange(nb) * bs
+    args = (q, kc, vc, ids, starts, q_start, 0, 16, D ** -0.5)
+    out, full, _ = sparse_attention(*args, return_scores=True)
+    out_m, obs, _ = sparse_attention(*args, return_scores=True, score_min_distance=m)
+    far = (q_start - torch.arange(nb * bs)) >= m
+    assert torch.equal(out, out_m)
+    assert torch.allclose(obs, full * far, atol=0) and (obs[:, ~far] == 0).all()
+    assert (full[:, (torch.arange(nb * bs) <= q_start) & ~far] > 0).all()
 
 
 def test_snapkv_counts_only_the_observation_window():

@@ -94,7 +94,8 @@ class Engine:
                         embeddings_on_host: bool = False, backend: str | None = None,
                         probe=None) -> "Engine":
         device = torch.device(device)
-        model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host)
+        model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host,
+                                decode_layout=True)
         if kv_dtype is None:
             kv_dtype = torch.float16 if device.type == "cuda" and dtype == torch.float16 else dtype
         return cls(model, cfg, sparse=sparse or SparseConfig(), device=device, kv_dtype=kv_dtype,
@@ -109,11 +110,13 @@ class Engine:
         return self._tokenizer
 
     # -- runs --------------------------------------------------------------------------------
-    def new_run(self, total_tokens: int) -> tuple[KVRun, BlockPool]:
+    def new_run(self, total_tokens: int, chunk: int | None = None) -> tuple[KVRun, BlockPool]:
+        """A run of at most `total_tokens` positions in steps of at most `chunk` tokens (default:
+        the prefill chunk); its KV storage is allocated now, once, at their working-set bound
+        (ResourceError first when the pool cap is below it)."""
         pool = BlockPool(self.pool_cap_blocks)
         run = KVRun(self.cfg, self.sparse, self.device, self.kv_dtype, self.backend, pool,
-                    token_scorer=self.probe)
-        run.seq.check_fits(self.sparse.prefill_chunk, total_tokens)
+                    token_scorer=self.probe, total_tokens=total_tokens, chunk=chunk)
         return run, pool
 
     def _ids(self, token_ids) -> torch.Tensor:
@@ -128,7 +131,7 @@ class Engine:
         """Logits [T, V] (fp32) for every position, through the same paged/sparse path."""
         ids = self._ids(token_ids)
         chunk = chunk or self.sparse.prefill_chunk
-        run, _ = self.new_run(ids.numel())
+        run, _ = self.new_run(ids.numel(), chunk)
         with run:
             out = [run.step(self.model, ids[s:s + chunk], all_logits=True)
                    for s in range(0, ids.numel(), chunk)]

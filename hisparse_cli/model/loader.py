@@ -72,8 +72,16 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
+def in_major(w: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] matrix stored input-major (a transposed view of an [in, out]
+    contiguous copy). On the CPU, one-token matmuls (decode) read this layout 1.3-1.7x faster
+    than the checkpoint's [out, in] rows (BENCHMARKS.md, CPU section); larger matmuls run at
+    the same speed, except a vocabulary-sized head over many positions (`Engine.logits`)."""
+    return w.t().contiguous().t()
+
+
 def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, awq_cfg,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, input_major: bool = False) -> None:
     lin: nn.Linear = getattr(parent, attr)
     if f"{prefix}.qweight" in tensors:
         if awq_cfg is None:
@@ -90,14 +98,17 @@ def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, a
     if tuple(w.shape) != (lin.out_features, lin.in_features):
         raise ModelError(f"{prefix}.weight has shape {tuple(w.shape)}, config implies "
                          f"{(lin.out_features, lin.in_features)}")
-    _set_param(lin, "weight", w.to(device=device, dtype=dtype))
+    w = w.to(device=device, dtype=dtype)
+    _set_param(lin, "weight", in_major(w) if input_major else w)
     if lin.bias is not None:
         _set_param(lin, "bias", tensors.get(f"{prefix}.bias").to(device=device, dtype=dtype))
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False
-               ) -> tuple[CausalLM, ModelConfig]:
+               dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False,
+               decode_layout: bool = False) -> tuple[CausalLM, ModelConfig]:
+    """decode_layout: on a CPU in float32, store linear weights input-major (`in_major`) for
+    faster decode. The engine asks for it; tools that write weights back (quantize) do not."""
     folder = Path(path)
     if not folder.is_dir():
         raise ModelError(f"model folder not found: {folder}")
@@ -108,6 +119,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
 
         awq_cfg = parse_quantization_config(cfg.quantization_config)
     device = torch.device(device)
+    input_major = decode_layout and device.type == "cpu" and dtype == torch.float32
     tensors = _Tensors(safetensors_files(folder))
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -118,7 +130,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         pre = f"model.layers.{i}"
         for suffix in LINEAR_SUFFIXES:
             sub, attr = suffix.split(".")
-            _load_linear(getattr(layer, sub), attr, f"{pre}.{suffix}", tensors, awq_cfg, device, dtype)
+            _load_linear(getattr(layer, sub), attr, f"{pre}.{suffix}", tensors, awq_cfg, device, dtype,
+                         input_major)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             _set_param(getattr(layer, norm), "weight",
                        tensors.get(f"{pre}.{norm}.weight").to(device=device, dtype=dtype))
@@ -128,8 +141,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                            tensors.get(f"{pre}.self_attn.{norm}.weight").to(device=device, dtype=dtype))
     _set_param(model.model.norm, "weight", tensors.get("model.norm.weight").to(device=device, dtype=dtype))
     if "lm_head.weight" in tensors or "lm_head.qweight" in tensors:
-        _load_linear(model, "lm_head", "lm_head", tensors, awq_cfg, device, dtype)
+        _load_linear(model, "lm_head", "lm_head", tensors, awq_cfg, device, dtype, input_major)
     elif cfg.tie_word_embeddings:
+        if input_major and not embeddings_on_host:  # one table, laid out for the head's GEMV
+            _set_param(model.model.embed_tokens, "weight", in_major(model.model.embed_tokens.weight))
         head = model.model.embed_tokens.weight
         if embeddings_on_host:
             head = head.to(device)
