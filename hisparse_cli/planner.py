@@ -204,7 +204,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
 
 _RESIDENT = {
     "input_ids": "prompt token ids [{P}] int64",
-    "kv.paged_kv": "paged K and V storage: {cap} blocks x {bpb} B (2*L*bs*Hkv*D*kv bytes)",
+    "kv.paged_kv": ("paged K and V storage, allocated once at the run's start: {cap} blocks "
+                    "(the working-set bound) x {bpb} B (2*L*bs*Hkv*D*kv bytes)"),
     "kv.importance_scores": "fp32 importance per cached token: {cap} blocks x L*bs*Hkv*4",
     "kv.global_slots": "{G} global tokens per layer/KV head: K, V + pos/mass/seen",
     "kv.candidate_slots": "{C} candidate tokens per layer/KV head: K, V + pos/mass/seen",
@@ -219,10 +220,7 @@ def _run_items(run, s: StepShape, prompt: int) -> list[LineItem]:
     items, transient = [], {}
     for name, n in sorted(run.peak_live.items(), key=lambda x: -x[1]):
         if name in _RESIDENT:
-            formula = _RESIDENT[name].format(**fill)
-            if name in ("kv.paged_kv", "kv.importance_scores") and "growth" in run.peak_label:
-                formula += " (the old and the new storage, during growth)"
-            items.append(LineItem(name, n, formula))
+            items.append(LineItem(name, n, _RESIDENT[name].format(**fill)))
         else:
             transient[name] = n
     if transient:
@@ -239,16 +237,18 @@ def _info_items(run) -> list[LineItem]:
     out = [
         LineItem("kv.working_set_bound", kv.working_set_bound_blocks * kv.bytes_per_block,
                  (f"SparseSequence.working_set_bound: {kv.working_set_bound_blocks} blocks = "
-                  f"sinks {kv.sink_blocks} + window+chunk span {kv.span_blocks}"
+                  f"min(sinks {kv.sink_blocks} + window+chunk span {kv.span_blocks}, every "
+                  "position); the paged storage is allocated at it"
                   if kv.window is not None else
-                  f"dense: {kv.working_set_bound_blocks} blocks = every position"), False),
+                  f"dense: {kv.working_set_bound_blocks} blocks = every position; the paged "
+                  "storage is allocated at it"), False),
         LineItem("kv.peak_live", kv.kv_bytes_peak,
                  f"{kv.peak_live_blocks} live blocks x {kv.bytes_per_block} B + K/V slots "
                  f"(RunStats.kv_bytes_peak)", False),
     ]
     names = {"prefill_forward": "activations.prefill_chunk", "decode_forward":
              "activations.decode_step", "evict": "kv.eviction_temporaries",
-             "recalibrate": "kv.recalibration_temporaries", "kv_growth": "kv.growth_copy"}
+             "recalibrate": "kv.recalibration_temporaries"}
     for key, label in names.items():
         if key in run.phase_peaks:
             out.append(LineItem(label, run.phase_peaks[key],

@@ -2,8 +2,9 @@
 `SparseSequence` on an engine/block_pool.py `BlockPool`: plain Python, no torch) decides,
 step by step, how many blocks are live, how many each step reads, which are evicted and when
 the globals are recalibrated; the device-side tensors of each step are replayed with the
-traces of planner_step.py on top of what is resident (ids, paged KV storage grown by
-`PagedKVCache.ensure_capacity`'s doubling rule, slots, logits).
+traces of planner_step.py on top of what is resident (ids, slots, logits, and the paged KV
+storage, which `KVRun` allocates once before prefill at the working-set bound of the prefill
+chunk over prompt + new tokens and which never grows).
 
 The result is the peak of device bytes the run allocates besides the weights (and cuBLAS's
 workspace), what was live at that moment, and the KV numbers `RunStats` reports.
@@ -35,8 +36,7 @@ class KVSummary:
     working_set_bound_blocks: int  # SparseSequence.working_set_bound (what check_fits uses)
     peak_live_blocks: int
     kv_bytes_peak: int
-    capacity_blocks: int  # paged storage after ensure_capacity's growth (>= peak live)
-    growths: int
+    capacity_blocks: int  # paged storage, allocated once (= the bound, >= peak live)
     global_slots: int  # per layer and KV head
     candidate_slots: int
 
@@ -87,13 +87,20 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
     tr.label = "setup"
     lh, bs, chunk = s.layers * s.hkv, sparse.block_size, sparse.prefill_chunk
     ids = tr.alloc("input_ids", prompt * 8)
+    cap = seq.working_set_bound(chunk, prompt + new_tokens)  # KVRun: storage allocated once
+    pool.bind_storage(cap)
+    kv_bytes = s.layers * cap * bs * s.hkv * s.d * s.kvb
+    tr.alloc("kv.paged_kv", kv_bytes)  # K
+    tr.alloc("kv.paged_kv", kv_bytes)  # V
+    if s.score_tensor:
+        tr.alloc("kv.importance_scores", s.layers * cap * bs * s.hkv * 4)
     for name, n in (("kv.global_slots", s.G), ("kv.candidate_slots", s.C)):
         for nbytes in (lh * n * s.d * s.kvb, lh * n * s.d * s.kvb, lh * n * 8, lh * n * 4,
                        lh * n * 4):
             tr.alloc(name, nbytes)
     bpb = 2 * s.layers * bs * s.hkv * s.d * s.kvb
     slot_bytes = 2 * lh * (s.G + s.C) * s.d * s.kvb  # PagedKVCache.slot_bytes()
-    cap, k, v, score, logits, growths, kv_peak = 0, -1, -1, -1, -1, 0, 0
+    logits, kv_peak = -1, 0
     fwd_memo: dict[tuple, tuple[SubPeak, list[int]]] = {}
     g_valid = c_valid = 0  # filled global / candidate slots (reference mask branch)
     evict_memo: dict[int, SubPeak] = {}
@@ -117,22 +124,6 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
             tr.bump(sample, where + ": sampling")
             inp = tr.alloc("step_tensors", 8)
         new_blocks = seq.append(n)
-        if pool.capacity > cap:  # PagedKVCache.ensure_capacity
-            new_cap = (max(pool.capacity, min(2 * cap, pool.capacity + cap)) if cap
-                       else pool.capacity)
-            tr.label = where + ": KV storage growth"
-            before = tr.cur
-            nk = tr.alloc("kv.paged_kv", s.layers * new_cap * bs * s.hkv * s.d * s.kvb)
-            nv = tr.alloc("kv.paged_kv", s.layers * new_cap * bs * s.hkv * s.d * s.kvb)
-            note("kv_growth", tr.cur - before)
-            tr.free(k, v)
-            k, v = nk, nv
-            if s.score_tensor:
-                ns = tr.alloc("kv.importance_scores", s.layers * new_cap * bs * s.hkv * 4)
-                tr.free(score)
-                score = ns
-            cap, growths = new_cap, growths + 1
-            tr.label = where
         if s.score_tensor and new_blocks:  # reset_scores: index tensor
             tr.bump(SubPeak(tr.size(8 * len(new_blocks))), where)
         kv_peak = max(kv_peak, pool.live * bpb + slot_bytes)
@@ -175,7 +166,7 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
         span_blocks=cdiv(seq.window + chunk - 1, bs) + 1 if seq.window is not None else 0,
         working_set_bound_blocks=bound_seq.working_set_bound(chunk, prompt + new_tokens),
         peak_live_blocks=pool.peak_live, kv_bytes_peak=kv_peak, capacity_blocks=cap,
-        growths=growths, global_slots=s.G, candidate_slots=s.C)
+        global_slots=s.G, candidate_slots=s.C)
     seq.release()
     return RunTrace(peak=tr.peak, peak_live=tr.peak_live, peak_label=tr.peak_label,
                     phase_peaks=phase, resident_end=resident, kv=kv, prefill_steps=n_prefill,

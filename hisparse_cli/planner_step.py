@@ -57,14 +57,11 @@ def layer_peak(s: StepShape, a: AttnStep, first: bool = False) -> SubPeak:
     x2 = tr.alloc("residual", t * hs * cb)
     tr.free(att)
     h2 = rms_norm(tr, s, "norm", t, hs)
-    g = linear(tr, s, "mlp.gate", t, hs, s.inter, s.awq, s.mlp_bias)
-    act = tr.alloc("mlp.act", t * s.inter * cb)  # silu
-    tr.free(g)
+    g = linear(tr, s, "mlp.gate", t, hs, s.inter, s.awq, s.mlp_bias)  # silu in place
     u = linear(tr, s, "mlp.up", t, hs, s.inter, s.awq, s.mlp_bias)
-    p = tr.alloc("mlp.act", t * s.inter * cb)
-    tr.free(act, u)
+    tr.free(u)  # g.mul_(u) in place
     d = linear(tr, s, "mlp.down", t, s.inter, hs, s.awq, s.mlp_bias)
-    tr.free(p, h2)
+    tr.free(g, h2)
     tr.alloc("residual", t * hs * cb)
     tr.free(d, x2)
     return SubPeak.of(tr)
@@ -96,8 +93,8 @@ def forward_peak(s: StepShape, a: AttnStep) -> tuple[SubPeak, list[int]]:
 
 
 # -- KV cache work after the forward ---------------------------------------------------------
-def select_peak(tr: Trace, s: StepShape, width: int, keep: int, name: str) -> list[int]:
-    """PagedKVCache._select over [L, H, width] candidates keeping `keep`: the new slots."""
+def top_peak(tr: Trace, s: StepShape, width: int, keep: int, name: str) -> tuple[int, int]:
+    """PagedKVCache._top over [L, H, width] entries keeping `keep` -> (idx, pos_sel) handles."""
     lh = s.layers * s.hkv
     if s.importance == "uniform":
         p1 = tr.alloc(name, lh * width * 8)  # pos + 1
@@ -121,19 +118,16 @@ def select_peak(tr: Trace, s: StepShape, width: int, keep: int, name: str) -> li
     g1 = tr.alloc(name, lh * keep * 8)  # pos.gather
     eq = tr.alloc(name, lh * keep)
     pos = tr.alloc(name, lh * keep * 8)  # masked_fill
-    tr.free(g1, eq)
-    kv = [tr.alloc(name, lh * keep * s.d * s.kvb) for _ in range(2)]
-    new = kv + [pos, tr.alloc(name, lh * keep * 4), tr.alloc(name, lh * keep * 4)]
-    tr.free(pr2, vals, idx)
-    return new
+    tr.free(g1, eq, pr2, vals)
+    return idx, pos
 
 
 def evict_peak(s: StepShape, ne: int) -> SubPeak:
-    """evict_to_candidates for ne blocks (the old candidate slots stay live until replaced)."""
+    """evict_to_candidates for ne blocks: the choice on positions/scores, then only the
+    winners' K/V rows (old candidate or paged storage), written into the slots in place."""
     tr = Trace(s.cuda)
-    lh, n, name = s.layers * s.hkv, ne * s.bs, "evict"
+    lh, n, name, c = s.layers * s.hkv, ne * s.bs, "evict", s.C
     tmp = [tr.alloc(name, ne * 8)]  # ids
-    tmp += [tr.alloc(name, s.layers * n * s.hkv * s.d * s.kvb) for _ in range(2)]  # k, v gather
     a, b = tr.alloc(name, ne * 8), tr.alloc(name, s.bs * 8)
     p0 = tr.alloc(name, n * 8)
     tr.free(a, b)
@@ -142,19 +136,58 @@ def evict_peak(s: StepShape, ne: int) -> SubPeak:
     tr.free(lt, p0)
     tmp.append(tr.alloc(name, lh * n * 4))  # mass (score gather or zeros)
     tmp.append(tr.alloc(name, lh * n * 4))  # seen
-    w = s.C + n
-    tmp += [tr.alloc(name, lh * w * s.d * s.kvb) for _ in range(2)]  # cat k, v
+    w = c + n
     tmp += [tr.alloc(name, lh * w * 8), tr.alloc(name, lh * w * 4), tr.alloc(name, lh * w * 4)]
-    new = select_peak(tr, s, w, s.C, name)
-    tr.free(*tmp, *new)
+    tmp += top_peak(tr, s, w, c, name)
+    t1 = tr.alloc(name, lh * c * 8)  # idx - C
+    tmp.append(tr.alloc(name, lh * c * 8))  # j = clamp
+    tr.free(t1)
+    t2 = tr.alloc(name, lh * c * 8)  # j // bs
+    tmp.append(tr.alloc(name, lh * c * 8))  # blk = ids[...]
+    tr.free(t2)
+    m1 = tr.alloc(name, s.layers * 8)  # arange(L), then * capacity
+    m = tr.alloc(name, s.layers * 8)
+    tr.free(m1)
+    for _ in range(2):  # + blk, * bs
+        m2 = tr.alloc(name, lh * c * 8)
+        tr.free(m)
+        m = m2
+    m4 = tr.alloc(name, lh * c * 8)  # j % bs
+    m5 = tr.alloc(name, lh * c * 8)
+    tr.free(m, m4)
+    m6 = tr.alloc(name, lh * c * 8)  # * H
+    tr.free(m5)
+    ah = tr.alloc(name, s.hkv * 8)  # arange(H)
+    tmp.append(tr.alloc(name, lh * c * 8))  # rows
+    tr.free(m6, ah)
+    tmp.append(tr.alloc(name, lh * c))  # keep = idx < C
+    tmp.append(tr.alloc(name, lh * c * 8))  # idx.clamp
+    for _ in range(2):  # K, then V: old candidates' rows and the storage's, where(out=slots)
+        tr.free(tr.alloc(name, lh * c * s.d * s.kvb), tr.alloc(name, lh * c * s.d * s.kvb))
+    tr.free(tr.alloc(name, lh * c * 4), tr.alloc(name, lh * c * 4))  # mass, seen gathers
+    tr.free(*tmp)
     return SubPeak.of(tr)
 
 
 def recalibrate_peak(s: StepShape) -> SubPeak:
+    """recalibrate: the choice on positions/scores of globals ∪ candidates, then the winners'
+    K/V rows written into the global slots in place."""
     tr = Trace(s.cuda)
-    lh, w, name = s.layers * s.hkv, s.G + s.C, "recalibrate"
-    tmp = [tr.alloc(name, lh * w * s.d * s.kvb) for _ in range(2)]
-    tmp += [tr.alloc(name, lh * w * 8), tr.alloc(name, lh * w * 4), tr.alloc(name, lh * w * 4)]
-    new = select_peak(tr, s, w, s.G, name)
-    tr.free(*tmp, *new)
+    lh, w, name, g = s.layers * s.hkv, s.G + s.C, "recalibrate", s.G
+    tmp = [tr.alloc(name, lh * w * 8), tr.alloc(name, lh * w * 4), tr.alloc(name, lh * w * 4)]
+    tmp += top_peak(tr, s, w, g, name)
+    rows = lh * g * s.d * s.kvb
+    if s.C:
+        tmp.append(tr.alloc(name, lh * g))  # keep = idx < G
+        tmp.append(tr.alloc(name, lh * g * 8))  # idx.clamp
+        t = tr.alloc(name, lh * g * 8)  # idx - G
+        tmp.append(tr.alloc(name, lh * g * 8))  # clamp
+        tr.free(t)
+        for _ in range(2):  # K, then V: globals' rows and candidates' rows, where(out=slots)
+            tr.free(tr.alloc(name, rows), tr.alloc(name, rows))
+    else:
+        for _ in range(2):
+            tr.free(tr.alloc(name, rows))
+    tr.free(tr.alloc(name, lh * g * 4), tr.alloc(name, lh * g * 4))  # mass, seen gathers
+    tr.free(*tmp)
     return SubPeak.of(tr)

@@ -109,8 +109,8 @@ def test_logits_run_releases_all_blocks(tiny_models, monkeypatch):
     pools = []
     real = engine_mod.Engine.new_run
 
-    def spy(self, total):
-        run, pool = real(self, total)
+    def spy(self, total, chunk=None):
+        run, pool = real(self, total, chunk)
         pools.append(pool)
         return run, pool
 

@@ -128,13 +128,32 @@ def test_tiny_kv_lines_by_hand(tiny):
     assert plan.kv.bytes_per_block == bpb
     # sinks: 1 block; span: window + chunk - 1 = 95 positions -> 6 blocks, +1 boundary
     assert plan.kv.working_set_bound_blocks == 1 + 6 + 1
-    # live blocks grow 2, 4, 6, then 7 (chunk 3 evicts); capacity doubles 2 -> 4 -> 8
+    # live blocks grow 2, 4, 6, then 7 (chunk 3 evicts); the storage is allocated once, at
+    # the bound (min(8, cdiv(208, 16) = 13) = 8 blocks), before prefill
     assert plan.kv.peak_live_blocks == 7 and plan.kv.capacity_blocks == 8
     slot = 2 * (2 * 2 * 8 * 16 * 4) + 2 * 2 * 8 * (8 + 4 + 4)  # K, V + pos int64, mass, seen
     items = {i.name: i.bytes for i in plan.items if i.counted}
+    assert items["kv.paged_kv"] == 8 * bpb
+    assert items["kv.importance_scores"] == 8 * 2 * 16 * 2 * 4  # blocks x L x bs x Hkv x fp32
+    assert "growth" not in plan.peak_when and "kv_growth" not in plan.phase_peaks
     assert items["kv.global_slots"] == items["kv.candidate_slots"] == slot
     assert plan.kv.kv_bytes_peak == 7 * bpb + 2 * 2 * 2 * (8 + 8) * 16 * 4
     assert items["logits"] in (256 * 4, 2 * 256 * 4)  # the previous step's and the new one
+
+
+@pytest.mark.parametrize("sp,prompt,new,blocks", [
+    # short text: 20 + 8 tokens use cdiv(28, 16) = 2 blocks, not the bound's 8
+    (dict(window_size=64, global_tokens=8, recalibrate_topk=8, prefill_chunk=32), 20, 8, 2),
+    # dense: every position, allocated once: cdiv(200 + 8, 16) = 13 blocks
+    (dict(window_size=None, global_tokens=0, recalibrate_topk=0, sink_tokens=0,
+          prefill_chunk=48), 200, 8, 13),
+])
+def test_storage_is_allocated_once_at_min_of_bound_and_text(tiny, sp, prompt, new, blocks):
+    plan = cpu_plan(tiny["llama"], SparseConfig(**sp), prompt, new)
+    assert plan.kv.capacity_blocks == plan.kv.working_set_bound_blocks == blocks
+    items = {i.name: i.bytes for i in plan.items if i.counted}
+    assert items["kv.paged_kv"] == blocks * 8192  # 8 KiB blocks (see above)
+    assert plan.resident_bytes - plan.weights_bytes >= blocks * 8192
 
 
 KV_CASES = [
@@ -222,6 +241,61 @@ def test_bound_is_the_engines_and_visible_count_matches():
         expect = SparseSequence(sp, BlockPool()).working_set_bound(sp.prefill_chunk, total)
         assert plan.kv.working_set_bound_blocks == expect
         assert plan.kv.peak_live_blocks <= expect
+
+
+def test_eviction_and_recalibration_traces_equal_recorded_allocations():
+    """planner_step.evict_peak / recalibrate_peak against every byte the cache's own calls
+    allocate (they are rarely the run's peak in the tiny runs above, so check them alone)."""
+    from test_kv_cache import random_cache
+
+    from hisparse_cli.planner_step import evict_peak, recalibrate_peak
+    from hisparse_cli.planner_trace import StepShape
+
+    for importance, G, C, scores in (("attention", 4, 5, True), ("uniform", 6, 3, True),
+                                     ("attention", 3, 0, True), ("attention", 2, 7, False)):
+        shape = StepShape(layers=3, hidden=16, inter=32, vocab=64, hq=4, hkv=2, d=8, cb=4,
+                          kvb=4, cuda=False, backend="torch", awq=False, group=128,
+                          awq_lm_head=False, qkv_bias=False, o_bias=False, mlp_bias=False,
+                          qk_norm=False, bs=4, sinks=3, window=16, G=G, C=C,
+                          track_scores=scores, score_tensor=scores, score_stride=1,
+                          min_distance=0, importance=importance, num_sms=1)
+        for ne in (1, 3):
+            cache = random_cache(ne, G=G, C=C, importance=importance, scores=scores)
+            if C:
+                rec = AllocRecorder()
+                with rec:
+                    cache.evict_to_candidates([8, 1, 4][:ne], [0, 20, 44][:ne])
+                assert rec.peak == evict_peak(shape, ne).peak, (importance, G, C, ne)
+            rec = AllocRecorder()
+            with rec:
+                cache.recalibrate()
+            assert rec.peak == recalibrate_peak(shape).peak, (importance, G, C)
+
+
+def test_8b_at_128k_on_h200_by_hand():
+    """llama-3-8b fp16, the h200-141g sparse settings, 131008 + 512 tokens: the storage is
+    allocated once at 1 sink block + cdiv(8192 + 2048 - 1, 16) = 640 + 1 = 642 blocks of
+    2*32*16*8*128*2 B = 2 MiB; the peak is a 2048-token chunk's forward (no growth copy) and
+    is flat in the document's length apart from the prompt's ids."""
+    MiB = 1 << 20
+    base = dict(weight_format="fp16", sparse=H200_LIKE, max_new_tokens=512,
+                kv_dtype="float16", compute_dtype="float16", device_kind="cuda",
+                backend="triton")
+    plan = plan_memory(shape_config("llama-3-8b"), context_tokens=131008, **base)
+    assert plan.kv.capacity_blocks == 642 and plan.kv.bytes_per_block == 2 * MiB
+    items = {i.name: i.bytes for i in plan.items if i.counted}
+    assert items["kv.paged_kv"] == 642 * 2 * MiB
+    assert items["kv.importance_scores"] == 642 * 32 * 16 * 8 * 4
+    lh = 32 * 8  # layers x KV heads; 512 slots: K, V fp16 [128] + pos int64, mass, seen fp32
+    assert items["kv.global_slots"] == items["kv.candidate_slots"] == lh * 512 * (
+        2 * 128 * 2 + 8 + 4 + 4) == 66 * MiB
+    # MLP gate and up [2048, 14336] fp16 (silu and product in place), the layer's input and
+    # residual [2048, 4096] fp16, the normed input, RoPE cos/sin [2048, 128] fp16
+    assert "forward" in plan.peak_when
+    assert items["activations.at_peak"] == (2 * 56 + 2 * 16 + 16 + 1) * MiB
+    shorter = plan_memory(shape_config("llama-3-8b"), context_tokens=32768, **base)
+    ids = (131008 * 8 // 512) * 512, -(-32768 * 8 // 512) * 512
+    assert plan.peak_allocated_bytes - shorter.peak_allocated_bytes == ids[0] - ids[1]
 
 
 # -- budgets and suggestions -------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 Physical ids are handed out from the free list first (most recently freed first, so the
 device storage stays compact), otherwise a new id is minted; `capacity` is the number of
-distinct ids minted so far, which is how many blocks of device storage the KV cache needs.
-An optional `max_blocks` cap raises `ResourceError` instead of growing past it.
+distinct ids minted so far (an id is minted only when every minted id is live, so it equals
+`peak_live`). An optional `max_blocks` cap (the user's budget) raises `ResourceError` instead of
+growing past it. `bind_storage(n)` ties the pool to device storage allocated once for `n`
+blocks: minting an id >= n is then a bug of the caller (a step longer than the run was sized
+for) and raises `RuntimeError` before any id points past the storage.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ class BlockPool:
         self.allocated = 0  # allocate() calls over the pool's life
         self.freed = 0  # free() calls over the pool's life
         self.peak_live = 0
+        self.storage_blocks: int | None = None  # device storage behind the ids (bind_storage)
+
+    def bind_storage(self, n_blocks: int) -> None:
+        """Physical ids must stay < n_blocks: the device storage was allocated once for them."""
+        if n_blocks < self.capacity:
+            raise ValueError(f"storage of {n_blocks} blocks is smaller than the {self.capacity} "
+                             "ids already minted")
+        self.storage_blocks = n_blocks
 
     @property
     def live(self) -> int:
@@ -43,6 +54,11 @@ class BlockPool:
                     f"KV block pool is full ({self.max_blocks} blocks)",
                     hint="lower --window/--global-tokens/--prefill chunk or raise the profile's budget",
                 )
+            if self.storage_blocks is not None and self.capacity >= self.storage_blocks:
+                raise RuntimeError(
+                    f"KV block pool would hand out id {self.capacity}, past the KV storage "
+                    f"allocated once for {self.storage_blocks} blocks (the run's working-set "
+                    "bound): a step longer than the chunk the run was sized for?")
             block_id = self.capacity
             self.capacity += 1
         self._live.add(block_id)

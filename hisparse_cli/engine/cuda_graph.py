@@ -3,11 +3,12 @@
 Everything a step reads lives in static device buffers: the token, its position (the attention
 kernels read `q_start` from that tensor), its slot, and the visible block list padded to the
 working-set bound (padding blocks start at a huge position, so the causal test masks them).
-The KV storage is sized to its bound before capture and global/candidate slots are updated in
-place, so captured pointers stay valid. Host bookkeeping (block table, eviction, recalibration)
-runs between replays as plain Python plus eager tensor ops; per-step inputs travel in one
-pinned-memory copy. Sampling stays on the device; the host reads tokens back only every
-`sync_every` steps (to stop at EOS), so there is no host synchronisation per token.
+The KV storage was allocated once at the run's start (at its working-set bound; it never
+grows) and global/candidate slots are updated in place, so captured pointers stay valid. Host
+bookkeeping (block table, eviction, recalibration) runs between replays as plain Python plus
+eager tensor ops; per-step inputs travel in one pinned-memory copy. Sampling stays on the
+device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
+no host synchronisation per token.
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ class GraphDecoder:
             self.nb_max = cdiv(total_tokens, bs)
         else:
             self.nb_max = min(seq.working_set_bound(1), cdiv(total_tokens, bs))
-        run.cache.ensure_capacity(max(seq.working_set_bound(run.sparse.prefill_chunk, total_tokens),
-                                      self.nb_max, run.pool.capacity + 1))
+        # the storage was allocated once when the run started, at its working-set bound
+        # (>= this one: decode steps are 1 token); the pool cannot mint an id past it
+        assert run.pool.storage_blocks == run.cache.capacity, "run without bound storage"
         n = 2 + 2 * self.nb_max
         self.dev = torch.zeros(n, dtype=torch.int64, device=dev)
         cuda = dev.type == "cuda"
@@ -129,7 +131,7 @@ class GraphDecoder:
         run, seq = self.run, self.run.seq
         p = seq.num_tokens
         new = seq.append(1)
-        assert run.pool.capacity <= run.cache.capacity, "KV storage must not grow after capture"
+        assert run.pool.capacity <= run.cache.capacity, "block ids past the KV storage"
         run.cache.reset_scores(new)
         live = run.pool.live * run.cache.bytes_per_block() + run.cache.slot_bytes()
         run.kv_bytes_peak = max(run.kv_bytes_peak, live)

@@ -1,8 +1,12 @@
 """Device-side KV state of one run: paged K/V blocks for every layer, the importance score of
 each live token, and per layer / KV head the global slots and the candidate slots.
 
-Storage grows with the block pool's capacity (never with a maximum sequence length):
-sparse runs stop growing at the working-set bound, dense runs grow with the text.
+Storage is allocated once, when the run starts (before prefill), for `capacity_blocks` blocks:
+the run's working-set bound (`SparseSequence.working_set_bound(chunk, total_tokens)`), which for
+sparse runs does not depend on the document's length and for dense runs is the whole text; a
+short text gets only the blocks it can use (the bound is capped at its length). It never grows,
+so there is no old + new copy of it at any moment, and its pointers stay valid for CUDA graphs;
+the block pool is bound to it (`BlockPool.bind_storage`) and cannot hand out an id past it.
 
 Importance (policy "attention", H2O-like): a token's score is the attention probability it
 received while in the window, summed over queries and the query heads of its KV head, divided
@@ -23,19 +27,24 @@ NEG_INF = float("-inf")
 
 class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, global_tokens: int = 0,
+                 dtype: torch.dtype, device: torch.device, capacity_blocks: int, global_tokens: int = 0,
                  candidate_slots: int = 0, track_scores: bool = False, window: int | None = None,
                  importance: str = "attention", sinks: int = 0, queries_per_candidate: float = 1.0) -> None:
         self.L, self.H, self.D, self.bs = num_layers, num_kv_heads, head_dim, block_size
         self.dtype, self.device = dtype, device
         self.window, self.importance, self.sinks = window, importance, sinks
         self.queries_per_candidate = queries_per_candidate  # normaliser of a candidate's mass
-        self.capacity = 0
-        shape = (num_layers, 0, block_size, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity = capacity_blocks
+        # k, v: [L, capacity, bs, Hkv, D]; score: [L, capacity, bs, Hkv] fp32. Zeros, not
+        # empty: masked-out slots of a visible block are read, so they must be finite
+        # (0 * NaN = NaN); a reused block holds its old (finite) tokens.
+        shape = (num_layers, capacity_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.track_scores = track_scores
-        self.score = torch.empty((num_layers, 0, block_size, num_kv_heads), dtype=torch.float32,
+        self.score = torch.zeros(shape[:-1], dtype=torch.float32,
                                  device=device) if track_scores else None
         self.G, self.C = global_tokens, candidate_slots
         L, H, D = num_layers, num_kv_heads, head_dim
@@ -57,25 +66,6 @@ class PagedKVCache:
     def slot_bytes(self) -> int:
         """Bytes of the global and candidate slots (fixed for the run)."""
         return 2 * self.L * self.H * (self.G + self.C) * self.D * self.k.element_size()
-
-    def ensure_capacity(self, n_blocks: int) -> None:
-        """Grow paged storage to hold physical ids < n_blocks (doubling, copies live data)."""
-        if n_blocks <= self.capacity:
-            return
-        new_cap = max(n_blocks, min(2 * self.capacity, n_blocks + self.capacity)) if self.capacity else n_blocks
-
-        def grow(t: torch.Tensor) -> torch.Tensor:
-            shape = list(t.shape)
-            shape[1] = new_cap
-            # zeros, not empty: masked-out slots must hold finite values (0 * NaN = NaN)
-            out = torch.zeros(shape, dtype=t.dtype, device=t.device)
-            out[:, : self.capacity] = t[:, : self.capacity]
-            return out
-
-        self.k, self.v = grow(self.k), grow(self.v)
-        if self.score is not None:
-            self.score = grow(self.score)
-        self.capacity = new_cap
 
     def reset_scores(self, blocks: list[int]) -> None:
         if self.score is not None and blocks:
@@ -103,15 +93,16 @@ class PagedKVCache:
             pr = mass / seen.clamp(min=1.0)
         return pr.masked_fill(pos < 0, NEG_INF)
 
-    def _select(self, k, v, pos, mass, seen, n: int):
-        """Keep the n best of the candidate tensors along dim 2 (per layer and head)."""
+    def _top(self, pos, mass, seen, n: int):
+        """The n best entries along the last dim of [L, H, width] (per layer and head) ->
+        (indices [L, H, n], their positions with -1 where an entry was empty)."""
         pr = self._priority(pos, mass, seen)
         top = torch.topk(pr, n, dim=-1, sorted=False)
         idx = top.indices
-        gather = idx[..., None].expand(-1, -1, -1, self.D)
-        pos_sel = pos.gather(-1, idx).masked_fill(top.values == NEG_INF, -1)
-        return (k.gather(2, gather), v.gather(2, gather), pos_sel, mass.gather(-1, idx),
-                seen.gather(-1, idx))
+        return idx, pos.gather(-1, idx).masked_fill(top.values == NEG_INF, -1)
+
+    def _expand(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx[..., None].expand(-1, -1, -1, self.D)
 
     @staticmethod
     def _assign(dst: tuple, src: tuple) -> None:
@@ -121,33 +112,60 @@ class PagedKVCache:
 
     def evict_to_candidates(self, physical: list[int], starts: list[int]) -> None:
         """Score the tokens of evicted blocks and keep the best `C` per layer/head as candidates.
-        Must run before the blocks are reused (they are freed by the host policy)."""
+        Must run before the blocks are reused (they are freed by the host policy).
+        Only the winners' K/V are read: the choice is made on positions and scores, then each
+        slot takes its row from the old candidates or straight from the paged storage (no copy
+        of the evicted blocks' K/V, so the transient is a few [L, Hkv, C, D] tensors)."""
         if self.C == 0 or not physical:
             return
+        L, H, D, bs, C = self.L, self.H, self.D, self.bs, self.C
         ids = torch.tensor(physical, device=self.device)
-        ne = len(physical)
-        k = self.k[:, ids].reshape(self.L, ne * self.bs, self.H, self.D).transpose(1, 2)
-        v = self.v[:, ids].reshape(self.L, ne * self.bs, self.H, self.D).transpose(1, 2)
+        n = len(physical) * bs
         pos = (torch.tensor(starts, device=self.device)[:, None]
-               + torch.arange(self.bs, device=self.device)[None, :]).reshape(-1)
-        pos = pos.masked_fill(pos < self.sinks, -1)[None, None, :].expand(self.L, self.H, -1)
+               + torch.arange(bs, device=self.device)[None, :]).reshape(-1)
+        pos = pos.masked_fill(pos < self.sinks, -1)[None, None, :].expand(L, H, -1)
         if self.score is not None:
-            mass = self.score[:, ids].reshape(self.L, ne * self.bs, self.H).transpose(1, 2)
+            mass = self.score[:, ids].reshape(L, n, H).transpose(1, 2)
         else:
             mass = torch.zeros(pos.shape, dtype=torch.float32, device=self.device)
         seen = torch.full(pos.shape, float(self.queries_per_candidate), device=self.device)
-        cat = [torch.cat(pair, dim=2) for pair in ((self.ck, k), (self.cv, v), (self.cpos, pos),
-                                                   (self.cmass, mass), (self.cseen, seen))]
-        self._assign((self.ck, self.cv, self.cpos, self.cmass, self.cseen), self._select(*cat, n=self.C))
+        cpos, cmass, cseen = (torch.cat(pair, dim=2) for pair in (
+            (self.cpos, pos), (self.cmass, mass), (self.cseen, seen)))
+        idx, pos_sel = self._top(cpos, cmass, cseen, C)  # idx < C: an old candidate
+        # row of token j = idx - C of the evicted blocks in the storage viewed as [-1, D]:
+        # ((layer * capacity + block) * bs + offset) * H + head
+        j = (idx - C).clamp(min=0)
+        blk = ids[j // bs]
+        rows = ((torch.arange(L, device=self.device)[:, None, None] * self.capacity + blk) * bs
+                + j % bs) * H + torch.arange(H, device=self.device)[None, :, None]
+        keep = (idx < C)[..., None]
+        old = self._expand(idx.clamp(max=C - 1))
+        for slots, pages in ((self.ck, self.k), (self.cv, self.v)):  # one statement each: two
+            # [L, H, C, D] temporaries at a time, the result written into the slots in place
+            torch.where(keep, slots.gather(2, old),
+                        pages.view(-1, D).index_select(0, rows.reshape(-1)).view(L, H, C, D),
+                        out=slots)
+        self._assign((self.cpos, self.cmass, self.cseen),
+                     (pos_sel, cmass.gather(-1, idx), cseen.gather(-1, idx)))
 
     def recalibrate(self) -> None:
         """Segmented recalibration: new globals = best G of (globals ∪ candidates)."""
         if self.G == 0:
             return
-        cat = [torch.cat(pair, dim=2) for pair in ((self.gk, self.ck), (self.gv, self.cv),
-                                                   (self.gpos, self.cpos), (self.gmass, self.cmass),
-                                                   (self.gseen, self.cseen))]
-        self._assign((self.gk, self.gv, self.gpos, self.gmass, self.gseen), self._select(*cat, n=self.G))
+        G, C = self.G, self.C
+        gpos, gmass, gseen = (torch.cat(pair, dim=2) for pair in (
+            (self.gpos, self.cpos), (self.gmass, self.cmass), (self.gseen, self.cseen)))
+        idx, pos_sel = self._top(gpos, gmass, gseen, G)  # idx < G: a current global
+        if C:
+            keep = (idx < G)[..., None]
+            old, new = self._expand(idx.clamp(max=G - 1)), self._expand((idx - G).clamp(min=0))
+            for slots, cands in ((self.gk, self.ck), (self.gv, self.cv)):
+                torch.where(keep, slots.gather(2, old), cands.gather(2, new), out=slots)
+        else:
+            for slots in (self.gk, self.gv):
+                slots.copy_(slots.gather(2, self._expand(idx)))
+        self._assign((self.gpos, self.gmass, self.gseen),
+                     (pos_sel, gmass.gather(-1, idx), gseen.gather(-1, idx)))
         self.cpos.fill_(-1)
         self.cmass.zero_()
         self.cseen.zero_()

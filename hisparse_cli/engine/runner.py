@@ -56,13 +56,23 @@ class StepContext:
 
 
 class KVRun:
-    """KV state of one sequence. Use as a context manager: every block returns to the pool."""
+    """KV state of one sequence. Use as a context manager: every block returns to the pool.
+
+    The paged storage is allocated here, once, at the working-set bound of steps of at most
+    `chunk` tokens (default: the prefill chunk) over `total_tokens` positions (prompt + new
+    tokens; required for dense attention, whose bound is the whole text)."""
 
     def __init__(self, cfg: ModelConfig, sparse: SparseConfig, device: torch.device,
                  kv_dtype: torch.dtype, backend: KernelBackend, pool: BlockPool,
-                 token_scorer=None) -> None:
+                 token_scorer=None, *, total_tokens: int | None = None,
+                 chunk: int | None = None) -> None:
         self.cfg, self.sparse, self.device, self.backend, self.pool = cfg, sparse, device, backend, pool
         self.seq = SparseSequence(sparse, pool, model_window=cfg.sliding_window)
+        self.chunk = chunk or sparse.prefill_chunk  # longest step the storage is sized for
+        if total_tokens is not None:  # a pool capped below the bound fails before allocating
+            self.seq.check_fits(self.chunk, total_tokens)
+        capacity = self.seq.working_set_bound(self.chunk, total_tokens)
+        pool.bind_storage(capacity)  # no id past the storage: it never grows
         use_globals = self.seq.window is not None and sparse.global_tokens > 0
         imp = sparse.importance
         self.track_scores = use_globals and imp in ("attention", "snapkv")
@@ -78,6 +88,7 @@ class KVRun:
         self.cache = PagedKVCache(
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, block_size=sparse.block_size, dtype=kv_dtype, device=device,
+            capacity_blocks=capacity,
             global_tokens=sparse.global_tokens if use_globals else 0,
             candidate_slots=sparse.recalibrate_topk if use_globals else 0,
             track_scores=self.track_scores or self.token_scorer is not None, window=self.seq.window,
@@ -103,8 +114,7 @@ class KVRun:
         """input_ids: [T] on the device -> logits [T, V] or [1, V] (fp32)."""
         n = input_ids.shape[0]
         start = self.seq.num_tokens
-        new_blocks = self.seq.append(n)
-        self.cache.ensure_capacity(self.pool.capacity)
+        new_blocks = self.seq.append(n)  # ids < cache.capacity (the pool is bound to it)
         self.cache.reset_scores(new_blocks)
         live_bytes = self.pool.live * self.cache.bytes_per_block() + self.cache.slot_bytes()
         self.kv_bytes_peak = max(self.kv_bytes_peak, live_bytes)

@@ -76,7 +76,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(im, hs, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # silu and the product in place: two [T, intermediate] temporaries at a time, not three
+        h = F.silu(self.gate_proj(x), inplace=True)
+        h.mul_(self.up_proj(x))
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
