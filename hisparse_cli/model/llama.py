@@ -53,7 +53,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
+                ctx: AttentionContext, last_only: bool = False) -> torch.Tensor:
         t = x.shape[0]
         if getattr(ctx, "wants_hidden", False):  # learned importance probe reads hidden states
             ctx.observe(self.layer, x)
@@ -64,6 +64,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v)  # [T, Hq, D]
+        if last_only:  # every K/V is stored; only the last position's output is used
+            out, t = out[-1:], 1
         return self.o_proj(out.reshape(t, self.hq * self.d))
 
 
@@ -90,8 +92,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+    def forward(self, x, cos, sin, ctx, last_only: bool = False):
+        """last_only: return only the last position's output (the last layer of a step that
+        needs one logit row: its K/V are stored for every position, the rest is skipped)."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx, last_only)
+        x = x[-1:] + h if last_only else x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -121,8 +126,10 @@ class CausalLM(nn.Module):
         return self.model.norm.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                all_logits: bool = False) -> torch.Tensor:
-        """input_ids, positions: [T] -> logits [T, V] (all_logits) or [1, V] (last position)."""
+                all_logits: bool = False, full_last_layer: bool = False) -> torch.Tensor:
+        """input_ids, positions: [T] -> logits [T, V] (all_logits) or [1, V] (last position).
+        For one logit row the last layer computes only the last position past its K/V store,
+        unless full_last_layer (callers that read every position's final hidden state)."""
         emb = self.model.embed_tokens
         if emb.weight.device != input_ids.device:  # host-resident table (tight-VRAM option)
             x = emb(input_ids.cpu()).to(positions.device, non_blocking=True)
@@ -130,8 +137,9 @@ class CausalLM(nn.Module):
             x = emb(input_ids)  # [T, hidden]
         x = x.to(self.compute_dtype)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, ctx, last_only=not (all_logits or full_last_layer) and i == last)
         if not all_logits:
             x = x[-1:]
         return self.lm_head(self.model.norm(x)).float()

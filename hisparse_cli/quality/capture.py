@@ -128,7 +128,8 @@ def teacher_forced(engine, ids: list[int], sparse: SparseConfig, *, q_positions=
 
     def call(input_ids, positions, ctx, all_logits=False):
         wrapped = CaptureContext(ctx, recorder) if recorder is not None else ctx
-        return model(input_ids, positions, wrapped, all_logits=all_logits)
+        # every position's final hidden state is read (keep_hidden), not only the last one
+        return model(input_ids, positions, wrapped, all_logits=all_logits, full_last_layer=True)
 
     handle = model.model.layers[-1].register_forward_hook(keep_hidden)
     chunk = sparse.prefill_chunk
