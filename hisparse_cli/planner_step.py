@@ -13,7 +13,7 @@ from hisparse_cli.planner_trace import StepShape, SubPeak, Trace, cos_sin, linea
 
 
 # -- one decoder layer and the whole forward -------------------------------------------------
-def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> int:
+def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool, last_only: bool = False) -> int:
     t, hs, qd, kd = a.t, s.hidden, s.hq * s.d, s.hkv * s.d
     h = rms_norm(tr, s, "norm", t, hs)
     q = linear(tr, s, "attn.q", t, hs, qd, s.awq, s.qkv_bias)
@@ -41,19 +41,23 @@ def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool) -> int:
     else:
         out, masses = attn_ref(tr, s, a, first)
     tr.free(*masses)
+    rows = 1 if last_only else t  # the last layer of a one-logit step: the last row only
     copy = s.backend == "torch" and t > 1  # reshape of the reference's transposed output
-    flat = tr.alloc("attn.out", t * qd * s.cb) if copy else -1
-    o = linear(tr, s, "attn.o", t, qd, hs, s.awq, s.o_bias)
+    flat = tr.alloc("attn.out", rows * qd * s.cb) if copy else -1
+    o = linear(tr, s, "attn.o", rows, qd, hs, s.awq, s.o_bias)
     tr.free(flat, q, k, v, out, h)
     return o
 
 
-def layer_peak(s: StepShape, a: AttnStep, first: bool = False) -> SubPeak:
+def layer_peak(s: StepShape, a: AttnStep, first: bool = False, last_only: bool = False) -> SubPeak:
     """One DecoderLayer.forward on top of its input x [t, hidden] (held by the caller).
-    first: the step's first layer, which builds the reference's mask memo (left live)."""
+    first: the step's first layer, which builds the reference's mask memo (left live).
+    last_only: the model's last layer in a step that needs one logit row (model/llama.py):
+    attention over all t rows, then o_proj, residual and MLP of the last row only."""
     tr = Trace(s.cuda)
-    t, hs, cb = a.t, s.hidden, s.cb
-    att = _attention(tr, s, a, first)
+    hs, cb = s.hidden, s.cb
+    att = _attention(tr, s, a, first, last_only)
+    t = 1 if last_only else a.t
     x2 = tr.alloc("residual", t * hs * cb)
     tr.free(att)
     h2 = rms_norm(tr, s, "norm", t, hs)
@@ -74,15 +78,18 @@ def forward_peak(s: StepShape, a: AttnStep) -> tuple[SubPeak, list[int]]:
     x = tr.alloc("residual", a.t * s.hidden * s.cb)  # embedding rows (also when host-resident)
     cos, sin = cos_sin(tr, s, a.t)
     kept: list[int] = []
+    n = s.layers
     if s.backend == "torch":
-        tr.bump(layer_peak(s, a, first=True), "layer")
+        tr.bump(layer_peak(s, a, first=True, last_only=n == 1), "layer")
         kept = [tr.size(b) for b in memo_bytes(s, a)]
         for b in kept:
             tr.alloc("attn.memo", b)
-        if s.layers > 1:
-            tr.bump(layer_peak(s, a), "layer")
-    else:
+    if n > (2 if s.backend == "torch" else 1):  # the middle layers, as many as there are
         tr.bump(layer_peak(s, a), "layer")
+    if n > 1 or s.backend != "torch":
+        tr.bump(layer_peak(s, a, last_only=True), "layer")
+    tr.free(x)  # the last layer returned the last row only
+    x = tr.alloc("residual", s.hidden * s.cb)
     h = rms_norm(tr, s, "final_norm", 1, s.hidden)
     y = linear(tr, s, "lm_head", 1, s.hidden, s.vocab, s.awq and s.awq_lm_head)
     logits = tr.alloc("logits", s.vocab * 4) if s.cb != 4 else y
