@@ -388,8 +388,10 @@ def phase_ours(a, model, cfg, dev, backend, contexts, profiles) -> list[dict]:
     combos = [(c, "h200-141g") for c in contexts] + [
         (contexts[0], "4060ti-6g"), (contexts[min(1, len(contexts) - 1)], "3090-24g"),
         (contexts[-1], "4060ti-6g")]
+    if "h200-alt" in profiles:  # --h200-alt: the same contexts under other sparse settings
+        combos[len(contexts):len(contexts)] = [(c, "h200-alt") for c in contexts]
     for ctx, name in combos:
-        new = a.decode_tokens if name == "h200-141g" else 16
+        new = a.decode_tokens if name.startswith("h200") else 16
         need = 10 + ctx / 8000
         if left(a.time_budget) - a.reserve < need:
             SKIPPED.append(f"hisparse {name} at {ctx}: {need:.0f} s needed, "
@@ -557,6 +559,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--budget-gib", type=float, default=6.0, help="card size for (d); 0: skip")
     ap.add_argument("--skip-static", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--h200-alt", default=None,
+                    help="also run h200-141g with these SparseConfig overrides, e.g. "
+                         "window_size=4096,prefill_chunk=1024 (rows labelled h200-alt)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a few seconds)")
     ap.add_argument("--only-budget", action="store_true", help="run only phase (d)")
     ap.add_argument("--awq-vs-fp16", action="store_true",
@@ -592,6 +597,11 @@ def main() -> None:
         small = SparseConfig(window_size=256, global_tokens=16, recalibrate_topk=16,
                              prefill_chunk=128, recalibrate_every=128)
         profiles = {n: small for n in profiles}
+    if a.h200_alt:
+        kv = dict(item.split("=", 1) for item in a.h200_alt.split(","))
+        profiles["h200-alt"] = profiles["h200-141g"].with_overrides(
+            **{k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in kv.items()})
+        res["h200_alt"] = a.h200_alt
     if a.awq_vs_fp16 and dev.type == "cuda":
         res["awq_vs_fp16"] = phase_awq_vs_fp16(a, dev, backend)
         (out_dir / "gpu_engine_awq.json").write_text(json.dumps(res, indent=2, default=str))
@@ -617,21 +627,22 @@ def main() -> None:
         ("kv blk pred", "predicted_kv_blocks_peak", 11), ("kv blk", "kv_blocks_peak", 7),
         ("reserved", "reserved_peak_bytes", 9), ("peak at", "peak_when", 40)])
     peers = phase_hf(a, hf, cfg, dev, contexts)
-    bench = [r for r in ours if r["profile"] == "h200-141g"] + peers
+    bench = [r for r in ours if r["profile"].startswith("h200")] + peers
     if dev.type == "cuda":
         bw = copy_bandwidth(dev)
         res["copy_bandwidth_bytes_s"] = bw
         plan8 = ours[0]["plan"] if ours else plan_for(cfg, w, contexts[0], 1, backend, dev)
         for r in bench:
             pos = r["context"] + max(r.get("new_tokens", 1) - 1, 0)
-            sp = profiles["h200-141g"] if r["system"] == "hisparse" else None
+            sp = profiles[r["profile"]] if r["system"] == "hisparse" else None
             r["bytes_per_token"] = decode_bytes(plan8, cfg, sp, pos)
             r["limit_tok_s"] = bw / r["bytes_per_token"]
             if r.get("decode_tok_s"):
                 r["fraction_of_limit"] = r["decode_tok_s"] / r["limit_tok_s"]
         log(f"(c) device copy bandwidth {bw / 1e9:,.0f} GB/s (read + write)")
     table("(b, c) speed, memory, bandwidth-bound decode limit", bench, [
-        ("system", "system", 18), ("context", "context", 8), ("prefill t/s", "prefill_tok_s", 11),
+        ("system", "system", 18), ("profile", "profile", 9), ("context", "context", 8),
+        ("prefill t/s", "prefill_tok_s", 11),
         ("decode t/s", "decode_tok_s", 10), ("peak GiB", "peak_bytes", 8),
         ("GB/token", "bytes_per_token", 9), ("limit t/s", "limit_tok_s", 9),
         ("of limit", "fraction_of_limit", 8), ("note", "error", 30)])
