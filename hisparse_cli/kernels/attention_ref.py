@@ -83,10 +83,10 @@ def sparse_attention(
     nb_total, bs, hkv, _ = k_cache.shape
     grp = hq // hkv
     assert hq % hkv == 0 and k_cache.shape[-1] == d and block_ids.shape == block_starts.shape
-    if t == 1:  # decode: one softmax gives both the output and the importance masses
+    if t == 1 and return_scores:  # a scored decode step: one softmax gives the output and
+        # the masses (without scores, SDPA below is faster on long dense key sets)
         return _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks,
-                                 window, scale, g_k, g_v, g_pos, return_scores, score_min_distance,
-                                 memo)
+                                 window, scale, g_k, g_v, g_pos, score_min_distance, memo)
     dt = torch.float32 if q.device.type == "cpu" else q.dtype
     # keys of the step: [Hkv, N, D], N = nb * bs
     # index_select, not k_cache[block_ids]: the same gather, 4x faster on the CPU
@@ -134,10 +134,10 @@ def sparse_attention(
 
 
 def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window, scale,
-                      g_k, g_v, g_pos, return_scores, score_min_distance, memo):
-    """sparse_attention for one query (T = 1), fp32 math: the probabilities are computed once
-    and serve the output and the key masses (the general path runs SDPA, then re-scores); the
-    window keys and the globals are two key segments, never concatenated."""
+                      g_k, g_v, g_pos, score_min_distance, memo):
+    """sparse_attention for one scored query (T = 1), fp32 math: the probabilities are
+    computed once and serve the output and the key masses (the general path runs SDPA, then
+    re-scores); the window keys and the globals are two key segments, never concatenated."""
     _, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     grp = hq // hkv
@@ -157,8 +157,6 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     if has_g:
         out += torch.matmul(p[..., n:], g_v.float())
     out = out.reshape(1, hq, d).to(q.dtype)
-    if not return_scores:
-        return out, None, None
     p = p.sum(dim=1)  # [Hkv, N + G]: summed over the query heads of each KV head
     key_mass = p[:, :n]
     if score_min_distance > 0:  # snapkv: count only keys at least m positions back
