@@ -1,16 +1,24 @@
 """GPU check and timing of the Triton AWQ INT4 kernels (hisparse_cli/kernels/awq_triton.py).
 
-1. correctness: every path (GEMV, fused GEMM, dequant+cuBLAS, auto) against the fp32 matmul of
-   the dequantized weight, fp16 and bf16, Llama-3-8B linear shapes, 1..4096 tokens, groups
-   32/64/128; plus a CUDA-graph capture/replay of the decode call.
-2. timing (triton.testing.do_bench, L2 flushed): fused GEMV vs fused GEMM vs dequant+cuBLAS vs
-   fp16 cuBLAS on the dense weight, tokens 1..8192; effective GB/s on the INT4 model bytes vs
-   the H200's 4.24 TB/s and vs a measured device-to-device copy.
-3. small config sweeps for the GEMV (M=1) and GEMM launch parameters.
+What `AWQLinear` runs on CUDA is the K-major path (kernels/awq_layout.py: qweight repacked
+once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else dequantize W^T
++ cuBLAS. The AWQ-layout kernels (`awq_gemv`, `awq_dequant_matmul`) are timed for comparison.
+
+1. correctness: K-major GEMV (every nibble mode, prefetch, split-K), dequantize (bit-exact vs
+   the torch dequantization), dequant+cuBLAS and the auto path against the fp32 matmul of the
+   dequantized weight, fp16/bf16 (fp32 on a small shape), groups 32/64/128, partial tiles;
+   the GPU repack against the CPU one; a CUDA-graph capture/replay of the decode call.
+2. sweeps (--sweep): GEMV nibble modes x prefetch, then (block_n, block_kw, warps, split) per
+   layer shape at 1 token; dequantize tile configs per shape.
+3. decode timing as the engine runs it: 1 token, back-to-back calls over rotating weight
+   copies (>= 256 MB a pass) replayed from one CUDA graph, fp16 F.linear vs the INT4 GEMV.
+4. timing (triton.testing.do_bench, L2 flushed, median): fp16 cuBLAS (F.linear on the dense
+   [N, K] weight, as the engine runs it) vs the INT4 paths, tokens 1..2048; GB/s on the INT4
+   bytes against a measured device-to-device copy.
 
 Needs only torch + triton (runs with torch 2.11 / triton 3.6). Writes $OUT/gpu_awq.json
 (OUT defaults to ./out) and prints short tables.
-    python benchmarks/gpu_awq.py [--quick] [--budget-s 480]
+    python benchmarks/gpu_awq.py [--quick] [--sweep] [--budget-s 480]
     python benchmarks/gpu_awq.py --smoke-cpu     # tiny shapes under TRITON_INTERPRET=1
 """
 
@@ -29,9 +37,12 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from hisparse_cli.kernels import awq_layout as al  # noqa: E402
 from hisparse_cli.kernels import awq_triton as at  # noqa: E402
+from hisparse_cli.kernels.awq_pack import unpack_int4  # noqa: E402
 from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -39,14 +50,21 @@ PEAK_TBS = 4.24
 SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 4096x1024": (4096, 1024),
           "gate/up 4096x14336": (4096, 14336), "down 14336x4096": (14336, 4096),
           "lm_head 4096x128256": (4096, 128256)}
-TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+CHECK_SHAPES = {"q/o 4096x4096": (4096, 4096), "k/v 4096x1024": (4096, 1024),
+                "partial 1024x4200": (1024, 4096 + 8 * 13), "down 14336x4096": (14336, 4096)}
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DTYPES = (torch.float16, torch.bfloat16)
-if SMOKE:  # (the 3.9 interpreter's bf16 tl.dot is wrong, so fp16 only there)
-    SHAPES, DTYPES = {"tiny 128x64": (128, 64), "tiny 256x136": (256, 136)}, (torch.float16,)
+if SMOKE:
+    SHAPES = {"tiny 256x64": (256, 64), "tiny 512x136": (512, 136)}
+    CHECK_SHAPES = dict(SHAPES)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def make(k: int, n: int, group: int, seed: int = 0):
-    """Random valid AWQ tensors on CUDA: any int32 word is 8 valid nibbles."""
+    """Random valid AWQ tensors (any int32 word is 8 valid nibbles)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), device=DEV, dtype=torch.int32,
                        generator=g)
@@ -57,7 +75,7 @@ def make(k: int, n: int, group: int, seed: int = 0):
     return qw, qz, s, b
 
 
-def bench(fn) -> float:
+def bench(fn, rep: int = 40) -> float:
     """Median milliseconds (L2 flushed between runs by do_bench)."""
     if SMOKE:
         t = time.perf_counter()
@@ -65,39 +83,90 @@ def bench(fn) -> float:
         return (time.perf_counter() - t) * 1e3
     from triton.testing import do_bench
 
-    try:
-        return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
-    except TypeError:  # older signature
-        return float(do_bench(fn, warmup=10, rep=40))
+    return float(do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median"))
+
+
+def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(y.float()).all():
+        return float("inf")
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+def gemv_variants(m: int, k: int, n: int, group: int) -> dict:
+    """name -> kwargs of awq_gemv_k that the correctness pass covers."""
+    base = al.gemv_config(m, k, n, group, at._sm_count(torch.device(DEV)))
+    kw = k // 8
+    v = {"default": {}}
+    for nib in (0, 1, 2):
+        for pf in (False, True):
+            v[f"nib{nib}_pf{int(pf)}"] = dict(nibbles=nib, prefetch=pf)
+    for split in (2, 4):
+        bkw = base["block_kw"]
+        if kw % (bkw * split) == 0:
+            v[f"split{split}"] = dict(config=dict(base, split=split))
+    return v
 
 
 def check_correctness(quick: bool, deadline: float) -> list[dict]:
     rows = []
-    tokens = [1, 2, 3, 4, 8, 16, 33, 128, 512, 4096] if not quick else [1, 4, 33, 512]
-    for name, (k, n) in SHAPES.items():
-        for group in ((128,) if name.startswith("lm_head") else (32, 64, 128)):
-            qw, qz, s, b = make(k, n, group)
+
+    def add(ok: bool, **kw):
+        rows.append(dict(kw, ok=ok))
+        if not ok:
+            log(f"FAIL {kw}")
+
+    # repack on the device == repack on the CPU == the reference codes
+    qw, _, _, _ = make(512, 1024, 128, seed=7)
+    qt = al.repack_kmajor(qw)
+    add(torch.equal(qt.cpu(), al.repack_kmajor(qw.cpu()))
+        and torch.equal(al.unpack_kmajor(qt), unpack_int4(qw))
+        and torch.equal(al.kmajor_to_awq(qt), qw), check="repack")
+    tokens = [1, 2, 3, 4, 5, 33, 512] if not quick else [1, 4, 33]
+    for name, (k, n) in CHECK_SHAPES.items():
+        for group in ((128,) if quick and "partial" not in name else (32, 64, 128)):
+            if time.time() > deadline:
+                return rows
+            qw, qz, s, b = make(k, n, group, seed=group)
+            qt = al.repack_kmajor(qw)
             w = dequantize_weight(qw, qz, s, group)  # fp32 [k, n]
             for dtype in DTYPES:
+                wt = at.awq_dequantize_k(qt, qz, s, group, dtype)
+                exact = torch.equal(wt, w.t().to(dtype))
+                if SMOKE and dtype == torch.bfloat16:  # the interpreter truncates to bf16
+                    exact = torch.allclose(wt.float(), w.t(), rtol=2**-7, atol=0)
+                add(exact, check="dequantize_k exact", shape=name,
+                    group=group, dtype=str(dtype)[6:])
                 for m in tokens:
-                    if time.time() > deadline:
-                        return rows
                     x = torch.randn(m, k, device=DEV).to(dtype)
                     ref = x.float() @ w + b.to(dtype).float()
-                    scale = float(ref.abs().max())
-                    for path in ("gemv", "gemm", "dequant_matmul", "linear"):
-                        if path == "gemv" and m > 16:
-                            continue
-                        y = getattr(at, f"awq_{path}")(x, qw, qz, s, b.to(dtype), group)
-                        err = float((y.float() - ref).abs().max()) / scale
-                        ok = err <= TOL[dtype] and y.dtype == dtype
-                        rows.append(dict(shape=name, group=group, dtype=str(dtype)[6:], m=m,
-                                         path=path, rel_err=err, ok=ok))
-                        if not ok:
-                            print(f"FAIL {name} g{group} {dtype} m={m} {path}: {err:.2e}")
-                    del x, ref
+                    bb = b.to(dtype)
+                    paths = {"linear_k": lambda: at.awq_linear_k(x, qt, qz, s, bb, group)}
+                    if m > 4:
+                        paths["dequant_matmul_k"] = lambda: at.awq_dequant_matmul_k(
+                            x, qt, qz, s, bb, group)
+                    else:
+                        for vname, kw in gemv_variants(m, k, n, group).items():
+                            paths[f"gemv_k {vname}"] = (
+                                lambda kw=kw: at.awq_gemv_k(x, qt, qz, s, bb, group, **kw))
+                    for p, fn in paths.items():
+                        y = fn()
+                        err = rel(y, ref)
+                        add(err <= TOL[dtype] and y.dtype == dtype and y.shape == ref.shape,
+                            shape=name, group=group, dtype=str(dtype)[6:], m=m, path=p,
+                            rel_err=err)
             del w
-            torch.cuda.empty_cache()
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    # fp32 activations (the module accepts them): small shape
+    qw, qz, s, b = make(256, 200 if SMOKE else 1024, 64, seed=3)
+    qt = al.repack_kmajor(qw)
+    w = dequantize_weight(qw, qz, s, 64)
+    for m in (1, 7):
+        x = torch.randn(m, 256, device=DEV)
+        ref = x @ w + b
+        y = at.awq_linear_k(x, qt, qz, s, b, 64)
+        err = rel(y, ref)
+        add(err <= 1e-4 and y.dtype == torch.float32, path="linear_k fp32", m=m, rel_err=err)
     return rows
 
 
@@ -105,113 +174,226 @@ def check_cuda_graph() -> dict:
     if SMOKE:
         return {"ok": True, "skipped": "no CUDA"}
     k, n, group = 4096, 4096, 128
-    qw, qz, s, b = make(k, n, group)
+    qw, qz, s, _ = make(k, n, group)
+    qt = al.repack_kmajor(qw)
     x = torch.randn(1, k, device=DEV).half()
     for _ in range(2):
-        at.awq_linear(x, qw, qz, s, None, group)  # compile outside capture
+        at.awq_linear_k(x, qt, qz, s, None, group)  # compile outside capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = at.awq_linear(x, qw, qz, s, None, group)
+        y = at.awq_linear_k(x, qt, qz, s, None, group)
     x.copy_(torch.randn(1, k, device=DEV).half())
     g.replay()
     torch.cuda.synchronize()
-    ref = x.float() @ dequantize_weight(qw, qz, s, group)
-    err = float((y.float() - ref).abs().max() / ref.abs().max())
+    err = rel(y, x.float() @ dequantize_weight(qw, qz, s, group))
     return {"rel_err": err, "ok": err <= TOL[torch.float16]}
 
 
-def model_bytes(m: int, k: int, n: int, group: int) -> int:
+def int4_bytes(m: int, k: int, n: int, group: int) -> int:
     return k * n // 2 + (k // group) * n * 2 + (k // group) * n // 2 + 2 * m * (k + n)
 
 
-def timing(quick: bool, deadline: float) -> tuple[list[dict], float]:
+def sweep_gemv(deadline: float) -> dict:
+    """Stage A: nibble mode x prefetch at each shape's default config. Stage B: launch
+    configs with the best mode of stage A."""
+    out = {"modes": [], "configs": []}
+    group, sms = 128, at._sm_count(torch.device(DEV))
+    data = {}
+    for name, (k, n) in SHAPES.items():
+        qw, qz, s, _ = make(k, n, group)
+        data[name] = (al.repack_kmajor(qw), qz, s, torch.randn(1, k, device=DEV).half())
+        del qw
+    score: dict[tuple, float] = {}
+    for name, (k, n) in SHAPES.items():
+        qt, qz, s, x = data[name]
+        for nib in (2, 1, 0):
+            for pf in (False, True):
+                if time.time() > deadline:
+                    return out
+                t = bench(lambda: at.awq_gemv_k(x, qt, qz, s, None, group, nibbles=nib,
+                                                prefetch=pf), rep=20)
+                out["modes"].append(dict(shape=name, nibbles=nib, prefetch=pf, ms=t))
+                score[(nib, pf)] = score.get((nib, pf), 0.0) + t
+        log(f"gemv modes {name}: " + "  ".join(
+            f"nib{r['nibbles']}/pf{int(r['prefetch'])}={r['ms'] * 1e3:.1f}us"
+            for r in out["modes"] if r["shape"] == name))
+    nib, pf = min(score, key=score.get)
+    out["best_mode"] = dict(nibbles=nib, prefetch=pf)
+    log(f"best GEMV mode (sum over shapes): nibbles={nib} prefetch={pf}")
+    cfgs = [(bn, bkw, w) for (bn, bkw, w) in
+            ((32, 16, 1), (64, 16, 2), (128, 16, 4), (64, 16, 1), (128, 16, 2), (256, 16, 4),
+             (256, 16, 8), (16, 16, 1), (32, 16, 2), (64, 16, 4), (64, 8, 2), (128, 8, 4))]
+    for name, (k, n) in SHAPES.items():
+        qt, qz, s, x = data[name]
+        kw = k // 8
+        res = []
+        for bn, bkw, w in cfgs:
+            for split in (1, 2, 4, 8, 16):
+                if kw % (bkw * split) or (triton.cdiv(n, bn) * split > 64 * sms):
+                    continue
+                if time.time() > deadline:
+                    return out
+                cfg = dict(block_n=bn, block_kw=bkw, split=split, num_warps=w)
+                try:
+                    t = bench(lambda: at.awq_gemv_k(x, qt, qz, s, None, group, config=cfg,
+                                                    nibbles=nib, prefetch=pf), rep=20)
+                except Exception as exc:  # noqa: BLE001
+                    out["configs"].append(dict(shape=name, **cfg, error=str(exc)[:160]))
+                    continue
+                res.append(dict(shape=name, **cfg, ms=t,
+                                GBs=int4_bytes(1, k, n, group) / t / 1e6))
+        out["configs"] += res
+        if res:
+            b = min(res, key=lambda r: r["ms"])
+            d = al.gemv_config(1, k, n, group, sms)
+            dt = next((r["ms"] for r in res if all(r[key] == d[key] for key in d)), None)
+            log(f"best GEMV cfg {name}: bn={b['block_n']} bkw={b['block_kw']} "
+                f"warps={b['num_warps']} split={b['split']} {b['ms'] * 1e3:.1f}us "
+                f"{b['GBs']:.0f} GB/s; default {d} "
+                + (f"{dt * 1e3:.1f}us" if dt else "not swept"))
+    return out
+
+
+def sweep_dequant(deadline: float) -> list[dict]:
+    out = []
+    group = 128
+    cfgs = [(64, 16, 4), (32, 16, 4), (128, 16, 8), (128, 16, 4), (64, 8, 4), (32, 16, 2),
+            (16, 16, 1), (256, 16, 8)]
+    for name, (k, n) in list(SHAPES.items())[:4]:
+        qw, qz, s, _ = make(k, n, group)
+        qt = al.repack_kmajor(qw)
+        del qw
+        buf = torch.empty((n, k), device=DEV, dtype=torch.float16)
+        res = []
+        for bn, bkw, w in cfgs:
+            if time.time() > deadline:
+                return out
+            t = bench(lambda: at.awq_dequantize_k(qt, qz, s, group, torch.float16, out=buf,
+                                                  block_n=bn, block_kw=bkw, num_warps=w),
+                      rep=20)
+            nbytes = int4_bytes(0, k, n, group) + 2 * k * n
+            res.append(dict(shape=name, block_n=bn, block_kw=bkw, num_warps=w, ms=t,
+                            GBs=nbytes / t / 1e6))
+        out += res
+        b = min(res, key=lambda r: r["ms"])
+        log(f"best dequant {name}: bn={b['block_n']} bkw={b['block_kw']} warps={b['num_warps']}"
+            f" {b['ms'] * 1e3:.1f}us {b['GBs']:.0f} GB/s (read+write); default "
+            f"{res[0]['ms'] * 1e3:.1f}us")
+        del buf
+    return out
+
+
+def graph_ms(fns: list, reps: int = 5) -> float:
+    """Milliseconds per call of back-to-back calls replayed from one CUDA graph (how the
+    engine's decode runs: no launch gaps, each call on weights not in L2)."""
+    if SMOKE:
+        return bench(fns[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del g
+    return start.elapsed_time(end) / (reps * len(fns))
+
+
+def copies(nbytes: int, floor: int = 256 << 20) -> int:
+    """Weight copies to rotate through so one pass moves >= floor bytes (5x the 50 MB L2)."""
+    return max(1, min(16, -(-floor // nbytes)))
+
+
+def decode_graph_timing(deadline: float, group: int = 128) -> list[dict]:
+    """1 token: fp16 F.linear vs INT4 K-major GEMV, each as 2 passes over rotating weight
+    copies captured in one CUDA graph."""
+    rows = []
+    for name, (k, n) in SHAPES.items():
+        if time.time() > deadline:
+            break
+        x = torch.randn(1, k, device=DEV).half()
+        r4 = copies(int4_bytes(0, k, n, group))
+        int4 = []
+        for i in range(r4):
+            qw, qz, s, _ = make(k, n, group, seed=i)
+            int4.append((al.repack_kmajor(qw), qz, s))
+            del qw
+        t4 = graph_ms([lambda w=w: at.awq_linear_k(x, w[0], w[1], w[2], None, group)
+                       for w in int4] * 2)
+        del int4
+        r16 = copies(2 * k * n)
+        w16 = [torch.randn(n, k, device=DEV, dtype=torch.float16) for _ in range(r16)]
+        t16 = graph_ms([lambda w=w: F.linear(x, w) for w in w16] * 2)
+        del w16
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        row = dict(shape=name, m=1, fp16_us=t16 * 1e3, int4_us=t4 * 1e3,
+                   speedup_vs_fp16=t16 / t4, int4_GBs=int4_bytes(1, k, n, group) / t4 / 1e6,
+                   fp16_GBs=(2 * k * n) / t16 / 1e6, copies=(r4, r16))
+        rows.append(row)
+        log(f"graph decode {name:<20} fp16 {row['fp16_us']:7.1f}us ({row['fp16_GBs']:.0f} GB/s)"
+            f"  int4 {row['int4_us']:7.1f}us ({row['int4_GBs']:.0f} GB/s)  "
+            f"int4/fp16 speed {row['speedup_vs_fp16']:.2f}x")
+    return rows
+
+
+def timing(quick: bool, deadline: float, old: bool) -> tuple[list[dict], float]:
     copy_src = torch.empty(1 << (20 if SMOKE else 30), dtype=torch.uint8, device=DEV)
     copy_dst = torch.empty_like(copy_src)
     copy_ms = bench(lambda: copy_dst.copy_(copy_src))
     copy_tbs = 2 * copy_src.numel() / copy_ms / 1e9
     del copy_src, copy_dst
     rows = []
-    tokens = [1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192]
-    if quick:
-        tokens = [1, 8, 64, 512, 2048]
+    tokens = [1, 2, 4, 8, 64, 512, 2048] if not quick else [1, 4, 512, 2048]
+    tokens = tokens if not SMOKE else [1, 7]
     group = 128
     for name, (k, n) in SHAPES.items():
         qw, qz, s, _ = make(k, n, group)
-        w16 = dequantize_weight(qw, qz, s, group).half()
+        qt = al.repack_kmajor(qw)
+        w16t = dequantize_weight(qw, qz, s, group).t().contiguous().half()  # [n, k]
         for m in tokens:
-            if time.time() > deadline:
-                return rows, copy_tbs
-            x = torch.randn(m, k, device=DEV).half()
-            paths = {"fp16_cublas": lambda: x @ w16,
-                     "gemm": lambda: at.awq_gemm(x, qw, qz, s, None, group),
-                     "dequant_mm": lambda: at.awq_dequant_matmul(x, qw, qz, s, None, group),
-                     "auto": lambda: at.awq_linear(x, qw, qz, s, None, group)}
-            if m <= 16:
-                paths["gemv"] = lambda: at.awq_gemv(x, qw, qz, s, None, group)
-            row = dict(shape=name, m=m, ms={})
-            for p, fn in paths.items():
-                row["ms"][p] = bench(fn)
-            nbytes = model_bytes(m, k, n, group)
-            row["int4_GBs"] = {p: nbytes / t / 1e6 for p, t in row["ms"].items() if p != "fp16_cublas"}
-            row["fp16_GBs"] = (k * n * 2 + 2 * m * (k + n)) / row["ms"]["fp16_cublas"] / 1e6
-            row["tflops"] = {p: 2 * m * k * n / t / 1e9 for p, t in row["ms"].items()}
-            int4 = {p: t for p, t in row["ms"].items() if p not in ("fp16_cublas", "auto")}
-            row["best_int4"] = min(int4, key=int4.get)
-            rows.append(row)
-            print(f"{name:<20} m={m:<5} " + "  ".join(
-                f"{p}={t * 1e3:8.1f}us" for p, t in row["ms"].items())
-                + f"  best={row['best_int4']}  "
-                f"{row['int4_GBs'][row['best_int4']]:.0f} GB/s", flush=True)
-        del w16
-        torch.cuda.empty_cache()
-    return rows, copy_tbs
-
-
-def sweeps(quick: bool, deadline: float) -> dict:
-    out = {"gemv_m1": [], "gemm": []}
-    group = 128
-    gemv_cfgs = [(bw, bk, nw) for bw in (16, 32, 64) for bk in (32, 64, 128) for nw in (2, 4, 8)]
-    if quick:
-        gemv_cfgs = [(32, 32, 4), (32, 64, 4), (64, 32, 4), (16, 128, 4)]
-    for name, (k, n) in SHAPES.items():
-        qw, qz, s, _ = make(k, n, group)
-        x = torch.randn(1, k, device=DEV).half()
-        for bw, bk, nw in gemv_cfgs:
-            if time.time() > deadline:
-                return out
-            try:
-                t = bench(lambda: at.awq_gemv(x, qw, qz, s, None, group, block_w=bw,
-                                              block_k=bk, num_warps=nw))
-            except Exception as exc:  # noqa: BLE001  (e.g. a config over the shared-memory limit)
-                out["gemv_m1"].append(dict(shape=name, block_w=bw, block_k=bk, num_warps=nw,
-                                           error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+            if time.time() > deadline or (name.startswith("lm_head") and m > 512):
                 continue
-            out["gemv_m1"].append(dict(shape=name, block_w=bw, block_k=bk, num_warps=nw, ms=t,
-                                       GBs=model_bytes(1, k, n, group) / t / 1e6))
-    gemm_cfgs = [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 128, 64, 4, 3),
-                 (64, 128, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3),
-                 (128, 256, 64, 8, 3), (64, 256, 64, 8, 4)]
-    for name, (k, n) in SHAPES.items():
-        qw, qz, s, _ = make(k, n, group)
-        for m in ((16, 128) if quick else (16, 64, 256, 1024)):
             x = torch.randn(m, k, device=DEV).half()
-            for cfg in gemm_cfgs:
-                if time.time() > deadline:
-                    return out
-                try:
-                    t = bench(lambda: at.awq_gemm(x, qw, qz, s, None, group, config=cfg))
-                except Exception as exc:  # noqa: BLE001  (shared-memory limit and the like)
-                    out["gemm"].append(dict(shape=name, m=m, config=cfg,
-                                            error=f"{type(exc).__name__}: {str(exc)[:120]}"))
-                    continue
-                out["gemm"].append(dict(shape=name, m=m, config=cfg, ms=t,
-                                        tflops=2 * m * k * n / t / 1e9))
-    return out
+            paths = {"fp16_cublas": lambda: F.linear(x, w16t),
+                     "int4_auto": lambda: at.awq_linear_k(x, qt, qz, s, None, group)}
+            if m > al.GEMV_MAX_TOKENS:
+                paths["dequant_only"] = lambda: at.awq_dequantize_k(qt, qz, s, group,
+                                                                    torch.float16)
+            if old:
+                paths["old_awq_linear"] = lambda: at.awq_linear(x, qw, qz, s, None, group)
+            row = dict(shape=name, m=m, ms={p: bench(fn) for p, fn in paths.items()})
+            row["int4_GBs"] = int4_bytes(m, k, n, group) / row["ms"]["int4_auto"] / 1e6
+            row["speedup_vs_fp16"] = row["ms"]["fp16_cublas"] / row["ms"]["int4_auto"]
+            rows.append(row)
+            log(f"{name:<20} m={m:<5} " + "  ".join(
+                f"{p}={t * 1e3:8.1f}us" for p, t in row["ms"].items())
+                + f"  int4/fp16 speed {row['speedup_vs_fp16']:.2f}x  "
+                f"{row['int4_GBs']:.0f} GB/s")
+        del w16t, qw, qt
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows, copy_tbs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="GEMV and dequantize config sweeps")
+    ap.add_argument("--old", action="store_true", help="also time the AWQ-layout kernels")
+    ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--smoke-cpu", action="store_true", help="tiny shapes, interpreter, no GPU")
     args = ap.parse_args()
@@ -219,41 +401,32 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"device": "cpu (interpreter smoke)" if SMOKE else torch.cuda.get_device_name(),
-           "torch": torch.__version__,
-           "triton": triton.__version__, "thresholds": {
-               "GEMV_MAX_TOKENS": at.GEMV_MAX_TOKENS,
-               "FUSED_GEMM_MAX_TOKENS": at.FUSED_GEMM_MAX_TOKENS}}
+           "torch": torch.__version__, "triton": triton.__version__,
+           "GEMV_MAX_TOKENS": al.GEMV_MAX_TOKENS}
 
     def save():
         (out_dir / "gpu_awq.json").write_text(json.dumps(res, indent=1) + "\n")
 
-    res["correctness"] = check_correctness(args.quick, t0 + 0.3 * args.budget_s)
+    b = args.budget_s
+    res["correctness"] = check_correctness(args.quick, t0 + 0.25 * b)
     bad = [r for r in res["correctness"] if not r["ok"]]
-    print(f"correctness: {len(res['correctness']) - len(bad)}/{len(res['correctness'])} ok",
-          flush=True)
+    log(f"correctness: {len(res['correctness']) - len(bad)}/{len(res['correctness'])} ok")
     res["cuda_graph"] = check_cuda_graph()
-    print(f"cuda graph decode: {res['cuda_graph']}", flush=True)
+    log(f"cuda graph decode: {res['cuda_graph']}")
     save()
-    res["timing"], res["copy_TBs"] = timing(args.quick, t0 + 0.75 * args.budget_s)
-    print(f"measured D2D copy: {res['copy_TBs']:.2f} TB/s (nominal {PEAK_TBS})")
-    save()
-    res["sweeps"] = sweeps(args.quick, t0 + args.budget_s)
-    for name in SHAPES:
-        cands = [r for r in res["sweeps"]["gemv_m1"] if r["shape"] == name and "ms" in r]
-        if cands:
-            b = min(cands, key=lambda r: r["ms"])
-            print(f"best GEMV m=1 {name}: bw={b['block_w']} bk={b['block_k']} "
-                  f"warps={b['num_warps']} {b['ms'] * 1e3:.1f}us {b['GBs']:.0f} GB/s "
-                  f"({b['GBs'] / 1e3 / PEAK_TBS:.0%} of {PEAK_TBS} TB/s)")
-    wins: dict[int, dict[str, int]] = {}
-    for r in res["timing"]:
-        wins.setdefault(r["m"], {}).setdefault(r["best_int4"], 0)
-        wins[r["m"]][r["best_int4"]] += 1
-    res["wins_by_tokens"] = wins
-    print("fastest INT4 path by token count (shapes won):", json.dumps(wins))
+    if args.sweep:
+        res["sweep_gemv"] = sweep_gemv(t0 + 0.6 * b)
+        save()
+        res["sweep_dequant"] = sweep_dequant(t0 + 0.72 * b)
+        save()
+    if not args.no_timing:
+        res["graph_decode"] = decode_graph_timing(t0 + 0.5 * b)
+        save()
+        res["timing"], res["copy_TBs"] = timing(args.quick, t0 + b, args.old)
+        log(f"measured D2D copy: {res['copy_TBs']:.2f} TB/s (nominal {PEAK_TBS})")
     res["seconds"] = time.time() - t0
     save()
-    print(f"wrote {out_dir / 'gpu_awq.json'} in {res['seconds']:.0f} s")
+    log(f"wrote {out_dir / 'gpu_awq.json'} in {res['seconds']:.0f} s")
     sys.exit(1 if bad or not res["cuda_graph"]["ok"] else 0)
 
 

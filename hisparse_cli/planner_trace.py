@@ -156,27 +156,24 @@ def linear(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, quant: bo
     cb = s.cb
     if not quant:  # F.linear: one addmm/mm output
         return tr.alloc(name, m * n * cb)
-    if s.backend == "triton" and cb == 2:
+    if s.backend == "triton":  # K-major kernels for every dtype (kernels/awq_layout.py)
         return _awq_triton(tr, s, name, m, k, n)
     return _awq_ref(tr, s, name, m, k, n, bias)
 
 
 def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> int:
+    """awq_triton.awq_linear_k (the K-major layout AWQLinear holds on CUDA; any dtype)."""
+    from hisparse_cli.kernels.awq_layout import (DEQUANT_CHUNK_ELEMS, GEMV_MAX_TOKENS,
+                                                 dequant_chunk, gemv_config)
+
     cb = s.cb
-    if m <= 4:  # awq_gemv: fp32 split-K accumulator when split
-        block_k, words = min(s.group, 32), n // 8
-        tiles, k_blocks = cdiv(words, 32), k // block_k
-        split = max(1, min(k_blocks, (4 * s.num_sms) // max(1, tiles * m)))
-        split = cdiv(k, cdiv(k_blocks, split) * block_k)
+    if m <= GEMV_MAX_TOKENS:  # awq_gemv_k: y, then fp32 split-K partials when split
+        y = tr.alloc(name, m * n * cb)
+        split = gemv_config(m, k, n, s.group, s.num_sms)["split"]
         if split > 1:
-            acc = tr.alloc(name + ".gemv_acc", m * n * 4)
-            y = tr.alloc(name, m * n * cb)
-            tr.free(acc)
-            return y
-        return tr.alloc(name, m * n * cb)
-    if m <= 256:  # fused GEMM
-        return tr.alloc(name, m * n * cb)
-    chunk = max(128, ((1 << 25) // k) // 128 * 128)  # awq_dequant_matmul
+            tr.free(tr.alloc(name + ".gemv_partial", split * m * n * 4))
+        return y
+    chunk = dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS)  # awq_dequant_matmul_k: W^T row chunks
     if chunk >= n:
         w = tr.alloc(name + ".dequant_w", k * n * cb)
         y = tr.alloc(name, m * n * cb)

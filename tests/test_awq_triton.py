@@ -120,3 +120,94 @@ def test_kernels_cuda(dtype, group, k, n, m, fn, request):
     x, qw, qz, s, b = case(m, k, n, group, dtype, "cuda", seed=m)
     y = getattr(awq_triton, f"awq_{fn}")(x, qw, qz, s, b, group)
     check(y, x, qw, qz, s, b, group)
+
+
+# -- K-major layout (kernels/awq_layout.py): what AWQLinear runs on CUDA -----------------------
+def case_k(m, k, n, group, dtype, device, bias=True, seed=0):
+    from hisparse_cli.kernels.awq_layout import repack_kmajor
+
+    x, qw, qz, s, b = case(m, k, n, group, dtype, device, bias=bias, seed=seed)
+    return x, qw, repack_kmajor(qw), qz, s, b
+
+
+@interp
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n", [64, 200])  # 200: a partial column tile
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("nibbles", [0, 1, 2])
+def test_gemv_k_interpreter(group, n, m, nibbles):
+    x, qw, qt, qz, s, b = case_k(m, 4 * group, n, group, torch.float16, "cpu", seed=nibbles)
+    for prefetch in (False, True):
+        y = awq_triton.awq_gemv_k(x, qt, qz, s, b, group, nibbles=nibbles, prefetch=prefetch)
+        check(y, x, qw, qz, s, b, group)
+
+
+@interp
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_k_interpreter_split_dtypes(split, dtype):
+    x, qw, qt, qz, s, b = case_k(2, 256, 48, 32, dtype, "cpu", bias=split != 2)
+    cfg = dict(block_n=16, block_kw=4, split=split, num_warps=2)
+    check(awq_triton.awq_gemv_k(x, qt, qz, s, b, 32, config=cfg), x, qw, qz, s, b, 32)
+
+
+@interp
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_k_interpreter(group, dtype):
+    _, qw, qt, qz, s, _ = case_k(1, 2 * group, 136, group, dtype, "cpu")
+    w = dequantize_weight(qw, qz, s, group).t()  # fp32 W^T [n, k], exact
+    wt = awq_triton.awq_dequantize_k(qt, qz, s, group, dtype, block_n=32)
+    if dtype == torch.float16:
+        assert torch.equal(wt, w.half())
+    else:  # the 3.9 interpreter truncates fp32 -> bf16 (the GPU rounds to nearest)
+        assert torch.allclose(wt.float(), w, rtol=2**-7, atol=0)
+    part = awq_triton.awq_dequantize_k(qt, qz, s, group, dtype, n0=40, n1=96)
+    assert torch.equal(part, wt[40:96])
+
+
+@interp
+@pytest.mark.parametrize("m", [1, 4, 5, 70])
+def test_awq_linear_k_paths_interpreter(m, monkeypatch):
+    monkeypatch.setattr(awq_triton, "DEQUANT_CHUNK_ELEMS_K", 128 * 64)  # 64-row W^T chunks
+    x, qw, qt, qz, s, b = case_k(m, 128, 200, 32, torch.float16, "cpu")
+    y = awq_triton.awq_linear_k(x.view(1, m, 128), qt, qz, s, b, 32)
+    assert y.shape == (1, m, 200)
+    check(y.view(m, 200), x, qw, qz, s, b, 32)
+
+
+@interp
+def test_k_launchers_assert_layout():
+    x, qw, qt, qz, s, b = case_k(2, 64, 128, 32, torch.float16, "cpu")
+    with pytest.raises(AssertionError):
+        awq_triton.awq_gemv_k(x, qw, qz, s, b, 32)  # AWQ-layout words, not K-major
+    with pytest.raises(AssertionError):  # a K step straddling two groups
+        awq_triton.awq_gemv_k(x, qt, qz, s, b, 32,
+                              config=dict(block_n=32, block_kw=8, split=1, num_warps=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 33, 512])
+@pytest.mark.parametrize("fn", ["gemv_k", "dequant_matmul_k", "linear_k"])
+def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
+    for mark in gpu:
+        request.applymarker(mark)
+    if CPU:
+        pytest.skip("needs CUDA")
+    if fn == "gemv_k" and m > 16:
+        pytest.skip("GEMV is for few tokens")
+    x, qw, qt, qz, s, b = case_k(m, k, n, group, dtype, "cuda", seed=m)
+    check(getattr(awq_triton, f"awq_{fn}")(x, qt, qz, s, b, group), x, qw, qz, s, b, group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_k_cuda_exact(dtype, request):
+    for mark in gpu:
+        request.applymarker(mark)
+    if CPU:
+        pytest.skip("needs CUDA")
+    _, qw, qt, qz, s, _ = case_k(1, 4096, 4096 + 8 * 13, 128, dtype, "cuda")
+    wt = awq_triton.awq_dequantize_k(qt, qz, s, 128, dtype)
+    assert torch.equal(wt, dequantize_weight(qw, qz, s, 128).t().to(dtype))

@@ -68,6 +68,15 @@ class KernelBackend:
         return awq_linear(*args, **kwargs)
 
 
+    def awq_linear_k(self, *args, **kwargs):
+        """awq_linear with qweight in the K-major run-time layout (kernels/awq_layout.py)."""
+        if self.int4_linear == "triton":
+            from hisparse_cli.kernels.awq_triton import awq_linear_k
+        else:
+            from hisparse_cli.kernels.awq_ref import awq_linear_k
+        return awq_linear_k(*args, **kwargs)
+
+
 def select_backend(device_type: str, prefer: str | None = None) -> KernelBackend:
     """Backend for a device type ("cpu", "cuda", ...). prefer: "torch" | "triton" | None."""
     prefer = prefer or os.environ.get("HISPARSE_BACKEND") or "auto"

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hisparse_cli.errors import ModelError
+from hisparse_cli.kernels.awq_layout import kmajor_to_awq, repack_kmajor
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED = ("AWQ 'gemm' checkpoints (AutoAWQ layout): quant_method awq, version gemm, bits 4, "
@@ -92,7 +93,14 @@ class AWQLinear(nn.Module):
 
     Buffers: qweight int32 [in, out/8], qzeros int32 [in/group, out/8], scales [in/group, out]
     (fp16 as stored), bias [out] or None (in the compute dtype).
+
+    On CUDA with the Triton backend, `from_checkpoint` repacks qweight once into the K-major
+    run-time layout int32 [out, in/8] (kernels/awq_layout.py; `layout` == "kmajor"): same
+    bytes, the checkpoint-layout tensor is dropped. `checkpoint_qweight()` gives the AutoAWQ
+    layout back.
     """
+
+    layout = "awq"  # "awq": qweight [in, out/8] (AutoAWQ GEMM); "kmajor": [out, in/8]
 
     def __init__(self, in_features: int, out_features: int, group_size: int,
                  bias: bool = False, device=None, dtype: torch.dtype = torch.float16) -> None:
@@ -148,10 +156,24 @@ class AWQLinear(nn.Module):
         with torch.device("meta"):
             mod = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype)
         mod.qweight = qweight.to(device).contiguous()
+        if cls.repacks_on(mod.qweight.device):
+            mod.qweight = repack_kmajor(mod.qweight)  # the AWQ-layout tensor is freed here
+            mod.layout = "kmajor"
         mod.qzeros = qzeros.to(device).contiguous()
         mod.scales = scales.to(device=device, dtype=torch.float16).contiguous()
         mod.bias = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
         return mod
+
+    @staticmethod
+    def repacks_on(device: torch.device) -> bool:
+        """True where the kernels run on the K-major layout: CUDA with the Triton backend."""
+        from hisparse_cli.kernels.dispatch import select_backend
+
+        return device.type == "cuda" and select_backend("cuda").int4_linear == "triton"
+
+    def checkpoint_qweight(self) -> torch.Tensor:
+        """qweight in the AutoAWQ GEMM layout [in, out/8], whatever the run-time layout."""
+        return kmajor_to_awq(self.qweight) if self.layout == "kmajor" else self.qweight
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
@@ -167,9 +189,11 @@ class AWQLinear(nn.Module):
         """x [..., in] -> [..., out] in x's dtype."""
         from hisparse_cli.kernels.dispatch import select_backend
 
-        return select_backend(x.device.type).awq_linear(
-            x, self.qweight, self.qzeros, self.scales, self.bias, self.group_size)
+        backend = select_backend(x.device.type)
+        fn = backend.awq_linear_k if self.layout == "kmajor" else backend.awq_linear
+        return fn(x, self.qweight, self.qzeros, self.scales, self.bias, self.group_size)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}")
+                f"group_size={self.group_size}, bias={self.bias is not None}, "
+                f"layout={self.layout}")
