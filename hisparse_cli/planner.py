@@ -120,6 +120,13 @@ def _validate(weight_format: str, device_kind: str, backend: str, group_size: in
         raise ConfigError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
 
 
+def graph_decode_enabled() -> bool:
+    """Engine._use_graph's switch: HISPARSE_CUDA_GRAPH=0 turns CUDA-graph decode off."""
+    import os
+
+    return os.environ.get("HISPARSE_CUDA_GRAPH") != "0"
+
+
 def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int = 128,
                 awq_lm_head: bool = False, embeddings_on_host: bool = False,
                 sparse: SparseConfig, context_tokens: int, max_new_tokens: int, kv_dtype,
@@ -163,7 +170,9 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         track_scores=track, score_tensor=track or (use_globals and imp == "probe"),
         score_stride=sparse.score_stride, min_distance=min_distance, importance=imp,
         num_sms=num_sms)
-    run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens)
+    graph = cuda and backend == "triton" and not host_emb and graph_decode_enabled()
+    run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens,
+                       graph_workspace=CUBLAS_WORKSPACE_BYTES if graph else 0)
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
                           embeddings_on_host=host_emb, cuda=cuda)
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
@@ -211,6 +220,9 @@ _RESIDENT = {
     "kv.candidate_slots": "{C} candidate tokens per layer/KV head: K, V + pos/mass/seen",
     "logits": "fp32 logits [V] of the previous (and, after the forward, the current) step",
     "step_tensors": "slot mapping, block ids/starts, positions of the step",
+    "cuda_graph": "CUDA-graph decode's static inputs (position, slot, padded block list, token)",
+    "workspace.cublas_graph_stream": ("cuBLAS workspace of the stream decode graphs are "
+                                      "captured on (one per process; calibrated constant)"),
 }
 
 

@@ -79,7 +79,9 @@ def policy(sparse: SparseConfig, model_window: int | None) -> SparseSequence:
 
 
 def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, prompt: int,
-                 new_tokens: int) -> RunTrace:
+                 new_tokens: int, graph_workspace: int = 0) -> RunTrace:
+    """graph_workspace > 0: decode runs as a CUDA graph (engine/cuda_graph.py), whose side
+    stream holds a cuBLAS workspace of that many bytes from the first decode step on."""
     pool = BlockPool()
     seq = SparseSequence(sparse, pool, model_window=model_window)
     assert (seq.window, seq.sinks) == (s.window, s.sinks), "StepShape disagrees with the policy"
@@ -120,6 +122,13 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
                  f"prefill step {i + 1}/{n_prefill} (tokens {start}-{start + n - 1})")
         tr.label = where
         inp = -1
+        if decode and graph_workspace and start == prompt:  # GraphDecoder: built, warmed up
+            # (eager, on its stream: the workspace), captured; its buffers live to the end
+            nb_max = (min(seq.working_set_bound(1), cdiv(prompt + new_tokens, bs))
+                      if seq.window is not None else cdiv(prompt + new_tokens, bs))
+            tr.alloc("cuda_graph", (2 + 2 * nb_max) * 8)  # static step inputs
+            tr.alloc("cuda_graph", 8)  # static token
+            tr.alloc("workspace.cublas_graph_stream", graph_workspace)
         if decode:  # sampler on the previous logits, then torch.tensor([tok])
             tr.bump(sample, where + ": sampling")
             inp = tr.alloc("step_tensors", 8)

@@ -298,6 +298,37 @@ def test_8b_at_128k_on_h200_by_hand():
     assert plan.peak_allocated_bytes - shorter.peak_allocated_bytes == ids[0] - ids[1]
 
 
+def test_graph_decode_adds_its_stream_workspace(monkeypatch):
+    """CUDA-graph decode (CUDA + Triton, embeddings on the device, HISPARSE_CUDA_GRAPH not 0)
+    warms up and captures on one side stream, whose cuBLAS workspace (32 MiB) stays allocated,
+    plus the graph's static inputs; with eager decode neither exists."""
+    from hisparse_cli.planner import CUBLAS_WORKSPACE_BYTES
+
+    MiB = 1 << 20
+    base = dict(weight_format="fp16", sparse=H200_LIKE, context_tokens=32768, max_new_tokens=64,
+                kv_dtype="float16", compute_dtype="float16", device_kind="cuda", backend="triton")
+    cfg = shape_config("llama-3-8b")
+    monkeypatch.delenv("HISPARSE_CUDA_GRAPH", raising=False)
+    graph = plan_memory(cfg, **base)
+    host_emb = plan_memory(cfg, embeddings_on_host=True, **base)  # eager decode
+    torch_ref = plan_memory(cfg, **{**base, "backend": "torch"})
+    monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")
+    eager = plan_memory(cfg, **base)
+    extra = graph.resident_bytes - eager.resident_bytes
+    assert CUBLAS_WORKSPACE_BYTES == 32 * MiB and 32 * MiB < extra < 32 * MiB + 64 * 1024
+    for p in (eager, host_emb, torch_ref):
+        assert all(i.name != "workspace.cublas_graph_stream" for i in p.items)
+    # the prefill chunk stays the peak at this shape: the graph adds to the decode phase only
+    assert graph.peak_allocated_bytes == eager.peak_allocated_bytes and "prefill" in graph.peak_when
+    short = dict(base, context_tokens=64, max_new_tokens=64)
+    monkeypatch.delenv("HISPARSE_CUDA_GRAPH")
+    g_short = plan_memory(cfg, **short)  # a short text: decode with the graph is the peak
+    monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")
+    e_short = plan_memory(cfg, **short)
+    assert "decode" in g_short.peak_when
+    assert g_short.peak_allocated_bytes - e_short.peak_allocated_bytes > 32 * MiB - 8 * MiB
+
+
 # -- budgets and suggestions -------------------------------------------------------------------
 def test_items_sum_to_peak_and_json_round_trips():
     plan = plan_memory(shape_config("qwen2.5-7b"), weight_format="fp16", sparse=SparseConfig(),

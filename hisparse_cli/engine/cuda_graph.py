@@ -13,6 +13,8 @@ no host synchronisation per token.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from hisparse_cli.engine.config import GenerationConfig
@@ -21,6 +23,16 @@ from hisparse_cli.engine.sparsity import cdiv
 
 PAD_START = 1 << 30  # start position of padding blocks: later than any query, so masked (the
 # kernels compute key positions in int32, so the pad start + block offsets must stay < 2**31)
+
+
+@lru_cache(maxsize=None)
+def graph_stream(device_index: int) -> "torch.cuda.Stream":
+    """The one side stream of the process (per device) on which every decode graph is warmed
+    up and captured. cuBLAS keeps a workspace (32 MiB on sm90) for each stream it runs on, for
+    the life of the process: a fresh stream per run would add one per generate call (up to
+    the stream pool's size), and separate warm-up and capture streams two. The memory planner
+    counts this one workspace (`workspace.cublas_graph_stream`)."""
+    return torch.cuda.Stream(device=device_index)
 
 
 class GraphStepContext(StepContext):
@@ -157,14 +169,15 @@ class GraphDecoder:
         if not self.capture:
             result = self._body()
         elif self.graph is None:  # first step: run eagerly (warms kernels up), then capture
-            stream = torch.cuda.Stream()
+            dev = self.run.device
+            stream = graph_stream(dev.index if dev.index is not None else torch.cuda.current_device())
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 out = self._body()
             torch.cuda.current_stream().wait_stream(stream)
             snapshot = self._scores_snapshot()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, stream=stream):  # the warm-up's stream: one workspace
                 self.logits = self._body()
             self._scores_restore(snapshot)  # capture does not run, but be exact anyway
             result = out
