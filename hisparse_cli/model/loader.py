@@ -72,12 +72,18 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
-def in_major(w: torch.Tensor) -> torch.Tensor:
-    """The same [out, in] matrix stored input-major (a transposed view of an [in, out]
-    contiguous copy). On the CPU, one-token matmuls (decode) read this layout 1.3-1.7x faster
-    than the checkpoint's [out, in] rows (BENCHMARKS.md, CPU section); larger matmuls run at
-    the same speed, except a vocabulary-sized head over many positions (`Engine.logits`)."""
-    return w.t().contiguous().t()
+def converted(w: torch.Tensor, device: torch.device, dtype: torch.dtype,
+              input_major: bool = False) -> torch.Tensor:
+    """`w` on `device` in `dtype`; input_major: the same [out, in] matrix stored input-major
+    (a transposed view of [in, out] storage), written in one copy from the checkpoint (no
+    second full-size temporary). On the CPU, one-token matmuls (decode) read this layout
+    1.3-1.7x faster than the checkpoint's [out, in] rows (BENCHMARKS.md, CPU section); larger
+    matmuls run at the same speed, except a vocabulary-sized head over many positions."""
+    if not input_major:
+        return w.to(device=device, dtype=dtype)
+    out = torch.empty((w.shape[1], w.shape[0]), dtype=dtype, device=device)
+    out.copy_(w.t())
+    return out.t()
 
 
 def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, awq_cfg,
@@ -98,8 +104,7 @@ def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, a
     if tuple(w.shape) != (lin.out_features, lin.in_features):
         raise ModelError(f"{prefix}.weight has shape {tuple(w.shape)}, config implies "
                          f"{(lin.out_features, lin.in_features)}")
-    w = w.to(device=device, dtype=dtype)
-    _set_param(lin, "weight", in_major(w) if input_major else w)
+    _set_param(lin, "weight", converted(w, device, dtype, input_major))
     if lin.bias is not None:
         _set_param(lin, "bias", tensors.get(f"{prefix}.bias").to(device=device, dtype=dtype))
 
@@ -107,7 +112,7 @@ def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, a
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False,
                decode_layout: bool = False) -> tuple[CausalLM, ModelConfig]:
-    """decode_layout: on a CPU in float32, store linear weights input-major (`in_major`) for
+    """decode_layout: on a CPU in float32, store linear weights input-major (`converted`) for
     faster decode. The engine asks for it; tools that write weights back (quantize) do not."""
     folder = Path(path)
     if not folder.is_dir():
@@ -125,7 +130,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         model = CausalLM(cfg)
     emb_device = torch.device("cpu") if embeddings_on_host else device
     emb = tensors.get("model.embed_tokens.weight")
-    _set_param(model.model.embed_tokens, "weight", emb.to(device=emb_device, dtype=dtype))
+    # a tied table is also the head's weight: laid out for the head's GEMV (the lookup of a
+    # few rows does not care)
+    tied = cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "lm_head.qweight" not in tensors
+    _set_param(model.model.embed_tokens, "weight",
+               converted(emb, emb_device, dtype, input_major and tied and not embeddings_on_host))
     for i, layer in enumerate(model.model.layers):
         pre = f"model.layers.{i}"
         for suffix in LINEAR_SUFFIXES:
@@ -143,8 +152,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     if "lm_head.weight" in tensors or "lm_head.qweight" in tensors:
         _load_linear(model, "lm_head", "lm_head", tensors, awq_cfg, device, dtype, input_major)
     elif cfg.tie_word_embeddings:
-        if input_major and not embeddings_on_host:  # one table, laid out for the head's GEMV
-            _set_param(model.model.embed_tokens, "weight", in_major(model.model.embed_tokens.weight))
         head = model.model.embed_tokens.weight
         if embeddings_on_host:
             head = head.to(device)
