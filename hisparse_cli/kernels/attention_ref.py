@@ -99,14 +99,8 @@ def sparse_attention(
         k = torch.cat((k, g_k.to(dt)), dim=1)
         v = torch.cat((v, g_v.to(dt)), dim=1)
         g_ok = g_pos >= 0  # [Hkv, G]
-        if bool(g_ok.all()):  # the same [T, N+G] mask for every layer of the step
-            key = ("mask+globals", g_ok.shape[1])
-            full = memo.get(key) if memo is not None else None
-            if full is None:
-                full = torch.cat((mask, mask.new_zeros(t, g_ok.shape[1])), dim=-1)
-                if memo is not None:
-                    memo[key] = full
-            mask = full
+        if bool(g_ok.all()):
+            mask = torch.cat((mask, mask.new_zeros(t, g_ok.shape[1])), dim=-1)  # [T, N+G]
         else:
             g_add = torch.zeros(g_ok.shape, device=q.device).masked_fill_(~g_ok, float("-inf"))
             mask = torch.cat((mask[None].expand(hkv, t, n), g_add[:, None, :].expand(hkv, t, -1)), -1)
@@ -125,37 +119,18 @@ def sparse_attention(
     ms = ms.reshape(hkv, grp, ts, -1) if ms.dim() == 4 else ms[None, None]
     s = torch.bmm(qs.reshape(hkv, -1, d).float(), k.float().transpose(1, 2)) * scale  # [Hkv, grp*Ts, N(+G)]
     p = torch.softmax(s.view(hkv, grp, ts, -1) + ms, dim=-1)
-    key = ("score weights", mask.shape[-1], score_stride, score_min_distance)
-    if memo is not None and mask.dim() == 2 and key in memo:  # layer-invariant: once a step
-        far_rows, factor = memo[key]
-    else:
-        far_rows, factor = _score_weights(mask, rows, q_pos, k_pos, n, t, grp, score_min_distance)
-        if memo is not None and mask.dim() == 2:
-            memo[key] = far_rows, factor
-    if far_rows is not None:
-        p = p * far_rows
-    p = p.sum(dim=(1, 2))  # [Hkv, N(+G)]
-    if factor is not None:
-        p = p * factor
-    return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)
-
-
-def _score_weights(mask, rows, q_pos, k_pos, n, t, grp, score_min_distance):
-    """(far_rows, factor) of the importance masses: snapkv's query/key distance filter on the
-    scored rows (or None), and the strided estimate's per-key scale (queries that see the key)
-    / (sampled queries that see it) (or None when every query is scored)."""
     vis = torch.isfinite(mask if mask.dim() == 2 else mask[0, ::grp])  # [T, N+G] or [Hkv, T, N+G]
-    far_rows = None
     if score_min_distance > 0:  # snapkv: only queries at least m positions after the key
         far = (q_pos[:, None] - k_pos[None, :]) >= score_min_distance  # [T, N]
         far = torch.cat((far, far.new_ones(t, vis.shape[-1] - n)), dim=-1)
         vis = vis & far
-        far_rows = far if rows is None else far[rows]
-    if rows is None:
-        return far_rows, None
-    n_vis = vis.sum(-2).float()
-    n_smp = vis[..., rows, :].sum(-2).float()
-    return far_rows, torch.where(n_smp > 0, n_vis / n_smp.clamp(min=1), torch.zeros_like(n_vis))
+        p = p * (far if rows is None else far[rows])
+    p = p.sum(dim=(1, 2))  # [Hkv, N(+G)]
+    if rows is not None:  # scale each key by (queries that see it) / (sampled queries that see it)
+        n_vis = vis.sum(-2).float()
+        n_smp = vis[..., rows, :].sum(-2).float()
+        p = p * torch.where(n_smp > 0, n_vis / n_smp.clamp(min=1), torch.zeros_like(n_vis))
+    return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)
 
 
 def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window, scale,
