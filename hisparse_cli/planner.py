@@ -170,9 +170,10 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         track_scores=track, score_tensor=track or (use_globals and imp == "probe"),
         score_stride=sparse.score_stride, min_distance=min_distance, importance=imp,
         num_sms=num_sms)
-    graph = cuda and backend == "triton" and not host_emb and graph_decode_enabled()
+    graph = cuda and backend == "triton" and graph_decode_enabled()  # Engine._use_graph
     run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens,
-                       graph_workspace=CUBLAS_WORKSPACE_BYTES if graph else 0)
+                       graph_workspace=CUBLAS_WORKSPACE_BYTES if graph else 0,
+                       graph_input_bytes=model_cfg.hidden_size * cb if host_emb else 0)
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
                           embeddings_on_host=host_emb, cuda=cuda)
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
@@ -220,7 +221,8 @@ _RESIDENT = {
     "kv.candidate_slots": "{C} candidate tokens per layer/KV head: K, V + pos/mass/seen",
     "logits": "fp32 logits [V] of the previous (and, after the forward, the current) step",
     "step_tensors": "slot mapping, block ids/starts, positions of the step",
-    "cuda_graph": "CUDA-graph decode's static inputs (position, slot, padded block list, token)",
+    "cuda_graph": ("CUDA-graph decode's static inputs (position, slot, padded block list, "
+                   "token; the embedded row when the table is in host memory)"),
     "workspace.cublas_graph_stream": ("cuBLAS workspace of the stream decode graphs are "
                                       "captured on (one per process; calibrated constant)"),
 }

@@ -79,9 +79,10 @@ def policy(sparse: SparseConfig, model_window: int | None) -> SparseSequence:
 
 
 def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, prompt: int,
-                 new_tokens: int, graph_workspace: int = 0) -> RunTrace:
+                 new_tokens: int, graph_workspace: int = 0, graph_input_bytes: int = 0) -> RunTrace:
     """graph_workspace > 0: decode runs as a CUDA graph (engine/cuda_graph.py), whose side
-    stream holds a cuBLAS workspace of that many bytes from the first decode step on."""
+    stream holds a cuBLAS workspace of that many bytes from the first decode step on;
+    graph_input_bytes: its static embedded-row input (host-resident table), if any."""
     pool = BlockPool()
     seq = SparseSequence(sparse, pool, model_window=model_window)
     assert (seq.window, seq.sinks) == (s.window, s.sinks), "StepShape disagrees with the policy"
@@ -128,6 +129,7 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
                       if seq.window is not None else cdiv(prompt + new_tokens, bs))
             tr.alloc("cuda_graph", (2 + 2 * nb_max) * 8)  # static step inputs
             tr.alloc("cuda_graph", 8)  # static token
+            tr.alloc("cuda_graph", graph_input_bytes)  # the embedded row (host table)
             tr.alloc("workspace.cublas_graph_stream", graph_workspace)
         if decode:  # sampler on the previous logits, then torch.tensor([tok])
             tr.bump(sample, where + ": sampling")

@@ -44,12 +44,14 @@ def _both(eng, ids, monkeypatch, **gen):
     return graph, eager
 
 
-@pytest.mark.parametrize("prompt,new", [(5, 40), (150, 60)])
-def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new):
+@pytest.mark.parametrize("prompt,new,host_table", [(5, 40, False), (150, 60, False),
+                                                   (150, 60, True)])
+def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new, host_table):
     """The decoder's static buffers (padded block list, q_start read from a tensor, pinned
-    copies) run eagerly, without capture, through the Triton kernels under the interpreter:
-    the same tokens as the plain eager loop, across a block boundary inside the padding and
-    a recalibration."""
+    copies; with host_table, the embedded row copied from the table into a static input)
+    run eagerly, without capture, through the Triton kernels under the interpreter: the same
+    tokens as the plain eager loop, across a block boundary inside the padding and a
+    recalibration."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CPU test: the Triton interpreter is only enabled without CUDA")
@@ -68,9 +70,15 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     eager = eng.generate(ids, gen=g)
     init = cuda_graph.GraphDecoder.__init__
     monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
-                        lambda self, *a, **k: init(self, *a, **{**k, "capture": False}))
+                        lambda self, *a, **k: init(self, *a, **{**k, "capture": False,
+                                                                 "host_embeddings": host_table}))
+    body = cuda_graph.GraphDecoder._body
+    used = []
+    monkeypatch.setattr(cuda_graph.GraphDecoder, "_body",
+                        lambda self: used.append(self.host_table) or body(self))
     monkeypatch.setattr(eng, "_use_graph", lambda gen: True)
     static = eng.generate(ids, gen=g)
+    assert used and set(used) == {host_table}
     assert static.token_ids == eager.token_ids
     assert static.stats.recalibrations == eager.stats.recalibrations > 0
 
@@ -132,3 +140,22 @@ def test_graph_sampling_is_seeded_and_fp16_runs(tmp_path, monkeypatch):
     greedy, eager = _both(eng, ids, monkeypatch, max_new_tokens=80, eos_token_ids=())
     agree = sum(x == y for x, y in zip(greedy.token_ids, eager.token_ids)) / 80
     assert agree >= 0.9, agree  # fp16: rare argmax ties may flip after a divergence
+
+
+@pytest.mark.gpu
+def test_graph_with_host_embeddings_equals_eager(tmp_path, monkeypatch):
+    """Tight-VRAM option: the table stays in host memory; the graph starts after the lookup
+    (one token read-back a step) and must decode the same tokens as the eager loop."""
+    from conftest import save_tiny
+
+    from hisparse_cli.engine import Engine, SparseConfig
+
+    path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
+    eng = Engine.from_pretrained(path, device="cuda", dtype=torch.float32,
+                                 sparse=SparseConfig(**SPARSE), backend="triton",
+                                 embeddings_on_host=True)
+    assert eng.model.model.embed_tokens.weight.device.type == "cpu"
+    ids = torch.randint(3, 256, (120,), generator=torch.Generator().manual_seed(5))
+    graph, eager = _both(eng, ids, monkeypatch, max_new_tokens=100, eos_token_ids=(),
+                         repetition_penalty=1.1, no_repeat_ngram_size=3)
+    assert len(graph.token_ids) == 100 and graph.token_ids == eager.token_ids

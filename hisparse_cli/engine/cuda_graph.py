@@ -112,11 +112,18 @@ class DeviceSampler:
 class GraphDecoder:
     """Decode steps of one run through a captured CUDA graph."""
 
-    def __init__(self, model, run: KVRun, total_tokens: int, capture: bool | None = None) -> None:
+    def __init__(self, model, run: KVRun, total_tokens: int, capture: bool | None = None,
+                 host_embeddings: bool | None = None) -> None:
         """capture=False runs the same static-buffer step eagerly every time (no graph): the
-        CPU tests use it to check the padded block list and device q_start without CUDA."""
+        CPU tests use it to check the padded block list and device q_start without CUDA.
+        host_embeddings (default: the table is not on the run's device): the graph starts
+        from a static [1, hidden] input that each step fills from the host table; that reads
+        the sampled token on the host, one synchronisation a token."""
         self.model, self.run = model, run
         self.capture = run.device.type == "cuda" if capture is None else capture
+        table = model.model.embed_tokens.weight
+        self.host_table = (table.device.type != run.device.type if host_embeddings is None
+                           else host_embeddings)
         dev = run.device
         seq, bs = run.seq, run.sparse.block_size
         if seq.window is None:
@@ -132,6 +139,10 @@ class GraphDecoder:
         self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
+        if self.host_table:  # the embedded token: host staging row -> static device input
+            hidden, cdt = model.cfg.hidden_size, model.compute_dtype
+            self.x = torch.zeros((1, hidden), dtype=cdt, device=dev)
+            self.x_host = torch.zeros((1, hidden), dtype=cdt, pin_memory=cuda)
         self.ctx = GraphStepContext(run, self.dev[0:1], self.dev[1:2], self.dev[2:2 + self.nb_max],
                                     self.dev[2 + self.nb_max:])
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -160,12 +171,21 @@ class GraphDecoder:
             done.record()
 
     def _body(self) -> torch.Tensor:
+        if self.host_table:
+            return self.model.forward_hidden(self.x, self.dev[0:1], self.ctx)
         return self.model(self.tok, self.dev[0:1], self.ctx)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """token: [1] int64 on the device (the token at the next position) -> logits [1, V]."""
         self._prepare()
-        self.tok.copy_(token)
+        if self.host_table:
+            # the token's row from the host table; .item() waits for the sampler, so the
+            # previous step's copy out of x_host is done before it is overwritten
+            table = self.model.model.embed_tokens.weight
+            self.x_host.copy_(table[int(token.reshape(-1)[0].item())].view(1, -1))
+            self.x.copy_(self.x_host, non_blocking=True)
+        else:
+            self.tok.copy_(token)
         if not self.capture:
             result = self._body()
         elif self.graph is None:  # first step: run eagerly (warms kernels up), then capture

@@ -179,15 +179,12 @@ class Engine:
         return GenerationResult(token_ids=out, stats=stats, finish_reason=reason)
 
     def _use_graph(self, gen: GenerationConfig) -> bool:
-        """CUDA-graph decode: CUDA + Triton attention and the embedding table on the device.
-        HISPARSE_CUDA_GRAPH=0 turns it off."""
+        """CUDA-graph decode: CUDA + Triton attention (with a host-resident embedding table
+        too: the graph then starts after the lookup). HISPARSE_CUDA_GRAPH=0 turns it off."""
         import os
 
-        # a host-resident embedding table needs the token on the host every step, which a
-        # captured graph cannot do
-        host_embeddings = self.model.model.embed_tokens.weight.device.type != self.device.type
         return (self.device.type == "cuda" and self.backend.attention == "triton"
-                and not host_embeddings and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
+                and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
 
     def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
         if not gen.stop_strings:

@@ -130,12 +130,23 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] -> logits [T, V] (all_logits) or [1, V] (last position).
         For one logit row the last layer computes only the last position past its K/V store,
         unless full_last_layer (callers that read every position's final hidden state)."""
-        emb = self.model.embed_tokens
-        if emb.weight.device != input_ids.device:  # host-resident table (tight-VRAM option)
-            x = emb(input_ids.cpu()).to(positions.device, non_blocking=True)
-        else:
-            x = emb(input_ids)  # [T, hidden]
-        x = x.to(self.compute_dtype)
+        # the embedding is looked up inside forward_hidden, so no frame keeps it past layer 0
+        return self.forward_hidden(None, positions, ctx, all_logits, full_last_layer, input_ids)
+
+    def forward_hidden(self, x: torch.Tensor | None, positions: torch.Tensor,
+                       ctx: AttentionContext, all_logits: bool = False,
+                       full_last_layer: bool = False,
+                       input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` from the embedded input x [T, hidden] (compute dtype), or from input_ids
+        when x is None. CUDA-graph decode with a host-resident table copies the row in itself
+        and captures only this."""
+        if x is None:
+            emb = self.model.embed_tokens
+            if emb.weight.device != input_ids.device:  # host-resident table (tight-VRAM option)
+                x = emb(input_ids.cpu()).to(positions.device, non_blocking=True)
+            else:
+                x = emb(input_ids)  # [T, hidden]
+            x = x.to(self.compute_dtype)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
