@@ -26,7 +26,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from hisparse_cli.kernels import awq_gemv as ag  # noqa: E402
 from hisparse_cli.kernels import awq_triton as at  # noqa: E402
+from hisparse_cli.kernels.awq_layout import GEMV_CANDIDATES, GemvConfig  # noqa: E402
 
 OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "I2F")
 
@@ -60,29 +62,41 @@ def report(name: str, k, sass_dir: Path | None) -> None:
         (sass_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.sass").write_text(sass)
 
 
+def gemv_candidates(every: bool) -> list[tuple[GemvConfig, int, bool]]:
+    """(config, tokens, PARTIAL) to compile: every sweep candidate (awq_layout.GEMV_CANDIDATES)
+    at 1 token, or the first few; plus 2..4 tokens with and without split-K."""
+    tiles = GEMV_CANDIDATES if every else GEMV_CANDIDATES[:3]
+    out = [(GemvConfig(block_n=bn, block_kw=16, split=1, num_warps=w, num_stages=st), 1, p)
+           for bn, w, st in tiles for p in (False, True)]
+    out += [(out[0][0], 4, False), (out[0][0], 3, True), (out[0][0], 2, False)]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass-dir", type=Path)
+    ap.add_argument("--all", action="store_true",
+                    help="every GEMV candidate of gpu_awq.py --gemv-sweep (default: a few)")
     a = ap.parse_args()
     gemv_sig = dict(x_ptr="*fp16", qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16",
                     y_ptr="*fp16", N="i32", KW="i32", W8="i32", stride_xm="i32",
                     stride_ym="i32", stride_ys="i32", KW_PER_SPLIT="i32")
     aligned = ("x_ptr", "qt_ptr", "qz_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "KW", "W8",
                "stride_xm", "stride_ym", "KW_PER_SPLIT")
-    for bn, bkw, warps in ((64, 16, 2), (128, 16, 4), (32, 16, 1), (64, 8, 1), (256, 16, 8)):
-        for sf in (2, 1, 0):
-            for pf in (False, True):
-                for partial in (False, True):
-                    if partial and (pf or sf != 2):
-                        continue
-                    sig = dict(gemv_sig, y_ptr="*fp32") if partial else gemv_sig
-                    k = compile_one(at._awq_gemv_k_kernel, sig,
-                                    dict(GROUP=128, BLOCK_N=bn, BLOCK_KW=bkw, HAS_BIAS=not partial,
-                                         PARTIAL=partial, PREFETCH=pf, NIBBLES=sf),
-                                    warps, aligned)
-                    report(f"gemv bn{bn} bkw{bkw} w{warps} nib{sf} pf{int(pf)} p{int(partial)}",
-                           k, a.sass_dir)
-    k = compile_one(at._splitk_reduce_kernel,
+    cands = [(c, m, p, 128, "*fp16") for c, m, p in gemv_candidates(a.all)]
+    c0 = cands[0][0]
+    cands += [(c0, 3, False, 128, "*bf16"), (c0, 1, True, 128, "*bf16"),  # bf16 activations
+              (GemvConfig(block_n=64, block_kw=4, split=1, num_warps=2, num_stages=1), 2, False,
+               32, "*fp16")]  # group 32: 4 words a step
+    for c, m, partial, group, dt in cands:
+        sig = dict(gemv_sig, x_ptr=dt, b_ptr=dt, y_ptr="*fp32" if partial else dt)
+        k = compile_one(ag._awq_gemv_kernel, sig,
+                        dict(GROUP=group, M=m, BLOCK_N=c.block_n, BLOCK_KW=c.block_kw,
+                             NUM_STAGES=c.num_stages, HAS_BIAS=not partial, PARTIAL=partial),
+                        c.num_warps, aligned)
+        report(f"gemv {dt[1:]} g{group} m{m} bn{c.block_n} bkw{c.block_kw} w{c.num_warps} "
+               f"st{c.num_stages} p{int(partial)}", k, a.sass_dir)
+    k = compile_one(ag._splitk_reduce_kernel,
                     dict(p_ptr="*fp32", b_ptr="*fp16", y_ptr="*fp16", total="i32", N="i32",
                          stride_ps="i32"), dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024), 4,
                     ("p_ptr", "b_ptr", "y_ptr", "N", "stride_ps"))

@@ -4,12 +4,13 @@ What `AWQLinear` runs on CUDA is the K-major path (kernels/awq_layout.py: qweigh
 once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else dequantize W^T
 + cuBLAS. The AWQ-layout kernels (`awq_gemv`, `awq_dequant_matmul`) are timed for comparison.
 
-1. correctness: K-major GEMV (every nibble mode, prefetch, split-K), dequantize (bit-exact vs
+1. correctness: K-major GEMV (table config, split-K, pipelined, wide tile), dequantize (bit-exact vs
    the torch dequantization), dequant+cuBLAS and the auto path against the fp32 matmul of the
    dequantized weight, fp16/bf16 (fp32 on a small shape), groups 32/64/128, partial tiles;
    the GPU repack against the CPU one; a CUDA-graph capture/replay of the decode call.
-2. sweeps (--sweep): GEMV nibble modes x prefetch, then (block_n, block_kw, warps, split) per
-   layer shape at 1 token; dequantize tile configs per shape.
+2. sweeps: --gemv-sweep (gpu_awq_gemv.py) times the v3 decode GEMV's candidate configs
+   against the v2 kernel and fp16 cuBLAS per decode shape at 1/2/4 tokens (CUDA graphs) and
+   prints the GEMV_TABLE rows to adopt; --sweep: dequantize tile configs per shape.
 3. decode timing as the engine runs it: 1 token, back-to-back calls over rotating weight
    copies (>= 256 MB a pass) replayed from one CUDA graph, fp16 F.linear vs the INT4 GEMV.
 4. timing (triton.testing.do_bench, L2 flushed, median): fp16 cuBLAS (F.linear on the dense
@@ -18,7 +19,7 @@ once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else deq
 
 Needs only torch + triton (runs with torch 2.11 / triton 3.6). Writes $OUT/gpu_awq.json
 (OUT defaults to ./out) and prints short tables.
-    python benchmarks/gpu_awq.py [--quick] [--sweep] [--budget-s 480]
+    python benchmarks/gpu_awq.py [--quick] [--sweep] [--gemv-sweep] [--no-timing] [--budget-s 480]
     python benchmarks/gpu_awq.py --smoke-cpu     # tiny shapes under TRITON_INTERPRET=1
 """
 
@@ -29,6 +30,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,17 +95,13 @@ def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def gemv_variants(m: int, k: int, n: int, group: int) -> dict:
-    """name -> kwargs of awq_gemv_k that the correctness pass covers."""
+    """name -> config of awq_gemv_k that the correctness pass covers (None: the table's)."""
     base = al.gemv_config(m, k, n, group, at._sm_count(torch.device(DEV)))
-    kw = k // 8
-    v = {"default": {}}
-    for nib in (0, 1, 2):
-        for pf in (False, True):
-            v[f"nib{nib}_pf{int(pf)}"] = dict(nibbles=nib, prefetch=pf)
-    for split in (2, 4):
-        bkw = base["block_kw"]
-        if kw % (bkw * split) == 0:
-            v[f"split{split}"] = dict(config=dict(base, split=split))
+    v = {"default": None, "stages3": replace(base, num_stages=3),
+         "bn128w4": replace(base, block_n=128, num_warps=4)}
+    for split in (1, 2, 4):
+        if (k // 8) % (base.block_kw * split) == 0:
+            v[f"split{split}"] = replace(base, split=split)
     return v
 
 
@@ -121,7 +119,7 @@ def check_correctness(quick: bool, deadline: float) -> list[dict]:
     add(torch.equal(qt.cpu(), al.repack_kmajor(qw.cpu()))
         and torch.equal(al.unpack_kmajor(qt), unpack_int4(qw))
         and torch.equal(al.kmajor_to_awq(qt), qw), check="repack")
-    tokens = [1, 2, 3, 4, 5, 33, 512] if not quick else [1, 4, 33]
+    tokens = [1, 2, 3, 4, 5, 33, 512] if not quick else [1, 3, 4, 33]
     for name, (k, n) in CHECK_SHAPES.items():
         for group in ((128,) if quick and "partial" not in name else (32, 64, 128)):
             if time.time() > deadline:
@@ -145,9 +143,10 @@ def check_correctness(quick: bool, deadline: float) -> list[dict]:
                         paths["dequant_matmul_k"] = lambda: at.awq_dequant_matmul_k(
                             x, qt, qz, s, bb, group)
                     else:
-                        for vname, kw in gemv_variants(m, k, n, group).items():
+                        for vname, cfg in gemv_variants(m, k, n, group).items():
                             paths[f"gemv_k {vname}"] = (
-                                lambda kw=kw: at.awq_gemv_k(x, qt, qz, s, bb, group, **kw))
+                                lambda cfg=cfg: at.awq_gemv_k(x, qt, qz, s, bb, group,
+                                                              config=cfg))
                     for p, fn in paths.items():
                         y = fn()
                         err = rel(y, ref)
@@ -191,67 +190,6 @@ def check_cuda_graph() -> dict:
 
 def int4_bytes(m: int, k: int, n: int, group: int) -> int:
     return k * n // 2 + (k // group) * n * 2 + (k // group) * n // 2 + 2 * m * (k + n)
-
-
-def sweep_gemv(deadline: float) -> dict:
-    """Stage A: nibble mode x prefetch at each shape's default config. Stage B: launch
-    configs with the best mode of stage A."""
-    out = {"modes": [], "configs": []}
-    group, sms = 128, at._sm_count(torch.device(DEV))
-    data = {}
-    for name, (k, n) in SHAPES.items():
-        qw, qz, s, _ = make(k, n, group)
-        data[name] = (al.repack_kmajor(qw), qz, s, torch.randn(1, k, device=DEV).half())
-        del qw
-    score: dict[tuple, float] = {}
-    for name, (k, n) in SHAPES.items():
-        qt, qz, s, x = data[name]
-        for nib in (2, 1, 0):
-            for pf in (False, True):
-                if time.time() > deadline:
-                    return out
-                t = bench(lambda: at.awq_gemv_k(x, qt, qz, s, None, group, nibbles=nib,
-                                                prefetch=pf), rep=20)
-                out["modes"].append(dict(shape=name, nibbles=nib, prefetch=pf, ms=t))
-                score[(nib, pf)] = score.get((nib, pf), 0.0) + t
-        log(f"gemv modes {name}: " + "  ".join(
-            f"nib{r['nibbles']}/pf{int(r['prefetch'])}={r['ms'] * 1e3:.1f}us"
-            for r in out["modes"] if r["shape"] == name))
-    nib, pf = min(score, key=score.get)
-    out["best_mode"] = dict(nibbles=nib, prefetch=pf)
-    log(f"best GEMV mode (sum over shapes): nibbles={nib} prefetch={pf}")
-    cfgs = [(bn, bkw, w) for (bn, bkw, w) in
-            ((32, 16, 1), (64, 16, 2), (128, 16, 4), (64, 16, 1), (128, 16, 2), (256, 16, 4),
-             (256, 16, 8), (16, 16, 1), (32, 16, 2), (64, 16, 4), (64, 8, 2), (128, 8, 4))]
-    for name, (k, n) in SHAPES.items():
-        qt, qz, s, x = data[name]
-        kw = k // 8
-        res = []
-        for bn, bkw, w in cfgs:
-            for split in (1, 2, 4, 8, 16):
-                if kw % (bkw * split) or (triton.cdiv(n, bn) * split > 64 * sms):
-                    continue
-                if time.time() > deadline:
-                    return out
-                cfg = dict(block_n=bn, block_kw=bkw, split=split, num_warps=w)
-                try:
-                    t = bench(lambda: at.awq_gemv_k(x, qt, qz, s, None, group, config=cfg,
-                                                    nibbles=nib, prefetch=pf), rep=20)
-                except Exception as exc:  # noqa: BLE001
-                    out["configs"].append(dict(shape=name, **cfg, error=str(exc)[:160]))
-                    continue
-                res.append(dict(shape=name, **cfg, ms=t,
-                                GBs=int4_bytes(1, k, n, group) / t / 1e6))
-        out["configs"] += res
-        if res:
-            b = min(res, key=lambda r: r["ms"])
-            d = al.gemv_config(1, k, n, group, sms)
-            dt = next((r["ms"] for r in res if all(r[key] == d[key] for key in d)), None)
-            log(f"best GEMV cfg {name}: bn={b['block_n']} bkw={b['block_kw']} "
-                f"warps={b['num_warps']} split={b['split']} {b['ms'] * 1e3:.1f}us "
-                f"{b['GBs']:.0f} GB/s; default {d} "
-                + (f"{dt * 1e3:.1f}us" if dt else "not swept"))
-    return out
 
 
 def sweep_dequant(deadline: float) -> list[dict]:
@@ -391,7 +329,9 @@ def timing(quick: bool, deadline: float, old: bool) -> tuple[list[dict], float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="GEMV and dequantize config sweeps")
+    ap.add_argument("--sweep", action="store_true", help="dequantize tile sweep")
+    ap.add_argument("--gemv-sweep", action="store_true",
+                    help="decode GEMV: v3 candidates vs v2 vs fp16 per shape (gpu_awq_gemv.py)")
     ap.add_argument("--old", action="store_true", help="also time the AWQ-layout kernels")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480.0)
@@ -408,15 +348,18 @@ def main() -> None:
         (out_dir / "gpu_awq.json").write_text(json.dumps(res, indent=1) + "\n")
 
     b = args.budget_s
-    res["correctness"] = check_correctness(args.quick, t0 + 0.25 * b)
+    res["correctness"] = check_correctness(args.quick, t0 + 0.2 * b)
     bad = [r for r in res["correctness"] if not r["ok"]]
     log(f"correctness: {len(res['correctness']) - len(bad)}/{len(res['correctness'])} ok")
     res["cuda_graph"] = check_cuda_graph()
     log(f"cuda graph decode: {res['cuda_graph']}")
     save()
-    if args.sweep:
-        res["sweep_gemv"] = sweep_gemv(t0 + 0.6 * b)
+    if args.gemv_sweep:
+        from gpu_awq_gemv import gemv_sweep
+
+        res["gemv_sweep"] = gemv_sweep(t0 + (0.9 if args.no_timing else 0.6) * b)
         save()
+    if args.sweep:
         res["sweep_dequant"] = sweep_dequant(t0 + 0.72 * b)
         save()
     if not args.no_timing:

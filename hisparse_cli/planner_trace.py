@@ -169,7 +169,7 @@ def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> i
     cb = s.cb
     if m <= GEMV_MAX_TOKENS:  # awq_gemv_k: y, then fp32 split-K partials when split
         y = tr.alloc(name, m * n * cb)
-        split = gemv_config(m, k, n, s.group, s.num_sms)["split"]
+        split = gemv_config(m, k, n, s.group, s.num_sms).split
         if split > 1:
             tr.free(tr.alloc(name + ".gemv_partial", split * m * n * 4))
         return y

@@ -8,27 +8,28 @@ import pytest
 import torch
 
 from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_layout import (gemv_config, kmajor_to_awq, repack_kmajor,
-                                             unpack_kmajor)
+from hisparse_cli.kernels.awq_layout import (GemvConfig, gemv_config, kmajor_to_awq,
+                                             repack_kmajor, unpack_kmajor)
 from hisparse_cli.kernels.awq_pack import pack_int4, quantize_weight, unpack_int4
 from hisparse_cli.kernels.awq_ref import awq_linear, awq_linear_k
 
 
 def test_hand_built_words():
-    # q[k, n] = (k + 3 n) % 16 for 8 input rows and 8 output columns
-    codes = torch.tensor([[(k + 3 * n) % 16 for n in range(8)] for k in range(8)])
-    qt = repack_kmajor(pack_int4(codes))  # [8 out, 1 word]
-    assert qt.shape == (8, 1)
-    for n in range(8):  # nibble i of column n's word holds row i, natural order
-        expect = sum(((i + 3 * n) % 16) << (4 * i) for i in range(8))
-        assert qt[n, 0].item() == (expect - 2**32 if expect >= 2**31 else expect)
+    # q[k, n] = (k + 3 n) % 16 for 32 input rows (one run of 4 words) and 8 output columns
+    codes = torch.tensor([[(k + 3 * n) % 16 for n in range(8)] for k in range(32)])
+    qt = repack_kmajor(pack_int4(codes))  # [8 out, 4 words]
+    assert qt.shape == (8, 4)
+    for n in range(8):  # nibble i of word j holds input row 4 i + j
+        for j in range(4):
+            expect = sum(((4 * i + j + 3 * n) % 16) << (4 * i) for i in range(8))
+            assert qt[n, j].item() == (expect - 2**32 if expect >= 2**31 else expect)
     # the AWQ word holding 0..7 in columns 0..7 (0x75316420) becomes one word per column
-    qt = repack_kmajor(torch.tensor([[0x75316420]], dtype=torch.int32).repeat(8, 1))
+    qt = repack_kmajor(torch.tensor([[0x75316420]], dtype=torch.int32).repeat(32, 1))
     assert [w & 0xF for w in qt[:, 0].tolist()] == list(range(8))
     assert all(w == int(f"{c:x}" * 8, 16) for c, w in enumerate(qt[:, 0].tolist()))
 
 
-@pytest.mark.parametrize("k,n", [(8, 8), (64, 40), (256, 136)])
+@pytest.mark.parametrize("k,n", [(32, 8), (64, 40), (256, 136)])
 def test_round_trip_against_reference(k, n, monkeypatch):
     g = torch.Generator().manual_seed(k + n)
     qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=g)
@@ -63,10 +64,28 @@ def test_awq_linear_module_kmajor_layout():
 
 @pytest.mark.parametrize("k,n,split", [(4096, 4096, 16), (4096, 1024, 16), (4096, 14336, 4),
                                        (14336, 4096, 16), (4096, 128256, 1)])
-def test_gemv_config_llama_shapes(k, n, split):
+def test_gemv_config_llama_shapes(k, n, split, monkeypatch):
+    flat = awq_layout.GemvTile(block_n=32, num_warps=2, num_stages=3, programs_per_sm=16)
+    monkeypatch.setattr(awq_layout, "GEMV_TABLE", dict.fromkeys(awq_layout.GEMV_TABLE, flat))
     cfg = gemv_config(1, k, n, 128, 132)  # H200: 132 SMs
-    assert cfg == dict(block_n=32, block_kw=16, split=split, num_warps=2)
-    assert (k // 8) % (cfg["block_kw"] * cfg["split"]) == 0
-    for group in (32, 64):
-        c = gemv_config(3, k, n, group, 46)
-        assert c["block_kw"] == group // 8 and (k // 8) % (c["block_kw"] * c["split"]) == 0
+    assert cfg == GemvConfig(block_n=32, block_kw=16, split=split, num_warps=2, num_stages=3)
+    assert gemv_config(4, k, n, 128, 132) == cfg  # all tokens in one program: same grid
+
+
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 1024), (4096, 28672), (14336, 4096),
+                                 (4096, 128256), (256, 40)])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_gemv_config_valid_for_every_shape(k, n, group):
+    for sms in (1, 46, 132):
+        for m in range(1, awq_layout.GEMV_MAX_TOKENS + 1):
+            c = gemv_config(m, k, n, group, sms)
+            steps = (k // 8) // c.block_kw
+            assert c.block_kw == min(group // 8, 16) and steps % c.split == 0
+            assert c.split == 1 or steps // c.split >= 2
+
+
+def test_gemv_config_rejects_bad_fields():
+    with pytest.raises(ValueError, match="block_kw"):
+        GemvConfig(block_n=32, block_kw=2, split=1, num_warps=2, num_stages=1)
+    with pytest.raises(ValueError, match="split"):
+        GemvConfig(block_n=32, block_kw=16, split=3, num_warps=2, num_stages=1)

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import awq_triton  # noqa: E402
+from hisparse_cli.kernels import awq_gemv, awq_triton  # noqa: E402
+from hisparse_cli.kernels.awq_layout import GemvConfig  # noqa: E402
 from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
 from test_awq_ref import random_awq  # noqa: E402
 
@@ -130,25 +131,48 @@ def case_k(m, k, n, group, dtype, device, bias=True, seed=0):
     return x, qw, repack_kmajor(qw), qz, s, b
 
 
+def gemv_cfg(group, block_n=16, split=1, num_stages=1):
+    return GemvConfig(block_n=block_n, block_kw=min(16, group // 8), split=split, num_warps=2,
+                      num_stages=num_stages)
+
+
 @interp
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("n", [64, 200])  # 200: a partial column tile
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("nibbles", [0, 1, 2])
-def test_gemv_k_interpreter(group, n, m, nibbles):
-    x, qw, qt, qz, s, b = case_k(m, 4 * group, n, group, torch.float16, "cpu", seed=nibbles)
-    for prefetch in (False, True):
-        y = awq_triton.awq_gemv_k(x, qt, qz, s, b, group, nibbles=nibbles, prefetch=prefetch)
-        check(y, x, qw, qz, s, b, group)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_k_interpreter_tokens(group, m):
+    # n 200: 12.5 tiles of 16 columns (a partial tile); 3 loop steps of one group each
+    x, qw, qt, qz, s, b = case_k(m, 3 * group, 200, group, torch.float16, "cpu", seed=m)
+    check(awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=gemv_cfg(group)),
+          x, qw, qz, s, b, group)
 
 
 @interp
-@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("split,m", [(2, 1), (4, 3), (2, 4)])
+@pytest.mark.parametrize("group", [32, 128])
+def test_gemv_k_interpreter_split(split, m, group):
+    # K = 4 groups: split 4 gives every program one step; bias only added by the reduction
+    x, qw, qt, qz, s, b = case_k(m, 4 * group, 40, group, torch.float16, "cpu", seed=split)
+    cfg = gemv_cfg(group, block_n=32, split=split, num_stages=2)
+    check(awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg), x, qw, qz, s, b, group)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_k_interpreter_split_dtypes(split, dtype):
-    x, qw, qt, qz, s, b = case_k(2, 256, 48, 32, dtype, "cpu", bias=split != 2)
-    cfg = dict(block_n=16, block_kw=4, split=split, num_warps=2)
-    check(awq_triton.awq_gemv_k(x, qt, qz, s, b, 32, config=cfg), x, qw, qz, s, b, 32)
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_k_interpreter_dtypes(dtype, split):
+    x, qw, qt, qz, s, b = case_k(2, 256, 48, 64, dtype, "cpu", bias=split == 1)
+    cfg = gemv_cfg(64, split=split)
+    check(awq_gemv.awq_gemv_k(x, qt, qz, s, b, 64, config=cfg), x, qw, qz, s, b, 64)
+
+
+@interp
+def test_gemv_k_interpreter_default_config_and_strided_x():
+    # rows of x with a stride > K (a slice of a wider buffer), the table's own config
+    x, qw, qt, qz, s, b = case_k(3, 256, 64, 128, torch.float16, "cpu")
+    wide = torch.zeros(3, 256 + 32, dtype=torch.float16)
+    wide[:, :256] = x
+    y = awq_gemv.awq_gemv_k(wide[:, :256], qt, qz, s, b, 128)
+    check(y, x, qw, qz, s, b, 128)
 
 
 @interp
@@ -182,14 +206,15 @@ def test_k_launchers_assert_layout():
     with pytest.raises(AssertionError):
         awq_triton.awq_gemv_k(x, qw, qz, s, b, 32)  # AWQ-layout words, not K-major
     with pytest.raises(AssertionError):  # a K step straddling two groups
-        awq_triton.awq_gemv_k(x, qt, qz, s, b, 32,
-                              config=dict(block_n=32, block_kw=8, split=1, num_warps=2))
+        awq_triton.awq_gemv_k(x, qt, qz, s, b, 32, config=gemv_cfg(64))
+    with pytest.raises(AssertionError):  # 5 tokens: the dequantize + cuBLAS path's job
+        awq_triton.awq_gemv_k(torch.cat([x, x, x[:1]]), qt, qz, s, b, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 33, 512])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 33, 512])
 @pytest.mark.parametrize("fn", ["gemv_k", "dequant_matmul_k", "linear_k"])
 def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
     for mark in gpu:

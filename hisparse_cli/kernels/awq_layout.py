@@ -5,21 +5,29 @@ Checkpoints, `hisparse quantize` and the torch reference keep the AutoAWQ GEMM l
 (kernels/awq_pack.py): qweight int32 [in, out/8], 8 output columns per word. The Triton GEMV
 and dequantize kernels read qweight instead as
 
-    qweight_k  int32 [out, in/8]   word (n, w) holds q[8w + i, n] at bits 4i, i = 0..7
+    qweight_k  int32 [out, in/8]   word (n, w) holds q[32 (w // 4) + 4 i + w % 4, n]
+                                   at bits 4i, i = 0..7
 
-i.e. each word packs 8 consecutive input rows of ONE output column, in natural nibble order,
-and a row of words is contiguous along the input dimension. A word's 8 nibbles then feed one
-accumulator, every word is loaded once with wide coalesced loads, and the dequantized weight
-comes out as W^T [out, in] (nn.Linear's layout) with 16-byte stores. Same bytes as qweight:
-`AWQLinear` replaces its buffer, it never holds both. qzeros and scales are not repacked.
+i.e. each word packs 8 input rows of ONE output column and a row of words is contiguous along
+the input dimension; inside each run of 4 words (one 16-byte load, 32 input rows) nibble i of
+word j is input row 4 i + j. For a fixed nibble the 4 words of a 16-byte load then need 4
+consecutive x values (one 8-byte load), every word is loaded once with wide coalesced loads,
+and all 8 nibbles of a word feed the same output column; the dequantized weight comes out as
+W^T [out, in] (nn.Linear's layout). The order does not depend on the group size (any group
+is a multiple of 32 input rows). Same bytes as qweight: `AWQLinear` replaces its buffer, it
+never holds both. qzeros and scales are not repacked.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from hisparse_cli.kernels.awq_pack import PACK, unpack_int4
 
+RUN_WORDS = 4  # words of one 16-byte load: the interleaving period
+RUN = RUN_WORDS * PACK  # input rows per run of words
 REPACK_CHUNK_ELEMS = 1 << 24  # codes converted per step (bounds the repack's temporaries)
 _SHIFTS = tuple(4 * i for i in range(PACK))
 
@@ -34,18 +42,31 @@ def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
     return word
 
 
+def _interleave(codes_t: torch.Tensor) -> torch.Tensor:
+    """codes [R, K] in K order -> [R, K] in word order: position 8 w + i = K row
+    32 (w // 4) + 4 i + w % 4 (module doc)."""
+    r, k = codes_t.shape
+    return codes_t.reshape(r, k // RUN, PACK, RUN_WORDS).transpose(-1, -2).reshape(r, k)
+
+
+def _deinterleave(codes_w: torch.Tensor) -> torch.Tensor:
+    """The inverse of _interleave."""
+    r, k = codes_w.shape
+    return codes_w.reshape(r, k // RUN, RUN_WORDS, PACK).transpose(-1, -2).reshape(r, k)
+
+
 def repack_kmajor(qweight: torch.Tensor) -> torch.Tensor:
     """AWQ GEMM qweight int32 [in, out/8] -> K-major int32 [out, in/8] (module doc)."""
     assert qweight.dtype == torch.int32 and qweight.dim() == 2
     k, words = qweight.shape
-    assert k % PACK == 0, f"in_features {k} must be a multiple of 8"
+    assert k % RUN == 0, f"in_features {k} must be a multiple of {RUN}"
     n = words * PACK
     out = torch.empty((n, k // PACK), dtype=torch.int32, device=qweight.device)
     step = max(1, REPACK_CHUNK_ELEMS // max(1, 8 * k))  # words of qweight per chunk
     for w0 in range(0, words, step):
         w1 = min(words, w0 + step)
         codes = unpack_int4(qweight[:, w0:w1].contiguous())  # uint8 [k, 8 (w1 - w0)]
-        out[8 * w0: 8 * w1] = _pack_rows(codes.t())
+        out[8 * w0: 8 * w1] = _pack_rows(_interleave(codes.t()))
     return out
 
 
@@ -54,7 +75,7 @@ def unpack_kmajor(qweight_k: torch.Tensor) -> torch.Tensor:
     assert qweight_k.dtype == torch.int32 and qweight_k.dim() == 2
     shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=qweight_k.device)
     codes = (qweight_k.unsqueeze(-1) >> shifts) & 0xF  # [out, in/8, 8]
-    return codes.reshape(qweight_k.shape[0], -1).t().to(torch.uint8)
+    return _deinterleave(codes.reshape(qweight_k.shape[0], -1)).t().to(torch.uint8)
 
 
 def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
@@ -70,23 +91,83 @@ DEQUANT_CHUNK_ELEMS = 1 << 26  # temp W^T of the cuBLAS path: 128 MiB in fp16, s
 # Llama-3-8B decoder linear is one chunk (two chunks cost 5-10 % of the layer on the H200)
 
 
-def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> dict:
-    """Launch parameters of the K-major GEMV for x [m, k] @ W [k, n]: block_n (output columns
-    per program), block_kw (words of K per loop step: at most one group), split (programs along
-    K; > 1 means fp32 partials [split, m, n] and a reduction kernel), num_warps.
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch of the K-major GEMV (kernels/awq_gemv.py). block_n: output columns per
+    program; block_kw: words of K per loop step (a multiple of 4, inside one group); split:
+    programs along K (> 1: fp32 partials [split, m, n] + a reduction kernel); num_warps;
+    num_stages: software-pipelining depth of the K loop (1: none)."""
 
-    From the H200 sweep (BENCHMARKS.md, 1 token, group 128): 32 columns x 16 words per
-    2-warp program was best or within 5 % on every Llama-3-8B shape, with K split until about
-    16 programs per SM (k/v: 16 splits, q/o 16, gate/up 4, down 16, lm_head 1)."""
-    kw = k // PACK
-    block_kw = min(group // PACK, 16)
-    block_n, warps = 32, 2
-    tiles = -(-n // block_n) * m
-    steps = kw // block_kw
+    block_n: int
+    block_kw: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if v < 1 or (name != "num_stages" and v & (v - 1)):
+                raise ValueError(f"GemvConfig.{name} = {v}: a power of two >= 1")
+        if self.block_kw % RUN_WORDS:
+            raise ValueError(f"GemvConfig.block_kw = {self.block_kw}: a multiple of {RUN_WORDS}")
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """A row of GEMV_TABLE: the tile of one shape class and how many programs per SM the
+    K split aims for (split-K only while columns alone give fewer)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
+
+
+# Shape classes by output columns n at 1..4 tokens. Not yet measured on a GPU: 64 columns a
+# 2-warp program (4 rows x 4 words a thread, enough rows to amortise x's loads, conversion
+# and scaling) and K split to ~16 programs per SM (H200 run 4's best for the previous
+# kernel). `benchmarks/gpu_awq.py --gemv-sweep` times GEMV_CANDIDATES and prints the rows.
+GEMV_TABLE = {
+    "small_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=16),  # < 8192
+    "large_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=16),  # < 65536
+    "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=16),  # lm_head
+}
+# (block_n, num_warps, num_stages) the sweep tries (the K split comes from programs_per_sm);
+# a warp covers 8 rows x 16 words, so block_n / (8 num_warps) rows a thread
+GEMV_CANDIDATES = ((64, 2, 1), (64, 2, 3), (32, 2, 1), (32, 2, 3), (32, 1, 1), (64, 1, 1),
+                   (64, 4, 1), (128, 4, 1), (128, 4, 3), (128, 2, 1), (256, 4, 1), (16, 1, 1))
+
+
+def gemv_shape_class(n: int) -> str:
+    """GEMV_TABLE's key for n output columns."""
+    return "small_n" if n < 8192 else "large_n" if n < 65536 else "huge_n"
+
+
+def gemv_split(k: int, n: int, block_n: int, block_kw: int, programs_per_sm: int,
+               sms: int) -> int:
+    """Programs along K: doubled while the grid stays <= programs_per_sm * sms, the K words
+    divide evenly and every program keeps >= 2 loop steps."""
+    steps = (k // PACK) // block_kw
+    tiles = -(-n // block_n)
     split = 1
-    while tiles * split * 2 <= 16 * sms and steps % (2 * split) == 0 and steps // (2 * split) >= 2:
+    while (tiles * split * 2 <= programs_per_sm * sms and steps % (2 * split) == 0
+           and steps // (2 * split) >= 2):
         split *= 2
-    return dict(block_n=block_n, block_kw=block_kw, split=split, num_warps=warps)
+    return split
+
+
+def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
+    """Launch of the K-major GEMV for x [m, k] @ W [k, n] (m <= GEMV_MAX_TOKENS, all tokens in
+    one program) on a GPU with sms multiprocessors: GEMV_TABLE's tile for n, 16 words of K
+    per step (fewer when the group is smaller), and the K split of gemv_split. A pure
+    function of its arguments: nothing is tuned at run time (CUDA-graph capture safe)."""
+    assert 1 <= m <= GEMV_MAX_TOKENS, f"{m} tokens: the GEMV takes 1..{GEMV_MAX_TOKENS}"
+    tile = GEMV_TABLE[gemv_shape_class(n)]
+    block_kw = min(group // PACK, 16)
+    split = gemv_split(k, n, tile.block_n, block_kw, tile.programs_per_sm, sms)
+    return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
+                      num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:

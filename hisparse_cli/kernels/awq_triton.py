@@ -2,9 +2,8 @@
 
 What `AWQLinear` runs on CUDA is the K-major path (qweight repacked once at load into
 kernels/awq_layout.py's int32 [N, K/8], same bytes):
-    awq_linear_k      M <= GEMV_MAX_TOKENS: `awq_gemv_k` (fused dequant GEMV: 16-byte word
-                      loads, each word once, nibbles read as fp32 subnormals, split-K with fp32
-                      partials and one reduction kernel); otherwise `awq_dequant_matmul_k`
+    awq_linear_k      M <= GEMV_MAX_TOKENS: `awq_gemv_k` (kernels/awq_gemv.py: fused dequant
+                      GEMV, all tokens in one program); otherwise `awq_dequant_matmul_k`
                       (dequantize W^T [N, K] with 16-byte stores, then cuBLAS x @ W^T.T).
 The AWQ-GEMM-layout kernels below (`awq_linear`: `awq_gemv`, `awq_gemm`,
 `awq_dequant_matmul`) serve callers holding checkpoint-layout tensors; they are slower
@@ -12,7 +11,8 @@ The AWQ-GEMM-layout kernels below (`awq_linear`: `awq_gemv`, `awq_gemm`,
 
 Contract: identical to kernels/awq_ref.py:awq_linear / awq_linear_k (the oracles). Written
 for Triton >= 3.0 (checked with 3.6 on the H200 and 3.9 locally, also under
-TRITON_INTERPRET=1): plain loads, `tl.join`/`tl.reshape`, `tl.dot`, `tl.atomic_add`; no
+TRITON_INTERPRET=1): plain loads, `tl.join`/`tl.reshape`/`tl.permute`, `tl.dot`,
+`tl.atomic_add`; no
 descriptors, no autotune, no inline assembly. benchmarks/awq_sm90_compile.py compiles them for
 sm_90 without a GPU.
 
@@ -30,13 +30,12 @@ AWQ-layout paths (M = tokens):
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
+from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k, check_gemv_args
 from hisparse_cli.kernels.awq_ref import check_awq_tensors
 
 GEMV_MAX_TOKENS = awq_layout.GEMV_MAX_TOKENS
@@ -148,13 +147,6 @@ def _awq_dequant_kernel(qw_ptr, qz_ptr, s_ptr, w_ptr, N, W, n0, stride_wk,
                       GROUP, w_ptr.dtype.element_ty)
     tl.store(w_ptr + (k0 + offs_k)[:, None] * stride_wk + offs_out[None, :], w,
              mask=mask_n[None, :])
-
-
-@lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter runs on CPU tensors: any small number exercises split-K
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(x2: torch.Tensor, qweight, qzeros, scales, bias, group_size: int, block_k: int):
@@ -273,122 +265,9 @@ def awq_linear(x, qweight, qzeros, scales, bias, group_size):
 
 
 # == K-major layout (kernels/awq_layout.py): what AWQLinear holds on CUDA ======================
-# qweight_k int32 [N, K/8]: word (n, w) holds q[8w + i, n] at bits 4i. A row of words is
-# contiguous along K, so a [BLOCK_N, BLOCK_KW] word tile loads with 16-byte coalesced loads,
-# each word exactly once, and all 8 nibbles of a word feed the same output column.
-
-MAGIC_F32 = 0x4B000000  # bits of 2^23: (m | MAGIC) read as fp32 is 2^23 + m for m < 2^23
-
-
-@triton.jit
-def _awq_gemv_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, N, KW, W8,
-                       stride_xm, stride_ym, stride_ys, KW_PER_SPLIT,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                       PREFETCH: tl.constexpr, NIBBLES: tl.constexpr):
-    """y[m, n] (+)= sum_k x[m, k] w[k, n] over this program's K range (a multiple of BLOCK_KW).
-
-    A loop step covers BLOCK_KW words (8 * BLOCK_KW <= GROUP: one quantization group), so z
-    and s are one value per row and step: acc += s * (sum_k x_k q_k - z * sum_k x_k).
-    Nibbles become exact fp32 without an int->float conversion. NIBBLES 0: shift, mask, OR
-    2^23's bits, subtract 2^23. 1: masked in place (no shift; one LOP3), nibble i % 4 of the
-    low / high half-word reads as q 16^j (j = i % 4) after the 2^23 trick, x_i pre-scaled by
-    16^-j. 2: masked in place and read directly as the fp32 subnormal q 16^j 2^-149 (no OR,
-    no subtraction: 2 instructions a nibble), x_i pre-scaled by 2^100 16^-j and the sum by
-    2^49; exact powers of two, and fp32 keeps subnormals here (PTX without .ftz).
-    PREFETCH loads the next step's words before this step's arithmetic (two tiles in flight).
-    PARTIAL: fp32 partial sums to y + pid_k * stride_ys (no bias) for the split-K reduction.
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = tl.where(mask_n, offs_n, 0)  # clamped: loads need no mask
-    offs_w = tl.arange(0, BLOCK_KW)
-    jn = rows % 8
-    zshift = (4 * (jn % 2) + jn // 2) * 4  # zero points stay in the AWQ nibble order
-    w_row = qt_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
-    x_row = x_ptr + m * stride_xm
-    w_start = pid_k * KW_PER_SPLIT
-    w_stop = w_start + KW_PER_SPLIT
-    acc = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-    if PREFETCH:
-        words_next = tl.load(w_row + (w_start + offs_w)[None, :])
-    for w0 in range(w_start, w_stop, BLOCK_KW):
-        kw = w0 + offs_w
-        if PREFETCH:
-            words = words_next
-            nxt = tl.minimum(w0 + BLOCK_KW, w_stop - BLOCK_KW)  # last step reloads its tile
-            words_next = tl.load(w_row + (nxt + offs_w)[None, :])
-        else:
-            words = tl.load(w_row + kw[None, :])  # [BN, BKW] int32
-        g = (w0 * 8) // GROUP
-        z = ((tl.load(qz_ptr + g * W8 + rows // 8) >> zshift) & 0xF).to(tl.float32)  # [BN]
-        s = tl.load(s_ptr + g * N + rows).to(tl.float32)  # [BN]
-        hi = words >> 16
-        t = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-        xs = tl.zeros((BLOCK_KW,), dtype=tl.float32)
-        for i in tl.static_range(8):
-            xi = tl.load(x_row + kw * 8 + i).to(tl.float32)  # [BKW]
-            xs += xi
-            if NIBBLES == 0:  # shift, mask, 2^23 trick
-                qm = ((words >> (4 * i)) & 0xF) | 0x4B000000
-                qf = qm.to(tl.float32, bitcast=True) - 8388608.0  # q, exact
-                t += qf * xi[None, :]
-            else:  # masked in place: nibble j = i % 4 of the low / high half-word
-                if i < 4:
-                    src = words
-                else:
-                    src = hi
-                if i % 4 == 0:  # literal constants (no constexpr << or **)
-                    qm = src & 0xF  # 1, 2^100
-                    sc1 = 1.0
-                    sc2 = 1.2676506002282294e30
-                elif i % 4 == 1:
-                    qm = src & 0xF0  # 16^-1, 2^96
-                    sc1 = 0.0625
-                    sc2 = 7.922816251426434e28
-                elif i % 4 == 2:
-                    qm = src & 0xF00  # 2^92
-                    sc1 = 0.00390625
-                    sc2 = 4.951760157141521e27
-                else:
-                    qm = src & 0xF000  # 2^88
-                    sc1 = 0.000244140625
-                    sc2 = 3.094850098213451e26
-                if NIBBLES == 1:  # 2^23 + q 16^j - 2^23 = q 16^j, x_i scaled by 16^-j
-                    qf = (qm | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                    t += qf * (xi * sc1)[None, :]
-                else:  # the masked bits read as the fp32 subnormal q 16^j 2^-149
-                    qf = qm.to(tl.float32, bitcast=True)
-                    t += qf * (xi * sc2)[None, :]
-        if NIBBLES == 2:  # t = q x 2^-49: s 2^49 t is s q x up to rounding (power of two)
-            acc += (s * 562949953421312.0)[:, None] * t - (s * z)[:, None] * xs[None, :]
-        else:
-            acc += s[:, None] * t - (s * z)[:, None] * xs[None, :]
-    out = tl.sum(acc, axis=1)  # [BN]
-    if PARTIAL:
-        tl.store(y_ptr + pid_k * stride_ys + m * stride_ym + offs_n, out, mask=mask_n)
-    else:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, total, N, stride_ps,
-                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[e] = sum_s p[s, e] (+ bias[e % N]) over the flattened [M, N] output, cast once."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for sp in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + sp * stride_ps + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
+# qweight_k int32 [N, K/8]: word (n, w) holds q[32 (w // 4) + 4 i + w % 4, n] at bits 4i. A
+# row of words is contiguous along K, so a [BLOCK_N, BLOCK_KW] word tile loads with 16-byte
+# coalesced loads, each word exactly once. The decode GEMV is kernels/awq_gemv.py.
 
 @triton.jit
 def _dequant_nibble(words, SHIFT: tl.constexpr, s2, sz, dt: tl.constexpr):
@@ -426,64 +305,16 @@ def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, strid
     v5 = _dequant_nibble(words, 20, s2, sz, dt)
     v6 = _dequant_nibble(words, 24, s2, sz, dt)
     v7 = _dequant_nibble(words, 28, s2, sz, dt)
-    # [BN, BKW, 2, 2, 2] with element (a, b, c) at flat position 4a + 2b + c = nibble index
+    # [BN, BKW, 2, 2, 2] with element (a, b, c) at flat position 4a + 2b + c = nibble index i
     v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
                 tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    # word w = 4 r + j, nibble i is K row 32 r + 4 i + j (kernels/awq_layout.py): [BN, r, j, i]
+    # -> [BN, r, i, j] puts every run of 32 K rows in order (a permutation inside a thread)
+    v = tl.permute(tl.reshape(v, (BLOCK_N, BLOCK_KW // 4, 4, 8)), (0, 1, 3, 2))
     v = tl.reshape(v, (BLOCK_N, BLOCK_KW * 8))
     cols = w0 * 8 + tl.arange(0, BLOCK_KW * 8)
     tl.store(w_ptr + offs_out.to(tl.int64)[:, None] * stride_wn + cols[None, :], v,
              mask=mask_n[:, None])
-
-
-def _check_k(x2, qweight_k, qzeros, scales, bias, group_size):
-    n, kw = qweight_k.shape
-    k = kw * 8
-    assert qweight_k.dtype == torch.int32 and qzeros.dtype == torch.int32, "int32 words"
-    assert x2.dim() == 2 and x2.shape[1] == k and x2.stride(1) == 1, \
-        f"x must be [M, {k}] with unit stride in K"
-    assert k % group_size == 0 and group_size % 32 == 0, f"K {k}, group {group_size}"
-    assert qzeros.shape == (k // group_size, n // 8) and scales.shape == (k // group_size, n), \
-        f"qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} for K-major [{n}, {kw}]"
-    assert bias is None or bias.shape == (n,)
-    for t in (qweight_k, qzeros, scales) + (() if bias is None else (bias,)):
-        assert t.is_contiguous(), "qweight/qzeros/scales/bias must be contiguous"
-        assert t.device == x2.device, "tensors on different devices"
-
-
-def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
-               prefetch=True, nibbles=2):
-    """Fused dequant GEMV on the K-major layout for few tokens: x2 [M, K] -> y [M, N].
-
-    config: dict(block_n, block_kw, split, num_warps); default awq_layout.gemv_config.
-    split > 1: fp32 partials [split, M, N] then one reduction kernel (deterministic).
-    """
-    _check_k(x2, qweight_k, qzeros, scales, bias, group_size)
-    (m, k), (n, kw) = x2.shape, qweight_k.shape
-    cfg = config or awq_layout.gemv_config(m, k, n, group_size, _sm_count(x2.device))
-    bn, bkw, split, warps = cfg["block_n"], cfg["block_kw"], cfg["split"], cfg["num_warps"]
-    assert kw % (bkw * split) == 0, f"{kw} words of K not a multiple of {bkw} x split {split}"
-    assert (group_size // 8) % bkw == 0, f"block_kw {bkw} must divide the group's words"
-    grid = (triton.cdiv(n, bn), split, m)
-    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    has_bias = bias is not None
-    if split == 1:
-        _awq_gemv_k_kernel[grid](
-            x2, qweight_k, qzeros, scales, bias if has_bias else scales, y, n, kw, n // 8,
-            x2.stride(0), y.stride(0), 0, kw, GROUP=group_size, BLOCK_N=bn, BLOCK_KW=bkw,
-            HAS_BIAS=has_bias, PARTIAL=False, PREFETCH=prefetch, NIBBLES=nibbles,
-            num_warps=warps)
-        return y
-    part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
-    _awq_gemv_k_kernel[grid](
-        x2, qweight_k, qzeros, scales, scales, part, n, kw, n // 8, x2.stride(0),
-        part.stride(1), part.stride(0), kw // split, GROUP=group_size, BLOCK_N=bn,
-        BLOCK_KW=bkw, HAS_BIAS=False, PARTIAL=True, PREFETCH=prefetch, NIBBLES=nibbles,
-        num_warps=warps)
-    block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-        part, bias if has_bias else scales, y, m * n, n, part.stride(0), SPLIT=split,
-        HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
-    return y
 
 
 def awq_dequantize_k(qweight_k, qzeros, scales, group_size, dtype, *, n0=0, n1=None, out=None,
@@ -509,7 +340,7 @@ def awq_dequantize_k(qweight_k, qzeros, scales, group_size, dtype, *, n0=0, n1=N
 
 def awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size):
     """Dequantize W^T (in row chunks of at most DEQUANT_CHUNK_ELEMS) then cuBLAS x @ W^T.T."""
-    _check_k(x2, qweight_k, qzeros, scales, bias, group_size)
+    check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
     (m, k), n = x2.shape, qweight_k.shape[0]
     chunk = awq_layout.dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS_K)
     if chunk >= n:

@@ -1,0 +1,199 @@
+"""Triton INT4 (AWQ) decode GEMV on the K-major run-time layout: y [M, N] = x [M, K] @ W for
+M <= GEMV_MAX_TOKENS tokens (kernels/awq_layout.py owns the layout and the launch table).
+
+Version 3 (v2, the natural-nibble-order kernel of H200 run 4, lives on as the baseline in
+benchmarks/awq_gemv_v2.py). What changed and why:
+- Layout: a word's nibble i holds K index 32 (w // 4) + 4 i + w % 4 (w = word index in its
+  row), so for a fixed nibble the 4 words of one 16-byte load need 4 *consecutive* x values:
+  one 8-byte load per nibble and token instead of v2's four 2-byte gathers (v2's SASS: 32
+  scalar x loads against 4 LDG.128 of weights per loop step).
+- All M tokens in one program: the weight tile is loaded once and feeds M accumulators
+  (v2 launched one program per token and re-read W per token).
+- Pipelining by the compiler (`tl.range(num_stages=...)`) instead of a hand-written prefetch.
+
+Per loop step a program loads a [BLOCK_N, BLOCK_KW] word tile (BLOCK_KW words of one group,
+16-byte loads coalesced along K), z and s of its rows once, and for each nibble i masks it in
+place: bits 16^j..16^(j+1) of a half-word read as the fp32 subnormal q 16^j 2^-149 (PTX
+without .ftz keeps subnormals), x pre-scaled by the exact power of two 2^100 16^-j; the sum
+is rescaled by 2^49 with s. Two instructions a nibble (LOP3 + FFMA); fp32 accumulation.
+Split-K (SPLIT > 1) writes fp32 partials [SPLIT, M, N] and one reduction kernel sums them in
+a fixed order: deterministic, no atomics, same buffers every call (CUDA-graph capturable).
+
+Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); no
+inline assembly, descriptors or autotuning. benchmarks/awq_sm90_compile.py compiles it for
+sm_90 without a GPU.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from hisparse_cli.kernels import awq_layout
+
+@triton.jit
+def _token_term(words, hi, xp, s49, sz):
+    """[BN, BKW] contribution s (q - z) x of one loop step for one token, before the sum
+    over the words: xp [BKW] points at the x of nibble 0 of each word (nibble i: + 4 i)."""
+    x0 = tl.load(xp).to(tl.float32)
+    x1 = tl.load(xp + 4).to(tl.float32)
+    x2 = tl.load(xp + 8).to(tl.float32)
+    x3 = tl.load(xp + 12).to(tl.float32)
+    x4 = tl.load(xp + 16).to(tl.float32)
+    x5 = tl.load(xp + 20).to(tl.float32)
+    x6 = tl.load(xp + 24).to(tl.float32)
+    x7 = tl.load(xp + 28).to(tl.float32)
+    # nibble j of a half-word masked in place reads as the fp32 subnormal q 16^j 2^-149; x is
+    # scaled by 2^100 16^-j (literals: no float constexpr arithmetic), so t = q x 2^-49
+    t = (words & 0xF).to(tl.float32, bitcast=True) * (x0 * 1.2676506002282294e30)[None, :]
+    t += (words & 0xF0).to(tl.float32, bitcast=True) * (x1 * 7.922816251426434e28)[None, :]
+    t += (words & 0xF00).to(tl.float32, bitcast=True) * (x2 * 4.951760157141521e27)[None, :]
+    t += (words & 0xF000).to(tl.float32, bitcast=True) * (x3 * 3.094850098213451e26)[None, :]
+    t += (hi & 0xF).to(tl.float32, bitcast=True) * (x4 * 1.2676506002282294e30)[None, :]
+    t += (hi & 0xF0).to(tl.float32, bitcast=True) * (x5 * 7.922816251426434e28)[None, :]
+    t += (hi & 0xF00).to(tl.float32, bitcast=True) * (x6 * 4.951760157141521e27)[None, :]
+    t += (hi & 0xF000).to(tl.float32, bitcast=True) * (x7 * 3.094850098213451e26)[None, :]
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BKW]
+    return s49[:, None] * t - sz[:, None] * xs[None, :]
+
+
+@triton.jit
+def _store_row(y_ptr, acc, b_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """One token's output row: the sum over the words of acc [BN, BKW] (+ bias unless a
+    split-K partial, kept in fp32)."""
+    out = tl.sum(acc, axis=1)
+    if PARTIAL:
+        tl.store(y_ptr + offs_n, out, mask=mask_n)
+    else:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, N, KW, W8,
+                     stride_xm, stride_ym, stride_ys, KW_PER_SPLIT,
+                     GROUP: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """y[m, n] (+)= sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
+    (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
+    row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
+    layout (a 3-D [M, BN, BKW] tile made Triton convert layouts through shared memory).
+    PARTIAL: fp32 partial sums to y + pid_k * stride_ys, no bias (split-K)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = tl.where(mask_n, offs_n, 0)  # clamped: weight loads need no mask
+    offs_w = tl.arange(0, BLOCK_KW)
+    x_off = (offs_w // 4) * 32 + offs_w % 4  # K index of nibble 0 of each word (+ 4 i)
+    jn = rows % 8
+    zshift = (4 * (jn % 2) + jn // 2) * 4  # zero points stay in the AWQ nibble order
+    w_row = qt_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
+    w_start = pid_k * KW_PER_SPLIT
+    acc0 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    for w0 in tl.range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
+        words = tl.load(w_row + (w0 + offs_w)[None, :])  # [BN, BKW] int32
+        g = (w0 * 8) // GROUP
+        z = ((tl.load(qz_ptr + g * W8 + rows // 8) >> zshift) & 0xF).to(tl.float32)  # [BN]
+        s = tl.load(s_ptr + g * N + rows).to(tl.float32)  # [BN]
+        s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
+        sz = s * z
+        hi = words >> 16
+        xp = x_ptr + w0 * 8 + x_off  # [BKW]
+        acc0 += _token_term(words, hi, xp, s49, sz)
+        if M > 1:
+            acc1 += _token_term(words, hi, xp + stride_xm, s49, sz)
+        if M > 2:
+            acc2 += _token_term(words, hi, xp + 2 * stride_xm, s49, sz)
+        if M > 3:
+            acc3 += _token_term(words, hi, xp + 3 * stride_xm, s49, sz)
+    if PARTIAL:
+        y_ptr += pid_k * stride_ys
+    _store_row(y_ptr, acc0, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+    if M > 1:
+        _store_row(y_ptr + stride_ym, acc1, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+    if M > 2:
+        _store_row(y_ptr + 2 * stride_ym, acc2, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+    if M > 3:
+        _store_row(y_ptr + 3 * stride_ym, acc3, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, total, N, stride_ps,
+                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[e] = sum_s p[s, e] (+ bias[e % N]) over the flattened [M, N] output, cast once."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for sp in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + sp * stride_ps + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size):
+    """Assert the K-major GEMV/dequantize contract: x2 [M, K] unit stride in K, qweight_k
+    int32 [N, K/8], qzeros int32 [K/group, N/8], scales [K/group, N], bias [N] or None."""
+    n, kw = qweight_k.shape
+    k = kw * 8
+    assert qweight_k.dtype == torch.int32 and qzeros.dtype == torch.int32, "int32 words"
+    assert x2.dim() == 2 and x2.shape[1] == k and x2.stride(1) == 1, \
+        f"x must be [M, {k}] with unit stride in K"
+    assert k % group_size == 0 and group_size % 32 == 0, f"K {k}, group {group_size}"
+    assert qzeros.shape == (k // group_size, n // 8) and scales.shape == (k // group_size, n), \
+        f"qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} for K-major [{n}, {kw}]"
+    assert bias is None or bias.shape == (n,)
+    for t in (qweight_k, qzeros, scales) + (() if bias is None else (bias,)):
+        assert t.is_contiguous(), "qweight/qzeros/scales/bias must be contiguous"
+        assert t.device == x2.device, "tensors on different devices"
+
+
+def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None):
+    """Fused dequant GEMV on the K-major layout: x2 [M, K] (M <= 4) -> y [M, N] in x2's dtype.
+
+    config: awq_layout.GemvConfig; default awq_layout.gemv_config (the H200 table).
+    split > 1: fp32 partials [split, M, N] then one reduction kernel (deterministic).
+    """
+    check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
+    (m, k), (n, kw) = x2.shape, qweight_k.shape
+    assert 1 <= m <= awq_layout.GEMV_MAX_TOKENS, f"{m} tokens: the GEMV takes 1..4"
+    cfg = config or awq_layout.gemv_config(m, k, n, group_size, _sm_count(x2.device))
+    bkw, split = cfg.block_kw, cfg.split
+    assert (group_size // 8) % bkw == 0 and bkw % 4 == 0, \
+        f"block_kw {bkw}: a multiple of 4 words dividing the group's {group_size // 8}"
+    assert kw % (bkw * split) == 0, f"{kw} words of K not a multiple of {bkw} x split {split}"
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    has_bias = bias is not None
+    common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n,
+                  BLOCK_KW=bkw, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    if split == 1:
+        _awq_gemv_kernel[grid](x2, qweight_k, qzeros, scales, bias if has_bias else scales, y,
+                               n, kw, n // 8, x2.stride(0), y.stride(0), 0, kw,
+                               HAS_BIAS=has_bias, PARTIAL=False, **common)
+        return y
+    part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
+    _awq_gemv_kernel[grid](x2, qweight_k, qzeros, scales, scales, part, n, kw, n // 8,
+                           x2.stride(0), part.stride(1), part.stride(0), kw // split,
+                           HAS_BIAS=False, PARTIAL=True, **common)
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, bias if has_bias else scales, y, m * n, n, part.stride(0), SPLIT=split,
+        HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+    return y
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter runs on CPU tensors: any small number exercises split-K
+    return torch.cuda.get_device_properties(device).multi_processor_count
