@@ -14,20 +14,21 @@ from hisparse_cli.planner_trace import StepShape, SubPeak, Trace, cos_sin, linea
 
 # -- one decoder layer and the whole forward -------------------------------------------------
 def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool, last_only: bool = False) -> int:
+    """The engine's model has q|k|v stacked in one linear (model/llama.py:fuse_projections;
+    a mixed AWQ checkpoint that keeps some pieces apart is not modelled): q, k and v are
+    views of its output, which lives until the layer's attention ends."""
     t, hs, qd, kd = a.t, s.hidden, s.hq * s.d, s.hkv * s.d
     h = rms_norm(tr, s, "norm", t, hs)
-    q = linear(tr, s, "attn.q", t, hs, qd, s.awq, s.qkv_bias)
-    k = linear(tr, s, "attn.k", t, hs, kd, s.awq, s.qkv_bias)
-    v = linear(tr, s, "attn.v", t, hs, kd, s.awq, s.qkv_bias)
+    qkv = linear(tr, s, "attn.qkv", t, hs, qd + 2 * kd, s.awq, s.qkv_bias)
     if s.qk_norm:
         q2 = rms_norm(tr, s, "attn.q", t * s.hq, s.d)
         k2 = rms_norm(tr, s, "attn.k", t * s.hkv, s.d)
-        tr.free(q, k)
-        q, k = q2, k2
-    q2 = rope(tr, s, "attn.q", t, s.hq)
-    k2 = rope(tr, s, "attn.k", t, s.hkv)
-    tr.free(q, k)
-    q, k = q2, k2
+        q = rope(tr, s, "attn.q", t, s.hq)
+        k = rope(tr, s, "attn.k", t, s.hkv)
+        tr.free(q2, k2)
+    else:  # one RoPE over the q and k heads; q and k are views of its output
+        q, k = rope(tr, s, "attn.qk", t, s.hq + s.hkv), -1
+    v = qkv
     if s.backend == "torch" and s.kvb != s.cb:  # store_kv: k.to(cache dtype), then v
         tr.free(tr.alloc("attn.store", t * kd * s.kvb))
     if s.backend == "triton" and s.min_distance > 0:
@@ -61,9 +62,9 @@ def layer_peak(s: StepShape, a: AttnStep, first: bool = False, last_only: bool =
     x2 = tr.alloc("residual", t * hs * cb)
     tr.free(att)
     h2 = rms_norm(tr, s, "norm", t, hs)
-    g = linear(tr, s, "mlp.gate", t, hs, s.inter, s.awq, s.mlp_bias)  # silu in place
-    u = linear(tr, s, "mlp.up", t, hs, s.inter, s.awq, s.mlp_bias)
-    tr.free(u)  # g.mul_(u) in place
+    # gate|up stacked in one linear: silu and the product in place in its gate half, which
+    # down_proj reads as a strided view
+    g = linear(tr, s, "mlp.gate_up", t, hs, 2 * s.inter, s.awq, s.mlp_bias)
     d = linear(tr, s, "mlp.down", t, s.inter, hs, s.awq, s.mlp_bias)
     tr.free(g, h2)
     tr.alloc("residual", t * hs * cb)

@@ -80,12 +80,15 @@ def make_tiny_llama(path, seed=0, **over):
 def test_mixed_checkpoint_matches_hf_with_decoded_weights(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from hisparse_cli.model.llama import forward_full
+    from hisparse_cli.model.llama import forward_full, fuse_projections
     from hisparse_cli.model.loader import load_model
 
     hf = make_tiny_llama(tmp_path / "fp")
     tensors = load_file(str(tmp_path / "fp" / "model.safetensors"))
-    quantized = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+    quantized = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                 "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.gate_proj",
+                 "model.layers.0.mlp.up_proj",
+                 "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
                  "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.up_proj", "lm_head"]
     group = 32
     for prefix in quantized:
@@ -101,17 +104,30 @@ def test_mixed_checkpoint_matches_hf_with_decoded_weights(tmp_path):
               metadata={"format": "pt"})
     cfg = json.loads((tmp_path / "fp" / "config.json").read_text())
     cfg["quantization_config"] = {**PUBLISHED, "group_size": group,
-                                  "modules_to_not_convert": ["self_attn.k_proj"]}
+                                  "modules_to_not_convert": ["layers.1.self_attn.k_proj"]}
     (out / "config.json").write_text(json.dumps(cfg))
     model, _ = load_model(out, "cpu", torch.float32)
     assert isinstance(model.get_submodule("lm_head"), AWQLinear)
     assert isinstance(model.get_submodule("model.layers.1.self_attn.v_proj"), AWQLinear)
-    assert not isinstance(model.get_submodule("model.layers.0.self_attn.q_proj"), AWQLinear)
+    assert not isinstance(model.get_submodule("model.layers.1.self_attn.k_proj"), AWQLinear)
     ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expect = hf(ids[None]).logits[0]
     got = forward_full(model, ids)
     assert torch.allclose(got, expect, atol=2e-4, rtol=1e-4), float((got - expect).abs().max())
+    # stacked q|k|v and gate|up (what the engine loads): AWQ groups are stacked, the mixed
+    # ones of layer 1 (fp16 k_proj / gate_proj beside INT4 pieces) stay separate; the same
+    # logits whether the loader stacks them or fuse_projections does it in memory
+    fused, _ = load_model(out, "cpu", torch.float32, fuse=True)
+    l0, l1 = fused.model.layers
+    assert isinstance(l0.self_attn.qkv_proj, AWQLinear) and l0.self_attn.q_proj is None
+    assert isinstance(l0.mlp.gate_up_proj, AWQLinear)
+    assert l1.self_attn.qkv_proj is None and l1.mlp.gate_up_proj is None
+    assert isinstance(l1.self_attn.v_proj, AWQLinear)
+    assert torch.allclose(forward_full(fused, ids), got, atol=1e-5, rtol=1e-5)
+    in_memory = fuse_projections(model)
+    assert isinstance(in_memory.model.layers[0].self_attn.qkv_proj, AWQLinear)
+    assert torch.allclose(forward_full(in_memory, ids), got, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

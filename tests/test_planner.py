@@ -289,10 +289,11 @@ def test_8b_at_128k_on_h200_by_hand():
     lh = 32 * 8  # layers x KV heads; 512 slots: K, V fp16 [128] + pos int64, mass, seen fp32
     assert items["kv.global_slots"] == items["kv.candidate_slots"] == lh * 512 * (
         2 * 128 * 2 + 8 + 4 + 4) == 66 * MiB
-    # MLP gate and up [2048, 14336] fp16 (silu and product in place), the layer's input and
-    # residual [2048, 4096] fp16, the normed input, RoPE cos/sin [2048, 128] fp16
+    # at down_proj: the stacked gate|up output [2048, 2 x 14336] fp16 (silu and product in
+    # place in its gate half) and down's output [2048, 4096], the layer's input and residual
+    # [2048, 4096] fp16, the normed input, RoPE cos/sin [2048, 128] fp16
     assert "forward" in plan.peak_when
-    assert items["activations.at_peak"] == (2 * 56 + 2 * 16 + 16 + 1) * MiB
+    assert items["activations.at_peak"] == (2 * 56 + 16 + 2 * 16 + 16 + 1) * MiB
     shorter = plan_memory(shape_config("llama-3-8b"), context_tokens=32768, **base)
     ids = (131008 * 8 // 512) * 512, -(-32768 * 8 // 512) * 512
     assert plan.peak_allocated_bytes - shorter.peak_allocated_bytes == ids[0] - ids[1]

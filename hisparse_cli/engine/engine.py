@@ -23,7 +23,7 @@ from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.engine.sampling import Sampler
 from hisparse_cli.kernels.dispatch import select_backend
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.model.llama import CausalLM
+from hisparse_cli.model.llama import CausalLM, fuse_projections
 from hisparse_cli.model.loader import load_model
 
 Progress = Callable[[str, int, int], None]  # (phase "prefill"|"decode", done, total)
@@ -81,7 +81,8 @@ class Engine:
                  device: torch.device, kv_dtype: torch.dtype, path: Path | None = None,
                  pool_cap_blocks: int | None = None, backend: str | None = None,
                  probe=None) -> None:
-        self.model, self.cfg, self.sparse, self.device = model, cfg, sparse, device
+        # q|k|v and gate|up as one matmul each (from_pretrained's loader already did it)
+        self.model, self.cfg, self.sparse, self.device = fuse_projections(model), cfg, sparse, device
         self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)
@@ -95,7 +96,7 @@ class Engine:
                         probe=None) -> "Engine":
         device = torch.device(device)
         model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host,
-                                decode_layout=True)
+                                decode_layout=True, fuse=True)
         if kv_dtype is None:
             kv_dtype = torch.float16 if device.type == "cuda" and dtype == torch.float16 else dtype
         return cls(model, cfg, sparse=sparse or SparseConfig(), device=device, kv_dtype=kv_dtype,

@@ -51,18 +51,35 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # set by the loader when it fuses the projections (then q/k/v_proj are None)
+        self.qkv_proj: nn.Module | None = None
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        if self.qkv_proj is None:
+            q = self.q_proj(x).view(t, hq, d)  # q: [T, Hq, D]
+            k = self.k_proj(x).view(t, hkv, d)  # k: [T, Hkv, D]
+            v = self.v_proj(x).view(t, hkv, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # one matmul for q, k and v; q, k, v are views of its output [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        if self.q_norm is not None:
+            q = self.q_norm(qkv[:, :hq * d].view(t, hq, d))
+            k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d))
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # no q/k norm: one RoPE over the q and k heads together
+        qk = apply_rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+        return qk[:, :hq], qk[:, hq:], v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext, last_only: bool = False) -> torch.Tensor:
         t = x.shape[0]
         if getattr(ctx, "wants_hidden", False):  # learned importance probe reads hidden states
             ctx.observe(self.layer, x)
-        q = self.q_proj(x).view(t, self.hq, self.d)  # q: [T, Hq, D]
-        k = self.k_proj(x).view(t, self.hkv, self.d)  # k: [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         out = ctx.attend(self.layer, q, k, v)  # [T, Hq, D]
         if last_only:  # every K/V is stored; only the last position's output is used
             out, t = out[-1:], 1
@@ -76,9 +93,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hs, im, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(hs, im, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(im, hs, bias=cfg.mlp_bias)
+        self.im = im
+        # set by the loader when it fuses gate and up (then gate_proj/up_proj are None)
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu and the product in place: two [T, intermediate] temporaries at a time, not three
+        if self.gate_up_proj is not None:  # one matmul; the product lands in its gate half
+            gu = self.gate_up_proj(x)
+            h = F.silu(gu[..., :self.im], inplace=True)
+            h.mul_(gu[..., self.im:])
+            return self.down_proj(h)
         h = F.silu(self.gate_proj(x), inplace=True)
         h.mul_(self.up_proj(x))
         return self.down_proj(h)
@@ -95,8 +120,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, ctx, last_only: bool = False):
         """last_only: return only the last position's output (the last layer of a step that
         needs one logit row: its K/V are stored for every position, the rest is skipped)."""
-        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx, last_only)
-        x = x[-1:] + h if last_only else x + h
+        # the attention output dies with the residual add (not held through the MLP)
+        x = (x[-1:] if last_only else x) + self.self_attn(self.input_layernorm(x), cos, sin, ctx,
+                                                          last_only)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -174,6 +200,68 @@ class DenseCausalContext:
             mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.window)
             out = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask)
         return out.transpose(0, 1)
+
+
+FUSIONS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def _stack_linears(lins: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output stacks those of `lins` (all nn.Linear or all AWQLinear in
+    one layout, same input size and bias presence), or None where they differ."""
+    from hisparse_cli.model.awq import AWQLinear
+
+    kinds = {(type(m), getattr(m, "layout", None), m.bias is not None, m.in_features) for m in lins}
+    if len(kinds) != 1:
+        return None
+    bias = torch.cat([m.bias for m in lins]) if lins[0].bias is not None else None
+    if isinstance(lins[0], AWQLinear):
+        if len({m.group_size for m in lins}) != 1:
+            return None
+        fused = AWQLinear.__new__(AWQLinear)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.group_size = lins[0].in_features, lins[0].group_size
+        fused.out_features = sum(m.out_features for m in lins)
+        fused.layout = lins[0].layout
+        # AWQ layout qweight [in, out/8]: outputs along dim 1; K-major [out, in/8]: dim 0
+        fused.register_buffer("qweight", torch.cat([m.qweight for m in lins],
+                                                   dim=0 if fused.layout == "kmajor" else 1))
+        fused.register_buffer("qzeros", torch.cat([m.qzeros for m in lins], dim=1))
+        fused.register_buffer("scales", torch.cat([m.scales for m in lins], dim=1))
+        fused.register_buffer("bias", bias)
+        return fused
+    if type(lins[0]) is not nn.Linear:
+        return None
+    w0 = lins[0].weight
+    input_major = w0.dim() == 2 and w0.stride(0) == 1 and w0.stride(1) != 1  # loader.converted
+    w = (torch.cat([m.weight.t() for m in lins], dim=1).t() if input_major
+         else torch.cat([m.weight for m in lins], dim=0))
+    with torch.device("meta"):
+        fused = nn.Linear(lins[0].in_features, w.shape[0], bias=bias is not None)
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
+@torch.no_grad()
+def fuse_projections(model: CausalLM) -> CausalLM:
+    """Stack q|k|v and gate|up of every layer into one linear each (in place; a no-op for a
+    model the loader already fused): one matmul instead of three and two, the same bytes.
+    Each group's pieces are freed as its stacked copy is made, so the transient is one
+    group. Groups whose pieces differ (a mixed AWQ checkpoint) stay separate."""
+    for layer in model.model.layers:
+        for sub, attr, parts in FUSIONS:
+            parent = getattr(layer, sub)
+            if getattr(parent, attr) is not None:
+                continue
+            fused = _stack_linears([getattr(parent, p) for p in parts])
+            if fused is None:
+                continue
+            setattr(parent, attr, fused)
+            for p in parts:
+                setattr(parent, p, None)
+    return model
 
 
 @torch.inference_mode()

@@ -18,6 +18,9 @@ from hisparse_cli.model.llama import CausalLM
 
 LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# fused at load time (Engine): (submodule, fused attribute, the checkpoint linears it stacks)
+FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+         ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -109,11 +112,63 @@ def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, a
         _set_param(lin, "bias", tensors.get(f"{prefix}.bias").to(device=device, dtype=dtype))
 
 
+def _load_fused(parent: nn.Module, attr: str, parts: tuple[str, ...], pre: str, tensors: _Tensors,
+                awq_cfg, device: torch.device, dtype: torch.dtype, input_major: bool) -> bool:
+    """Load the linears `parts` of `parent` as one linear `attr` whose output stacks theirs
+    (q|k|v, gate|up): one matmul instead of several, the same bytes. The stacked weight is
+    written piece by piece into its final storage (no second full-size temporary). Returns
+    False, loading nothing, where the pieces differ in format or bias (a mixed AWQ checkpoint
+    that left some of them fp16): the caller loads them one by one."""
+    prefixes = [f"{pre}.{p}" for p in parts]
+    quant = {f"{p}.qweight" in tensors for p in prefixes}
+    has_bias = {f"{p}.bias" in tensors for p in prefixes}
+    if len(quant) > 1 or len(has_bias) > 1:
+        return False
+    lins: list[nn.Linear] = [getattr(parent, p) for p in parts]
+    in_f, out_f = lins[0].in_features, sum(lin.out_features for lin in lins)
+    bias = (torch.cat([tensors.get(f"{p}.bias") for p in prefixes]).to(device=device, dtype=dtype)
+            if has_bias == {True} else None)
+    if quant == {True}:
+        if awq_cfg is None:
+            raise ModelError(f"{prefixes[0]} holds INT4 tensors but config.json has no AWQ "
+                             "quantization_config")
+        from hisparse_cli.model.awq import AWQLinear
+
+        # AWQ GEMM tensors are [rows, out/8] / [groups, out]: stacking outputs is a concat
+        cat = {k: torch.cat([tensors.get(f"{p}.{k}") for p in prefixes], dim=1)
+               for k in ("qweight", "qzeros", "scales")}
+        setattr(parent, attr, AWQLinear.from_checkpoint(
+            bias=bias, group_size=awq_cfg.group_size, device=device, dtype=dtype,
+            name=f"{pre}.{attr}", expect=(out_f, in_f), **cat))
+    else:
+        w = torch.empty((in_f, out_f) if input_major else (out_f, in_f), dtype=dtype, device=device)
+        o = 0
+        for p, lin in zip(prefixes, lins):
+            piece = tensors.get(f"{p}.weight")
+            if tuple(piece.shape) != (lin.out_features, in_f):
+                raise ModelError(f"{p}.weight has shape {tuple(piece.shape)}, config implies "
+                                 f"{(lin.out_features, in_f)}")
+            n = lin.out_features
+            (w[:, o:o + n] if input_major else w[o:o + n]).copy_(piece.t() if input_major else piece)
+            o += n
+        with torch.device("meta"):
+            fused = nn.Linear(in_f, out_f, bias=bias is not None)
+        _set_param(fused, "weight", w.t() if input_major else w)
+        if bias is not None:
+            _set_param(fused, "bias", bias)
+        setattr(parent, attr, fused)
+    for p in parts:
+        setattr(parent, p, None)
+    return True
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False,
-               decode_layout: bool = False) -> tuple[CausalLM, ModelConfig]:
+               decode_layout: bool = False, fuse: bool = False) -> tuple[CausalLM, ModelConfig]:
     """decode_layout: on a CPU in float32, store linear weights input-major (`converted`) for
-    faster decode. The engine asks for it; tools that write weights back (quantize) do not."""
+    faster decode. fuse: load q|k|v and gate|up as one linear each (`_load_fused`): fewer,
+    larger matmuls. The engine asks for both; tools that write weights back (quantize) and
+    read the checkpoint's module names do not."""
     folder = Path(path)
     if not folder.is_dir():
         raise ModelError(f"model folder not found: {folder}")
@@ -137,7 +192,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                converted(emb, emb_device, dtype, input_major and tied and not embeddings_on_host))
     for i, layer in enumerate(model.model.layers):
         pre = f"model.layers.{i}"
+        done: set[str] = set()
+        for sub, attr, parts in FUSED if fuse else ():
+            if _load_fused(getattr(layer, sub), attr, parts, f"{pre}.{sub}", tensors, awq_cfg,
+                           device, dtype, input_major):
+                done.update(f"{sub}.{p}" for p in parts)
         for suffix in LINEAR_SUFFIXES:
+            if suffix in done:
+                continue
             sub, attr = suffix.split(".")
             _load_linear(getattr(layer, sub), attr, f"{pre}.{suffix}", tensors, awq_cfg, device, dtype,
                          input_major)
