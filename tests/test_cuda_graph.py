@@ -159,3 +159,48 @@ def test_graph_with_host_embeddings_equals_eager(tmp_path, monkeypatch):
     graph, eager = _both(eng, ids, monkeypatch, max_new_tokens=100, eos_token_ids=(),
                          repetition_penalty=1.1, no_repeat_ngram_size=3)
     assert len(graph.token_ids) == 100 and graph.token_ids == eager.token_ids
+
+
+@pytest.mark.parametrize("window,sinks", [(64, 4), (48, 20), (None, 0)])
+def test_prepare_rebuilds_block_list_only_when_the_span_changes(window, sinks):
+    """GraphDecoder._prepare keeps the padded block list between steps and writes only the
+    position and slot (O(1) Python a token): the static inputs it copies must equal the row
+    built from scratch (visible_blocks + slot_mapping) at every step, across block
+    allocation, eviction (blocks freed and reused) and both pinned double buffers."""
+    from types import SimpleNamespace
+
+    from hisparse_cli.engine import SparseConfig
+    from hisparse_cli.engine.block_pool import BlockPool
+    from hisparse_cli.engine.cuda_graph import PAD_START, GraphDecoder
+    from hisparse_cli.engine.runner import KVRun
+    from hisparse_cli.kernels.dispatch import KernelBackend
+    from hisparse_cli.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 32, "hidden_size": 32,
+                                 "intermediate_size": 64, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "max_position_embeddings": 4096})
+    sparse = SparseConfig(sink_tokens=sinks, window_size=window, global_tokens=0 if window is None
+                          else 4, block_size=16, prefill_chunk=32, recalibrate_topk=4)
+    prompt, new = 70, 120
+    run = KVRun(cfg, sparse, torch.device("cpu"), torch.float32, KernelBackend(), BlockPool(),
+                total_tokens=prompt + new)
+    run.seq.append(prompt)
+    run.seq.evict()
+    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(
+        weight=torch.zeros(1))))
+    dec = GraphDecoder(model, run, prompt + new, capture=False, host_embeddings=False)
+    rebuilt = 0
+    for _ in range(new):
+        p = run.seq.num_tokens
+        version = dec._version
+        dec._prepare()
+        rebuilt += dec._version != version
+        ids, starts = run.seq.visible_blocks(p, 1)
+        pad = dec.nb_max - len(ids)
+        row = [p, run.seq.slot_mapping(p, 1)[0]] + ids + [ids[0]] * pad + starts + [PAD_START] * pad
+        assert dec.dev.tolist() == row, p
+        dec.steps += 1
+        run.seq.evict()
+    assert rebuilt <= new // 16 * 2 + 2  # about once a block, not once a token
+    run.seq.release()

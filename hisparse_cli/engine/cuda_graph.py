@@ -137,6 +137,10 @@ class GraphDecoder:
         self.dev = torch.zeros(n, dtype=torch.int64, device=dev)
         cuda = dev.type == "cuda"
         self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self.host]  # cheap scalar writes
+        self._span: tuple[int, int] | None = None  # visible span the block list was built for
+        self._blocks: torch.Tensor | None = None  # [2 * nb_max] padded ids + starts (host)
+        self._version, self._buf_version = 0, [-1, -1]
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
         if self.host_table:  # the embedded token: host staging row -> static device input
@@ -150,22 +154,37 @@ class GraphDecoder:
         self.steps = 0
 
     def _prepare(self) -> None:
-        """Host bookkeeping for the next position; one pinned copy of the step's inputs."""
+        """Host bookkeeping for the next position; one pinned copy of the step's inputs.
+        O(1) Python per token: the padded block list is rebuilt only when the visible span
+        changes (a new block, or the window's first block moving: once per block_size
+        tokens); otherwise only the position and the slot are written."""
         run, seq = self.run, self.run.seq
         p = seq.num_tokens
         new = seq.append(1)
-        assert run.pool.capacity <= run.cache.capacity, "block ids past the KV storage"
-        run.cache.reset_scores(new)
-        live = run.pool.live * run.cache.bytes_per_block() + run.cache.slot_bytes()
-        run.kv_bytes_peak = max(run.kv_bytes_peak, live)
-        ids, starts = seq.visible_blocks(p, 1)
-        pad = self.nb_max - len(ids)
-        assert pad >= 0, (len(ids), self.nb_max)
-        row = [p, seq.slot_mapping(p, 1)[0]] + ids + [ids[0]] * pad + starts + [PAD_START] * pad
-        buf, done = self.host[self.steps % 2], self.copied[self.steps % 2]
+        if new:
+            assert run.pool.capacity <= run.cache.capacity, "block ids past the KV storage"
+            run.cache.reset_scores(new)
+            live = run.pool.live * run.cache.bytes_per_block() + run.cache.slot_bytes()
+            run.kv_bytes_peak = max(run.kv_bytes_peak, live)
+        span = seq.visible_span(p, 1)
+        if span != self._span:
+            self._span = span
+            ids, starts = seq.visible_blocks(p, 1)
+            pad = self.nb_max - len(ids)
+            assert pad >= 0, (len(ids), self.nb_max)
+            self._blocks = torch.tensor(ids + [ids[0]] * pad + starts + [PAD_START] * pad,
+                                        dtype=torch.int64)
+            self._version += 1
+        k = self.steps % 2
+        buf, done = self.host[k], self.copied[k]
         if done is not None:
             done.synchronize()  # the copy that last read this buffer is done
-        buf.copy_(torch.tensor(row, dtype=torch.int64))
+        if self._buf_version[k] != self._version:
+            buf[2:].copy_(self._blocks)
+            self._buf_version[k] = self._version
+        bs = run.sparse.block_size
+        view = self._host_np[k]
+        view[0], view[1] = p, seq.block_table[p // bs] * bs + p % bs  # position, slot
         self.dev.copy_(buf, non_blocking=True)
         if done is not None:
             done.record()

@@ -25,6 +25,18 @@ import torch
 NEG_INF = float("-inf")
 
 
+def int64_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on `device` without waiting for the device: on CUDA it
+    is staged in pinned memory and copied asynchronously (`torch.tensor(..., device=cuda)`
+    copies from pageable memory, which synchronises the stream: a pipeline drain each call).
+    The device tensor is the same size either way (the memory planner's count)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    # the caching host allocator keeps `host` until the copy is done (an event on the stream)
+    return host.to(device, non_blocking=True)
+
+
 class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, capacity_blocks: int, global_tokens: int = 0,
@@ -69,7 +81,7 @@ class PagedKVCache:
 
     def reset_scores(self, blocks: list[int]) -> None:
         if self.score is not None and blocks:
-            self.score[:, torch.tensor(blocks, device=self.device)] = 0.0
+            self.score[:, int64_to_device(blocks, self.device)] = 0.0
 
     def add_key_mass(self, layer: int, block_ids: torch.Tensor, key_mass: torch.Tensor) -> None:
         # key_mass: [Hkv, nb*bs] -> score[layer][block, offset, head]
@@ -119,9 +131,9 @@ class PagedKVCache:
         if self.C == 0 or not physical:
             return
         L, H, D, bs, C = self.L, self.H, self.D, self.bs, self.C
-        ids = torch.tensor(physical, device=self.device)
+        ids = int64_to_device(physical, self.device)
         n = len(physical) * bs
-        pos = (torch.tensor(starts, device=self.device)[:, None]
+        pos = (int64_to_device(starts, self.device)[:, None]
                + torch.arange(bs, device=self.device)[None, :]).reshape(-1)
         pos = pos.masked_fill(pos < self.sinks, -1)[None, None, :].expand(L, H, -1)
         if self.score is not None:

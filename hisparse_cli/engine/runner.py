@@ -14,7 +14,7 @@ import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.engine.config import SparseConfig
-from hisparse_cli.engine.kv_cache import PagedKVCache
+from hisparse_cli.engine.kv_cache import PagedKVCache, int64_to_device
 from hisparse_cli.engine.sparsity import SparseSequence
 from hisparse_cli.kernels.dispatch import KernelBackend
 from hisparse_cli.model.config import ModelConfig
@@ -27,10 +27,10 @@ class StepContext:
         self.run, self.q_start, self.n = run, q_start, n
         dev = run.device
         seq = run.seq
-        self.slots = torch.tensor(seq.slot_mapping(q_start, n), dtype=torch.int64, device=dev)
+        self.slots = int64_to_device(seq.slot_mapping(q_start, n), dev)  # no host sync
         ids, starts = seq.visible_blocks(q_start, n)
-        self.block_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        self.block_starts = torch.tensor(starts, dtype=torch.int64, device=dev)
+        self.block_ids = int64_to_device(ids, dev)
+        self.block_starts = int64_to_device(starts, dev)
         self.memo: dict = {}  # per-step values shared by all layers (torch reference)
         self.wants_hidden = run.token_scorer is not None
 

@@ -92,18 +92,27 @@ class SparseSequence:
             out.append(phys * bs + p % bs)
         return out
 
+    def visible_span(self, q_start: int, n: int) -> tuple[int, int]:
+        """(first window block, last block) in logical indices: with the sink blocks they make
+        `visible_blocks`, so two steps with the same span read the same blocks (O(1); the
+        graph decoder rebuilds its block list only when this changes)."""
+        bs = self.cfg.block_size
+        last = (q_start + n - 1) // bs
+        if self.window is None:
+            return 0, last
+        lo = max(self.sinks, q_start - self.window + 1)
+        return min(lo, q_start + n - 1) // bs, last
+
     def visible_blocks(self, q_start: int, n: int) -> tuple[list[int], list[int]]:
         """(physical ids, start positions) of blocks holding keys any query in
         [q_start, q_start + n) may see, in position order (sinks first, then the window)."""
         bs = self.cfg.block_size
-        last = (q_start + n - 1) // bs
+        first, last = self.visible_span(q_start, n)
         if self.window is None:
             logical = range(0, last + 1)
         else:
-            lo = max(self.sinks, q_start - self.window + 1)
             sink_blocks = range(0, min(cdiv(self.sinks, bs), last + 1))
-            win_blocks = range(min(lo, q_start + n - 1) // bs, last + 1)
-            logical = sorted(set(sink_blocks) | set(win_blocks))
+            logical = sorted(set(sink_blocks) | set(range(first, last + 1)))
         phys, starts = [], []
         for b in logical:
             p = self.block_table[b]

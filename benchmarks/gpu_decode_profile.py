@@ -1,0 +1,516 @@
+"""Where a decode token's time goes, and what importance scoring costs (issue 4, GPU path).
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_decode_profile.py [--out DIR] [--time-budget 230]
+        [--contexts 32768,131072] [--decode-tokens 96] [--profile-steps 32] [--smoke]
+
+Llama-3-8B-shaped model with random fp16 weights built on the device (benchmarks/gpu_engine.py's
+`build_ours`: no download), the `h200-141g` profile's sparse settings (window 4096, 512 globals,
+chunk 1024, recalibration every 1024), CUDA-graph decode, greedy with min_new_tokens (no EOS).
+Per context:
+  (a) `Engine.generate` as the benchmarks call it: prefill and decode tok/s (decode includes
+      building, warming up and capturing the graph at the first step, as users pay it).
+  (b) the same decode loop as `Engine._decode_graph`, instrumented: the first step (eager
+      warm-up + capture) alone; then per token the wall time, the GPU time of the graph replay
+      (CUDA events around `graph.replay()`), the GPU time between replays (sampler, eviction,
+      input copy and any idle gap), and the host time of each part (sampler, `_prepare`, the
+      replay launch, `_after_step`, the token read-back every 16 steps).
+  (c) torch.profiler over --profile-steps further steps: top CPU ops by self time, the CUDA
+      runtime calls that wait (stream/event/device synchronize, blocking memcpy, .item()),
+      launches per token.
+  (d) the graph alone: back-to-back replays (pure GPU time a token would take with no host work
+      at all), and one eager decode step under the profiler: kernel count and GPU time by
+      kernel family (GEMM/GEMV, Triton attention/scoring, the rest), how much is in kernels
+      shorter than 5 us (launch/tail-bound small ops a graph does not make cheaper).
+Importance scoring (first context only, prefill only, no decode):
+  (e) prefill with importance="attention" (the profile) vs importance="uniform". "uniform"
+      keeps everything else identical - the same sinks/window/512 globals in attention, the
+      same eviction into candidate slots and recalibration (choosing by position instead of
+      mass) - and only drops the scoring work: the attention kernels' logsumexp + mass
+      kernels, the per-layer score accumulation (`add_key_mass`, `add_global_mass`) and the
+      score tensor's resets. global_tokens=0 would also remove the globals from attention
+      and the recalibration, so it would not isolate scoring. Reported as % of prefill;
+      plus a run timing every recalibration and eviction (synchronised, so that run's
+      total is not used for the ratio), and the graph replay time with "uniform" (scoring's
+      share of a decode step).
+Prints compact tables; writes $OUT/gpu_decode_profile.json (--out, else $OUT, else ./out).
+Every phase runs in try/except and prints its error; phases that would overrun --time-budget
+are skipped with the reason. --smoke: tiny shapes on any device (CPU: torch backend, no graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from gpu_engine import SMOKE, build_ours, environment, free_all, pick_backend, prompt  # noqa: E402
+from hisparse_cli.engine.config import GenerationConfig, SparseConfig  # noqa: E402
+from hisparse_cli.model.config import ModelConfig  # noqa: E402
+from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
+from hisparse_cli.profiles import load_profile  # noqa: E402
+
+T0 = time.perf_counter()
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+            "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def phase(name: str, res: dict, budget: float, need: float, fn, *args):
+    """Run fn unless it would overrun the budget; any error is printed and recorded."""
+    left = budget - (time.perf_counter() - T0)
+    if left < need:
+        res.setdefault("skipped", []).append(f"{name}: ~{need:.0f} s needed, {left:.0f} s left")
+        log("skip " + res["skipped"][-1])
+        return None
+    log(f"{name} ...")
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - recorded; the other phases go on
+        traceback.print_exc()
+        res.setdefault("errors", []).append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+        log(f"{name} FAILED: {type(exc).__name__}: {exc}")
+        return None
+
+
+def us(xs) -> dict:
+    xs = list(xs)
+    if not xs:
+        return {}
+    return {"mean_us": 1e6 * statistics.fmean(xs), "median_us": 1e6 * statistics.median(xs),
+            "max_us": 1e6 * max(xs), "n": len(xs)}
+
+
+class Stamp:
+    """Wraps a bound method: host seconds of each call appended to `times`."""
+
+    def __init__(self, fn, times: list) -> None:
+        self.fn, self.times = fn, times
+
+    def __call__(self, *a, **k):
+        t = time.perf_counter()
+        r = self.fn(*a, **k)
+        self.times.append(time.perf_counter() - t)
+        return r
+
+
+class TimedGraph:
+    """Stands in for the captured CUDAGraph: CUDA events around each replay, host launch time."""
+
+    def __init__(self, graph, launch: list, events: list) -> None:
+        self.graph, self.launch, self.events = graph, launch, events
+
+    def replay(self) -> None:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        a.record()
+        self.graph.replay()
+        b.record()
+        self.launch.append(time.perf_counter() - t)
+        self.events.append((a, b))
+
+
+# -- (a) the engine as benchmarked ----------------------------------------------------------
+def engine_generate(eng, ids, new) -> dict:
+    res = eng.generate(ids, max_new_tokens=new, min_new_tokens=new)
+    s = res.stats
+    return {"prefill_s": s.prefill_seconds, "prefill_tok_s": s.prefill_tok_s,
+            "decode_s": s.decode_seconds, "new_tokens": s.new_tokens,
+            "decode_tok_s_as_gpu_engine": (s.new_tokens - 1) / s.decode_seconds,
+            "recalibrations": s.recalibrations, "peak_bytes": s.peak_memory_bytes}
+
+
+def prefill(eng, run, ids) -> tuple[torch.Tensor, float]:
+    chunk, logits = eng.sparse.prefill_chunk, None
+    sync(eng.device)
+    t0 = time.perf_counter()
+    for s in range(0, ids.numel(), chunk):
+        logits = run.step(eng.model, ids[s:s + chunk])
+    sync(eng.device)
+    return logits, time.perf_counter() - t0
+
+
+# -- (b)-(d) the instrumented decode loop ----------------------------------------------------
+def decode_profile(eng, ids, steps: int, prof_steps: int, replays: int) -> dict:
+    from hisparse_cli.engine.cuda_graph import DeviceSampler, GraphDecoder
+
+    dev, out = eng.device, {}
+    total = steps + prof_steps + 2
+    gen = GenerationConfig(max_new_tokens=total, min_new_tokens=total)
+    eos_t = torch.tensor(sorted(eng.cfg.eos_token_ids or [0]), dtype=torch.int64, device=dev)
+    run, _ = eng.new_run(ids.numel() + total)
+    with torch.inference_mode(), run:
+        logits, out["prefill_s"] = prefill(eng, run, ids)
+        dec = GraphDecoder(eng.model, run, ids.numel() + total)
+        sampler = DeviceSampler(gen, logits.shape[-1], dev)
+        toks = torch.empty(total, dtype=torch.int64, device=dev)
+        host: dict[str, list] = {k: [] for k in ("sample", "prepare", "after_step", "readback",
+                                                 "replay_launch", "step_total")}
+        dec._prepare = Stamp(dec._prepare, host["prepare"])
+        dec._after_step = Stamp(dec._after_step, host["after_step"])
+        events: list = []
+        state = {"i": 0, "read": 0}
+
+        def one() -> torch.Tensor:  # one iteration of Engine._decode_graph's loop
+            nonlocal logits
+            i = state["i"]
+            t0 = time.perf_counter()
+            tok = sampler(logits, eos_t)
+            toks[i:i + 1].copy_(tok)
+            t1 = time.perf_counter()
+            host["sample"].append(t1 - t0)
+            if (i + 1) % 16 == 0:
+                toks[state["read"]:i + 1].tolist()
+                state["read"] = i + 1
+                host["readback"].append(time.perf_counter() - t1)
+            logits = dec.step(tok)
+            host["step_total"].append(time.perf_counter() - t0)
+            state["i"] += 1
+            return logits
+
+        t0 = time.perf_counter()
+        one()  # eager warm-up + capture (CUDA), or a plain static step (CPU)
+        sync(dev)
+        out["first_step_ms"] = 1e3 * (time.perf_counter() - t0)
+        for v in host.values():
+            v.clear()
+        if dec.graph is not None:
+            dec.graph = TimedGraph(dec.graph, host["replay_launch"], events)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one()
+        sync(dev)
+        wall = (time.perf_counter() - t0) / steps
+        out["steady_ms_per_token"] = 1e3 * wall
+        out["steady_tok_s"] = 1.0 / wall
+        out["host"] = {k: us(v) for k, v in host.items()}
+        out["host_per_token_us"] = {k: 1e6 * sum(v) / steps for k, v in host.items()}
+        if events:
+            rep = [a.elapsed_time(b) for a, b in events]
+            gap = [b.elapsed_time(a2) for (_, b), (a2, _) in zip(events, events[1:])]
+            out["gpu_replay_ms"] = {"mean": statistics.fmean(rep), "median": statistics.median(rep),
+                                    "max": max(rep)}
+            out["gpu_between_replays_ms"] = {"mean": statistics.fmean(gap),
+                                             "median": statistics.median(gap), "max": max(gap)}
+        out["profiler"] = guarded(out, "profiler", profile_steps, one, prof_steps, dev)
+        sync(dev)
+        # (d) the graph alone, then one eager step's kernels (state is scratch from here on)
+        out["replay_only"] = guarded(out, "replay_only", replay_only, dec, replays, dev)
+        out["eager_step_kernels"] = guarded(out, "eager_kernels", eager_kernels, dec, dev)
+    return out
+
+
+def guarded(out: dict, name: str, fn, *args):
+    """A sub-part of a phase: its error is printed and recorded, the phase's other numbers kept."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        out.setdefault("errors", []).append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+        return None
+
+
+def replay_only(dec, replays: int, dev) -> dict | None:
+    if dec.graph is None:
+        return None
+    g = dec.graph.graph
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        g.replay()
+    t_launch = time.perf_counter() - t0
+    b.record()
+    sync(dev)
+    return {"gpu_ms": a.elapsed_time(b) / replays, "launch_host_us": 1e6 * t_launch / replays}
+
+
+def _dev_time(e) -> float:
+    for k in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(e, k):
+            return float(getattr(e, k))
+    return 0.0
+
+
+def _on_device(e) -> bool:
+    """A kernel/memcpy event (not a CPU op with its kernels attributed to it)."""
+    from torch.autograd import DeviceType
+
+    return getattr(e, "device_type", None) == DeviceType.CUDA
+
+
+def profile_steps(one, n: int, dev) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            one()
+        sync(dev)
+    ka = prof.key_averages()
+    cpu = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)
+    top = [{"name": e.key[:60], "calls_per_token": e.count / n,
+            "self_cpu_us_per_token": e.self_cpu_time_total / n} for e in cpu[:15]]
+    waits = {e.key: {"calls_per_token": e.count / n, "us_per_token": e.self_cpu_time_total / n}
+             for e in ka if any(e.key.startswith(w) for w in WAITS)
+             and not e.key.startswith("cudaMemcpyAsync")}
+    launches = {e.key: e.count / n for e in ka if e.key in LAUNCHES}
+    kern = sorted((e for e in ka if _on_device(e)),
+                  key=_dev_time, reverse=True)
+    gpu = [{"name": e.key[:70], "calls_per_token": e.count / n, "gpu_us_per_token": _dev_time(e) / n}
+           for e in kern[:12]]
+    return {"steps": n, "top_cpu_ops": top, "waits": waits, "launches_per_token": launches,
+            "top_gpu_kernels": gpu, "gpu_kernels_per_token": sum(e.count for e in kern) / n}
+
+
+def family(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "gemv", "cutlass", "cublas", "sm90_xmma", "nvjet", "splitk")):
+        return "gemm/gemv"
+    if any(k in n for k in ("_attn", "_mass", "store_kv", "triton")):
+        return "triton attention+scoring"
+    if "index" in n or "scatter" in n or "gather" in n:
+        return "index ops"
+    return "elementwise/reduce/other"
+
+
+def eager_kernels(dec, dev) -> dict:
+    """The decode step's body run eagerly once under the profiler: its kernels (the graph
+    replays the same list)."""
+    if dev.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    dec._body()
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec._body()
+        sync(dev)
+    fam: dict[str, dict] = {}
+    small_n, small_us, n_all, t_all = 0, 0.0, 0, 0.0
+    for e in prof.events():
+        if not _on_device(e):
+            continue
+        t = float(e.device_time_total)
+        f = fam.setdefault(family(e.key), {"kernels": 0, "gpu_us": 0.0})
+        f["kernels"] += 1
+        f["gpu_us"] += t
+        n_all, t_all = n_all + 1, t_all + t
+        if t < 5.0:
+            small_n, small_us = small_n + 1, small_us + t
+    return {"kernels": n_all, "gpu_us_sum": t_all, "by_family": fam,
+            "kernels_under_5us": small_n, "gpu_us_in_kernels_under_5us": small_us}
+
+
+# -- (e) importance scoring -------------------------------------------------------------------
+def scoring(eng, ids, sparse: SparseConfig, repeats: int, replays: int) -> dict:
+    from hisparse_cli.engine.cuda_graph import GraphDecoder
+    from hisparse_cli.engine.kv_cache import PagedKVCache
+
+    out: dict = {"context": ids.numel(), "baseline": "importance='uniform'"}
+    times = {"attention": [], "uniform": []}
+    for _ in range(repeats):
+        for imp in ("attention", "uniform"):
+            eng.sparse = sparse.with_overrides(importance=imp)
+            run, _ = eng.new_run(ids.numel() + 2)
+            with torch.inference_mode(), run:
+                _, t = prefill(eng, run, ids)
+                if imp == "uniform" and eng.device.type == "cuda" and "uniform_replay_ms" not in out:
+                    dec = GraphDecoder(eng.model, run, ids.numel() + 2)
+                    tok = torch.zeros(1, dtype=torch.int64, device=eng.device)
+                    dec.step(tok)  # warm-up + capture
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(replays):
+                        dec.graph.replay()
+                    b.record()
+                    sync(eng.device)
+                    out["uniform_replay_ms"] = a.elapsed_time(b) / replays
+            times[imp].append(t)
+            free_all(eng.device)
+    eng.sparse = sparse
+    best = {k: min(v) for k, v in times.items()}
+    out["prefill_s"] = times
+    out["prefill_s_best"] = best
+    out["scoring_pct_of_prefill"] = 100.0 * (best["attention"] - best["uniform"]) / best["attention"]
+    # recalibration / eviction times: synchronised around each call (own run)
+    rec: dict[str, list] = {"recalibrate": [], "evict_to_candidates": []}
+    orig = {k: getattr(PagedKVCache, k) for k in rec}
+
+    def timed(name):
+        def w(self, *a, **k):
+            sync(self.device)
+            t = time.perf_counter()
+            r = orig[name](self, *a, **k)
+            sync(self.device)
+            rec[name].append(time.perf_counter() - t)
+            return r
+        return w
+
+    try:
+        for k in rec:
+            setattr(PagedKVCache, k, timed(k))
+        run, _ = eng.new_run(ids.numel() + 2)
+        with torch.inference_mode(), run:
+            _, t = prefill(eng, run, ids)
+    finally:
+        for k, f in orig.items():
+            setattr(PagedKVCache, k, f)
+    out["synchronised_run_prefill_s"] = t
+    for k, v in rec.items():
+        out[k] = {**us(v), "total_ms": 1e3 * sum(v),
+                  "pct_of_prefill": 100.0 * sum(v) / best["attention"]}
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------
+def report(res: dict) -> None:
+    print("\n== decode per token (ms unless said)")
+    hdr = ("ctx", "gen tok/s", "steady tok/s", "wall", "replay GPU", "between GPU", "graph-only",
+           "1st step", "host: sample", "prepare", "launch", "after", "readback")
+    print("  ".join(f"{h:>12}" for h in hdr))
+    for r in res["contexts"]:
+        d, e, h = r.get("decode") or {}, r.get("engine") or {}, (r.get("decode") or {}).get(
+            "host_per_token_us", {})
+
+        def f(x, fmt="{:.3f}"):
+            return "-" if x is None else fmt.format(x)
+
+        cells = [r["context"], f(e.get("decode_tok_s_as_gpu_engine"), "{:.1f}"),
+                 f(d.get("steady_tok_s"), "{:.1f}"), f(d.get("steady_ms_per_token")),
+                 f((d.get("gpu_replay_ms") or {}).get("median")),
+                 f((d.get("gpu_between_replays_ms") or {}).get("median")),
+                 f((d.get("replay_only") or {}).get("gpu_ms")), f(d.get("first_step_ms"), "{:.1f}")] + [
+                 f(h.get(k, 0) / 1e3) for k in ("sample", "prepare", "replay_launch",
+                                                 "after_step", "readback")]
+        print("  ".join(f"{c!s:>12}" for c in cells))
+    for r in res["contexts"]:
+        p = (r.get("decode") or {}).get("profiler") or {}
+        if p:
+            print(f"\n== ctx {r['context']}: torch.profiler over {p['steps']} steps "
+                  f"(GPU kernels/token {p['gpu_kernels_per_token']:.0f})")
+            print("  waits/token:", {k: round(v["calls_per_token"], 2) for k, v in p["waits"].items()})
+            print("  launches/token:", {k: round(v, 1) for k, v in p["launches_per_token"].items()})
+            for o in p["top_cpu_ops"][:10]:
+                print(f"  {o['name']:<60} {o['calls_per_token']:6.1f}/tok {o['self_cpu_us_per_token']:8.1f} us")
+            for o in p["top_gpu_kernels"][:8]:
+                print(f"  GPU {o['name']:<66} {o['calls_per_token']:6.1f}/tok {o['gpu_us_per_token']:8.1f} us")
+        k = (r.get("decode") or {}).get("eager_step_kernels") or {}
+        if k:
+            print(f"  eager step: {k['kernels']} kernels, {k['gpu_us_sum'] / 1e3:.2f} ms GPU; "
+                  f"{k['kernels_under_5us']} under 5 us ({k['gpu_us_in_kernels_under_5us'] / 1e3:.2f} ms); "
+                  + ", ".join(f"{n}: {v['kernels']} / {v['gpu_us'] / 1e3:.2f} ms"
+                              for n, v in k["by_family"].items()))
+    s = res.get("scoring")
+    if s:
+        b = s["prefill_s_best"]
+        print(f"\n== importance scoring at {s['context']} (prefill only; baseline {s['baseline']})")
+        print(f"  prefill attention {b['attention']:.3f} s, uniform {b['uniform']:.3f} s -> scoring "
+              f"{s['scoring_pct_of_prefill']:.1f} % of prefill (target < 5 %)")
+        for k in ("recalibrate", "evict_to_candidates"):
+            v = s.get(k) or {}
+            if v:
+                print(f"  {k}: {v['n']} calls, mean {v['mean_us'] / 1e3:.2f} ms, max "
+                      f"{v['max_us'] / 1e3:.2f} ms, total {v['total_ms']:.1f} ms "
+                      f"({v['pct_of_prefill']:.1f} % of prefill)")
+        if "uniform_replay_ms" in s:
+            print(f"  decode graph replay with uniform: {s['uniform_replay_ms']:.3f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--decode-tokens", type=int, default=96, help="(a) and (b) decode steps")
+    ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--time-budget", type=float, default=230.0, help="seconds for the whole run")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok)")
+    a = ap.parse_args()
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res: dict = {"argv": sys.argv, "contexts": []}
+    try:
+        res["env"] = environment(dev)
+    except Exception as exc:  # noqa: BLE001
+        res["env"] = {"error": str(exc)}
+    backend, why = pick_backend(dev)
+    res["backend"], res["backend_reason"] = backend, why
+    log(f"device {dev}; backend: {why}")
+    sparse = load_profile("h200-141g").sparse_config()
+    shape = SHAPES["llama-3-8b"]
+    extra = a.decode_tokens + a.profile_steps + 2
+    contexts = [min(int(c), shape["max_position_embeddings"] - extra) for c in a.contexts.split(",")]
+    if a.smoke:
+        shape = SMOKE
+        sparse = sparse.with_overrides(window_size=256, global_tokens=32, recalibrate_topk=32,
+                                       prefill_chunk=128, recalibrate_every=128)
+        contexts = [1024, 2048]
+        a.decode_tokens, a.profile_steps, a.replays = min(a.decode_tokens, 40), min(a.profile_steps, 8), 5
+    res["sparse"] = sparse.__dict__
+    cfg = ModelConfig.from_dict(shape)
+    from hisparse_cli.engine.engine import Engine
+
+    def build():
+        model = build_ours(cfg, dev, awq=False, host_emb=False)
+        return model.float() if dev.type == "cpu" else model
+
+    model = phase("build model", res, a.time_budget, 0, build)
+    if model is None:
+        (out_dir / "gpu_decode_profile.json").write_text(json.dumps(res, indent=2, default=str))
+        return
+    kv = torch.float16 if dev.type == "cuda" else torch.float32
+    eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=kv, backend=backend)
+    log("model built")
+    warm = sparse.window_size + 3 * sparse.prefill_chunk
+    phase("warm-up (Triton JIT)", res, a.time_budget, 20, engine_generate, eng,
+          torch.tensor(prompt(warm, cfg.vocab_size)), 4)
+    for i, ctx in enumerate(contexts):
+        ids = torch.tensor(prompt(ctx, cfg.vocab_size))
+        row: dict = {"context": ctx}
+        res["contexts"].append(row)
+        need = 8 + ctx / 6000
+        row["engine"] = phase(f"(a) generate ctx {ctx}", res, a.time_budget, need,
+                              engine_generate, eng, ids, a.decode_tokens)
+        free_all(dev)
+        row["decode"] = phase(f"(b-d) decode profile ctx {ctx}", res, a.time_budget, need + 10,
+                              decode_profile, eng, ids, a.decode_tokens, a.profile_steps, a.replays)
+        free_all(dev)
+        if i == 0:
+            res["scoring"] = phase(f"(e) scoring ctx {ctx}", res, a.time_budget, 4 * need,
+                                   scoring, eng, ids, sparse, 2, a.replays)
+            free_all(dev)
+        (out_dir / "gpu_decode_profile.json").write_text(json.dumps(res, indent=2, default=str))
+    try:
+        report(res)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    (out_dir / "gpu_decode_profile.json").write_text(json.dumps(res, indent=2, default=str))
+    log(f"wrote {out_dir / 'gpu_decode_profile.json'}; skipped: {res.get('skipped', [])}; "
+        f"errors: {res.get('errors', [])}")
+
+
+if __name__ == "__main__":
+    main()
