@@ -183,7 +183,7 @@ def build_hf(shape: dict, dev: torch.device):
 
 def ours_sharing(hf, cfg: ModelConfig, dev: torch.device):
     """Our CausalLM over the HF model's tensors (same names, no copy)."""
-    from hisparse_cli.model.llama import CausalLM
+    from hisparse_cli.model.llama import FUSIONS, CausalLM, fuse_projections
 
     params = dict(hf.named_parameters())
     with torch.device("meta"):
@@ -192,6 +192,17 @@ def ours_sharing(hf, cfg: ModelConfig, dev: torch.device):
         mod, _, attr = name.rpartition(".")
         setattr(model.get_submodule(mod), attr, nn.Parameter(params[name], requires_grad=False))
     model.init_rope(dev)
+    # the engine stacks q|k|v and gate|up (model/llama.py:fuse_projections); do it here and
+    # point HF's linears at row views of the stacked weights, so the two still share storage
+    fuse_projections(model)
+    for ours, theirs in zip(model.model.layers, hf.model.layers):
+        for sub, attr, parts in FUSIONS:
+            w, o = getattr(getattr(ours, sub), attr).weight, 0
+            for p in parts:
+                lin = getattr(getattr(theirs, sub), p)
+                n = lin.out_features
+                lin.weight = nn.Parameter(w[o:o + n], requires_grad=False)
+                o += n
     return model.eval()
 
 
@@ -199,8 +210,7 @@ def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, s
     """Our CausalLM with random weights: fp16, or AWQ INT4 (random codes, zeros and scales)
     for every decoder linear; the embedding table in host RAM when host_emb."""
     from hisparse_cli.model.awq import AWQLinear
-    from hisparse_cli.model.llama import CausalLM
-    from hisparse_cli.model.loader import LINEAR_SUFFIXES
+    from hisparse_cli.model.llama import FUSIONS, CausalLM
 
     g = torch.Generator(device=dev).manual_seed(seed)
     fp16 = torch.float16
@@ -221,18 +231,33 @@ def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, s
         model.model.embed_tokens.weight = rnd(cfg.vocab_size, cfg.hidden_size)
         model.lm_head.weight = (model.model.embed_tokens.weight if cfg.tie_word_embeddings
                                 else rnd(cfg.vocab_size, cfg.hidden_size))
+
+    def awq_linear(i: int, o: int) -> AWQLinear:
+        words = lambda r: torch.randint(-2 ** 31, 2 ** 31 - 1, (r, o // 8),  # noqa: E731
+                                        device=dev, dtype=torch.int32, generator=g)
+        scales = torch.full((i // 128, o), 1.0 / (6.5 * i ** 0.5), device=dev, dtype=fp16)
+        return AWQLinear.from_checkpoint(words(i), words(i // 128), scales, None, 128, dev, fp16)
+
+    # q|k|v and gate|up are made stacked, as the engine runs them (model/llama.py:
+    # fuse_projections), so no stacking copy is made at run time
     for layer in model.model.layers:
-        for suffix in LINEAR_SUFFIXES:
-            sub, attr = suffix.split(".")
+        for sub, attr, parts in FUSIONS:
             parent = getattr(layer, sub)
+            lins = [getattr(parent, p) for p in parts]
+            i, o = lins[0].in_features, sum(lin.out_features for lin in lins)
+            if awq:
+                fused = awq_linear(i, o)
+            else:
+                with torch.device("meta"):
+                    fused = nn.Linear(i, o, bias=False)
+                fused.weight = rnd(o, i)
+            setattr(parent, attr, fused)
+            for p in parts:
+                setattr(parent, p, None)
+        for parent, attr in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
             lin = getattr(parent, attr)
             if awq:
-                i, o = lin.in_features, lin.out_features
-                words = lambda r: torch.randint(-2 ** 31, 2 ** 31 - 1, (r, o // 8),  # noqa: E731
-                                                device=dev, dtype=torch.int32, generator=g)
-                scales = torch.full((i // 128, o), 1.0 / (6.5 * i ** 0.5), device=dev, dtype=fp16)
-                setattr(parent, attr, AWQLinear.from_checkpoint(words(i), words(i // 128), scales,
-                                                                None, 128, dev, fp16))
+                setattr(parent, attr, awq_linear(lin.in_features, lin.out_features))
             else:
                 lin.weight = rnd(lin.out_features, lin.in_features)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
