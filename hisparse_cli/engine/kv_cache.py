@@ -70,6 +70,12 @@ class PagedKVCache:
 
         self.gk, self.gv, self.gpos, self.gmass, self.gseen = slots(self.G)
         self.ck, self.cv, self.cpos, self.cmass, self.cseen = slots(self.C)
+        # per-layer views, made once (these tensors are never reallocated): a step's layers
+        # pick from these lists instead of slicing [L, ...] tensors, an op per access on the
+        # CPU's decode path
+        self.layer_views = [tuple(t[i] if t is not None else None for t in (
+            self.k, self.v, self.gk, self.gv, self.gpos, self.gmass, self.gseen, self.score))
+            for i in range(num_layers)]
 
     # -- storage ---------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -86,15 +92,17 @@ class PagedKVCache:
     def add_key_mass(self, layer: int, block_ids: torch.Tensor, key_mass: torch.Tensor) -> None:
         # key_mass: [Hkv, nb*bs] -> score[layer][block, offset, head]
         nb = block_ids.shape[0]
-        self.score[layer].index_add_(0, block_ids, key_mass.reshape(self.H, nb, self.bs).permute(1, 2, 0))
+        self.layer_views[layer][7].index_add_(
+            0, block_ids, key_mass.reshape(self.H, nb, self.bs).permute(1, 2, 0))
 
     def set_token_scores(self, layer: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Probe policy: per-token scores [T, Hkv] written at the tokens' slots."""
         self.score[layer].view(-1, self.H).index_copy_(0, slots, scores.float())
 
     def add_global_mass(self, layer: int, g_mass: torch.Tensor, n_queries: int) -> None:
-        self.gmass[layer] += g_mass
-        self.gseen[layer] += n_queries
+        _, _, _, _, _, gmass, gseen, _ = self.layer_views[layer]
+        gmass.add_(g_mass)
+        gseen.add_(n_queries)
 
     # -- globals ---------------------------------------------------------------------------
     def _priority(self, pos: torch.Tensor, mass: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

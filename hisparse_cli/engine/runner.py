@@ -40,13 +40,14 @@ class StepContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         run, cache = self.run, self.run.cache
-        run.backend.store_kv(cache.k[layer], cache.v[layer], k, v, self.slots)
+        k_l, v_l, gk, gv, gpos = cache.layer_views[layer][:5]
+        run.backend.store_kv(k_l, v_l, k, v, self.slots)
         glob = cache.G > 0
         out, key_mass, g_mass = run.backend.sparse_attention(
-            q, cache.k[layer], cache.v[layer], self.block_ids, self.block_starts, self.q_start,
+            q, k_l, v_l, self.block_ids, self.block_starts, self.q_start,
             run.seq.sinks, run.seq.window, run.scale,
-            g_k=cache.gk[layer] if glob else None, g_v=cache.gv[layer] if glob else None,
-            g_pos=cache.gpos[layer] if glob else None, return_scores=run.track_scores,
+            g_k=gk if glob else None, g_v=gv if glob else None,
+            g_pos=gpos if glob else None, return_scores=run.track_scores,
             memo=self.memo, **run.score_kwargs)
         if key_mass is not None:
             cache.add_key_mass(layer, self.block_ids, key_mass)
