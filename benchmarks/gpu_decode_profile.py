@@ -142,6 +142,7 @@ def engine_generate(eng, ids, new) -> dict:
 
 def prefill(eng, run, ids) -> tuple[torch.Tensor, float]:
     chunk, logits = eng.sparse.prefill_chunk, None
+    ids = ids.to(eng.device)  # run.step takes token ids on the model's device
     sync(eng.device)
     t0 = time.perf_counter()
     for s in range(0, ids.numel(), chunk):

@@ -129,9 +129,11 @@ class GemvTile:
 # and scaling) and K split to ~16 programs per SM (H200 run 4's best for the previous
 # kernel). `benchmarks/gpu_awq.py --gemv-sweep` times GEMV_CANDIDATES and prints the rows.
 GEMV_TABLE = {
-    "small_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=16),  # < 8192
-    "large_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=16),  # < 65536
-    "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=16),  # lm_head
+    # from the H200 sweep of 2026-12-01 (benchmarks/gpu_awq.py --gemv-sweep; results in
+    # benchmarks/results/h200-run6): the best tile per class over the Llama-3-8B decode shapes
+    "small_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16),  # < 8192
+    "large_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16),  # < 65536
+    "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),  # lm_head
 }
 # (block_n, num_warps, num_stages) the sweep tries (the K split comes from programs_per_sm);
 # a warp covers 8 rows x 16 words, so block_n / (8 num_warps) rows a thread
