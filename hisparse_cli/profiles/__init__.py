@@ -31,7 +31,8 @@ WEIGHT_FORMATS = ("fp16", "awq-int4")
 GIB = 1 << 30
 _DEFAULT_SPARSE = SparseConfig()
 _SPARSE_FIELDS = ("sink_tokens", "window_size", "global_tokens", "block_size",
-                  "recalibrate_every", "recalibrate_topk", "prefill_chunk", "importance")
+                  "recalibrate_every", "recalibrate_topk", "prefill_chunk", "importance",
+                  "score_stride")
 
 
 def _int_field(name: str, value: object, minimum: int) -> None:
@@ -69,6 +70,7 @@ class HardwareProfile:
     recalibrate_topk: int = _DEFAULT_SPARSE.recalibrate_topk
     prefill_chunk: int = _DEFAULT_SPARSE.prefill_chunk
     importance: str = _DEFAULT_SPARSE.importance
+    score_stride: int = _DEFAULT_SPARSE.score_stride
     kv_dtype: str = "float16"
     weight_format: str = "fp16"
     embeddings_on_host: bool = False
@@ -91,6 +93,7 @@ class HardwareProfile:
         _int_field("recalibrate_every", self.recalibrate_every, 1)
         _int_field("recalibrate_topk", self.recalibrate_topk, 0)
         _int_field("prefill_chunk", self.prefill_chunk, 1)
+        _int_field("score_stride", self.score_stride, 1)
         _int_field("max_new_tokens", self.max_new_tokens, 1)
         _choice_field("importance", self.importance, IMPORTANCE_POLICIES)
         _choice_field("kv_dtype", self.kv_dtype, KV_DTYPES)
