@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hisparse_cli.planner_attn import AttnStep, attn_ref, attn_triton, memo_bytes
-from hisparse_cli.planner_trace import StepShape, SubPeak, Trace, cos_sin, linear, rms_norm, rope
+from hisparse_cli.planner_trace import (StepShape, SubPeak, Trace, add_rms_norm, cos_sin, linear,
+                                       rms_norm, rope)
 
 
 # -- one decoder layer and the whole forward -------------------------------------------------
@@ -59,9 +60,13 @@ def layer_peak(s: StepShape, a: AttnStep, first: bool = False, last_only: bool =
     hs, cb = s.hidden, s.cb
     att = _attention(tr, s, a, first, last_only)
     t = 1 if last_only else a.t
-    x2 = tr.alloc("residual", t * hs * cb)
-    tr.free(att)
-    h2 = rms_norm(tr, s, "norm", t, hs)
+    if s.backend == "triton":  # the residual add fused into the norm; att dies after both
+        x2, h2 = add_rms_norm(tr, s, "norm", t, hs)
+        tr.free(att)
+    else:
+        x2 = tr.alloc("residual", t * hs * cb)
+        tr.free(att)
+        h2 = rms_norm(tr, s, "norm", t, hs)
     # gate|up stacked in one linear: silu and the product in place in its gate half, which
     # down_proj reads as a strided view
     g = linear(tr, s, "mlp.gate_up", t, hs, 2 * s.inter, s.awq, s.mlp_bias)

@@ -2,9 +2,10 @@
 
 `Trace` is a live-bytes simulator: `alloc` / `free` named tensors, remember the peak and what
 was live at it. The functions below replay, in order, the tensors that model/llama.py,
-kernels/attention_ref.py, kernels/attention_triton.py, kernels/awq_*.py and
-engine/kv_cache.py create and drop while a step runs (a view or an in-place op allocates
-nothing; a temporary dies when the statement that made it ends). They are transcriptions of
+kernels/attention_ref.py, kernels/attention_triton.py, kernels/awq_*.py,
+kernels/norm_rope_triton.py and engine/kv_cache.py create and drop while a step runs (a
+view or an in-place op allocates nothing; a temporary dies when the statement that made it
+ends). They are transcriptions of
 that code: when it changes, these must follow (tests/test_planner.py replays a real CPU run
 under an allocation-recording dispatch mode to catch drift; benchmarks/gpu_engine.py compares
 with torch.cuda.max_memory_allocated on the GPU).
@@ -237,9 +238,18 @@ def _awq_ref(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, bias: b
 
 
 # -- norms and RoPE ------------------------------------------------------------------------
+def add_rms_norm(tr: Trace, s: StepShape, name: str, rows: int, dim: int) -> tuple[int, int]:
+    """The Triton backend's residual add + RMSNorm (KernelBackend.add_rms_norm) of [rows, dim]
+    -> (sum, normed) handles, allocated in that order; nothing else."""
+    el = rows * dim * s.cb
+    return tr.alloc("residual", el), tr.alloc(name, el)
+
+
 def rms_norm(tr: Trace, s: StepShape, name: str, rows: int, dim: int) -> int:
     """RMSNorm of [rows, dim] in the compute dtype (model/llama.py:RMSNorm)."""
     el, cb = rows * dim, s.cb
+    if s.backend == "triton":  # kernels/norm_rope_triton.py: the output only
+        return tr.alloc(name, el * cb)
     xf = tr.alloc(name, el * 4) if cb != 4 else -1  # x.float() (no-op in fp32)
     p = tr.alloc(name, el * 4)  # pow(2)
     r1 = tr.alloc(name, rows * 4)  # mean
@@ -259,6 +269,8 @@ def rms_norm(tr: Trace, s: StepShape, name: str, rows: int, dim: int) -> int:
 def rope(tr: Trace, s: StepShape, name: str, t: int, heads: int) -> int:
     """apply_rope of [t, heads, d]: returns the rotated tensor (input kept by the caller)."""
     el, cb = t * heads * s.d, s.cb
+    if s.backend == "triton":  # kernels/norm_rope_triton.py: the output only
+        return tr.alloc(name, el * cb)
     neg = tr.alloc(name, el // 2 * cb)  # -x[..., half:]
     rot = tr.alloc(name, el * cb)  # cat
     tr.free(neg)

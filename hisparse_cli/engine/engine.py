@@ -86,6 +86,7 @@ class Engine:
         self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)
+        self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
         self._tokenizer = None
 
     @classmethod

@@ -28,6 +28,7 @@ class KernelBackend:
 
     attention: str = "torch"  # "torch" | "triton"
     int4_linear: str = "torch"  # "torch" | "triton"
+    elementwise: str = "torch"  # "torch" | "triton": RMSNorm (+ residual add), RoPE
 
     # -- attention -------------------------------------------------------------------------
     def sparse_attention(self, *args, **kwargs):
@@ -67,7 +68,6 @@ class KernelBackend:
             from hisparse_cli.kernels.awq_ref import awq_linear
         return awq_linear(*args, **kwargs)
 
-
     def awq_linear_k(self, *args, **kwargs):
         """awq_linear with qweight in the K-major run-time layout (kernels/awq_layout.py)."""
         if self.int4_linear == "triton":
@@ -75,6 +75,36 @@ class KernelBackend:
         else:
             from hisparse_cli.kernels.awq_ref import awq_linear_k
         return awq_linear_k(*args, **kwargs)
+
+    # -- RMSNorm, residual add + RMSNorm, RoPE -------------------------------------------
+    # Triton where the kernel's layout applies (weight/cos/sin in x's dtype, unit stride
+    # along the last dim), else the reference; see kernels/norm_rope_ref.py for the contracts.
+    def rms_norm(self, x, weight, eps: float):
+        if (self.elementwise == "triton" and x.dim() in (2, 3) and weight.dtype == x.dtype
+                and x.stride(-1) == 1 and weight.is_contiguous()):
+            from hisparse_cli.kernels.norm_rope_triton import rms_norm
+        else:
+            from hisparse_cli.kernels.norm_rope_ref import rms_norm
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, y, weight, eps: float):
+        """(x + y, rms_norm(x + y)); the Triton kernel writes both in one pass."""
+        if (self.elementwise == "triton" and x.dim() == 2 and y.shape == x.shape
+                and x.dtype == y.dtype == weight.dtype and x.stride(-1) == 1
+                and y.stride(-1) == 1 and weight.is_contiguous()):
+            from hisparse_cli.kernels.norm_rope_triton import add_rms_norm
+        else:
+            from hisparse_cli.kernels.norm_rope_ref import add_rms_norm
+        return add_rms_norm(x, y, weight, eps)
+
+    def rope(self, x, cos, sin):
+        if (self.elementwise == "triton" and x.dim() == 3 and x.shape[-1] % 2 == 0
+                and x.stride(-1) == 1 and cos.dtype == sin.dtype == x.dtype
+                and cos.stride(-1) == 1 and sin.stride(-1) == 1):
+            from hisparse_cli.kernels.norm_rope_triton import rope
+        else:
+            from hisparse_cli.kernels.norm_rope_ref import rope
+        return rope(x, cos, sin)
 
 
 def select_backend(device_type: str, prefer: str | None = None) -> KernelBackend:
@@ -91,4 +121,4 @@ def select_backend(device_type: str, prefer: str | None = None) -> KernelBackend
         raise ConfigError("the triton backend needs a CUDA device and the triton package",
                           hint="unset HISPARSE_BACKEND or install triton on a CUDA machine")
     name = "triton" if use_triton else "torch"
-    return KernelBackend(attention=name, int4_linear=name)
+    return KernelBackend(attention=name, int4_linear=name, elementwise=name)

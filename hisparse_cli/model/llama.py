@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
+from hisparse_cli.kernels.norm_rope_ref import rms_norm
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.model.rope import RotaryEmbedding, apply_rope
 
@@ -23,19 +25,25 @@ class AttentionContext(Protocol):
         """q: [T, Hq, D], k/v: [T, Hkv, D] (after RoPE) -> out [T, Hq, D]."""
 
 
+# `fused` below: the backend whose Triton kernels replace the elementwise chains (RMSNorm,
+# the residual add before the second norm, RoPE), chosen once per forward by
+# CausalLM.forward_hidden; None (the CPU, the torch backend, direct module calls): torch ops.
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          fused: KernelBackend | None) -> torch.Tensor:
+    return fused.rope(x, cos, sin) if fused is not None else apply_rope(x, cos, sin)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:  # the same ops without the two no-op casts (CPU decode)
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, fused: KernelBackend | None = None) -> torch.Tensor:
+        # x: [..., dim]; one Triton kernel with `fused`, else kernels/norm_rope_ref.py's ops
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -56,32 +64,34 @@ class Attention(nn.Module):
         # set by the loader when it fuses the projections (then q/k/v_proj are None)
         self.qkv_proj: nn.Module | None = None
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             fused: KernelBackend | None):
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         if self.qkv_proj is None:
             q = self.q_proj(x).view(t, hq, d)  # q: [T, Hq, D]
             k = self.k_proj(x).view(t, hkv, d)  # k: [T, Hkv, D]
             v = self.v_proj(x).view(t, hkv, d)
             if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+                q, k = self.q_norm(q, fused), self.k_norm(k, fused)
+            return _rope(q, cos, sin, fused), _rope(k, cos, sin, fused), v
         # one matmul for q, k and v; q, k, v are views of its output [T, (Hq + 2 Hkv) D]
         qkv = self.qkv_proj(x)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         if self.q_norm is not None:
-            q = self.q_norm(qkv[:, :hq * d].view(t, hq, d))
-            k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d))
-            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            q = self.q_norm(qkv[:, :hq * d].view(t, hq, d), fused)
+            k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d), fused)
+            return _rope(q, cos, sin, fused), _rope(k, cos, sin, fused), v
         # no q/k norm: one RoPE over the q and k heads together
-        qk = apply_rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+        qk = _rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin, fused)
         return qk[:, :hq], qk[:, hq:], v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext, last_only: bool = False) -> torch.Tensor:
+                ctx: AttentionContext, last_only: bool = False,
+                fused: KernelBackend | None = None) -> torch.Tensor:
         t = x.shape[0]
         if getattr(ctx, "wants_hidden", False):  # learned importance probe reads hidden states
             ctx.observe(self.layer, x)
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(x, cos, sin, fused)
         out = ctx.attend(self.layer, q, k, v)  # [T, Hq, D]
         if last_only:  # every K/V is stored; only the last position's output is used
             out, t = out[-1:], 1
@@ -119,9 +129,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx, last_only: bool = False):
+    def forward(self, x, cos, sin, ctx, last_only: bool = False,
+                fused: KernelBackend | None = None):
         """last_only: return only the last position's output (the last layer of a step that
         needs one logit row: its K/V are stored for every position, the rest is skipped)."""
+        if fused is not None:  # Triton: the residual add and the second norm in one kernel
+            norm = self.post_attention_layernorm
+            x, h = fused.add_rms_norm(x[-1:] if last_only else x,
+                                      self.self_attn(self.input_layernorm(x, fused), cos, sin, ctx,
+                                                     last_only, fused), norm.weight, norm.eps)
+            h = self.mlp(h)  # the norm output dies here, before the residual add
+            return x + h
         # the attention output dies with the residual add (not held through the MLP)
         x = (x[-1:] if last_only else x) + self.self_attn(self.input_layernorm(x), cos, sin, ctx,
                                                           last_only)
@@ -145,6 +163,8 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        # kernels for the elementwise chains (the Engine sets its own); None: select_backend
+        self.backend: KernelBackend | None = None
 
     def init_rope(self, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg, device)
@@ -176,12 +196,22 @@ class CausalLM(nn.Module):
                 x = emb(input_ids)  # [T, hidden]
             x = x.to(self.compute_dtype)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        fused = self._fused(x)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, ctx, last_only=not (all_logits or full_last_layer) and i == last)
+            x = layer(x, cos, sin, ctx, last_only=not (all_logits or full_last_layer) and i == last,
+                      fused=fused)
         if not all_logits:
             x = x[-1:]
-        return self.lm_head(self.model.norm(x)).float()
+        return self.lm_head(self.model.norm(x, fused)).float()
+
+    def _fused(self, x: torch.Tensor) -> KernelBackend | None:
+        """The backend when its Triton kernels run the elementwise chains for x (CUDA), else
+        None: the torch ops, always on the CPU and with the torch backend."""
+        if not x.is_cuda:
+            return None
+        backend = self.backend or select_backend("cuda")
+        return backend if backend.elementwise == "triton" else None
 
 
 class DenseCausalContext:

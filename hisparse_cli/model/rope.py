@@ -12,6 +12,7 @@ import math
 import torch
 
 from hisparse_cli.errors import ModelError
+from hisparse_cli.kernels.norm_rope_ref import rope
 from hisparse_cli.model.config import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -96,8 +97,6 @@ class RotaryEmbedding:
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos/sin: [T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+# x: [T, H, D]; cos/sin: [T, D] -> rotate-half RoPE (the torch ops; the Triton kernel on
+# CUDA is chosen by kernels/dispatch.py:KernelBackend.rope)
+apply_rope = rope

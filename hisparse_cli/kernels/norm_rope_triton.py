@@ -1,0 +1,150 @@
+"""Triton RMSNorm (optionally fused with the residual add before it) and rotate-half RoPE.
+
+Torch references: kernels/norm_rope_ref.py. One launch replaces the ~8 elementwise kernels of
+an fp16 RMSNorm and the ~5 of RoPE. Rounding follows the references step by step: the
+statistics in fp32, the normalised row rounded to the dtype before the weight product (done
+in fp32, rounded once), RoPE's two products each rounded to the dtype before their sum, so
+fp16/bf16 outputs match the references up to the fp32 sum order and rsqrt ulps (RoPE
+exactly, in fp16/bf16). Outputs are new contiguous tensors and nothing else is allocated:
+CUDA-graph capturable, and the planner (planner_trace.rms_norm / rope) counts only them.
+
+v1: one program per ROWS rows of x [R, H] (ROWS > 1 for short rows such as q/k heads);
+    RoPE: one program per (token, block of heads) over both halves of D.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm(x_ptr, y_ptr, w_ptr, out_ptr, sum_ptr, R, B, sxa, sxb, sya, syb, eps,
+              H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+              HAS_RES: tl.constexpr):
+    """Rows r = a * B + b of x (offset a * sxa + b * sxb, unit stride along H); HAS_RES: the
+    row is x + y (stored to sum_ptr, contiguous) before the norm; out is contiguous."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (rows < R)[:, None] & (cols < H)[None, :]
+    a, b = rows // B, rows % B
+    x = tl.load(x_ptr + (a * sxa + b * sxb)[:, None] + cols[None, :], mask=mask, other=0.0)
+    dst = rows[:, None] * H + cols[None, :]
+    if HAS_RES:
+        y = tl.load(y_ptr + (a * sya + b * syb)[:, None] + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + dst, x, mask=mask)
+    xf = x.to(tl.float32)
+    ms = tl.sum(xf * xf, axis=1) / H
+    xn = (xf * tl.rsqrt(ms + eps)[:, None]).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dst, (w[None, :] * xn.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, NH, sxt, sxh, sct, sst,
+          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t, h] = x * cos + cat(-x2, x1) * sin for heads h of token t; out contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HALF
+    mask = (h < NH)[:, None] & dm[None, :]
+    src = x_ptr + t * sxt + h[:, None] * sxh + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * sct + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * sct + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * sst + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * sst + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    dt = out_ptr.dtype.element_ty
+    # each product rounded to the dtype, then their sum (the reference's three roundings)
+    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    dst = out_ptr + (t * NH + h[:, None]) * (2 * HALF) + d[None, :]
+    tl.store(dst, o1.to(dt), mask=mask)
+    tl.store(dst + HALF, o2.to(dt), mask=mask)
+
+
+def _warps(elems: int) -> int:
+    return 16 if elems >= 8192 else 8 if elems >= 2048 else 4
+
+
+def norm_config(h: int) -> tuple[int, int, int]:
+    """(BLOCK_H, ROWS, num_warps) for rows of h elements."""
+    block = triton.next_power_of_2(h)
+    rows = max(1, min(16, 1024 // block))
+    return block, rows, _warps(block * rows)
+
+
+def _rows_view(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows of the outer dim, inner count B, stride of the outer dim, of the inner) for x
+    [A, H] or [A, B, H] with unit stride along H."""
+    assert x.stride(-1) == 1 or x.shape[-1] == 1, "rows must be contiguous along H"
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    assert x.dim() == 3, f"rms_norm takes [R, H] or [T, heads, H], got {tuple(x.shape)}"
+    return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+def _launch_norm(x, y, weight, eps, out, s):
+    h = x.shape[-1]
+    a, b, sxa, sxb = _rows_view(x)
+    _, _, sya, syb = _rows_view(y) if y is not None else (a, b, 0, 0)
+    r = a * b
+    if r == 0:
+        return
+    block, rows, warps = norm_config(h)
+    _rms_norm[(triton.cdiv(r, rows),)](
+        x, y if y is not None else x, weight, out, s if s is not None else out, r, b,
+        sxa, sxb, sya, syb, float(eps), H=h, BLOCK_H=block, ROWS=rows,
+        HAS_RES=y is not None, num_warps=warps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [R, H] or [T, heads, H] (any outer strides), weight [H] in x's dtype -> a new
+    contiguous tensor of x's shape (norm_rope_ref.rms_norm)."""
+    assert weight.shape == (x.shape[-1],) and weight.dtype == x.dtype, (weight.shape, x.dtype)
+    assert weight.is_contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x, None, weight, eps, out, None)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y [R, H] (any row strides) -> (s = x + y, rms_norm(s)), both new and contiguous
+    (norm_rope_ref.add_rms_norm); s is allocated first."""
+    assert x.dim() == 2 and y.shape == x.shape and y.dtype == x.dtype, (x.shape, y.shape)
+    assert weight.shape == (x.shape[-1],) and weight.dtype == x.dtype and weight.is_contiguous()
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x, y, weight, eps, out, s)
+    return s, out
+
+
+def rope_config(heads: int, half: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_D, num_warps): up to 2048 elements of each half per program."""
+    bd = triton.next_power_of_2(half)
+    bh = max(1, min(triton.next_power_of_2(heads), 2048 // bd))
+    return bh, bd, _warps(bh * bd)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (any strides over T and H, unit along D), cos/sin [T, D] in x's dtype ->
+    a new contiguous [T, H, D] (norm_rope_ref.rope)."""
+    t, nh, d = x.shape
+    assert d % 2 == 0 and x.stride(2) == 1, (x.shape, x.stride())
+    assert cos.shape == (t, d) and sin.shape == (t, d), (cos.shape, sin.shape, x.shape)
+    assert cos.dtype == x.dtype and sin.dtype == x.dtype, (cos.dtype, x.dtype)
+    assert cos.stride(1) == 1 and sin.stride(1) == 1, "cos/sin must be contiguous along D"
+    out = torch.empty((t, nh, d), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    bh, bd, warps = rope_config(nh, d // 2)
+    _rope[(t, triton.cdiv(nh, bh))](x, cos, sin, out, nh, x.stride(0), x.stride(1),
+                                    cos.stride(0), sin.stride(0), HALF=d // 2, BLOCK_H=bh,
+                                    BLOCK_D=bd, num_warps=warps)
+    return out

@@ -1,0 +1,216 @@
+"""Triton RMSNorm / residual-add + RMSNorm / RoPE (kernels/norm_rope_triton.py) against their
+torch references (kernels/norm_rope_ref.py, the ops the model runs on the CPU).
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes; the interpreter casts
+fp32 -> bf16 by truncation (not round-to-nearest), so bf16 gets a tolerance of a few ulps
+there. With CUDA the `gpu` tests check Llama-like shapes (RoPE bit-exact in fp16/bf16), CUDA
+graph capture, and the model's logits with the kernels vs HISPARSE_BACKEND=torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import in this process
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from hisparse_cli.kernels import norm_rope_ref as ref  # noqa: E402
+from hisparse_cli.kernels import norm_rope_triton as tri  # noqa: E402
+from hisparse_cli.kernels.dispatch import KernelBackend, select_backend  # noqa: E402
+
+CPU = not torch.cuda.is_available()
+DEV = "cpu" if CPU else "cuda"
+interp = pytest.mark.skipif(not CPU, reason="interpreter tests run only without CUDA")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# relative to max |ref|: fp32 sum order / rsqrt ulps; fp16 one rounding flip; bf16 in the
+# interpreter: truncating casts (up to 3 roundings of 2^-7 each)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 3e-2 if CPU else 8e-3}
+
+
+def rnd(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype)
+
+
+def close(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    assert a.is_contiguous()
+    err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+    assert err <= TOL[b.dtype], f"relative error {err:.2e} ({b.dtype}, {tuple(b.shape)})"
+
+
+def qkv_views(t, hq, hkv, d, dtype, seed=0):
+    """The model's stacked projection output and its q, k and q|k head views."""
+    qkv = rnd(t, (hq + 2 * hkv) * d, dtype=dtype, seed=seed)
+    return (qkv, qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d),
+            qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d))
+
+
+# -- interpreter (CPU) -----------------------------------------------------------------------
+@interp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,h", [(1, 64), (5, 200), (19, 16)])  # ragged rows, non-pow2 H
+def test_rms_norm_interpreter(dtype, rows, h):
+    x, w = rnd(rows, h, dtype=dtype), rnd(h, dtype=dtype, seed=1)
+    close(tri.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    wide = rnd(rows, h + 24, dtype=dtype, seed=2)[:, 8:8 + h]  # row stride != H
+    close(tri.rms_norm(wide, w, 1e-5), ref.rms_norm(wide, w, 1e-5))
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_on_strided_head_views_interpreter(dtype):
+    _, q, k, _ = qkv_views(3, 5, 2, 16, dtype)  # 15 / 6 rows of 16: ragged ROWS tiles
+    w = rnd(16, dtype=dtype, seed=3)
+    close(tri.rms_norm(q, w, 1e-6), ref.rms_norm(q, w, 1e-6))
+    close(tri.rms_norm(k, w, 1e-6), ref.rms_norm(k, w, 1e-6))
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("last_only", [False, True])
+def test_add_rms_norm_interpreter(dtype, last_only):
+    x, y = rnd(6, 96, dtype=dtype), rnd(6, 96, dtype=dtype, seed=1)
+    w = rnd(96, dtype=dtype, seed=2)
+    if last_only:  # DecoderLayer: x[-1:] + the last row's attention output
+        x, y = x[-1:], y[-1:]
+    s, out = tri.add_rms_norm(x, y, w, 1e-6)
+    s_ref, out_ref = ref.add_rms_norm(x, y, w, 1e-6)
+    if dtype != torch.bfloat16:  # the sum is one rounding: exact (bf16: interpreter truncates)
+        assert torch.equal(s, s_ref)
+    close(s, s_ref)
+    close(out, out_ref)
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 16), (3, 5, 1, 24), (2, 3, 3, 8)])
+def test_rope_on_the_strided_qk_view_interpreter(dtype, t, hq, hkv, d):
+    _, q, _, qk = qkv_views(t, hq, hkv, d, dtype)
+    cos, sin = rnd(t, d, dtype=dtype, seed=4), rnd(t, d, dtype=dtype, seed=5)
+    for x in (qk, q, q.contiguous()):
+        out, want = tri.rope(x, cos, sin), ref.rope(x, cos, sin)
+        if dtype == torch.float16:  # the reference's three roundings, reproduced
+            assert torch.equal(out, want)
+        close(out, want)
+
+
+@interp
+def test_dispatch_picks_triton_or_the_reference():
+    x, w = rnd(4, 32, dtype=torch.float16), rnd(32, dtype=torch.float16, seed=1)
+    cos, sin = rnd(4, 16, dtype=torch.float16), rnd(4, 16, dtype=torch.float16, seed=2)
+    qk = rnd(4, 3, 16, dtype=torch.float16, seed=3)
+    torch_b, tri_b = KernelBackend(), KernelBackend(elementwise="triton")
+    assert select_backend("cpu").elementwise == "torch"
+    assert torch.equal(torch_b.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    assert torch.equal(torch_b.rope(qk, cos, sin), ref.rope(qk, cos, sin))
+    close(tri_b.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    close(tri_b.add_rms_norm(x, x, w, 1e-6)[1], ref.add_rms_norm(x, x, w, 1e-6)[1])
+    assert torch.equal(tri_b.rope(qk, cos, sin), ref.rope(qk, cos, sin))
+    # outside the kernels' layout (fp32 weight with fp16 x): the reference, same promotion
+    w32 = w.float()
+    assert torch.equal(tri_b.rms_norm(x, w32, 1e-6), ref.rms_norm(x, w32, 1e-6))
+
+
+def test_planner_counts_only_the_kernel_outputs():
+    from hisparse_cli.planner_trace import (StepShape, Trace, add_rms_norm, cuda_block_bytes,
+                                            rms_norm, rope)
+
+    s = StepShape(layers=2, hidden=4096, inter=14336, vocab=128256, hq=32, hkv=8, d=128, cb=2,
+                  kvb=2, cuda=True, backend="triton", awq=False, group=128, awq_lm_head=False,
+                  qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, bs=16, sinks=4,
+                  window=64, G=0, C=0, track_scores=False, score_tensor=False, score_stride=1,
+                  min_distance=0, importance="attention", num_sms=132)
+    tr = Trace(cuda=True)
+    tr.free(rms_norm(tr, s, "n", 3, s.hidden), rope(tr, s, "r", 3, s.hq + s.hkv))
+    add_rms_norm(tr, s, "n", 3, s.hidden)
+    row = cuda_block_bytes(3 * s.hidden * 2)
+    assert tr.peak == max(row + cuda_block_bytes(3 * (s.hq + s.hkv) * s.d * 2), 2 * row)
+
+
+def test_kernels_compile_for_sm90():
+    """The sm_90 compiler (Triton's bundled ptxas) accepts every kernel, without spills."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "norm_rope_sm90_compile.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [1, 7, 1024])
+def test_llama_shapes_gpu(dtype, t):
+    hs, hq, hkv, d = 4096, 32, 8, 128
+    x, y = rnd(t, hs, dtype=dtype), rnd(t, hs, dtype=dtype, seed=1)
+    w = rnd(hs, dtype=dtype, seed=2)
+    close(tri.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    s, out = tri.add_rms_norm(x, y, w, 1e-5)
+    s_ref, out_ref = ref.add_rms_norm(x, y, w, 1e-5)
+    assert torch.equal(s, s_ref)
+    close(out, out_ref)
+    _, q, _, qk = qkv_views(t, hq, hkv, d, dtype)
+    cos, sin = rnd(t, d, dtype=dtype, seed=4), rnd(t, d, dtype=dtype, seed=5)
+    wq = rnd(d, dtype=dtype, seed=6)
+    close(tri.rms_norm(q, wq, 1e-6), ref.rms_norm(q, wq, 1e-6))
+    for v in (qk, q):
+        out, want = tri.rope(v, cos, sin), ref.rope(v, cos, sin)
+        if dtype != torch.float32:
+            assert torch.equal(out, want)
+        close(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+def test_kernels_capture_in_a_cuda_graph_gpu():
+    dtype = torch.float16
+    x, y = rnd(1, 4096, dtype=dtype), rnd(1, 4096, dtype=dtype, seed=1)
+    w = rnd(4096, dtype=dtype, seed=2)
+    _, _, _, qk = qkv_views(1, 32, 8, 128, dtype)  # a strided view of the qkv output
+    cos, sin = rnd(1, 128, dtype=dtype, seed=4), rnd(1, 128, dtype=dtype, seed=5)
+
+    def run():
+        return (tri.rms_norm(x, w, 1e-5), tri.add_rms_norm(x, y, w, 1e-5),
+                tri.rope(qk, cos, sin))
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = run()
+    x.copy_(rnd(1, 4096, dtype=dtype, seed=7))
+    qk.copy_(rnd(1, 40, 128, dtype=dtype, seed=8))
+    g.replay()
+    torch.cuda.synchronize()
+    close(outs[0], ref.rms_norm(x, w, 1e-5))
+    close(outs[1][1], ref.add_rms_norm(x, y, w, 1e-5)[1])
+    assert torch.equal(outs[2], ref.rope(qk, cos, sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_logits_with_kernels_match_torch_backend_gpu(tmp_path, monkeypatch, arch):
+    from conftest import save_tiny
+    from hisparse_cli.model.llama import forward_full
+    from hisparse_cli.model.loader import load_model
+
+    path, _ = save_tiny(tmp_path, arch)
+    model, _ = load_model(path, torch.device("cuda"), torch.float16, fuse=True)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).cuda()
+    monkeypatch.setenv("HISPARSE_BACKEND", "torch")
+    want = forward_full(model, ids)
+    monkeypatch.delenv("HISPARSE_BACKEND")
+    got = forward_full(model, ids)
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err < 1e-2, err
