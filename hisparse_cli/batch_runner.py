@@ -59,35 +59,40 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
     done = results.latest()
     outcome = BatchOutcome()
     total = len(items)
-    for index, (given, path) in enumerate(items, 1):
-        record: dict = {"input": str(path), "given": given, "sha256": None}
-        started = time.perf_counter()
-        try:
-            record["sha256"] = _identify(path)
-        except HisparseError as exc:
-            record.update(status="error", error=error_record(exc))
-        outcome.keys.append(record_key(record))
-        previous = done.get(record_key(record))
-        if previous is not None and (previous.get("status") == "ok" or not retry_failed):
-            outcome.skipped += 1
-            report("skip", index, total, given, previous)
-            continue
-        if "error" not in record:
-            report("start", index, total, given, None)
-            job.engine()  # loaded once; a model that cannot load ends the batch (its exit code)
+    try:
+        for index, (given, path) in enumerate(items, 1):
+            record: dict = {"input": str(path), "given": given, "sha256": None}
+            started = time.perf_counter()
             try:
-                progress = progress_factory(index, total) if progress_factory else None
-                record.update(status="ok", **_summarize(job, path, started, references,
-                                                        password, progress))
+                record["sha256"] = _identify(path)
             except HisparseError as exc:
                 record.update(status="error", error=error_record(exc))
-            except Exception as exc:  # noqa: BLE001 - record it, go on with the next document
-                record.update(status="error", error=error_record(exc))
-                _release_cuda_memory()
-        record["seconds"] = time.perf_counter() - started
-        results.append(record)
-        outcome.processed += 1
-        report("done", index, total, given, record)
+            outcome.keys.append(record_key(record))
+            previous = done.get(record_key(record))
+            if previous is not None and (previous.get("status") == "ok" or not retry_failed):
+                outcome.skipped += 1
+                report("skip", index, total, given, previous)
+                continue
+            if "error" not in record:
+                report("start", index, total, given, None)
+                job.engine()  # loaded once; a model that cannot load ends the batch (its exit code)
+                try:
+                    progress = progress_factory(index, total) if progress_factory else None
+                    record.update(status="ok", **_summarize(job, path, started, references,
+                                                            password, progress))
+                except HisparseError as exc:
+                    record.update(status="error", error=error_record(exc))
+                except Exception as exc:  # noqa: BLE001 - record it, go on with the next document
+                    record.update(status="error", error=error_record(exc))
+                    _release_cuda_memory()
+            record["seconds"] = time.perf_counter() - started
+            results.append(record)
+            outcome.processed += 1
+            report("done", index, total, given, record)
+    finally:  # the engine's kept KV storage and decode graph (engine/decode_state.py)
+        release = getattr(job, "release", None)
+        if release is not None:
+            release()
     return outcome
 
 

@@ -98,6 +98,7 @@ def eval_command(
              f"profile {prof.name}, model {model_path.name}")
     started = time.perf_counter()
     result = evaluate(engine, docs, named, cfg, probe=scorer, progress=_progress_printer(quiet))
+    engine.release_cached_state()  # the KV storage / decode graph kept between generates
     result.meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": info.get("name"),
                    "model_path": str(model_path), "profile": prof.name,
                    "device": plan.device, "dtype": plan.dtype,

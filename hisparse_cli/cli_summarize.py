@@ -84,6 +84,7 @@ def summarize(
         record = job.run(doc, reference_text=reference_text,
                          reference_path=str(reference) if reference else None,
                          ingest_seconds=ingest_seconds, progress=progress)
+    job.release()
     text = json.dumps(record, ensure_ascii=False, indent=2) + "\n" if as_json \
         else record["summary"] + "\n"
     if out is not None:

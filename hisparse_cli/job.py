@@ -81,6 +81,12 @@ class Job:
                                                          probe_path=self.probe_path)
         return self._engine
 
+    def release(self) -> None:
+        """Free what the engine keeps between generate calls (KV storage, decode graph)."""
+        release = getattr(self._engine, "release_cached_state", None)
+        if release is not None:
+            release()
+
     def settings_dict(self) -> dict:
         """Profile, model, device and sparse settings (the pipeline adds its own)."""
         return {"profile": self.profile.name, "model": self.model,

@@ -192,6 +192,9 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     fits = None if budget_bytes is None else peak <= budget_bytes
     notes = _notes(model_cfg, sparse, context_tokens, max_new_tokens, weight_format, c_name,
                    device_kind, backend)
+    if graph:
+        notes += (_REUSE_NOTE.format(logits=model_cfg.vocab_size * 4,
+                                     inputs=run.resident_end.get("cuda_graph", 0)),)
     settings = dict(weight_format=weight_format, group_size=group_size if awq else None,
                     awq_lm_head=awq_lm_head, embeddings_on_host=embeddings_on_host,
                     context_tokens=context_tokens, max_new_tokens=max_new_tokens,
@@ -211,6 +214,15 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         plan = replace(plan, suggestions=tuple(suggestions(plan)))
     return plan
 
+
+_REUSE_NOTE = (
+    "between generate calls the engine keeps the paged KV storage and slots, the decode graph "
+    "and its static inputs for the next call of the same shapes (Engine.release_cached_state() "
+    "frees them): they stay resident after generate. This plan is one run as the first call "
+    "makes it; a later call that reuses them takes the same storage (no new allocation) but holds "
+    "the graph's output logits ({logits} B) and static inputs ({inputs} B) from its start, so "
+    "a prefill-time peak can be up to that much higher; the graph's private pool and the "
+    "graph stream's cuBLAS workspace stay reserved as well")
 
 _RESIDENT = {
     "input_ids": "prompt token ids [{P}] int64",

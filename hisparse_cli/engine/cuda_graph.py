@@ -4,7 +4,9 @@ Everything a step reads lives in static device buffers: the token, its position 
 kernels read `q_start` from that tensor), its slot, and the visible block list padded to the
 working-set bound (padding blocks start at a huge position, so the causal test masks them).
 The KV storage was allocated once at the run's start (at its working-set bound; it never
-grows) and global/candidate slots are updated in place, so captured pointers stay valid. Host
+grows) and global/candidate slots are updated in place, so captured pointers stay valid; the
+Engine keeps storage, decoder and graph for the next generate of the same shapes (`rebind`,
+engine/decode_state.py), whose first step then replays instead of capturing. Host
 bookkeeping (block table, eviction, recalibration) runs between replays as plain Python plus
 eager tensor ops; per-step inputs travel in one pinned-memory copy. Sampling stays on the
 device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
@@ -126,10 +128,7 @@ class GraphDecoder:
                            else host_embeddings)
         dev = run.device
         seq, bs = run.seq, run.sparse.block_size
-        if seq.window is None:
-            self.nb_max = cdiv(total_tokens, bs)
-        else:
-            self.nb_max = min(seq.working_set_bound(1), cdiv(total_tokens, bs))
+        self.nb_max = self.padded_blocks(run, total_tokens)
         # the storage was allocated once when the run started, at its working-set bound
         # (>= this one: decode steps are 1 token); the pool cannot mint an id past it
         assert run.pool.storage_blocks == run.cache.capacity, "run without bound storage"
@@ -152,6 +151,47 @@ class GraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.steps = 0
+        self.captures = 0  # graphs captured by this decoder (1 at most; 0 with capture=False)
+
+    @staticmethod
+    def padded_blocks(run: KVRun, total_tokens: int) -> int:
+        """nb_max: the length the visible block list is padded to (the working-set bound of
+        a one-token step, capped at the text's blocks)."""
+        seq, bs = run.seq, run.sparse.block_size
+        if seq.window is None:
+            return cdiv(total_tokens, bs)
+        return min(seq.working_set_bound(1), cdiv(total_tokens, bs))
+
+    def rebind(self, model, run: KVRun, total_tokens: int) -> bool:
+        """Serve a new run with this decoder's buffers and captured graph (Engine keeps one
+        across generate calls): possible when everything the capture baked in is the same --
+        the model, the KV cache object (its storage pointers; engine/decode_state.py hands
+        the new run the kept cache, reset), the padded list length, and the run's kernel
+        arguments. Then the next step replays the graph (no warm-up, no capture) and the
+        host state starts over; False (nothing changed) when the capture does not fit."""
+        old = self.run
+        if not (model is self.model and run.cache is old.cache
+                and self.padded_blocks(run, total_tokens) == self.nb_max
+                and run.backend == old.backend and run.scale == old.scale
+                and run.track_scores == old.track_scores
+                and run.score_kwargs == old.score_kwargs
+                and run.token_scorer is old.token_scorer
+                and (run.seq.sinks, run.seq.window) == (old.seq.sinks, old.seq.window)):
+            return False
+        for done in self.copied:
+            if done is not None:
+                done.synchronize()  # the last run's copies out of the pinned buffers
+        self.run = self.ctx.run = run
+        self._span, self._blocks = None, None
+        self._version, self._buf_version = 0, [-1, -1]
+        self.steps = 0
+        return True
+
+    def release(self) -> None:
+        """Drop the graph and its output (its private memory pool goes with them)."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.logits = None, None
 
     def _prepare(self) -> None:
         """Host bookkeeping for the next position; one pinned copy of the step's inputs.
@@ -208,24 +248,30 @@ class GraphDecoder:
         if not self.capture:
             result = self._body()
         elif self.graph is None:  # first step: run eagerly (warms kernels up), then capture
-            dev = self.run.device
-            stream = graph_stream(dev.index if dev.index is not None else torch.cuda.current_device())
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                out = self._body()
-            torch.cuda.current_stream().wait_stream(stream)
-            snapshot = self._scores_snapshot()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=stream):  # the warm-up's stream: one workspace
-                self.logits = self._body()
-            self._scores_restore(snapshot)  # capture does not run, but be exact anyway
-            result = out
+            result = self._capture()
         else:
             self.graph.replay()
             result = self.logits
         self.steps += 1
         self._after_step()
         return result
+
+    def _capture(self) -> torch.Tensor:
+        """The first step, eagerly on the graph stream, then captured; its logits."""
+        dev = self.run.device
+        stream = graph_stream(dev.index if dev.index is not None else torch.cuda.current_device())
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = self._body()
+        torch.cuda.current_stream().wait_stream(stream)
+        snapshot = self._scores_snapshot()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: one workspace
+            logits = self._body()
+        self._scores_restore(snapshot)  # capture does not run, but be exact anyway
+        self.graph, self.logits = graph, logits  # only a completed capture is kept
+        self.captures += 1
+        return out
 
     def _after_step(self) -> None:
         run = self.run

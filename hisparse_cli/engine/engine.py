@@ -6,6 +6,9 @@
     res.token_ids, res.stats.kv_blocks_peak, res.stats.peak_memory_bytes
 
 Each call runs one sequence and returns every KV block to the pool when it ends (also on error).
+On the CUDA-graph decode path the engine keeps the run's KV storage and captured decode graph
+for the next `generate` of the same shapes (engine/decode_state.py): it stays resident after
+the call until `release_cached_state()`, another shape, `logits`/`new_run`, or an error.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class Engine:
         self.backend = select_backend(device.type, backend)
         self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
         self._tokenizer = None
+        self._decode_state = None  # DecodeState kept between generate calls (graph decode)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -112,14 +116,38 @@ class Engine:
         return self._tokenizer
 
     # -- runs --------------------------------------------------------------------------------
-    def new_run(self, total_tokens: int, chunk: int | None = None) -> tuple[KVRun, BlockPool]:
+    def new_run(self, total_tokens: int, chunk: int | None = None, *,
+                reuse: bool = False) -> tuple[KVRun, BlockPool]:
         """A run of at most `total_tokens` positions in steps of at most `chunk` tokens (default:
         the prefill chunk); its KV storage is allocated now, once, at their working-set bound
-        (ResourceError first when the pool cap is below it)."""
+        (ResourceError first when the pool cap is below it). reuse=True: take the kept
+        storage when its shape matches (reset to a new cache's contents) and keep this run's
+        for the next call; otherwise any kept state is freed first (never two storages)."""
+        if not reuse:
+            self.release_cached_state()
         pool = BlockPool(self.pool_cap_blocks)
         run = KVRun(self.cfg, self.sparse, self.device, self.kv_dtype, self.backend, pool,
-                    token_scorer=self.probe, total_tokens=total_tokens, chunk=chunk)
+                    token_scorer=self.probe, total_tokens=total_tokens, chunk=chunk,
+                    cache_source=self._kept_cache if reuse else None)
+        if reuse and (self._decode_state is None or self._decode_state.cache is not run.cache):
+            from hisparse_cli.engine.decode_state import DecodeState
+
+            self._decode_state = DecodeState(run.cache)
         return run, pool
+
+    def _kept_cache(self, spec: dict):
+        state = self._decode_state
+        cache = state.take_cache(spec) if state is not None else None
+        if cache is None:
+            self.release_cached_state()  # before the new storage is allocated
+        return cache
+
+    def release_cached_state(self) -> None:
+        """Free the KV storage, decode graph and static buffers kept from the last CUDA-graph
+        `generate` (a no-op when nothing is kept). Call it when done with the engine."""
+        state, self._decode_state = self._decode_state, None
+        if state is not None:
+            state.release()
 
     def _ids(self, token_ids) -> torch.Tensor:
         ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
@@ -133,7 +161,7 @@ class Engine:
         """Logits [T, V] (fp32) for every position, through the same paged/sparse path."""
         ids = self._ids(token_ids)
         chunk = chunk or self.sparse.prefill_chunk
-        run, _ = self.new_run(ids.numel(), chunk)
+        run, _ = self.new_run(ids.numel(), chunk)  # frees any kept decode state first
         with run:
             out = [run.step(self.model, ids[s:s + chunk], all_logits=True)
                    for s in range(0, ids.numel(), chunk)]
@@ -153,32 +181,45 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         stats = RunStats(prompt_tokens=ids.numel(), device=str(self.device), backend=self.backend.attention)
-        run, pool = self.new_run(ids.numel() + gen.max_new_tokens)
+        graph = self._use_graph(gen)
+        run, pool = self.new_run(ids.numel() + gen.max_new_tokens, reuse=graph)
         chunk = self.sparse.prefill_chunk
-        with run:
-            t0 = time.perf_counter()
-            logits = None
-            for s in range(0, ids.numel(), chunk):
-                logits = run.step(self.model, ids[s:s + chunk])
-                if progress:
-                    progress("prefill", min(s + chunk, ids.numel()), ids.numel())
-            self._sync()
-            stats.prefill_seconds = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if self._use_graph(gen):
-                out, reason = self._decode_graph(run, logits, gen, eos, ids.numel(), progress)
-            else:
-                out, reason = self._decode_eager(run, logits, gen, eos, Sampler(gen, self.device),
-                                                 progress)
-            self._sync()
-            stats.decode_seconds = time.perf_counter() - t0
+        try:
+            with run:
+                out, reason, extra = self._prefill_and_decode(run, ids, gen, eos, chunk, graph,
+                                                              stats, progress)
+        except BaseException:
+            self.release_cached_state()  # a failed run's state is not kept
+            raise
         stats.new_tokens = len(out)
         stats.kv_blocks_peak, stats.blocks_allocated, stats.blocks_freed = (
             pool.peak_live, pool.allocated, pool.freed)
         stats.kv_bytes_peak = run.kv_bytes_peak
         stats.recalibrations = run.seq.recalibrations
         stats.peak_memory_bytes, stats.peak_memory_kind = _peak_memory(self.device)
-        return GenerationResult(token_ids=out, stats=stats, finish_reason=reason)
+        return GenerationResult(token_ids=out, stats=stats, finish_reason=reason,
+                                extra=extra)
+
+    def _prefill_and_decode(self, run, ids, gen, eos, chunk, graph, stats, progress):
+        t0 = time.perf_counter()
+        logits = None
+        for s in range(0, ids.numel(), chunk):
+            logits = run.step(self.model, ids[s:s + chunk])
+            if progress:
+                progress("prefill", min(s + chunk, ids.numel()), ids.numel())
+        self._sync()
+        stats.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        extra = {}
+        if graph:
+            out, reason, reused = self._decode_graph(run, logits, gen, eos, ids.numel(), progress)
+            extra["cuda_graph"] = "reused" if reused else "new"
+        else:
+            out, reason = self._decode_eager(run, logits, gen, eos, Sampler(gen, self.device),
+                                             progress)
+        self._sync()
+        stats.decode_seconds = time.perf_counter() - t0
+        return out, reason, extra
 
     def _use_graph(self, gen: GenerationConfig) -> bool:
         """CUDA-graph decode: CUDA + Triton attention (with a host-resident embedding table
@@ -212,9 +253,12 @@ class Engine:
         return out, "length"
 
     def _decode_graph(self, run, logits, gen, eos, prompt_len, progress, sync_every: int = 16):
-        from hisparse_cli.engine.cuda_graph import DeviceSampler, GraphDecoder
+        from hisparse_cli.engine.cuda_graph import DeviceSampler
 
-        decoder = GraphDecoder(self.model, run, prompt_len + gen.max_new_tokens)
+        # the kept decoder when its capture fits this run (its graph replays from the first
+        # step), else a new one that warms up and captures on its first step
+        decoder, reused = self._decode_state.decoder_for(self.model, run,
+                                                         prompt_len + gen.max_new_tokens)
         sampler = DeviceSampler(gen, logits.shape[-1], self.device)
         eos_t = torch.tensor(sorted(eos), dtype=torch.int64, device=self.device) if eos else None
         toks = torch.empty(gen.max_new_tokens, dtype=torch.int64, device=self.device)
@@ -228,15 +272,15 @@ class Engine:
                 new = toks[len(out):i + 1].tolist()
                 for t in new:  # token by token, as the eager loop stops
                     if t in eos:
-                        return out, "eos"
+                        return out, "eos", reused
                     out.append(t)
                     if gen.stop_strings and self._stopped(out, gen):
-                        return out, "stop_string"
+                        return out, "stop_string", reused
                 if progress:
                     progress("decode", len(out), gen.max_new_tokens)
             if i + 1 < gen.max_new_tokens:
                 logits = decoder.step(tok)
-        return out, "length"
+        return out, "length", reused
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

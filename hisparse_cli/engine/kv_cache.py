@@ -42,6 +42,14 @@ class PagedKVCache:
                  dtype: torch.dtype, device: torch.device, capacity_blocks: int, global_tokens: int = 0,
                  candidate_slots: int = 0, track_scores: bool = False, window: int | None = None,
                  importance: str = "attention", sinks: int = 0, queries_per_candidate: float = 1.0) -> None:
+        # the constructor's arguments: a cache kept for reuse (engine/decode_state.py) serves a
+        # later run only when they are equal
+        self.spec = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         block_size=block_size, dtype=dtype, device=device,
+                         capacity_blocks=capacity_blocks, global_tokens=global_tokens,
+                         candidate_slots=candidate_slots, track_scores=track_scores, window=window,
+                         importance=importance, sinks=sinks,
+                         queries_per_candidate=queries_per_candidate)
         self.L, self.H, self.D, self.bs = num_layers, num_kv_heads, head_dim, block_size
         self.dtype, self.device = dtype, device
         self.window, self.importance, self.sinks = window, importance, sinks
@@ -84,6 +92,18 @@ class PagedKVCache:
     def slot_bytes(self) -> int:
         """Bytes of the global and candidate slots (fixed for the run)."""
         return 2 * self.L * self.H * (self.G + self.C) * self.D * self.k.element_size()
+
+    def reset(self) -> None:
+        """In place, the contents `__init__` gives a fresh cache (the same storage and pointers,
+        so a captured CUDA graph stays valid): K/V, slots and scores zero, slot positions -1.
+        K/V would be overwritten before any unmasked read, but masked slots are read too and
+        zeros make a reused cache byte-identical to a new one (one memset of the storage)."""
+        for t in (self.k, self.v, self.score, self.gk, self.gv, self.gmass, self.gseen,
+                  self.ck, self.cv, self.cmass, self.cseen):
+            if t is not None:
+                t.zero_()
+        self.gpos.fill_(-1)
+        self.cpos.fill_(-1)
 
     def reset_scores(self, blocks: list[int]) -> None:
         if self.score is not None and blocks:

@@ -10,6 +10,8 @@ when the step crossed a multiple of recalibrate_every.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
@@ -61,12 +63,16 @@ class KVRun:
 
     The paged storage is allocated here, once, at the working-set bound of steps of at most
     `chunk` tokens (default: the prefill chunk) over `total_tokens` positions (prompt + new
-    tokens; required for dense attention, whose bound is the whole text)."""
+    tokens; required for dense attention, whose bound is the whole text).
+
+    cache_source(spec) may return a kept PagedKVCache whose `spec` equals the one this run needs,
+    already reset (Engine's reuse across generate calls); None allocates a new one."""
 
     def __init__(self, cfg: ModelConfig, sparse: SparseConfig, device: torch.device,
                  kv_dtype: torch.dtype, backend: KernelBackend, pool: BlockPool,
                  token_scorer=None, *, total_tokens: int | None = None,
-                 chunk: int | None = None) -> None:
+                 chunk: int | None = None,
+                 cache_source: Callable[[dict], PagedKVCache | None] | None = None) -> None:
         self.cfg, self.sparse, self.device, self.backend, self.pool = cfg, sparse, device, backend, pool
         self.seq = SparseSequence(sparse, pool, model_window=cfg.sliding_window)
         self.chunk = chunk or sparse.prefill_chunk  # longest step the storage is sized for
@@ -86,7 +92,7 @@ class KVRun:
         w = self.seq.window or 1
         obs = min(sparse.observation_window, w)
         per_candidate = {"attention": w, "snapkv": obs}.get(imp, 1)
-        self.cache = PagedKVCache(
+        spec = dict(
             num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, block_size=sparse.block_size, dtype=kv_dtype, device=device,
             capacity_blocks=capacity,
@@ -94,6 +100,10 @@ class KVRun:
             candidate_slots=sparse.recalibrate_topk if use_globals else 0,
             track_scores=self.track_scores or self.token_scorer is not None, window=self.seq.window,
             importance=imp, sinks=self.seq.sinks, queries_per_candidate=per_candidate)
+        cache = cache_source(spec) if cache_source is not None else None
+        if cache is not None:
+            assert cache.spec == spec, "a kept KV cache of another shape"
+        self.cache = cache if cache is not None else PagedKVCache(**spec)
         self.scale = cfg.head_dim ** -0.5
         stride = sparse.score_stride
         self.score_kwargs = {"score_stride": stride} if self.track_scores and stride > 1 else {}
