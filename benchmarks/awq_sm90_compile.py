@@ -5,7 +5,9 @@ registers, spills, shared memory and the SASS instruction mix of each configurat
 
 Catches what the CPU interpreter accepts but the compiler refuses (e.g. constexpr rules of
 Triton 3.6) and shows whether loads/stores are 16 bytes wide and whether layouts convert
-through shared memory (LDS/STS/BAR in the GEMV loop mean a layout conversion).
+through shared memory (LDS/STS/BAR in the GEMV loop mean a layout conversion). The fused
+prefill GEMM: the table's tiles (--all: every sweep candidate), HGMMA = wgmma on Hopper,
+LDGSTS = cp.async pipelined loads.
 """
 
 from __future__ import annotations
@@ -26,19 +28,24 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from hisparse_cli.kernels import awq_gemm_k as agk  # noqa: E402
 from hisparse_cli.kernels import awq_gemv as ag  # noqa: E402
 from hisparse_cli.kernels import awq_triton as at  # noqa: E402
-from hisparse_cli.kernels.awq_layout import GEMV_CANDIDATES, GemvConfig  # noqa: E402
+from hisparse_cli.kernels.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noqa: E402
+                                             GEMV_CANDIDATES, GemvConfig)
 
-OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "I2F")
+OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "I2F",
+       "PRMT", "F2FP")
 
 
-def compile_one(fn, sig: dict, consts: dict, warps: int, aligned: tuple[str, ...]):
+def compile_one(fn, sig: dict, consts: dict, warps: int, aligned: tuple[str, ...],
+                stages: int = 3):
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
+                                                                    num_stages=stages))
 
 
 def report(name: str, k, sass_dir: Path | None) -> None:
@@ -54,8 +61,10 @@ def report(name: str, k, sass_dir: Path | None) -> None:
     ops = re.finditer(r"\b([A-Z][A-Z0-9]+)(?:\.[A-Z0-9.]+)?\s", sass)
     mix = collections.Counter(m.group(1) for m in ops if m.group(1) in OPS)
     wide = len(re.findall(r"LDG\.E\.128", sass)), len(re.findall(r"STG\.E\.128", sass))
+    mma = {o: len(re.findall(rf"\b{o}\.", sass)) for o in ("HGMMA", "HMMA", "LDGSTS")}
     print(f"{name:<44} regs {use.group(1):>3} stack {use.group(2)} local {use.group(4)}  "
           f"LDG.128 {wide[0]} STG.128 {wide[1]}  "
+          + "".join(f"{o}={c} " for o, c in mma.items() if c)
           + " ".join(f"{o}={mix[o]}" for o in OPS if mix[o]))
     if sass_dir:
         sass_dir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +119,22 @@ def main() -> None:
                             ("qt_ptr", "qz_ptr", "s_ptr", "w_ptr", "N", "KW", "W8", "n0",
                              "stride_wn"))
             report(f"dequant {dt[1:]} bn{bn} bkw{bkw} w{warps}", k, a.sass_dir)
+    gemm_sig = dict(x_ptr="*fp16", qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16",
+                    y_ptr="*fp16", M="i32", N="i32", KW="i32", W8="i32", stride_xm="i32",
+                    stride_ym="i32")
+    gemm_aligned = ("x_ptr", "qt_ptr", "qz_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "KW", "W8",
+                    "stride_xm", "stride_ym")
+    tiles = sorted({(c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)
+                    for c in GEMM_TABLE.values()} | set(GEMM_CANDIDATES if a.all else ()))
+    gemm = [(t, dt, 128, True) for t in tiles for dt in ("*fp16", "*bf16")]
+    gemm += [(tiles[0], "*fp16", 32, False), (tiles[0], "*fp32", 64, False),
+             ((16,) + tiles[0][1:], "*fp16", 128, True)]  # block_m cut for 5..16 tokens
+    for (bm, bn, bk, warps, stages), dt, group, bias in gemm:
+        bk = min(bk, group)
+        k = compile_one(agk._awq_gemm_k_kernel, dict(gemm_sig, x_ptr=dt, b_ptr=dt, y_ptr=dt),
+                        dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bk // 8,
+                             HAS_BIAS=bias, IEEE=dt == "*fp32"), warps, gemm_aligned, stages)
+        report(f"gemm {dt[1:]} g{group} bm{bm} bn{bn} bk{bk} w{warps} st{stages}", k, a.sass_dir)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """GPU check and timing of the Triton AWQ INT4 kernels (hisparse_cli/kernels/awq_triton.py).
 
 What `AWQLinear` runs on CUDA is the K-major path (kernels/awq_layout.py: qweight repacked
-once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else dequantize W^T
-+ cuBLAS. The AWQ-layout kernels (`awq_gemv`, `awq_dequant_matmul`) are timed for comparison.
+once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else (as
+awq_layout.prefill_path says) the fused dequant-GEMM or dequantize W^T + cuBLAS. The
+AWQ-layout kernels (`awq_gemv`, `awq_dequant_matmul`) are timed for comparison.
 
 1. correctness: K-major GEMV (table config, split-K, pipelined, wide tile), dequantize (bit-exact vs
-   the torch dequantization), dequant+cuBLAS and the auto path against the fp32 matmul of the
-   dequantized weight, fp16/bf16 (fp32 on a small shape), groups 32/64/128, partial tiles;
-   the GPU repack against the CPU one; a CUDA-graph capture/replay of the decode call.
+   the torch dequantization), dequant+cuBLAS, the fused GEMM and the auto path against the
+   fp32 matmul of the dequantized weight, fp16/bf16 (fp32 on a small shape), groups
+   32/64/128, partial tiles; the GPU repack against the CPU one; a CUDA-graph
+   capture/replay of the decode call.
 2. sweeps: --gemv-sweep (gpu_awq_gemv.py) times the v3 decode GEMV's candidate configs
    against the v2 kernel and fp16 cuBLAS per decode shape at 1/2/4 tokens (CUDA graphs) and
-   prints the GEMV_TABLE rows to adopt; --sweep: dequantize tile configs per shape.
+   prints the GEMV_TABLE rows to adopt; --sweep: dequantize tile configs per shape;
+   --prefill-sweep (gpu_awq_prefill.py) times fp16 cuBLAS vs dequant+cuBLAS vs the fused
+   GEMM's candidates at 64..2048 tokens (CUDA graphs) and prints the GEMM_TABLE rows and
+   FUSED_MAX_TOKENS to adopt.
 3. decode timing as the engine runs it: 1 token, back-to-back calls over rotating weight
    copies (>= 256 MB a pass) replayed from one CUDA graph, fp16 F.linear vs the INT4 GEMV.
 4. timing (triton.testing.do_bench, L2 flushed, median): fp16 cuBLAS (F.linear on the dense
@@ -19,7 +24,8 @@ once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else deq
 
 Needs only torch + triton (runs with torch 2.11 / triton 3.6). Writes $OUT/gpu_awq.json
 (OUT defaults to ./out) and prints short tables.
-    python benchmarks/gpu_awq.py [--quick] [--sweep] [--gemv-sweep] [--no-timing] [--budget-s 480]
+    python benchmarks/gpu_awq.py [--quick] [--sweep] [--gemv-sweep] [--prefill-sweep]
+                                 [--no-timing] [--budget-s 480]
     python benchmarks/gpu_awq.py --smoke-cpu     # tiny shapes under TRITON_INTERPRET=1
 """
 
@@ -139,9 +145,14 @@ def check_correctness(quick: bool, deadline: float) -> list[dict]:
                     ref = x.float() @ w + b.to(dtype).float()
                     bb = b.to(dtype)
                     paths = {"linear_k": lambda: at.awq_linear_k(x, qt, qz, s, bb, group)}
+                    fused = m > 4 and al.prefill_path(m, n, x.element_size()) == "fused"
+                    if SMOKE and dtype == torch.bfloat16 and fused:  # interpreter: bf16 tl.dot
+                        del paths["linear_k"]  # is wrong (tests/test_awq_triton.py)
                     if m > 4:
                         paths["dequant_matmul_k"] = lambda: at.awq_dequant_matmul_k(
                             x, qt, qz, s, bb, group)
+                        if not (SMOKE and dtype == torch.bfloat16):
+                            paths["gemm_k"] = lambda: at.awq_gemm_k(x, qt, qz, s, bb, group)
                     else:
                         for vname, cfg in gemv_variants(m, k, n, group).items():
                             paths[f"gemv_k {vname}"] = (
@@ -332,6 +343,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="dequantize tile sweep")
     ap.add_argument("--gemv-sweep", action="store_true",
                     help="decode GEMV: v3 candidates vs v2 vs fp16 per shape (gpu_awq_gemv.py)")
+    ap.add_argument("--prefill-sweep", action="store_true",
+                    help="prefill: fused GEMM candidates vs dequant+cuBLAS vs fp16 per shape "
+                         "(gpu_awq_prefill.py)")
     ap.add_argument("--old", action="store_true", help="also time the AWQ-layout kernels")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480.0)
@@ -342,7 +356,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"device": "cpu (interpreter smoke)" if SMOKE else torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__,
-           "GEMV_MAX_TOKENS": al.GEMV_MAX_TOKENS}
+           "GEMV_MAX_TOKENS": al.GEMV_MAX_TOKENS, "FUSED_MAX_TOKENS": al.FUSED_MAX_TOKENS}
 
     def save():
         (out_dir / "gpu_awq.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -358,6 +372,11 @@ def main() -> None:
         from gpu_awq_gemv import gemv_sweep
 
         res["gemv_sweep"] = gemv_sweep(t0 + (0.9 if args.no_timing else 0.6) * b)
+        save()
+    if args.prefill_sweep:
+        from gpu_awq_prefill import prefill_sweep
+
+        res["prefill_sweep"] = prefill_sweep(t0 + (0.95 if args.no_timing else 0.6) * b)
         save()
     if args.sweep:
         res["sweep_dequant"] = sweep_dequant(t0 + 0.72 * b)

@@ -165,7 +165,7 @@ def linear(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, quant: bo
 def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> int:
     """awq_triton.awq_linear_k (the K-major layout AWQLinear holds on CUDA; any dtype)."""
     from hisparse_cli.kernels.awq_layout import (DEQUANT_CHUNK_ELEMS, GEMV_MAX_TOKENS,
-                                                 dequant_chunk, gemv_config)
+                                                 dequant_chunk, gemv_config, prefill_path)
 
     cb = s.cb
     if m <= GEMV_MAX_TOKENS:  # awq_gemv_k: y, then fp32 split-K partials when split
@@ -174,6 +174,8 @@ def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> i
         if split > 1:
             tr.free(tr.alloc(name + ".gemv_partial", split * m * n * 4))
         return y
+    if prefill_path(m, n, cb) == "fused":  # awq_gemm_k: dequantizes in registers, y only
+        return tr.alloc(name, m * n * cb)
     chunk = dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS)  # awq_dequant_matmul_k: W^T row chunks
     if chunk >= n:
         w = tr.alloc(name + ".dequant_w", k * n * cb)

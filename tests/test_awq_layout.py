@@ -89,3 +89,28 @@ def test_gemv_config_rejects_bad_fields():
         GemvConfig(block_n=32, block_kw=2, split=1, num_warps=2, num_stages=1)
     with pytest.raises(ValueError, match="split"):
         GemvConfig(block_n=32, block_kw=16, split=3, num_warps=2, num_stages=1)
+
+
+@pytest.mark.parametrize("n", [6144, 4096, 28672, 128256, 40])
+def test_gemm_config_and_prefill_path(n):
+    for m in (5, 16, 17, 64, 65, 256, 1000, 1024, 2048, 5000):
+        c = awq_layout.gemm_config(m, n)
+        bucket = awq_layout.gemm_m_bucket(m)
+        table = awq_layout.GEMM_TABLE[(bucket, awq_layout.gemv_shape_class(n))]
+        assert (c.block_n, c.block_k, c.num_warps, c.num_stages) == (
+            table.block_n, table.block_k, table.num_warps, table.num_stages)
+        assert c.block_m == min(table.block_m, max(16, 1 << (m - 1).bit_length())) >= min(m, 16)
+        fused = m <= awq_layout.FUSED_MAX_TOKENS[awq_layout.gemv_shape_class(n)]
+        assert awq_layout.prefill_path(m, n, 2) == ("fused" if fused else "dequant")
+        assert awq_layout.prefill_path(m, n, 4) == "dequant"  # fp32: dequantize + cuBLAS
+    assert [awq_layout.gemm_m_bucket(m) for m in (64, 65, 256, 1024, 1025)] == [
+        "m64", "m256", "m256", "m1024", "m_large"]
+
+
+def test_gemm_config_rejects_bad_fields():
+    with pytest.raises(ValueError, match="block_k"):
+        awq_layout.GemmConfig(block_m=64, block_n=64, block_k=16, num_warps=4, num_stages=3)
+    with pytest.raises(ValueError, match="block_m"):
+        awq_layout.GemmConfig(block_m=8, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        awq_layout.GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=3, num_stages=3)

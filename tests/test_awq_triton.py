@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import awq_gemv, awq_triton  # noqa: E402
-from hisparse_cli.kernels.awq_layout import GemvConfig  # noqa: E402
+from hisparse_cli.kernels import awq_gemm_k, awq_gemv, awq_layout, awq_triton  # noqa: E402
+from hisparse_cli.kernels.awq_layout import GemmConfig, GemvConfig  # noqa: E402
 from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
 from test_awq_ref import random_awq  # noqa: E402
 
@@ -211,11 +211,86 @@ def test_k_launchers_assert_layout():
         awq_triton.awq_gemv_k(torch.cat([x, x, x[:1]]), qt, qz, s, b, 32)
 
 
+@interp
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m,block_m", [(5, 16), (37, 32)])  # 37: a partial token tile
+def test_gemm_k_interpreter(group, m, block_m):
+    # n 200: 3.1 tiles of 64 columns; K 2 groups: block_k 128 capped at group 32/64
+    x, qw, qt, qz, s, b = case_k(m, 2 * group, 200, group, torch.float16, "cpu", seed=m)
+    cfg = GemmConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=2)
+    check(awq_gemm_k.awq_gemm_k(x, qt, qz, s, b, group, config=cfg), x, qw, qz, s, b, group)
+
+
+@interp
+def test_gemm_k_interpreter_fp32_strided_x_no_bias():
+    # fp32 activations (IEEE products); rows of x with a stride > K, as a column half of a
+    # wider buffer (gate|up's outputs); the table's own config (gemm_config)
+    x, qw, qt, qz, s, _ = case_k(9, 128, 48, 64, torch.float32, "cpu", bias=False)
+    wide = torch.zeros(9, 2 * 128, dtype=torch.float32)
+    wide[:, 128:] = x
+    check(awq_gemm_k.awq_gemm_k(wide[:, 128:], qt, qz, s, None, 64), x, qw, qz, s, None, 64)
+    xh = x.half()
+    wide = wide.half()
+    check(awq_gemm_k.awq_gemm_k(wide[:, 128:], qt, qz, s, None, 64), xh, qw, qz, s, None, 64)
+
+
+@interp
+def test_gemm_k_interpreter_bf16_dot_is_broken():
+    """bf16 tl.dot is wrong in the Triton 3.9 interpreter (huge values), so the fused GEMM's
+    bf16 path is checked only on CUDA (test_kernels_k_cuda, gpu_awq.py). If this starts
+    failing, the interpreter was fixed: add bfloat16 to test_gemm_k_interpreter."""
+    x, qw, qt, qz, s, b = case_k(5, 64, 64, 32, torch.bfloat16, "cpu")
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+    y = awq_gemm_k.awq_gemm_k(x, qt, qz, s, b, 32, config=cfg)
+    ref = x.float() @ dequantize_weight(qw, qz, s, 32)
+    assert y.dtype == torch.bfloat16 and float((y.float() - ref).abs().max()) > 1e3
+
+
+@interp
+@pytest.mark.parametrize("m,fused", [(5, True), (64, True), (65, False)])
+def test_awq_linear_k_prefill_dispatch(m, fused, monkeypatch):
+    calls = []
+    real = awq_triton.awq_gemm_k
+    monkeypatch.setattr(awq_triton, "awq_gemm_k", lambda *a, **kw: calls.append(1) or real(*a))
+    monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", 64)
+    x, qw, qt, qz, s, b = case_k(m, 64, 40, 32, torch.float16, "cpu")
+    check(awq_triton.awq_linear_k(x, qt, qz, s, b, 32), x, qw, qz, s, b, 32)
+    assert bool(calls) == fused
+    calls.clear()  # fp32 activations: never the fused path
+    xf = x.float()
+    check(awq_triton.awq_linear_k(xf, qt, qz, s, b.float(), 32), xf, qw, qz, s, b.float(), 32)
+    assert not calls
+
+
+@interp
+@pytest.mark.parametrize("m,dtype,max_fused", [(2, torch.float16, 64), (7, torch.float16, 64),
+                                               (7, torch.float16, 4), (7, torch.float32, 64)])
+def test_planner_mirrors_awq_linear_k_allocations(m, dtype, max_fused, monkeypatch):
+    """planner_trace._awq_triton predicts every byte awq_linear_k allocates on each path
+    (GEMV + split-K partials, fused GEMM: y only, dequantize + cuBLAS: W^T and y)."""
+    from types import SimpleNamespace
+
+    from test_planner import AllocRecorder
+
+    from hisparse_cli.planner_trace import Trace, _awq_triton
+
+    monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", max_fused)
+    k, n = 128, 200
+    x, _, qt, qz, s, _ = case_k(m, k, n, 32, dtype, "cpu")
+    rec = AllocRecorder()
+    with rec:
+        y = awq_triton.awq_linear_k(x, qt, qz, s, None, 32)
+    tr = Trace()
+    shape = SimpleNamespace(cb=x.element_size(), group=32, num_sms=awq_gemv._sm_count(x.device))
+    _awq_triton(tr, shape, "lin", m, k, n)
+    assert rec.peak == tr.peak and rec.cur == tr.cur == y.numel() * y.element_size()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 33, 512])
-@pytest.mark.parametrize("fn", ["gemv_k", "dequant_matmul_k", "linear_k"])
+@pytest.mark.parametrize("fn", ["gemv_k", "gemm_k", "dequant_matmul_k", "linear_k"])
 def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
     for mark in gpu:
         request.applymarker(mark)
@@ -224,6 +299,9 @@ def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
     if fn == "gemv_k" and m > 16:
         pytest.skip("GEMV is for few tokens")
     x, qw, qt, qz, s, b = case_k(m, k, n, group, dtype, "cuda", seed=m)
+    if fn == "gemm_k":
+        check(awq_gemm_k.awq_gemm_k(x, qt, qz, s, b, group), x, qw, qz, s, b, group)
+        return
     check(getattr(awq_triton, f"awq_{fn}")(x, qt, qz, s, b, group), x, qw, qz, s, b, group)
 
 

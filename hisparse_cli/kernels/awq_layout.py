@@ -86,7 +86,7 @@ def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
 
 
 # -- launch choices (the planner imports these: keep them free of triton) ----------------------
-GEMV_MAX_TOKENS = 4  # more tokens: dequantize W^T (chunks of DEQUANT_CHUNK_ELEMS) + cuBLAS
+GEMV_MAX_TOKENS = 4  # more tokens: prefill_path (fused GEMM, or dequantize W^T + cuBLAS)
 DEQUANT_CHUNK_ELEMS = 1 << 26  # temp W^T of the cuBLAS path: 128 MiB in fp16, so every
 # Llama-3-8B decoder linear is one chunk (two chunks cost 5-10 % of the layer on the H200)
 
@@ -175,3 +175,81 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:
     """Rows of W^T [n, k] dequantized per step of the prefill path (>= n: one step)."""
     return max(128, (chunk_elems // k) // 128 * 128)
+
+
+# -- prefill (M > GEMV_MAX_TOKENS): fused dequant-GEMM or dequantize + cuBLAS -------------------
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch of the fused dequant-GEMM (kernels/awq_gemm_k.py). block_m: tokens per
+    program (the MMA's N slot); block_n: output columns per program (the MMA's M slot);
+    block_k: K rows per loop step (capped at the group size; a multiple of 32)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} = {v}: a power of two >= 1")
+        if self.block_m < 16 or self.block_n < 16:
+            raise ValueError("GemmConfig.block_m/block_n: >= 16 (tl.dot)")
+        if self.block_k < 32:
+            raise ValueError(f"GemmConfig.block_k = {self.block_k}: >= 32 (one run of words)")
+        if self.num_stages < 1:
+            raise ValueError(f"GemmConfig.num_stages = {self.num_stages}: >= 1")
+
+
+# Token buckets (upper bounds, inclusive; None: the rest) of the fused GEMM's table.
+GEMM_M_BUCKETS = (64, 256, 1024, None)
+
+
+def gemm_m_bucket(m: int) -> str:
+    """GEMM_TABLE's token key for m tokens: "m64", "m256", "m1024" or "m_large"."""
+    for hi in GEMM_M_BUCKETS:
+        if hi is None or m <= hi:
+            return f"m{hi}" if hi is not None else "m_large"
+    raise AssertionError("unreachable")
+
+
+# (token bucket, N class of gemv_shape_class) -> tile. NOT YET MEASURED on a GPU: common
+# Hopper Triton GEMM tiles; `benchmarks/gpu_awq.py --prefill-sweep` times GEMM_CANDIDATES
+# per Llama-3-8B shape and prints the rows to adopt.
+_T64 = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+_T256 = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+_TBIG = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+GEMM_TABLE = {(b, c): t for c in ("small_n", "large_n", "huge_n")
+              for b, t in (("m64", _T64), ("m256", _T256), ("m1024", _TBIG), ("m_large", _TBIG))}
+# what --prefill-sweep tries: (block_m, block_n, block_k, num_warps, num_stages)
+GEMM_CANDIDATES = ((64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (32, 64, 128, 4, 4),
+                   (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                   (128, 128, 64, 4, 4), (128, 64, 128, 4, 3), (64, 128, 64, 4, 4),
+                   (256, 128, 64, 8, 3), (128, 256, 64, 8, 3))
+
+# Tokens up to which M > GEMV_MAX_TOKENS takes the fused GEMM (per N class; fp16/bf16 only),
+# beyond: dequantize + cuBLAS (GEMV_MAX_TOKENS: never fused). NOT YET TIMED: 64 where the
+# fused kernel cannot plausibly lose (the dequantize alone costs 19-42 us a decoder linear
+# on the H200 and cuBLAS at <= 64 tokens is memory-bound, while the fused kernel reads the
+# INT4 bytes once: sm_90 SASS has HGMMA, cp.async pipelining, no spills); the prefill
+# chunks (1024-2048 tokens) stay on dequantize + cuBLAS until an H200 `gpu_awq.py
+# --prefill-sweep` prints a "suggested FUSED_MAX_TOKENS" line. lm_head (huge_n) not swept.
+FUSED_MAX_TOKENS = {"small_n": 64, "large_n": 64, "huge_n": GEMV_MAX_TOKENS}
+
+
+def gemm_config(m: int, n: int) -> GemmConfig:
+    """Launch of the fused GEMM for m tokens and n output columns: GEMM_TABLE's tile, with
+    block_m cut to the next power of two >= m (>= 16) for small m. A pure function."""
+    t = GEMM_TABLE[(gemm_m_bucket(m), gemv_shape_class(n))]
+    bm = max(16, 1 << max(0, m - 1).bit_length())
+    return t if bm >= t.block_m else GemmConfig(bm, t.block_n, t.block_k, t.num_warps,
+                                                t.num_stages)
+
+
+def prefill_path(m: int, n: int, itemsize: int) -> str:
+    """What awq_linear_k runs for m > GEMV_MAX_TOKENS tokens of itemsize-byte activations:
+    "fused" (awq_gemm_k: allocates y only) or "dequant" (W^T chunks + cuBLAS)."""
+    fused = itemsize == 2 and m <= FUSED_MAX_TOKENS[gemv_shape_class(n)]
+    return "fused" if fused else "dequant"

@@ -3,8 +3,11 @@
 What `AWQLinear` runs on CUDA is the K-major path (qweight repacked once at load into
 kernels/awq_layout.py's int32 [N, K/8], same bytes):
     awq_linear_k      M <= GEMV_MAX_TOKENS: `awq_gemv_k` (kernels/awq_gemv.py: fused dequant
-                      GEMV, all tokens in one program); otherwise `awq_dequant_matmul_k`
-                      (dequantize W^T [N, K] with 16-byte stores, then cuBLAS x @ W^T.T).
+                      GEMV, all tokens in one program); otherwise, as
+                      awq_layout.prefill_path says (token threshold per N class, set by
+                      `gpu_awq.py --prefill-sweep`), `awq_gemm_k` (kernels/awq_gemm_k.py:
+                      fused dequant-GEMM, tl.dot) or `awq_dequant_matmul_k` (dequantize W^T
+                      [N, K] with 16-byte stores, then cuBLAS x @ W^T.T).
 The AWQ-GEMM-layout kernels below (`awq_linear`: `awq_gemv`, `awq_gemm`,
 `awq_dequant_matmul`) serve callers holding checkpoint-layout tensors; they are slower
 (BENCHMARKS.md).
@@ -35,6 +38,7 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
+from hisparse_cli.kernels.awq_gemm_k import _dequant_nibble, awq_gemm_k
 from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k, check_gemv_args
 from hisparse_cli.kernels.awq_ref import check_awq_tensors
 
@@ -270,13 +274,6 @@ def awq_linear(x, qweight, qzeros, scales, bias, group_size):
 # coalesced loads, each word exactly once. The decode GEMV is kernels/awq_gemv.py.
 
 @triton.jit
-def _dequant_nibble(words, SHIFT: tl.constexpr, s2, sz, dt: tl.constexpr):
-    """(q - z) s of the nibble at bit SHIFT, in dt: q s - z s exact in fp32, one rounding."""
-    q = (((words >> SHIFT) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return (q * s2 - sz).to(dt)
-
-
-@triton.jit
 def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, stride_wn,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     """W^T rows [n0 + ...] of the K-major weight: w[n - n0, k] = (q[k, n] - z) * s, written as
@@ -365,8 +362,11 @@ def awq_linear_k(x, qweight_k, qzeros, scales, bias, group_size):
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] <= GEMV_MAX_TOKENS:
+    m, n = x2.shape[0], qweight_k.shape[0]
+    if m <= GEMV_MAX_TOKENS:
         y = awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size)
+    elif awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
+        y = awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size)
     else:
         y = awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size)
     return y.reshape(*lead, y.shape[-1])
