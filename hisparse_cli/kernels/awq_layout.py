@@ -230,13 +230,11 @@ GEMM_CANDIDATES = ((64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (32, 64, 128, 4, 4
                    (256, 128, 64, 8, 3), (128, 256, 64, 8, 3))
 
 # Tokens up to which M > GEMV_MAX_TOKENS takes the fused GEMM (per N class; fp16/bf16 only),
-# beyond: dequantize + cuBLAS (GEMV_MAX_TOKENS: never fused). NOT YET TIMED: 64 where the
-# fused kernel cannot plausibly lose (the dequantize alone costs 19-42 us a decoder linear
-# on the H200 and cuBLAS at <= 64 tokens is memory-bound, while the fused kernel reads the
-# INT4 bytes once: sm_90 SASS has HGMMA, cp.async pipelining, no spills); the prefill
-# chunks (1024-2048 tokens) stay on dequantize + cuBLAS until an H200 `gpu_awq.py
-# --prefill-sweep` prints a "suggested FUSED_MAX_TOKENS" line. lm_head (huge_n) not swept.
-FUSED_MAX_TOKENS = {"small_n": 64, "large_n": 64, "huge_n": GEMV_MAX_TOKENS}
+# beyond: dequantize + cuBLAS (GEMV_MAX_TOKENS: never fused). Set from the H200
+# `gpu_awq.py --prefill-sweep` of run 10 (benchmarks/results/h200-run10): the fused kernel
+# wins only on the stacked gate|up at 64 tokens (78 vs 146 us); on the small-N layers, and
+# at 256+ tokens everywhere, dequantize + cuBLAS is faster. lm_head (huge_n) not swept.
+FUSED_MAX_TOKENS = {"small_n": GEMV_MAX_TOKENS, "large_n": 64, "huge_n": GEMV_MAX_TOKENS}
 
 
 def gemm_config(m: int, n: int) -> GemmConfig:
