@@ -133,6 +133,12 @@ def sparse_attention(
     return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """t in float32; an fp32 tensor is returned as is (skips a dispatched no-op cast: the
+    one-token CPU decode path runs ~90 torch ops per layer, each a few microseconds)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window, scale,
                       g_k, g_v, g_pos, score_min_distance, memo):
     """sparse_attention for one scored query (T = 1), fp32 math: the probabilities are
@@ -142,21 +148,23 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     _, bs, hkv, _ = k_cache.shape
     grp = hq // hkv
     k_pos, q_pos, mask = _step_keys(memo, block_starts, bs, q_start, 1, sinks, window, q.device)
-    qg = q[0].reshape(hkv, grp, d).float()  # [Hkv, grp, D]
-    k = k_cache.index_select(0, block_ids).reshape(-1, hkv, d).transpose(0, 1).float()  # [Hkv, N, D]
-    v = v_cache.index_select(0, block_ids).reshape(-1, hkv, d).transpose(0, 1).float()
+    qg = _f32(q[0].reshape(hkv, grp, d))  # [Hkv, grp, D]
+    k = _f32(k_cache.index_select(0, block_ids).reshape(-1, hkv, d).transpose(0, 1))  # [Hkv, N, D]
+    v = _f32(v_cache.index_select(0, block_ids).reshape(-1, hkv, d).transpose(0, 1))
     n = k.shape[1]
     s = torch.matmul(qg, k.transpose(1, 2)).mul_(scale).add_(mask)  # [Hkv, grp, N]
     has_g = g_k is not None and g_k.shape[1] > 0
     if has_g:
-        g_add = torch.zeros(g_pos.shape, device=q.device).masked_fill_(g_pos < 0, float("-inf"))
-        sg = torch.matmul(qg, g_k.float().transpose(1, 2)).mul_(scale).add_(g_add[:, None, :])
+        g_add = torch.where(g_pos < 0, float("-inf"), 0.0)  # [Hkv, G] fp32
+        sg = torch.matmul(qg, _f32(g_k).transpose(1, 2)).mul_(scale).add_(g_add[:, None, :])
         s = torch.cat((s, sg), dim=-1)  # [Hkv, grp, N + G]
     p = torch.softmax(s, dim=-1)
     out = torch.matmul(p[..., :n], v)  # [Hkv, grp, D]
     if has_g:
-        out += torch.matmul(p[..., n:], g_v.float())
-    out = out.reshape(1, hq, d).to(q.dtype)
+        out += torch.matmul(p[..., n:], _f32(g_v))
+    out = out.reshape(1, hq, d)
+    if out.dtype != q.dtype:
+        out = out.to(q.dtype)
     p = p.sum(dim=1)  # [Hkv, N + G]: summed over the query heads of each KV head
     key_mass = p[:, :n]
     if score_min_distance > 0:  # snapkv: count only keys at least m positions back
