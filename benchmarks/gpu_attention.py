@@ -1,6 +1,7 @@
 """GPU check + benchmark of the Triton sparse attention kernels (hisparse_cli/kernels/*_triton.py).
 
-    OUT=./out python benchmarks/gpu_attention.py        # from the repo root, on a CUDA machine
+    OUT=./out python benchmarks/gpu_attention.py [SECTIONS]   # from the repo root, on a CUDA machine
+    SECTIONS: comma list of correctness,prefill,decode,sweep,dsweep (default: the first four)
 
 1. correctness: every kernel vs the torch reference (kernels/attention_ref.py) over a grid of
    shapes -> max errors, PASS/FAIL;
@@ -11,6 +12,7 @@
 3. decode (T=1; window up to 8192 + 512 globals; dense 32K / 128K keys) in CUDA graphs over
    rotating layer caches (no L2 reuse) vs SDPA, GB/s vs the 4.24 TB/s measured copy bandwidth;
 4. a small sweep of tiles / num_warps / num_stages / splits.
+5. dsweep: decode split count x key tile x warps (with scores, as the engine runs decode).
 Prints compact tables; writes $OUT/gpu_attention.json. Self-contained: torch + triton only.
 """
 
@@ -283,6 +285,31 @@ def sweep() -> None:
         print(f"  decode w{window}+g512 {fmt(cfg):36s} splits={splits} {us:7.1f} us")
 
 
+# -- 5. decode sweep (split count x key tile x warps, with the one-shot split reduce) -------
+def dsweep() -> None:
+    print("== decode sweep (us per layer call; CUDA graph over 8 rotating layer caches)")
+    C = tri.AttnConfig
+    for window, g in ((4096, 512), (8192, 512)):
+        dec = [make_step(1, 3 * window, window, 16, g=g, seed=i) for i in range(8)]
+        best = None
+        for bn in (32, 64, 128):
+            for warps in (2, 4):
+                for splits in (None, 16, 32, 48, 64, 96, 128):
+                    cfg = C(16, bn, warps, 2)
+                    try:
+                        us = 1e3 * graph_ms([lambda s=s: tri.sparse_attention(
+                            **s, config=cfg, num_splits=splits, return_scores=True) for s in dec])
+                    except Exception as e:  # noqa: BLE001
+                        us = float("nan")
+                        print(f"  w{window} N{bn} w{warps} splits={splits}: {type(e).__name__}: {str(e)[:100]}")
+                    RESULTS["sweep"].append(dict(kind=f"decode+scores w{window}+g{g}", block_n=bn,
+                                                 warps=warps, splits=splits, us=us))
+                    if best is None or us < best[0]:
+                        best = (us, bn, warps, splits)
+                    print(f"  decode+scores w{window}+g{g} N{bn:<3} w{warps} splits={splits!s:>4} {us:7.1f} us")
+        print(f"  best w{window}: {best}")
+
+
 def main() -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     out = Path(os.environ.get("OUT", "./out"))
@@ -291,7 +318,8 @@ def main() -> int:
                           triton=triton.__version__, sms=torch.cuda.get_device_properties(0).multi_processor_count)
     print(RESULTS["env"])
     t0 = time.time()
-    for section in (correctness, prefill, decode, sweep):
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["correctness", "prefill", "decode", "sweep"]
+    for section in [globals()[n] for n in names]:
         ts = time.time()
         try:
             section()

@@ -355,6 +355,22 @@ def scoring(eng, ids, sparse: SparseConfig, repeats: int, replays: int) -> dict:
     out["prefill_s"] = times
     out["prefill_s_best"] = best
     out["scoring_pct_of_prefill"] = 100.0 * (best["attention"] - best["uniform"]) / best["attention"]
+    if eng.device.type == "cuda":  # which kernels/ops the difference is made of
+        by = {imp: prefill_kernels(eng, ids, sparse.with_overrides(importance=imp))
+              for imp in ("attention", "uniform")}
+        eng.sparse = sparse
+        names = set(by["attention"]["gpu"]) | set(by["uniform"]["gpu"])
+        diff = []
+        for n in names:
+            a_, u_ = by["attention"]["gpu"].get(n, [0, 0.0]), by["uniform"]["gpu"].get(n, [0, 0.0])
+            diff.append({"name": n[:70], "calls_attention": a_[0], "calls_uniform": u_[0],
+                         "gpu_ms_attention": a_[1] / 1e3, "gpu_ms_uniform": u_[1] / 1e3,
+                         "delta_ms": (a_[1] - u_[1]) / 1e3})
+        diff.sort(key=lambda r: -abs(r["delta_ms"]))
+        out["kernel_delta"] = diff[:14]
+        out["gpu_ms_total"] = {k: v["gpu_total_us"] / 1e3 for k, v in by.items()}
+        out["kernels_total"] = {k: v["kernels"] for k, v in by.items()}
+        out["cpu_ops_total"] = {k: v["cpu_ops"] for k, v in by.items()}
     # recalibration / eviction times: synchronised around each call (own run)
     rec: dict[str, list] = {"recalibrate": [], "evict_to_candidates": []}
     orig = {k: getattr(PagedKVCache, k) for k in rec}
@@ -383,6 +399,32 @@ def scoring(eng, ids, sparse: SparseConfig, repeats: int, replays: int) -> dict:
         out[k] = {**us(v), "total_ms": 1e3 * sum(v),
                   "pct_of_prefill": 100.0 * sum(v) / best["attention"]}
     return out
+
+
+def prefill_kernels(eng, ids, sparse: SparseConfig) -> dict:
+    """One prefill under torch.profiler: GPU time and count per kernel name, CPU op count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.sparse = sparse
+    run, _ = eng.new_run(ids.numel() + 2)
+    with torch.inference_mode(), run:
+        prefill(eng, run, ids[: 4 * sparse.prefill_chunk])  # warm (same shapes)
+    run, _ = eng.new_run(ids.numel() + 2)
+    with torch.inference_mode(), run, profile(activities=[ProfilerActivity.CPU,
+                                                          ProfilerActivity.CUDA]) as prof:
+        prefill(eng, run, ids)
+    gpu: dict[str, list] = {}
+    n_cpu = 0
+    for e in prof.key_averages():
+        if _on_device(e):
+            g = gpu.setdefault(e.key, [0, 0.0])
+            g[0] += e.count
+            g[1] += _dev_time(e)
+        elif e.key.startswith("aten::"):
+            n_cpu += e.count
+    free_all(eng.device)
+    return {"gpu": gpu, "gpu_total_us": sum(v[1] for v in gpu.values()),
+            "kernels": sum(v[0] for v in gpu.values()), "cpu_ops": n_cpu}
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -435,6 +477,12 @@ def report(res: dict) -> None:
                 print(f"  {k}: {v['n']} calls, mean {v['mean_us'] / 1e3:.2f} ms, max "
                       f"{v['max_us'] / 1e3:.2f} ms, total {v['total_ms']:.1f} ms "
                       f"({v['pct_of_prefill']:.1f} % of prefill)")
+        if s.get("kernel_delta"):
+            print(f"  one prefill under the profiler: GPU kernel time {s['gpu_ms_total']}, kernels "
+                  f"{s['kernels_total']}, aten ops {s['cpu_ops_total']}")
+            for r in s["kernel_delta"]:
+                print(f"  {r['name']:<70} {r['calls_attention']:6d} / {r['calls_uniform']:6d} calls "
+                      f"{r['gpu_ms_attention']:8.2f} / {r['gpu_ms_uniform']:8.2f} ms  delta {r['delta_ms']:+7.2f}")
         if "uniform_replay_ms" in s:
             print(f"  decode graph replay with uniform: {s['uniform_replay_ms']:.3f} ms")
 
@@ -448,6 +496,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--time-budget", type=float, default=230.0, help="seconds for the whole run")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok)")
+    ap.add_argument("--awq", action="store_true", help="AWQ INT4 (g128) linears instead of fp16")
+    ap.add_argument("--no-scoring", action="store_true", help="skip phase (e)")
     a = ap.parse_args()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -471,11 +521,12 @@ def main() -> None:
         contexts = [1024, 2048]
         a.decode_tokens, a.profile_steps, a.replays = min(a.decode_tokens, 40), min(a.profile_steps, 8), 5
     res["sparse"] = sparse.__dict__
+    res["weights"] = "awq-int4" if a.awq else "fp16"
     cfg = ModelConfig.from_dict(shape)
     from hisparse_cli.engine.engine import Engine
 
     def build():
-        model = build_ours(cfg, dev, awq=False, host_emb=False)
+        model = build_ours(cfg, dev, awq=a.awq, host_emb=False)
         return model.float() if dev.type == "cpu" else model
 
     model = phase("build model", res, a.time_budget, 0, build)
@@ -499,7 +550,7 @@ def main() -> None:
         row["decode"] = phase(f"(b-d) decode profile ctx {ctx}", res, a.time_budget, need + 10,
                               decode_profile, eng, ids, a.decode_tokens, a.profile_steps, a.replays)
         free_all(dev)
-        if i == 0:
+        if i == 0 and not a.no_scoring:
             res["scoring"] = phase(f"(e) scoring ctx {ctx}", res, a.time_budget, 4 * need,
                                    scoring, eng, ids, sparse, 2, a.replays)
             free_all(dev)

@@ -177,10 +177,11 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         FULL_TILES=cfg.full_tiles and m_tiles > 1 and splits == 1, WRITE_LSE=write_lse,
         STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        block_r = 16
-        _attn_reduce[(triton.cdiv(n_rows, block_r), hkv)](
+        p2 = triton.next_power_of_2(splits)
+        _attn_reduce[(n_rows, hkv)](
             m_ws, l_ws, acc_ws, out, lse, t_len, splits, out.stride(0), out.stride(1),
-            HKV=hkv, GRP=grp, D=d, BLOCK_R=block_r, WRITE_LSE=write_lse, num_warps=4)
+            HKV=hkv, GRP=grp, D=d, SPLIT_P2=p2, WRITE_LSE=write_lse,
+            num_warps=8 if p2 * d >= 8192 else 4)
     if not return_scores:
         return out, None, None
 
