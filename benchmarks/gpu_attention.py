@@ -1,7 +1,7 @@
 """GPU check + benchmark of the Triton sparse attention kernels (hisparse_cli/kernels/*_triton.py).
 
     OUT=./out python benchmarks/gpu_attention.py [SECTIONS]   # from the repo root, on a CUDA machine
-    SECTIONS: comma list of correctness,prefill,decode,sweep,dsweep (default: the first four)
+    SECTIONS: comma list of correctness,prefill,decode,sweep,dsweep,ssweep (default: first four)
 
 1. correctness: every kernel vs the torch reference (kernels/attention_ref.py) over a grid of
    shapes -> max errors, PASS/FAIL;
@@ -12,7 +12,8 @@
 3. decode (T=1; window up to 8192 + 512 globals; dense 32K / 128K keys) in CUDA graphs over
    rotating layer caches (no L2 reuse) vs SDPA, GB/s vs the 4.24 TB/s measured copy bandwidth;
 4. a small sweep of tiles / num_warps / num_stages / splits.
-5. dsweep: decode split count x key tile x warps (with scores, as the engine runs decode).
+5. dsweep: decode split count x key tile x warps (with scores, as the engine runs decode);
+6. ssweep: scoring tiles at the h200-141g prefill shape (chunk 1024, window 4096, stride 16).
 Prints compact tables; writes $OUT/gpu_attention.json. Self-contained: torch + triton only.
 """
 
@@ -308,6 +309,28 @@ def dsweep() -> None:
                         best = (us, bn, warps, splits)
                     print(f"  decode+scores w{window}+g{g} N{bn:<3} w{warps} splits={splits!s:>4} {us:7.1f} us")
         print(f"  best w{window}: {best}")
+
+
+# -- 6. scoring tile sweep (prefill chunk 1024, window 4096, 512 globals, stride 16) --------
+def ssweep() -> None:
+    print("== scoring tile sweep (prefill T1024 w4096 g512 bs16, score_stride 16; ms per call)")
+    C = tri.AttnConfig
+    pre = make_step(1024, 3 * 4096, 4096, 16, g=512)
+    base = bench_ms(lambda: tri.sparse_attention(**pre))
+    print(f"  attention alone {base:.3f} ms")
+    for sc in [(64, 64, 4), (64, 128, 4), (128, 128, 8), (32, 128, 4), (64, 256, 8), (128, 64, 4),
+               (32, 64, 2), (64, 128, 8)]:
+        cfg = C(score_block_m=sc[0], score_block_n=sc[1], score_warps=sc[2])
+        try:
+            ms = bench_ms(lambda: tri.sparse_attention(**pre, config=cfg, return_scores=True,
+                                                       score_stride=16))
+        except Exception as e:  # noqa: BLE001
+            ms = float("nan")
+            print(f"  scores {sc}: {type(e).__name__}: {str(e)[:120]}")
+        RESULTS["sweep"].append(dict(kind="prefill T1024 w4096 g512 + scores stride 16",
+                                     config=str(sc), ms=ms, attention_ms=base))
+        print(f"  score M/N/warps={sc}: {ms:7.3f} ms (scoring {ms - base:6.3f} ms = "
+              f"{100 * (ms - base) / base:4.1f} % of the attention)")
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ Importance scoring (first context only, prefill only, no decode):
       keeps everything else identical - the same sinks/window/512 globals in attention, the
       same eviction into candidate slots and recalibration (choosing by position instead of
       mass) - and only drops the scoring work: the attention kernels' logsumexp + mass
-      kernels, the per-layer score accumulation (`add_key_mass`, `add_global_mass`) and the
+      kernels and the per-layer score accumulation (fused into the mass kernels) and the
       score tensor's resets. global_tokens=0 would also remove the globals from attention
       and the recalibration, so it would not isolate scoring. Reported as % of prefill;
       plus a run timing every recalibration and eviction (synchronised, so that run's
@@ -147,6 +147,7 @@ def prefill(eng, run, ids) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
     for s in range(0, ids.numel(), chunk):
         logits = run.step(eng.model, ids[s:s + chunk])
+    prefill.last_launch_s = time.perf_counter() - t0  # host time to issue it (no sync inside)
     sync(eng.device)
     return logits, time.perf_counter() - t0
 
@@ -349,6 +350,7 @@ def scoring(eng, ids, sparse: SparseConfig, repeats: int, replays: int) -> dict:
                     sync(eng.device)
                     out["uniform_replay_ms"] = a.elapsed_time(b) / replays
             times[imp].append(t)
+            out.setdefault("host_launch_s", {}).setdefault(imp, []).append(prefill.last_launch_s)
             free_all(eng.device)
     eng.sparse = sparse
     best = {k: min(v) for k, v in times.items()}
@@ -471,6 +473,9 @@ def report(res: dict) -> None:
         print(f"\n== importance scoring at {s['context']} (prefill only; baseline {s['baseline']})")
         print(f"  prefill attention {b['attention']:.3f} s, uniform {b['uniform']:.3f} s -> scoring "
               f"{s['scoring_pct_of_prefill']:.1f} % of prefill (target < 5 %)")
+        if s.get("host_launch_s"):
+            print("  host time to issue the prefill (s):",
+                  {k: [round(x, 3) for x in v] for k, v in s["host_launch_s"].items()})
         for k in ("recalibrate", "evict_to_candidates"):
             v = s.get(k) or {}
             if v:

@@ -310,3 +310,37 @@ def test_q_start_from_device_tensor_equals_int(t):
     assert torch.equal(o_i, o_t) and torch.equal(km_i, km_t) and torch.equal(gm_i, gm_t)
     ref_out, _, _ = ref.sparse_attention(**step, return_scores=True)  # reference takes it too
     assert_close(o_t, ref_out, TOL[torch.float16]["out"], "out")
+
+
+@pytest.mark.parametrize("t,stride,g", [(1, 1, 5), (1, 1, 0), (24, 1, 5), (24, 4, 5), (9, 2, 0)])
+def test_scores_into_adds_like_the_reference(t, stride, g):
+    """scores_into: the mass kernels add into the run's score / global_mass / global_seen
+    (decode: from the stored logits; prefill: recomputed, strided) as
+    attention_ref.accumulate_scores does with the reference's masses; slots of blocks not in
+    the step's list keep their values."""
+    step = make_step(11 + t, t=t, q_start=45, hq=4, hkv=2, d=32, bs=8, window=20, sinks=3,
+                     g=g, dtype=torch.float16)
+    n_phys, bs, hkv, _ = step["k_cache"].shape
+    gen = torch.Generator().manual_seed(5)
+    start = (torch.rand(n_phys, bs, hkv, generator=gen).to(DEV),
+             torch.rand(hkv, g, generator=gen).to(DEV), torch.rand(hkv, g, generator=gen).to(DEV))
+    expect = tuple(x.clone() for x in start)
+    _, km, gm = strided_or_exact(step, stride)
+    ref.accumulate_scores(expect, step["block_ids"], km, gm, t)
+    got = tuple(x.clone() for x in start)
+    out = tri.sparse_attention(**step, return_scores=True, score_stride=stride, config=SMALL,
+                               scores_into=got)
+    assert out[1] is None and out[2] is None
+    assert_close(out[0], ref.sparse_attention(**step)[0], TOL[torch.float16]["out"], "out")
+    for name, a, b in zip(("score", "global_mass", "global_seen"), got, expect):
+        assert_close(a, b, TOL[torch.float16]["mass"], name)
+    listed = torch.zeros(n_phys, dtype=torch.bool, device=DEV)
+    listed[step["block_ids"]] = True
+    assert torch.equal(got[0][~listed], start[0][~listed])
+
+
+def strided_or_exact(step, stride):
+    if stride == 1:
+        return ref.sparse_attention(**step, return_scores=True)
+    km, gm = strided_mass_reference(**step, stride=stride)
+    return None, km, gm

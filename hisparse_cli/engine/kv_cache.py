@@ -109,20 +109,9 @@ class PagedKVCache:
         if self.score is not None and blocks:
             self.score[:, int64_to_device(blocks, self.device)] = 0.0
 
-    def add_key_mass(self, layer: int, block_ids: torch.Tensor, key_mass: torch.Tensor) -> None:
-        # key_mass: [Hkv, nb*bs] -> score[layer][block, offset, head]
-        nb = block_ids.shape[0]
-        self.layer_views[layer][7].index_add_(
-            0, block_ids, key_mass.reshape(self.H, nb, self.bs).permute(1, 2, 0))
-
     def set_token_scores(self, layer: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Probe policy: per-token scores [T, Hkv] written at the tokens' slots."""
         self.score[layer].view(-1, self.H).index_copy_(0, slots, scores.float())
-
-    def add_global_mass(self, layer: int, g_mass: torch.Tensor, n_queries: int) -> None:
-        _, _, _, _, _, gmass, gseen, _ = self.layer_views[layer]
-        gmass.add_(g_mass)
-        gseen.add_(n_queries)
 
     # -- globals ---------------------------------------------------------------------------
     def _priority(self, pos: torch.Tensor, mass: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

@@ -42,19 +42,17 @@ class StepContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         run, cache = self.run, self.run.cache
-        k_l, v_l, gk, gv, gpos = cache.layer_views[layer][:5]
+        k_l, v_l, gk, gv, gpos, gmass, gseen, score = cache.layer_views[layer]
         run.backend.store_kv(k_l, v_l, k, v, self.slots)
         glob = cache.G > 0
-        out, key_mass, g_mass = run.backend.sparse_attention(
+        # masses go straight into the layer's score / global_mass / global_seen
+        out, _, _ = run.backend.sparse_attention(
             q, k_l, v_l, self.block_ids, self.block_starts, self.q_start,
             run.seq.sinks, run.seq.window, run.scale,
             g_k=gk if glob else None, g_v=gv if glob else None,
             g_pos=gpos if glob else None, return_scores=run.track_scores,
+            scores_into=(score, gmass, gseen) if run.track_scores else None,
             memo=self.memo, **run.score_kwargs)
-        if key_mass is not None:
-            cache.add_key_mass(layer, self.block_ids, key_mass)
-        if g_mass is not None:
-            cache.add_global_mass(layer, g_mass, self.n)
         return out
 
 

@@ -170,3 +170,17 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     if score_min_distance > 0:  # snapkv: count only keys at least m positions back
         key_mass = key_mass * ((q_pos[0] - k_pos) >= score_min_distance)
     return out, key_mass.contiguous(), (p[:, n:].contiguous() if has_g else None)
+
+
+def accumulate_scores(scores_into: tuple, block_ids: torch.Tensor, key_mass: torch.Tensor,
+                      g_mass: torch.Tensor | None, n_queries: int) -> None:
+    """Add one step's masses where a run keeps them (reference of `scores_into`):
+    scores_into = (score [capacity, bs, Hkv] fp32, global_mass [Hkv, G], global_seen [Hkv, G]);
+    key j of the step's list (key_mass [Hkv, nb * bs]) goes to score[block_ids[j // bs], j % bs],
+    each global's mass to global_mass and the step's query count to global_seen."""
+    score, gmass, gseen = scores_into
+    nb, (_, bs, hkv) = block_ids.shape[0], score.shape
+    score.index_add_(0, block_ids, key_mass.reshape(hkv, nb, bs).permute(1, 2, 0))
+    if g_mass is not None:
+        gmass.add_(g_mass)
+        gseen.add_(n_queries)

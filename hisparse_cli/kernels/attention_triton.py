@@ -11,6 +11,12 @@ plus keyword-only tuning knobs the reference does not have:
                   for T < 64, else `default_score_stride` (cost-aware, at most 8). Steps with
                   T*GRP <= 16 (decode) are always exact, from the logits the kernel stored.
     config:       AttnConfig overriding the tile/warp choice (benchmarks, tests).
+    scores_into:  (score [capacity, block_size, Hkv] fp32, global_mass [Hkv, G], global_seen
+                  [Hkv, G]) of one layer: with return_scores the mass kernels add the step's
+                  masses there themselves (key j's into score[block_ids[j // bs], j % bs],
+                  the globals' into global_mass, T into global_seen; `accumulate_scores` in
+                  attention_ref.py is the reference) and (out, None, None) is returned: no mass
+                  tensors, no index_add / add kernels after the step.
 
 Kernels: attention_fwd_triton.py (forward + split reduce), importance_triton.py (mass).
 Everything is launched asynchronously: no host sync, so decode steps can be graph-captured.
@@ -111,7 +117,7 @@ def _pick_splits(m_tiles: int, hkv: int, key_tiles: int, device: torch.device) -
 def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window, scale,
                      g_k=None, g_v=None, g_pos=None, return_scores=False, *,
                      num_splits: int | None = None, score_stride: int | None = None,
-                     config: AttnConfig | None = None):
+                     config: AttnConfig | None = None, scores_into: tuple | None = None):
     t_len, hq, d = q.shape
     n_blocks, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}"
@@ -185,27 +191,43 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     if not return_scores:
         return out, None, None
 
-    key_mass = _alloc((hkv, n_keys), *f32)
-    g_mass = _alloc((hkv, G), *f32) if has_g else key_mass
+    accum = scores_into is not None
+    if accum:  # add into the run's score tensors; nothing is returned (see the module doc)
+        score_l, gmass_acc, gseen_acc = scores_into
+        assert score_l.dtype == torch.float32 and score_l.is_contiguous()
+        assert score_l.shape[1:] == (bs, hkv) and score_l.device == dev
+        if has_g:
+            assert gmass_acc.shape == gseen_acc.shape == (hkv, G)
+            assert gmass_acc.is_contiguous() and gseen_acc.is_contiguous()
+        key_mass, g_mass = score_l, gmass_acc if has_g else score_l
+        g_seen = gseen_acc if has_g else score_l
+        sb, so = score_l.stride(0), score_l.stride(1)
+    else:
+        key_mass = _alloc((hkv, n_keys), *f32)
+        g_mass = _alloc((hkv, G), *f32) if has_g else key_mass
+        g_seen, sb, so = key_mass, 0, 0
     common = dict(t_len=t_len, n_keys=n_keys, G=G, q_start=q_start,
                   sinks=sinks if windowed else 0, window=window if windowed else 0)
     if store_s:
         bn = 128
         _mass_from_logits[(triton.cdiv(G + n_keys, bn), hkv)](
-            s_ws, lse, block_starts, gp, key_mass, g_mass,
-            *common.values(), s_ws.stride(0), s_ws.stride(1), gp.stride(0) if has_g else 0, qs_ptr,
+            s_ws, lse, block_ids, block_starts, gp, key_mass, g_mass, g_seen,
+            *common.values(), s_ws.stride(0), s_ws.stride(1), gp.stride(0) if has_g else 0,
+            sb, so, qs_ptr,
             QS_PTR=qs_tensor, GRP=grp, BS=bs, BLOCK_R=16, BLOCK_N=bn, WINDOWED=windowed, HAS_G=has_g,
-            num_warps=4)
+            ACCUM=accum, num_warps=4)
     else:
         stride = score_stride or default_score_stride(t_len, visible_keys + G, hq, d)
         assert stride >= 1
         bn = cfg.score_block_n
         _mass_recompute[(triton.cdiv(G + n_keys, bn), hkv)](
-            q, k_cache, block_ids, block_starts, gk, gp, lse, key_mass, g_mass,
+            q, k_cache, block_ids, block_starts, gk, gp, lse, key_mass, g_mass, g_seen,
             *common.values(), scale * LOG2E, stride,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             gk.stride(0) if has_g else 0, gk.stride(1) if has_g else 0,
-            gp.stride(0) if has_g else 0, qs_ptr,
+            gp.stride(0) if has_g else 0, sb, so, qs_ptr,
             QS_PTR=qs_tensor, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.score_block_m, BLOCK_N=bn, WINDOWED=windowed,
-            HAS_G=has_g, UPCAST=upcast, num_warps=cfg.score_warps, num_stages=2)
+            HAS_G=has_g, UPCAST=upcast, ACCUM=accum, num_warps=cfg.score_warps, num_stages=2)
+    if accum:
+        return out, None, None
     return out, key_mass, (g_mass if has_g else None)

@@ -31,8 +31,24 @@ class KernelBackend:
     elementwise: str = "torch"  # "torch" | "triton": RMSNorm (+ residual add), RoPE
 
     # -- attention -------------------------------------------------------------------------
-    def sparse_attention(self, *args, **kwargs):
-        """See kernels/attention_ref.py:sparse_attention for the contract."""
+    def sparse_attention(self, *args, scores_into: tuple | None = None, **kwargs):
+        """See kernels/attention_ref.py:sparse_attention for the contract. With scores_into
+        (a layer's score, global_mass, global_seen) and return_scores, the step's masses are
+        added there (`attention_ref.accumulate_scores`; the Triton kernels do it themselves)
+        and (out, None, None) is returned."""
+        if scores_into is not None and kwargs.get("return_scores"):
+            if self.attention == "triton" and not kwargs.get("score_min_distance"):
+                from hisparse_cli.kernels.attention_triton import sparse_attention
+
+                kwargs.pop("memo", None)
+                return sparse_attention(*args, scores_into=scores_into, **kwargs)
+            from hisparse_cli.kernels.attention_ref import accumulate_scores
+
+            out, key_mass, g_mass = self.sparse_attention(*args, **kwargs)
+            block_ids = args[3] if len(args) > 3 else kwargs["block_ids"]
+            q = args[0] if args else kwargs["q"]
+            accumulate_scores(scores_into, block_ids, key_mass, g_mass, q.shape[0])
+            return out, None, None
         if self.attention == "triton":
             from hisparse_cli.kernels.attention_triton import sparse_attention
 

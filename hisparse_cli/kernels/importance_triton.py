@@ -48,19 +48,40 @@ def _visible(g_ok, in_list, kpos, qpos, row_ok, sinks, window, WINDOWED: tl.cons
 
 
 @triton.jit
-def _store_mass(mass, cols, g_ok, in_list, kj, kmass_ptr, gmass_ptr, kvh, n_keys, G,
-                HAS_G: tl.constexpr):
-    tl.store(kmass_ptr + kvh * n_keys + kj, mass, mask=in_list)
+def _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gseen_ptr, kvh,
+                n_keys, G, T, stride_sb, stride_so, BS: tl.constexpr, HAS_G: tl.constexpr,
+                ACCUM: tl.constexpr):
+    """Write the masses (key_mass [Hkv, n_keys], global_mass [Hkv, G]), or with ACCUM add them
+    where the run keeps them: each list key's mass into its slot's score (kmass_ptr = the
+    layer's score [capacity, BS, Hkv]: the key's block id, offset, head), each global's into
+    gmass, and T (the step's queries) into gseen. One program owns each column, and a block
+    appears once in a step's list, so the read-add-write is race-free; the adds are the fp32
+    adds of `attention_ref.accumulate_scores` (the reference)."""
+    if ACCUM:
+        bid = tl.load(bid_ptr + kj // BS, mask=in_list, other=0)
+        sp = kmass_ptr + bid * stride_sb + (kj % BS) * stride_so + kvh
+        tl.store(sp, tl.load(sp, mask=in_list, other=0.0) + mass, mask=in_list)
+    else:
+        tl.store(kmass_ptr + kvh * n_keys + kj, mass, mask=in_list)
     if HAS_G:
-        tl.store(gmass_ptr + kvh * G + cols, tl.where(g_ok, mass, 0.0), mask=cols < G)
+        gm = cols < G
+        g_add = tl.where(g_ok, mass, 0.0)
+        if ACCUM:
+            gp = gmass_ptr + kvh * G + cols
+            tl.store(gp, tl.load(gp, mask=gm, other=0.0) + g_add, mask=gm)
+            sp2 = gseen_ptr + kvh * G + cols
+            tl.store(sp2, tl.load(sp2, mask=gm, other=0.0) + T, mask=gm)
+        else:
+            tl.store(gmass_ptr + kvh * G + cols, g_add, mask=gm)
 
 
 @triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window"])
 def _mass_from_logits(
-    s_ptr, lse_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr,
-    T, n_keys, G, q_start, sinks, window, stride_sh, stride_sr, stride_ph, qs_ptr,
+    s_ptr, lse_ptr, bid_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr, gseen_ptr,
+    T, n_keys, G, q_start, sinks, window, stride_sh, stride_sr, stride_ph, stride_sb, stride_so,
+    qs_ptr,
     GRP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOWED: tl.constexpr, HAS_G: tl.constexpr, QS_PTR: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_G: tl.constexpr, QS_PTR: tl.constexpr, ACCUM: tl.constexpr,
 ):
     if QS_PTR:
         q_start = tl.load(qs_ptr).to(tl.int32)
@@ -78,18 +99,19 @@ def _mass_from_logits(
                     mask=vis, other=float("-inf"))
         lse = tl.load(lse_ptr + kvh * n_rows + rows, mask=row_ok, other=0.0)
         mass += tl.sum(tl.math.exp2(s - lse[:, None]), 0)
-    _store_mass(mass, cols, g_ok, in_list, kj, kmass_ptr, gmass_ptr, kvh, n_keys, G, HAS_G)
+    _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gseen_ptr, kvh,
+                n_keys, G, T, stride_sb, stride_so, BS, HAS_G, ACCUM)
 
 
 @triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window", "stride"])
 def _mass_recompute(
     q_ptr, k_ptr, bid_ptr, bstart_ptr, gk_ptr, gpos_ptr, lse_ptr, kmass_ptr, gmass_ptr,
-    T, n_keys, G, q_start, sinks, window, qk_scale, stride,
+    gseen_ptr, T, n_keys, G, q_start, sinks, window, qk_scale, stride,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_gh, stride_gg, stride_ph,
-    qs_ptr,
+    stride_sb, stride_so, qs_ptr,
     GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, HAS_G: tl.constexpr, UPCAST: tl.constexpr,
-    QS_PTR: tl.constexpr,
+    QS_PTR: tl.constexpr, ACCUM: tl.constexpr,
 ):
     if QS_PTR:
         q_start = tl.load(qs_ptr).to(tl.int32)
@@ -152,7 +174,8 @@ def _mass_recompute(
     n_vis = tl.where(g_ok, T, tl.where(in_list, tl.maximum(hi - lo + 1, 0), 0)).to(tl.float32)
     ratio = tl.where(seen > 0, n_vis * GRP / tl.maximum(seen, 1.0), 0.0)
     mass = tl.where(stride > 1, mass * ratio, mass)
-    _store_mass(mass, cols, g_ok, in_list, kj, kmass_ptr, gmass_ptr, kvh, n_keys, G, HAS_G)
+    _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gseen_ptr, kvh,
+                n_keys, G, T, stride_sb, stride_so, BS, HAS_G, ACCUM)
 
 
 def strided_mass_reference(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window,
