@@ -312,14 +312,21 @@ def test_q_start_from_device_tensor_equals_int(t):
     assert_close(o_t, ref_out, TOL[torch.float16]["out"], "out")
 
 
-@pytest.mark.parametrize("t,stride,g", [(1, 1, 5), (1, 1, 0), (24, 1, 5), (24, 4, 5), (9, 2, 0)])
-def test_scores_into_adds_like_the_reference(t, stride, g):
+@pytest.mark.parametrize("t,stride,g,pad", [(1, 1, 5, False), (1, 1, 5, True), (1, 1, 0, True),
+                                           (24, 1, 5, False), (24, 4, 5, True), (9, 2, 0, False)])
+def test_scores_into_adds_like_the_reference(t, stride, g, pad):
     """scores_into: the mass kernels add into the run's score / global_mass / global_seen
     (decode: from the stored logits; prefill: recomputed, strided) as
     attention_ref.accumulate_scores does with the reference's masses; slots of blocks not in
-    the step's list keep their values."""
+    the step's list keep their values. pad: the list ends with repeats of its first block at
+    an unreachable start (as the CUDA-graph decoder pads it), which must add nothing."""
     step = make_step(11 + t, t=t, q_start=45, hq=4, hkv=2, d=32, bs=8, window=20, sinks=3,
                      g=g, dtype=torch.float16)
+    if pad:
+        n = 3
+        step["block_ids"] = torch.cat((step["block_ids"], step["block_ids"][:1].repeat(n)))
+        step["block_starts"] = torch.cat((step["block_starts"],
+                                          torch.full((n,), 1 << 30, device=DEV)))
     n_phys, bs, hkv, _ = step["k_cache"].shape
     gen = torch.Generator().manual_seed(5)
     start = (torch.rand(n_phys, bs, hkv, generator=gen).to(DEV),

@@ -55,12 +55,17 @@ def _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gs
     where the run keeps them: each list key's mass into its slot's score (kmass_ptr = the
     layer's score [capacity, BS, Hkv]: the key's block id, offset, head), each global's into
     gmass, and T (the step's queries) into gseen. One program owns each column, and a block
-    appears once in a step's list, so the read-add-write is race-free; the adds are the fp32
-    adds of `attention_ref.accumulate_scores` (the reference)."""
+    id appears once among a list's visible entries, so the read-add-write is race-free; the
+    adds are the fp32 adds of `attention_ref.accumulate_scores` (the reference)."""
     if ACCUM:
-        bid = tl.load(bid_ptr + kj // BS, mask=in_list, other=0)
+        # only non-zero masses: adding 0 changes nothing, and a list may repeat a block id
+        # whose extra entries no query sees (the CUDA-graph decoder pads its list with its
+        # first block at an unreachable start position): their exact-0 columns must not
+        # race the real column's read-add-write of the same slot
+        add = in_list & (mass != 0.0)
+        bid = tl.load(bid_ptr + kj // BS, mask=add, other=0)
         sp = kmass_ptr + bid * stride_sb + (kj % BS) * stride_so + kvh
-        tl.store(sp, tl.load(sp, mask=in_list, other=0.0) + mass, mask=in_list)
+        tl.store(sp, tl.load(sp, mask=add, other=0.0) + mass, mask=add)
     else:
         tl.store(kmass_ptr + kvh * n_keys + kj, mass, mask=in_list)
     if HAS_G:

@@ -1,0 +1,152 @@
+"""Is the GPU prefill bound by the host? Where does the host time of a prefill chunk go?
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_prefill_host.py [--context 32768] [--out DIR]
+
+Llama-3-8B-shaped random fp16 model (gpu_engine.build_ours), the `h200-141g` profile's sparse
+settings. Reports:
+  1. one prefill: wall time, the host's time to issue it (the loop returns before the GPU is
+     done: if issue ~= wall, the host is the bottleneck), and the GPU kernel time under
+     torch.profiler, for importance "attention" and "uniform";
+  2. cProfile of the host issuing a prefill (--cprofile-tokens tokens): the top functions by
+     own time and by cumulative time (what a chunk's host time is made of);
+  3. host microseconds per launch (no sync, tiny tensors so the GPU never makes the host wait):
+     torch.add, a Triton RMSNorm, and the sparse_attention wrapper (attention + scoring).
+Writes DIR/gpu_prefill_host.json (DIR: --out, else $OUT, else ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from gpu_engine import build_ours, pick_backend, prompt  # noqa: E402
+from hisparse_cli.model.config import ModelConfig  # noqa: E402
+from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
+from hisparse_cli.profiles import load_profile  # noqa: E402
+
+
+def prefill(eng, ids) -> tuple[float, float]:
+    """(host issue seconds, wall seconds) of one prefill in a fresh run."""
+    run, _ = eng.new_run(ids.numel() + 2)
+    chunk = eng.sparse.prefill_chunk
+    with torch.inference_mode(), run:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in range(0, ids.numel(), chunk):
+            run.step(eng.model, ids[s:s + chunk])
+        issue = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return issue, wall
+
+
+def gpu_kernel_ms(eng, ids) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill(eng, ids)
+    return sum(e.device_time_total for e in prof.key_averages()
+               if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")) / 1e3
+
+
+def host_us(fn, n: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * dt / n
+
+
+def launch_costs(dev) -> dict:
+    from hisparse_cli.kernels import attention_triton as tri
+    from hisparse_cli.kernels.norm_rope_triton import rms_norm
+
+    a = torch.randn(8, 64, device=dev, dtype=torch.float16)
+    w = torch.ones(64, device=dev, dtype=torch.float16)
+    bs, hkv, d, grp, g = 16, 8, 128, 4, 64
+    k = torch.randn(8, bs, hkv, d, device=dev, dtype=torch.float16)
+    q = torch.randn(16, hkv * grp, d, device=dev, dtype=torch.float16)
+    ids = torch.arange(4, device=dev)
+    starts = ids * bs
+    gk = torch.randn(hkv, g, d, device=dev, dtype=torch.float16)
+    gpos = torch.zeros(hkv, g, dtype=torch.int64, device=dev)
+    score = torch.zeros(8, bs, hkv, device=dev)
+    gm, gs = torch.zeros(hkv, g, device=dev), torch.zeros(hkv, g, device=dev)
+    kw = dict(g_k=gk, g_v=gk, g_pos=gpos)
+    return {
+        "torch.add": host_us(lambda: torch.add(a, a)),
+        "triton rms_norm": host_us(lambda: rms_norm(a, w, 1e-5)),
+        "sparse_attention (no scores)": host_us(
+            lambda: tri.sparse_attention(q, k, k, ids, starts, 48, 4, 32, 0.1, **kw)),
+        "sparse_attention + scores_into (stride 4)": host_us(
+            lambda: tri.sparse_attention(q, k, k, ids, starts, 48, 4, 32, 0.1, **kw,
+                                         return_scores=True, score_stride=4,
+                                         scores_into=(score, gm, gs))),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--cprofile-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    from hisparse_cli.engine.engine import Engine
+
+    backend, _ = pick_backend(dev)
+    sparse = load_profile("h200-141g").sparse_config()
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
+    eng = Engine(build_ours(cfg, dev, awq=False, host_emb=False), cfg, sparse=sparse, device=dev,
+                 kv_dtype=torch.float16, backend=backend)
+    ids = torch.tensor(prompt(a.context, cfg.vocab_size), device=dev)
+    res: dict = {"context": a.context, "sparse": sparse.__dict__}
+    prefill(eng, ids[: 6 * sparse.prefill_chunk])  # Triton JIT
+    for imp in ("attention", "uniform"):
+        eng.sparse = sparse.with_overrides(importance=imp)
+        prefill(eng, ids[: 6 * sparse.prefill_chunk])
+        runs = [prefill(eng, ids) for _ in range(2)]
+        res[imp] = {"issue_s": [r[0] for r in runs], "wall_s": [r[1] for r in runs],
+                    "gpu_kernel_ms": gpu_kernel_ms(eng, ids)}
+        print(f"{imp:>9}: wall {min(r[1] for r in runs):.3f} s, host issue "
+              f"{min(r[0] for r in runs):.3f} s, GPU kernels {res[imp]['gpu_kernel_ms']:.0f} ms",
+              flush=True)
+    eng.sparse = sparse
+    prof = cProfile.Profile()
+    sub = ids[: a.cprofile_tokens]
+    prof.enable()
+    prefill(eng, sub)
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(22)
+        text = buf.getvalue()
+        res[f"cprofile_{key}"] = text
+        print(f"== cProfile of issuing a {sub.numel()}-token prefill, by {key}")
+        print("\n".join(line[:150] for line in text.splitlines()[6:34]))
+    res["launch_us"] = launch_costs(dev)
+    print("== host us per launch:", {k: round(v, 1) for k, v in res["launch_us"].items()})
+    (out / "gpu_prefill_host.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
