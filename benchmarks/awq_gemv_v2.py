@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.awq_gemv import _splitk_reduce_kernel
 from hisparse_cli.kernels.awq_pack import PACK, unpack_int4
 
 
@@ -26,6 +25,20 @@ def repack_v2(qweight: torch.Tensor) -> torch.Tensor:
     for i in range(1, PACK):
         word |= c8[..., i] << (4 * i)
     return word.contiguous()
+
+
+@triton.jit
+def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, total, N, stride_ps,
+                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """v2's second pass: y[e] = sum_s p[s, e] (+ bias[e % N]) over the flattened [M, N] output."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for sp in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + sp * stride_ps + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -72,7 +72,7 @@ def report(name: str, k, sass_dir: Path | None) -> None:
 
 
 def gemv_candidates(every: bool) -> list[tuple[GemvConfig, int, bool]]:
-    """(config, tokens, PARTIAL) to compile: every sweep candidate (awq_layout.GEMV_CANDIDATES)
+    """(config, tokens, split-K?) to compile: every sweep candidate (awq_layout.GEMV_CANDIDATES)
     at 1 token, or the first few; plus 2..4 tokens with and without split-K."""
     tiles = GEMV_CANDIDATES if every else GEMV_CANDIDATES[:3]
     out = [(GemvConfig(block_n=bn, block_kw=16, split=1, num_warps=w, num_stages=st), 1, p)
@@ -88,28 +88,25 @@ def main() -> None:
                     help="every GEMV candidate of gpu_awq.py --gemv-sweep (default: a few)")
     a = ap.parse_args()
     gemv_sig = dict(x_ptr="*fp16", qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16",
-                    y_ptr="*fp16", N="i32", KW="i32", W8="i32", stride_xm="i32",
-                    stride_ym="i32", stride_ys="i32", KW_PER_SPLIT="i32")
-    aligned = ("x_ptr", "qt_ptr", "qz_ptr", "s_ptr", "b_ptr", "y_ptr", "N", "KW", "W8",
-               "stride_xm", "stride_ym", "KW_PER_SPLIT")
+                    y_ptr="*fp16", p_ptr="*fp32", cnt_ptr="*i32", N="i32", KW="i32", W8="i32",
+                    stride_xm="i32", stride_ym="i32", stride_ps="i32", stride_pm="i32",
+                    KW_PER_SPLIT="i32")
+    aligned = ("x_ptr", "qt_ptr", "qz_ptr", "s_ptr", "b_ptr", "y_ptr", "p_ptr", "cnt_ptr", "N",
+               "KW", "W8", "stride_xm", "stride_ym", "KW_PER_SPLIT")
     cands = [(c, m, p, 128, "*fp16") for c, m, p in gemv_candidates(a.all)]
     c0 = cands[0][0]
     cands += [(c0, 3, False, 128, "*bf16"), (c0, 1, True, 128, "*bf16"),  # bf16 activations
               (GemvConfig(block_n=64, block_kw=4, split=1, num_warps=2, num_stages=1), 2, False,
                32, "*fp16")]  # group 32: 4 words a step
     for c, m, partial, group, dt in cands:
-        sig = dict(gemv_sig, x_ptr=dt, b_ptr=dt, y_ptr="*fp32" if partial else dt)
+        sig = dict(gemv_sig, x_ptr=dt, b_ptr=dt, y_ptr=dt)
         k = compile_one(ag._awq_gemv_kernel, sig,
                         dict(GROUP=group, M=m, BLOCK_N=c.block_n, BLOCK_KW=c.block_kw,
-                             NUM_STAGES=c.num_stages, HAS_BIAS=not partial, PARTIAL=partial),
+                             NUM_STAGES=c.num_stages, HAS_BIAS=not partial,
+                             SPLIT=4 if partial else 1),
                         c.num_warps, aligned)
         report(f"gemv {dt[1:]} g{group} m{m} bn{c.block_n} bkw{c.block_kw} w{c.num_warps} "
                f"st{c.num_stages} p{int(partial)}", k, a.sass_dir)
-    k = compile_one(ag._splitk_reduce_kernel,
-                    dict(p_ptr="*fp32", b_ptr="*fp16", y_ptr="*fp16", total="i32", N="i32",
-                         stride_ps="i32"), dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024), 4,
-                    ("p_ptr", "b_ptr", "y_ptr", "N", "stride_ps"))
-    report("splitk_reduce 4", k, a.sass_dir)
     for dt in ("*fp16", "*bf16"):
         for bn, bkw, warps in ((16, 16, 1), (64, 16, 4), (128, 16, 8), (64, 8, 4), (64, 4, 4)):
             k = compile_one(at._awq_dequant_k_kernel,

@@ -16,8 +16,10 @@ Per loop step a program loads a [BLOCK_N, BLOCK_KW] word tile (BLOCK_KW words of
 place: bits 16^j..16^(j+1) of a half-word read as the fp32 subnormal q 16^j 2^-149 (PTX
 without .ftz keeps subnormals), x pre-scaled by the exact power of two 2^100 16^-j; the sum
 is rescaled by 2^49 with s. Two instructions a nibble (LOP3 + FFMA); fp32 accumulation.
-Split-K (SPLIT > 1) writes fp32 partials [SPLIT, M, N] and one reduction kernel sums them in
-a fixed order: deterministic, no atomics, same buffers every call (CUDA-graph capturable).
+Split-K (SPLIT > 1) writes fp32 partials [SPLIT, M, N]; the last program of each column tile
+(a counter per tile, atomically bumped) sums them in a fixed order: deterministic, one launch
+(a second reduction kernel cost 2.6 µs x 128 calls = 0.34 ms per 8B decode token, H200 run
+15), the same buffers every call (CUDA-graph capturable).
 
 Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); no
 inline assembly, descriptors or autotuning. benchmarks/awq_sm90_compile.py compiles it for
@@ -74,16 +76,48 @@ def _store_row(y_ptr, acc, b_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr, PARTIA
 
 
 @triton.jit
-def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, N, KW, W8,
-                     stride_xm, stride_ym, stride_ys, KW_PER_SPLIT,
+def _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n,
+                M: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    _store_row(y_ptr, acc0, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+    if M > 1:
+        _store_row(y_ptr + stride_ym, acc1, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+    if M > 2:
+        _store_row(y_ptr + 2 * stride_ym, acc2, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+    if M > 3:
+        _store_row(y_ptr + 3 * stride_ym, acc3, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _reduce_tile(p_ptr, b_ptr, y_ptr, offs_n, mask_n, stride_ps, stride_pm, stride_ym,
+                 M: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[m, tile] = sum_s p[s, m, tile] (+ bias) in the fixed order s = 0, 1, ...: the
+    split-K sum of one column tile, run by the tile's last program to finish. The partials
+    were written by other SMs: read them past L1 (.cg)."""
+    for m in tl.static_range(M):
+        out = tl.load(p_ptr + m * stride_pm + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+        for sp in tl.static_range(1, SPLIT):
+            out += tl.load(p_ptr + sp * stride_ps + m * stride_pm + offs_n, mask=mask_n,
+                           other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, N, KW, W8,
+                     stride_xm, stride_ym, stride_ps, stride_pm, KW_PER_SPLIT,
                      GROUP: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    """y[m, n] (+)= sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
     layout (a 3-D [M, BN, BKW] tile made Triton convert layouts through shared memory).
-    PARTIAL: fp32 partial sums to y + pid_k * stride_ys, no bias (split-K)."""
+    SPLIT > 1 (split-K): fp32 partial sums to p + pid_k * stride_ps; then each program bumps
+    its column tile's counter (acq_rel: its partials are visible to whoever sees the count)
+    and the last one sums the tile's partials into y and resets the counter to 0, so one
+    kernel does what a second reduction launch did (same order of adds: same bits), and the
+    counters are ready for the next call or graph replay."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,29 +149,17 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, N, KW, W8,
             acc2 += _token_term(words, hi, xp + 2 * stride_xm, s49, sz)
         if M > 3:
             acc3 += _token_term(words, hi, xp + 3 * stride_xm, s49, sz)
-    if PARTIAL:
-        y_ptr += pid_k * stride_ys
-    _store_row(y_ptr, acc0, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
-    if M > 1:
-        _store_row(y_ptr + stride_ym, acc1, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
-    if M > 2:
-        _store_row(y_ptr + 2 * stride_ym, acc2, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
-    if M > 3:
-        _store_row(y_ptr + 3 * stride_ym, acc3, b_ptr, offs_n, mask_n, HAS_BIAS, PARTIAL)
-
-
-@triton.jit
-def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, total, N, stride_ps,
-                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y[e] = sum_s p[s, e] (+ bias[e % N]) over the flattened [M, N] output, cast once."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for sp in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + sp * stride_ps + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if SPLIT == 1:
+        _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
+                    HAS_BIAS, False)
+    else:
+        _store_rows(p_ptr + pid_k * stride_ps, stride_pm, acc0, acc1, acc2, acc3, b_ptr, offs_n,
+                    mask_n, M, False, True)
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            _reduce_tile(p_ptr, b_ptr, y_ptr, offs_n, mask_n, stride_ps, stride_pm, stride_ym,
+                         M, SPLIT, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
 
 
 def check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size):
@@ -161,7 +183,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None):
     """Fused dequant GEMV on the K-major layout: x2 [M, K] (M <= 4) -> y [M, N] in x2's dtype.
 
     config: awq_layout.GemvConfig; default awq_layout.gemv_config (the H200 table).
-    split > 1: fp32 partials [split, M, N] then one reduction kernel (deterministic).
+    split > 1: fp32 partials [split, M, N], summed by each column tile's last program.
     """
     check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
     (m, k), (n, kw) = x2.shape, qweight_k.shape
@@ -173,23 +195,36 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None):
     assert kw % (bkw * split) == 0, f"{kw} words of K not a multiple of {bkw} x split {split}"
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     has_bias = bias is not None
-    common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n,
-                  BLOCK_KW=bkw, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
-    grid = (triton.cdiv(n, cfg.block_n), split)
+    tiles = triton.cdiv(n, cfg.block_n)
+    common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
+                  NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
+                  num_warps=cfg.num_warps)
+    b = bias if has_bias else scales
     if split == 1:
-        _awq_gemv_kernel[grid](x2, qweight_k, qzeros, scales, bias if has_bias else scales, y,
-                               n, kw, n // 8, x2.stride(0), y.stride(0), 0, kw,
-                               HAS_BIAS=has_bias, PARTIAL=False, **common)
+        _awq_gemv_kernel[(tiles, 1)](x2, qweight_k, qzeros, scales, b, y, y, qzeros, n, kw,
+                                     n // 8, x2.stride(0), y.stride(0), 0, 0, kw, **common)
         return y
     part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
-    _awq_gemv_kernel[grid](x2, qweight_k, qzeros, scales, scales, part, n, kw, n // 8,
-                           x2.stride(0), part.stride(1), part.stride(0), kw // split,
-                           HAS_BIAS=False, PARTIAL=True, **common)
-    block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-        part, bias if has_bias else scales, y, m * n, n, part.stride(0), SPLIT=split,
-        HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+    _awq_gemv_kernel[(tiles, split)](x2, qweight_k, qzeros, scales, b, y, part,
+                                     _tile_counters(x2.device, tiles), n, kw, n // 8,
+                                     x2.stride(0), y.stride(0), part.stride(0), part.stride(1),
+                                     kw // split, **common)
     return y
+
+
+COUNTERS = 1 << 14  # column-tile counters of the split-K GEMV (64 KiB per device)
+
+
+@lru_cache(maxsize=8)
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    """Zeros, made once per device (on its first GEMV: the CUDA-graph decoder's eager warm-up
+    step, before any capture); every split-K call leaves them at zero again."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    assert tiles <= COUNTERS, f"{tiles} column tiles: more than the {COUNTERS} counters"
+    return _counter_buffer(device)
 
 
 @lru_cache(maxsize=8)
