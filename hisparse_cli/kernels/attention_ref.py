@@ -23,8 +23,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     nb, bs, hkv, d = k_cache.shape
     assert k.shape[1:] == (hkv, d) and v.shape == k.shape, (k.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],)
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, x in ((k_cache, k), (v_cache, v)):  # (no dispatched no-op cast: CPU decode)
+        cache.view(nb * bs, hkv, d).index_copy_(
+            0, slot_mapping, x if x.dtype == cache.dtype else x.to(cache.dtype))
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sinks: int,
@@ -200,11 +201,12 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     qg = _f32(q[0].reshape(hkv, grp, d))  # [Hkv, grp, D]
     kt = _f32(k_cache.view(-1, hkv, d).permute(1, 2, 0))  # [Hkv, D, cap * bs], a view
     n = kt.shape[-1]
-    s = torch.matmul(qg, kt).mul_(scale).add_(smask)  # [Hkv, grp, N]
+    # scale * (q . k) + mask in one op each (baddbmm), for the paged keys and the globals
+    s = torch.baddbmm(smask, qg, kt, alpha=scale)  # [Hkv, grp, N]
     has_g = g_k is not None and g_k.shape[1] > 0
     if has_g:
-        g_add = torch.where(g_pos < 0, float("-inf"), 0.0)  # [Hkv, G] fp32
-        sg = torch.matmul(qg, _f32(g_k).transpose(1, 2)).mul_(scale).add_(g_add[:, None, :])
+        g_add = torch.where(g_pos[:, None, :] < 0, float("-inf"), 0.0)  # [Hkv, 1, G] fp32
+        sg = torch.baddbmm(g_add, qg, _f32(g_k).transpose(1, 2), alpha=scale)
         s = torch.cat((s, sg), dim=-1)  # [Hkv, grp, N + G]
     p = torch.softmax(s, dim=-1)
     out = torch.matmul(p[..., :n], _f32(v_cache.view(-1, hkv, d).transpose(0, 1)))  # [Hkv, grp, D]
@@ -218,4 +220,4 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     key_mass = p[:, :n].view(hkv, cap, bs).index_select(1, block_ids).view(hkv, -1)
     if score_min_distance > 0:  # snapkv: count only keys at least m positions back
         key_mass = key_mass * ((q_pos[0] - k_pos) >= score_min_distance)
-    return out, key_mass, (p[:, n:].contiguous() if has_g else None)
+    return out, key_mass, (p[:, n:] if has_g else None)
