@@ -21,10 +21,13 @@ class AttnStep:
     nb: int  # visible blocks
     ts: int  # sampled scoring queries (torch reference, score_stride > 1)
     globals_full: bool  # every global slot holds a token (reference: 2-D mask branch)
+    # the visible blocks are consecutive physical ids and the reference reads them in place
+    # (CPU only: attention_ref._visible), not through a gather
+    in_place: bool = False
 
     @property
     def key(self) -> tuple:
-        return (self.t, self.nb, self.ts, self.globals_full)
+        return (self.t, self.nb, self.ts, self.globals_full, self.in_place)
 
 
 def triton_splits(s: StepShape, t: int, n_keys: int) -> int:
@@ -99,8 +102,8 @@ def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool,
     live for the step's other layers when `keep_memo` (without a memo: freed at return)."""
     ab, t, n = s.attn_b, a.t, a.nb * s.bs
     live = []
-    for name in ("attn.k", "attn.v"):  # k_cache[block_ids] (+ .to(dt))
-        g = tr.alloc(name, n * s.hkv * s.d * s.kvb)
+    for name in ("attn.k", "attn.v"):  # a gather or a view of the blocks (+ .to(dt))
+        g = -1 if a.in_place else tr.alloc(name, n * s.hkv * s.d * s.kvb)
         if s.kvb != ab:
             c = tr.alloc(name, n * s.hkv * s.d * ab)
             tr.free(g)

@@ -69,6 +69,16 @@ def visible_count(seq: SparseSequence, q_start: int, n: int) -> int:
     return (last + 1 - b) + min(a, b)
 
 
+def blocks_in_order(seq: SparseSequence, q_start: int, n: int) -> bool:
+    """Whether the step's visible blocks are consecutive physical ids (attention_ref reads
+    them in place on the CPU). Always for dense attention: its blocks are minted in order and
+    never freed (answered without building the list of a long text's blocks)."""
+    if seq.window is None:
+        return True
+    ids = seq.visible_blocks(q_start, n)[0]
+    return ids == list(range(ids[0], ids[0] + len(ids)))
+
+
 def sampled_queries(q_start: int, n: int, stride: int) -> int:
     """Positions q in [q_start, q_start + n) with q % stride == 0."""
     return (q_start + n - 1) // stride - (q_start - 1) // stride
@@ -143,7 +153,8 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
                tr.alloc("step_tensors", nb * 8), tr.alloc("step_tensors", n * 8)]
         ts = (sampled_queries(start, n, s.score_stride)
               if s.backend == "torch" and s.track_scores and s.score_stride > 1 else 0)
-        a = AttnStep(t=n, nb=nb, ts=ts, globals_full=g_valid == s.G)
+        a = AttnStep(t=n, nb=nb, ts=ts, globals_full=g_valid == s.G,
+                     in_place=not s.cuda and s.backend == "torch" and blocks_in_order(seq, start, n))
         if a.key not in fwd_memo:
             fwd_memo[a.key] = forward_peak(s, a)
         fwd, kept = fwd_memo[a.key]

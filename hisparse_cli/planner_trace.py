@@ -269,22 +269,23 @@ def rms_norm(tr: Trace, s: StepShape, name: str, rows: int, dim: int) -> int:
 
 
 def rope(tr: Trace, s: StepShape, name: str, t: int, heads: int) -> int:
-    """apply_rope of [t, heads, d]: returns the rotated tensor (input kept by the caller)."""
+    """RoPE of [t, heads, d]: returns the rotated tensor (input kept by the caller)."""
     el, cb = t * heads * s.d, s.cb
     if s.backend == "triton":  # kernels/norm_rope_triton.py: the output only
         return tr.alloc(name, el * cb)
-    neg = tr.alloc(name, el // 2 * cb)  # -x[..., half:]
-    rot = tr.alloc(name, el * cb)  # cat
-    tr.free(neg)
+    # norm_rope_ref.rope_tabled: x * cos + x.roll(d / 2) * sin_rot
     xc = tr.alloc(name, el * cb)  # x * cos
-    rs = tr.alloc(name, el * cb)  # rotated * sin
+    rot = tr.alloc(name, el * cb)  # roll
+    rs = tr.alloc(name, el * cb)  # * sin_rot
+    tr.free(rot)
     out = tr.alloc(name, el * cb)
-    tr.free(xc, rs, rot)
+    tr.free(xc, rs)
     return out
 
 
 def cos_sin(tr: Trace, s: StepShape, t: int) -> tuple[int, int]:
-    """RotaryEmbedding.cos_sin for t positions -> (cos, sin) [t, d] in the compute dtype."""
+    """RotaryEmbedding.cos_sin for t positions -> (cos, sin) [t, d] in the compute dtype,
+    then (torch elementwise ops) CausalLM.forward_hidden's rope_tables of them."""
     a = tr.alloc("rope", t * 4)  # positions.to(float32)
     freqs = tr.alloc("rope", t * s.d // 2 * 4)
     tr.free(a)
@@ -300,4 +301,9 @@ def cos_sin(tr: Trace, s: StepShape, t: int) -> tuple[int, int]:
             c2 = c3
         out.append(c2)
     tr.free(emb, freqs)
+    if s.backend != "triton":  # norm_rope_ref.rope_tables: sin with the sign folded in
+        neg = tr.alloc("rope", t * s.d // 2 * s.cb)
+        sin_rot = tr.alloc("rope", t * s.d * s.cb)  # cat
+        tr.free(neg, out[1])
+        out[1] = sin_rot
     return out[0], out[1]

@@ -58,8 +58,9 @@ class PagedKVCache:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity = capacity_blocks
         # k, v: [L, capacity, bs, Hkv, D]; score: [L, capacity, bs, Hkv] fp32. Zeros, not
-        # empty: masked-out slots of a visible block are read, so they must be finite
-        # (0 * NaN = NaN); a reused block holds its old (finite) tokens.
+        # empty: masked-out slots are read (of a visible block, and on the CPU's one-query
+        # path every slot of the storage), so they must be finite (0 * NaN = NaN); a reused
+        # or freed block holds its old (finite) tokens.
         shape = (num_layers, capacity_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

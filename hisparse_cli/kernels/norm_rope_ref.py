@@ -28,6 +28,19 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] (any strides), cos/sin [T, D] -> rotate-half RoPE, a new [T, H, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return rope_tabled(x, *rope_tables(cos, sin))
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, D] -> (cos, sin with the rotate-half sign folded in) [T, 1, D], the
+    operands of `rope_tabled`: made once a forward pass, not per layer (the CPU decode path
+    pays a few microseconds per dispatched op)."""
+    half = cos.shape[-1] // 2
+    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+
+
+def rope_tabled(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [T, H, D] from `rope_tables` operands, a new [T, H, D]:
+    rotate_half(x) * sin = roll(x, D/2) * sin_rot, element by element the same products
+    (only signs move), so bit-identical to x * cos + rotate_half(x) * sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_rot

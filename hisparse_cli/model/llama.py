@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
-from hisparse_cli.kernels.norm_rope_ref import rms_norm
+from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope_tabled, rope_tables
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.model.rope import RotaryEmbedding, apply_rope
+from hisparse_cli.model.rope import RotaryEmbedding
 
 
 class AttentionContext(Protocol):
@@ -28,9 +28,11 @@ class AttentionContext(Protocol):
 # `fused` below: the backend whose Triton kernels replace the elementwise chains (RMSNorm,
 # the residual add before the second norm, RoPE), chosen once per forward by
 # CausalLM.forward_hidden; None (the CPU, the torch backend, direct module calls): torch ops.
+# cos, sin: [T, D] with `fused`; without it, the `rope_tables` operands [T, 1, D] (made once
+# per forward).
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           fused: KernelBackend | None) -> torch.Tensor:
-    return fused.rope(x, cos, sin) if fused is not None else apply_rope(x, cos, sin)
+    return fused.rope(x, cos, sin) if fused is not None else rope_tabled(x, cos, sin)
 
 
 class RMSNorm(nn.Module):
@@ -197,6 +199,8 @@ class CausalLM(nn.Module):
             x = x.to(self.compute_dtype)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         fused = self._fused(x)
+        if fused is None:
+            cos, sin = rope_tables(cos, sin)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, ctx, last_only=not (all_logits or full_last_layer) and i == last,

@@ -12,7 +12,6 @@ import math
 import torch
 
 from hisparse_cli.errors import ModelError
-from hisparse_cli.kernels.norm_rope_ref import rope
 from hisparse_cli.model.config import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -95,8 +94,3 @@ class RotaryEmbedding:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-
-# x: [T, H, D]; cos/sin: [T, D] -> rotate-half RoPE (the torch ops; the Triton kernel on
-# CUDA is chosen by kernels/dispatch.py:KernelBackend.rope)
-apply_rope = rope
