@@ -169,16 +169,25 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _storage_mask(memo: dict | None, mask: torch.Tensor, block_ids: torch.Tensor,
                   capacity: int, bs: int) -> torch.Tensor:
-    """The one query's additive mask [capacity * bs] over a layer's whole paged storage: the
+    """(the one query's additive mask [capacity * bs] over a layer's whole paged storage: the
     step's block-order mask [1, nb * bs] scattered to the visible blocks' slots, -inf in
-    every other slot (freed or never used blocks). The same for every layer (memo)."""
+    every other slot (freed or never used blocks); None, or with repeated block ids the list
+    entries [1, nb * bs] that are themselves visible). The same for every layer (memo)."""
     if memo is not None and "storage_mask" in memo:
-        return memo["storage_mask"]
+        return memo["storage_mask"], memo["list_ok"]
     smask = mask.new_full((capacity, bs), float("-inf"))
-    smask = smask.index_copy_(0, block_ids, mask.view(-1, bs)).view(-1)
+    ids = block_ids.tolist() if block_ids.device.type == "cpu" else None
+    if ids is not None and len(set(ids)) == len(ids):
+        smask = smask.index_copy_(0, block_ids, mask.view(-1, bs)).view(-1)
+        list_ok = None
+    else:  # a repeated id (the CUDA-graph decoder pads its list with its first block at an
+        # unreachable start): a slot is visible if any entry makes it so, and the masses
+        # picked back in list order are kept only where the entry itself is visible
+        smask = smask.index_reduce_(0, block_ids, mask.view(-1, bs), "amax").view(-1)
+        list_ok = mask.view(1, -1) == 0
     if memo is not None:
-        memo["storage_mask"] = smask
-    return smask
+        memo["storage_mask"], memo["list_ok"] = smask, list_ok
+    return smask, list_ok
 
 
 def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window, scale,
@@ -197,7 +206,7 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     cap, bs, hkv, _ = k_cache.shape
     grp = hq // hkv
     k_pos, q_pos, mask = _step_keys(memo, block_starts, bs, q_start, 1, sinks, window, q.device)
-    smask = _storage_mask(memo, mask, block_ids, cap, bs)  # [cap * bs]
+    smask, list_ok = _storage_mask(memo, mask, block_ids, cap, bs)  # [cap * bs]
     qg = _f32(q[0].reshape(hkv, grp, d))  # [Hkv, grp, D]
     kt = _f32(k_cache.view(-1, hkv, d).permute(1, 2, 0))  # [Hkv, D, cap * bs], a view
     n = kt.shape[-1]
@@ -218,6 +227,8 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     p = p.sum(dim=1)  # [Hkv, N + G]: summed over the query heads of each KV head
     # the visible blocks' masses, in block_ids order: [Hkv, nb * bs]
     key_mass = p[:, :n].view(hkv, cap, bs).index_select(1, block_ids).view(hkv, -1)
+    if list_ok is not None:
+        key_mass = key_mass * list_ok
     if score_min_distance > 0:  # snapkv: count only keys at least m positions back
         key_mass = key_mass * ((q_pos[0] - k_pos) >= score_min_distance)
     return out, key_mass, (p[:, n:] if has_g else None)
