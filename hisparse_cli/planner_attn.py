@@ -66,10 +66,35 @@ def attn_triton(tr: Trace, s: StepShape, a: AttnStep) -> tuple[int, list[int]]:
     return out, masses
 
 
-def memo_bytes(s: StepShape, a: AttnStep) -> tuple[int, int, int]:
-    """(k_pos, q_pos, mask) bytes of the reference's per-step memo."""
+def _flat_mask(s: StepShape, a: AttnStep) -> bool:
+    """The reference's step mask is [T, N(+G)], shared by every layer (not per head)."""
+    return not s.G or a.globals_full
+
+
+def _score_consts_bytes(s: StepShape, a: AttnStep) -> list[int]:
+    """Bytes of attention_ref._score_consts' result (rows, sampled mask, snapkv filter,
+    per-key ratio) for a [T, N(+G)] mask: kept in the memo when scoring."""
+    if not s.track_scores or not _flat_mask(s, a):
+        return []
+    width = a.nb * s.bs + s.G
+    strided = s.score_stride > 1
+    ts = (a.t - 1) // s.score_stride + 1 if strided else a.t
+    out = [ts * 8, ts * width * 4] if strided else []
+    if s.min_distance > 0:
+        out.append(ts * width)
+    if strided:
+        out.append(width * 4)
+    return out
+
+
+def memo_bytes(s: StepShape, a: AttnStep) -> list[int]:
+    """Bytes of the reference's per-step memo: k_pos, q_pos, the mask [T, N]; with globals all
+    filled, the mask with the globals' columns [T, N+G]; when scoring, _score_consts'."""
     n = a.nb * s.bs
-    return n * 8, a.t * 8, a.t * n * 4
+    out = [n * 8, a.t * 8, a.t * n * 4]
+    if s.G and a.globals_full:
+        out.append(a.t * (n + s.G) * 4)
+    return out + _score_consts_bytes(s, a)
 
 
 def build_memo(tr: Trace, s: StepShape, a: AttnStep) -> list[int]:
@@ -122,10 +147,13 @@ def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool,
             tr.free(gc, live[i])
             live[i] = c
         live.append(tr.alloc("attn.mask", s.hkv * s.G))  # g_ok
-        if a.globals_full:
-            z = tr.alloc("attn.mask", t * s.G * 4)
-            mask = tr.alloc("attn.mask", t * width * 4)
-            tr.free(z)
+        if a.globals_full:  # memo "mask_g": made by the step's first layer
+            if first or not keep_memo:
+                z = tr.alloc("attn.mask", t * s.G * 4)
+                mask = tr.alloc("attn.mask", t * width * 4)
+                tr.free(z)
+                if not keep_memo:
+                    live.append(mask)
         else:
             ng = tr.alloc("attn.mask", s.hkv * s.G)
             live.append(tr.alloc("attn.mask", s.hkv * s.G * 4))  # g_add
@@ -134,7 +162,7 @@ def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool,
             mask = tr.alloc("attn.mask", s.hq * t * width * 4)  # repeat_interleave(grp)
             tr.free(m2)
             mask_rows = s.hq
-        live.append(mask)
+            live.append(mask)
     qh = tr.alloc("attn.q", t * s.hq * s.d * ab) if s.cb != ab else -1
     live.append(qh)
     mask_el = mask_rows * t * width
@@ -147,33 +175,22 @@ def attn_ref(tr: Trace, s: StepShape, a: AttnStep, first: bool,
         o2 = tr.alloc("attn.out", t * s.hq * s.d * s.cb)
         tr.free(out)
         out = o2
-    masses = _ref_scores(tr, s, a, width, mask_rows) if s.track_scores else []
+    masses = _ref_scores(tr, s, a, width, mask_rows, first, keep_memo) if s.track_scores else []
     tr.free(*live)
     return out, masses
 
 
-def _ref_scores(tr: Trace, s: StepShape, a: AttnStep, width: int, mask_rows: int) -> list[int]:
-    ab, t, n, tmp = s.attn_b, a.t, a.nb * s.bs, []
+def _score_consts(tr: Trace, s: StepShape, a: AttnStep, width: int, mask_rows: int) -> list[int]:
+    """attention_ref._score_consts -> handles of what it returns (rows, sampled mask, snapkv
+    filter, ratio; -1 where that is None or a view)."""
+    t, n = a.t, a.nb * s.bs
     strided = s.score_stride > 1
     ts = (t - 1) // s.score_stride + 1 if strided else t  # rows = arange(t-1, -1, -stride)
-    if strided:
-        tmp.append(tr.alloc("attn.score", ts * 8))
-        tmp.append(tr.alloc("attn.score", s.hq * ts * s.d * ab))  # qh[:, rows]
-        tmp.append(tr.alloc("attn.score", mask_rows * ts * width * 4))  # mask[..., rows, :]
-    rows = s.hq * ts
-    copy = not strided and t > 1 and s.grp > 1  # reshape of the transposed q copies
-    qr = tr.alloc("attn.score", rows * s.d * ab) if copy else -1
-    qf = tr.alloc("attn.score", rows * s.d * 4) if ab != 4 else -1
-    kf = tr.alloc("attn.score", s.hkv * width * s.d * 4) if ab != 4 else -1
-    s0 = tr.alloc("attn.score", rows * width * 4)  # bmm
-    tr.free(qr, qf, kf)
-    s1 = tr.alloc("attn.score", rows * width * 4)  # * scale
-    tr.free(s0)
-    added = tr.alloc("attn.score", rows * width * 4)  # + mask
-    p = tr.alloc("attn.score", rows * width * 4)  # softmax
-    tr.free(added)
+    rows = tr.alloc("attn.score", ts * 8) if strided else -1
+    ms = tr.alloc("attn.score", mask_rows * ts * width * 4) if strided else -1  # mask[..., rows, :]
     vis_rows = 1 if mask_rows == 1 else s.hkv  # isfinite(mask or mask[0, ::grp])
     vis = tr.alloc("attn.score", vis_rows * t * width)
+    far_s, tmp = -1, []
     if s.min_distance > 0:  # snapkv: only queries at least m positions after the key
         diff = tr.alloc("attn.score", t * n * 8)
         far = tr.alloc("attn.score", t * n)
@@ -184,14 +201,12 @@ def _ref_scores(tr: Trace, s: StepShape, a: AttnStep, width: int, mask_rows: int
         v2 = tr.alloc("attn.score", vis_rows * t * width)  # vis & far
         tr.free(vis)
         vis = v2
-        fr = tr.alloc("attn.score", ts * width) if strided else -1  # far[rows]
-        p2 = tr.alloc("attn.score", rows * width * 4)
-        tr.free(fr, p)
-        p = p2
-        tmp.append(far2)
-    su = tr.alloc("attn.score", s.hkv * width * 4)  # sum over (group, queries)
-    tr.free(p)
-    p = su
+        if strided:
+            far_s = tr.alloc("attn.score", ts * width)  # far[rows]
+            tmp.append(far2)
+        else:
+            far_s = far2
+    ratio = -1
     if strided:  # per-key scale: (queries that see it) / (sampled queries that see it)
         cnt = vis_rows * width
         a1 = tr.alloc("attn.score", cnt * 8)  # vis.sum(-2)
@@ -206,10 +221,48 @@ def _ref_scores(tr: Trace, s: StepShape, a: AttnStep, width: int, mask_rows: int
              tr.alloc("attn.score", cnt * 4), tr.alloc("attn.score", cnt * 4)]  # /, zeros_like
         ratio = tr.alloc("attn.score", cnt * 4)  # where
         tr.free(*w)
+        tmp += [n_vis, n_smp]
+    tr.free(vis, *tmp)
+    return [rows, ms, far_s, ratio]
+
+
+def _ref_scores(tr: Trace, s: StepShape, a: AttnStep, width: int, mask_rows: int,
+                first: bool, keep_memo: bool) -> list[int]:
+    """The reference's scoring after its SDPA -> [key_mass, global_mass]. _score_consts'
+    result is kept in the memo by the step's first layer when the mask is [T, N(+G)]; a
+    per-head mask, or no memo, makes it per call."""
+    ab, t, n = s.attn_b, a.t, a.nb * s.bs
+    strided = s.score_stride > 1
+    ts = (t - 1) // s.score_stride + 1 if strided else t
+    memo = keep_memo and mask_rows == 1
+    consts = _score_consts(tr, s, a, width, mask_rows) if first or not memo else [-1] * 4
+    tmp = [] if memo else consts
+    if strided:
+        tmp.append(tr.alloc("attn.score", s.hq * ts * s.d * ab))  # qh[:, rows]
+    rows = s.hq * ts
+    copy = not strided and t > 1 and s.grp > 1  # reshape of the transposed q copies
+    qr = tr.alloc("attn.score", rows * s.d * ab) if copy else -1
+    qf = tr.alloc("attn.score", rows * s.d * 4) if ab != 4 else -1
+    kf = tr.alloc("attn.score", s.hkv * width * s.d * 4) if ab != 4 else -1
+    s0 = tr.alloc("attn.score", rows * width * 4)  # bmm
+    tr.free(qr, qf, kf)
+    s1 = tr.alloc("attn.score", rows * width * 4)  # * scale
+    tr.free(s0)
+    added = tr.alloc("attn.score", rows * width * 4)  # + mask
+    p = tr.alloc("attn.score", rows * width * 4)  # softmax
+    tr.free(added)
+    if s.min_distance > 0:  # p * far
+        p2 = tr.alloc("attn.score", rows * width * 4)
+        tr.free(p)
+        p = p2
+    su = tr.alloc("attn.score", s.hkv * width * 4)  # sum over (group, queries)
+    tr.free(p)
+    p = su
+    if strided:  # p * ratio
         p2 = tr.alloc("attn.score", s.hkv * width * 4)
-        tr.free(ratio, p, n_vis, n_smp)
+        tr.free(p)
         p = p2
     out = [tr.alloc("attn.key_mass", s.hkv * n * 4)]
     out += [tr.alloc("attn.key_mass", s.hkv * s.G * 4)] if s.G else []
-    tr.free(p, s1, vis, *tmp)
+    tr.free(p, s1, *tmp)
     return out

@@ -112,3 +112,39 @@ def test_sdpa_path_on_consecutive_blocks_equals_the_gather(t):
     assert torch.equal(got, want)
     ex, _, _ = explicit(q, k_cache, v_cache, ids, starts, 15 - t, 0, None, 0.25)
     torch.testing.assert_close(got.double(), ex, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("globals_", ["none", "full", "some_empty"])
+@pytest.mark.parametrize("min_distance", [0, 3])
+@pytest.mark.parametrize("stride", [1, 3])
+def test_layers_sharing_a_step_memo_equal_separate_calls(globals_, min_distance, stride):
+    """A prefill step's layers share one memo: the mask with the globals' columns and the
+    scoring constants (sampled rows, their mask, the snapkv filter, the per-key ratio) are
+    made by the first layer. Every layer's output and masses equal a call without the memo,
+    bit for bit; with every query scored, they equal the explicit gather."""
+    g, k_cache, v_cache, block_ids, block_starts, _ = scattered_run(3)
+    t, q_start, sinks, window, scale = 7, 29, 3, 12, D ** -0.5
+    memo: dict = {}
+    for layer in range(3):
+        q = torch.randn(t, HQ, D, generator=g)
+        kc, vc = torch.randn_like(k_cache), torch.randn_like(v_cache)
+        kw = {}
+        if globals_ != "none":
+            gpos = torch.tensor([[5, 9, 11], [4, 7, 16]])
+            if globals_ == "some_empty":
+                gpos[layer % 2, 1] = -1
+            kw = dict(g_k=torch.randn(HKV, 3, D, generator=g),
+                      g_v=torch.randn(HKV, 3, D, generator=g), g_pos=gpos)
+        args = (q, kc, vc, block_ids, block_starts, q_start, sinks, window, scale)
+        opts = dict(return_scores=True, score_stride=stride, score_min_distance=min_distance, **kw)
+        got = ref.sparse_attention(*args, memo=memo, **opts)
+        want = ref.sparse_attention(*args, memo=None, **opts)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        if stride == 1:
+            ex = explicit(q, kc, vc, block_ids, block_starts, q_start, sinks, window, scale,
+                          min_distance=min_distance, **kw)
+            torch.testing.assert_close(got[0].double(), ex[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got[1].double(), ex[1], rtol=1e-5, atol=1e-6)
+    assert ("mask_g" in memo) == (globals_ == "full")
+    assert any(k.startswith("score_consts_") for k in memo) == (globals_ != "some_empty")

@@ -127,8 +127,9 @@ def sparse_attention(
         k = torch.cat((k, g_k.to(dt)), dim=1)
         v = torch.cat((v, g_v.to(dt)), dim=1)
         g_ok = g_pos >= 0  # [Hkv, G]
-        if bool(g_ok.all()):
-            mask = torch.cat((mask, mask.new_zeros(t, g_ok.shape[1])), dim=-1)  # [T, N+G]
+        if bool(g_ok.all()):  # [T, N+G]: the same for every layer of the step (memo)
+            mask = _memoized(memo, "mask_g", lambda: torch.cat(
+                (mask, mask.new_zeros(t, g_ok.shape[1])), dim=-1))
         else:
             g_add = torch.zeros(g_ok.shape, device=q.device).masked_fill_(~g_ok, float("-inf"))
             mask = torch.cat((mask[None].expand(hkv, t, n), g_add[:, None, :].expand(hkv, t, -1)), -1)
@@ -139,26 +140,56 @@ def sparse_attention(
     out = out.transpose(0, 1).to(q.dtype)  # [T, Hq, D]
     if not return_scores:
         return out, None, None
-    # sampled queries: t = T-1, T-1-s, T-1-2s, ... (the last query of a step is always scored)
-    rows = torch.arange(t - 1, -1, -score_stride, device=q.device) if score_stride > 1 else None
+    # a [T, N(+G)] mask is the step's, shared by every layer: what follows from it alone (the
+    # sampled rows, the snapkv distance filter, the per-key sampling ratio) is computed by the
+    # step's first layer and kept in the memo; a per-head mask (globals not all filled) is not
+    shared = memo if mask.dim() == 2 else None
+    rows, ms, far_s, ratio = _memoized(shared, f"score_consts_{mask.shape[-1]}", lambda: _score_consts(
+        mask, q_pos, k_pos, n, t, grp, score_stride, score_min_distance))
     qs = qh if rows is None else qh[:, rows]  # [Hq, Ts, D]
     ts = qs.shape[1]
-    ms = mask if rows is None else mask[..., rows, :]
-    ms = ms.reshape(hkv, grp, ts, -1) if ms.dim() == 4 else ms[None, None]
     s = torch.bmm(qs.reshape(hkv, -1, d).float(), k.float().transpose(1, 2)) * scale  # [Hkv, grp*Ts, N(+G)]
     p = torch.softmax(s.view(hkv, grp, ts, -1) + ms, dim=-1)
+    if far_s is not None:  # snapkv: only queries at least m positions after the key
+        p = p * far_s
+    p = p.sum(dim=(1, 2))  # [Hkv, N(+G)]
+    if ratio is not None:  # scale each key by (queries that see it) / (sampled queries that see it)
+        p = p * ratio
+    return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)
+
+
+def _memoized(memo: dict | None, key: str, make):
+    """memo[key], made by make() on first use; without a memo, make() every time."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _score_consts(mask, q_pos, k_pos, n, t, grp, score_stride, score_min_distance):
+    """What the scoring of sparse_attention needs from the step's mask alone: (the sampled
+    queries' indices or None when every query is scored; their mask, broadcastable to [Hkv, grp, Ts, N(+G)]; the snapkv distance filter of those
+    queries or None; the per-key ratio (queries that see it) / (sampled queries that see it),
+    [N(+G)] or [Hkv, N+G], or None when every query is scored). Sampled queries: T-1, T-1-s,
+    T-1-2s, ... (the last query of a step is always scored)."""
+    rows = torch.arange(t - 1, -1, -score_stride, device=mask.device) if score_stride > 1 else None
+    ms = mask if rows is None else mask[..., rows, :]
+    hkv = mask.shape[1] // grp if ms.dim() == 4 else 1
+    ms = ms.reshape(hkv, grp, ms.shape[-2], -1) if ms.dim() == 4 else ms[None, None]
     vis = torch.isfinite(mask if mask.dim() == 2 else mask[0, ::grp])  # [T, N+G] or [Hkv, T, N+G]
+    far_s = None
     if score_min_distance > 0:  # snapkv: only queries at least m positions after the key
         far = (q_pos[:, None] - k_pos[None, :]) >= score_min_distance  # [T, N]
         far = torch.cat((far, far.new_ones(t, vis.shape[-1] - n)), dim=-1)
         vis = vis & far
-        p = p * (far if rows is None else far[rows])
-    p = p.sum(dim=(1, 2))  # [Hkv, N(+G)]
-    if rows is not None:  # scale each key by (queries that see it) / (sampled queries that see it)
+        far_s = far if rows is None else far[rows]
+    ratio = None
+    if rows is not None:
         n_vis = vis.sum(-2).float()
         n_smp = vis[..., rows, :].sum(-2).float()
-        p = p * torch.where(n_smp > 0, n_vis / n_smp.clamp(min=1), torch.zeros_like(n_vis))
-    return out, p[:, :n].contiguous(), (p[:, n:].contiguous() if has_g else None)
+        ratio = torch.where(n_smp > 0, n_vis / n_smp.clamp(min=1), torch.zeros_like(n_vis))
+    return rows, ms, far_s, ratio
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
