@@ -206,9 +206,11 @@ def ours_sharing(hf, cfg: ModelConfig, dev: torch.device):
     return model.eval()
 
 
-def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, seed: int = 0):
+def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, seed: int = 0,
+               awq_lm_head: bool = False):
     """Our CausalLM with random weights: fp16, or AWQ INT4 (random codes, zeros and scales)
-    for every decoder linear; the embedding table in host RAM when host_emb."""
+    for every decoder linear (and the head too with awq_lm_head, as `hisparse quantize
+    --quantize-lm-head` writes it); the embedding table in host RAM when host_emb."""
     from hisparse_cli.model.awq import AWQLinear
     from hisparse_cli.model.llama import FUSIONS, CausalLM
 
@@ -265,6 +267,8 @@ def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, s
                                        requires_grad=False)
     model.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size, device=dev, dtype=fp16),
                                            requires_grad=False)
+    if awq and awq_lm_head:  # an untied INT4 head; the fp16 table stays for the lookup
+        model.lm_head = awq_linear(cfg.hidden_size, cfg.vocab_size)
     model.init_rope(dev)
     return model.eval()
 
@@ -480,9 +484,12 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
     sparse = load_profile("h200-141g").sparse_config()
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     rows = []
-    for label, awq in (("fp16", False), ("awq-int4", True)):
-        model = build_ours(cfg, dev, awq=awq, host_emb=False)
-        kw = dict(weight_format="awq-int4" if awq else "fp16")
+    systems = [("fp16", False, False), ("awq-int4", True, False)]
+    if a.awq_lm_head:
+        systems.append(("awq-int4+int4-lm_head", True, True))
+    for label, awq, head in systems:
+        model = build_ours(cfg, dev, awq=awq, host_emb=False, awq_lm_head=head)
+        kw = dict(weight_format="awq-int4" if awq else "fp16", awq_lm_head=head)
         run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 4, backend, dev, **kw)
         for ctx in [int(c) for c in a.contexts.split(",")]:
             if left(a.time_budget) < 20 + ctx / 5000:
@@ -593,6 +600,8 @@ def main() -> None:
                          "window_size=4096,prefill_chunk=1024 (rows labelled h200-alt)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a few seconds)")
     ap.add_argument("--only-budget", action="store_true", help="run only phase (d)")
+    ap.add_argument("--awq-lm-head", action="store_true",
+                    help="with --awq-vs-fp16: also a row whose lm_head is INT4 too")
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")
