@@ -1,6 +1,6 @@
 """Is the GPU prefill bound by the host? Where does the host time of a prefill chunk go?
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_prefill_host.py [--context 32768] [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/gpu_prefill_host.py [--context 32768] [--out DIR] [--awq]
 
 Llama-3-8B-shaped random fp16 model (gpu_engine.build_ours), the `h200-141g` profile's sparse
 settings. Reports:
@@ -10,7 +10,9 @@ settings. Reports:
   2. cProfile of the host issuing a prefill (--cprofile-tokens tokens): the top functions by
      own time and by cumulative time (what a chunk's host time is made of);
   3. host microseconds per launch (no sync, tiny tensors so the GPU never makes the host wait):
-     torch.add, a Triton RMSNorm, and the sparse_attention wrapper (attention + scoring).
+     torch.add, a Triton RMSNorm, and the sparse_attention wrapper (attention + scoring); with
+     --awq also the INT4 dequantize kernel and a whole INT4 prefill linear (dequantize +
+     cuBLAS) of a 1,024-token chunk, and parts 1-2 run the AWQ INT4 model (g128).
 Writes DIR/gpu_prefill_host.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -74,6 +76,33 @@ def host_us(fn, n: int = 300) -> float:
     return 1e6 * dt / n
 
 
+def awq_launch_costs(dev) -> dict:
+    """Host us per call of the INT4 prefill pieces on a 4096 x 4096 layer (small GPU work, so
+    the host never waits) and of the raw kernel launch without the wrapper's checks."""
+    from hisparse_cli.kernels import awq_triton as at
+
+    n = k = 4096
+    g = torch.Generator(device=dev).manual_seed(0)
+    qt = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), device=dev, dtype=torch.int32, generator=g)
+    qz = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 128, n // 8), device=dev, dtype=torch.int32, generator=g)
+    sc = torch.full((k // 128, n), 1e-3, device=dev, dtype=torch.float16)
+    w = torch.empty((n, k), device=dev, dtype=torch.float16)
+    x = torch.randn(1024, k, device=dev, dtype=torch.float16)
+    grid = ((k // 8) // 16, triton_cdiv(n, 16))
+    raw = lambda: at._awq_dequant_k_kernel[grid](qt, qz, sc, w, n, k // 8, n // 8, 0, n, k,  # noqa: E731
+                                                  GROUP=128, BLOCK_N=16, BLOCK_KW=16, num_warps=1)
+    return {
+        "awq_dequantize_k (wrapper)": host_us(lambda: at.awq_dequantize_k(qt, qz, sc, 128, torch.float16, out=w), 100),
+        "_awq_dequant_k_kernel[grid] (raw)": host_us(raw, 100),
+        "awq_dequant_matmul_k 1024 tok": host_us(lambda: at.awq_dequant_matmul_k(x, qt, qz, sc, None, 128), 50),
+        "F.linear fp16 1024 tok": host_us(lambda: torch.nn.functional.linear(x, w), 50),
+    }
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def launch_costs(dev) -> dict:
     from hisparse_cli.kernels import attention_triton as tri
     from hisparse_cli.kernels.norm_rope_triton import rms_norm
@@ -107,6 +136,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--cprofile-tokens", type=int, default=8192)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--awq", action="store_true", help="the AWQ INT4 model (see the docstring)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,10 +146,10 @@ def main() -> None:
     backend, _ = pick_backend(dev)
     sparse = load_profile("h200-141g").sparse_config()
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
-    eng = Engine(build_ours(cfg, dev, awq=False, host_emb=False), cfg, sparse=sparse, device=dev,
+    eng = Engine(build_ours(cfg, dev, awq=a.awq, host_emb=False), cfg, sparse=sparse, device=dev,
                  kv_dtype=torch.float16, backend=backend)
     ids = torch.tensor(prompt(a.context, cfg.vocab_size), device=dev)
-    res: dict = {"context": a.context, "sparse": sparse.__dict__}
+    res: dict = {"context": a.context, "sparse": sparse.__dict__, "awq": a.awq}
     prefill(eng, ids[: 6 * sparse.prefill_chunk])  # Triton JIT
     for imp in ("attention", "uniform"):
         eng.sparse = sparse.with_overrides(importance=imp)
@@ -144,6 +174,8 @@ def main() -> None:
         print(f"== cProfile of issuing a {sub.numel()}-token prefill, by {key}")
         print("\n".join(line[:150] for line in text.splitlines()[6:34]))
     res["launch_us"] = launch_costs(dev)
+    if a.awq:
+        res["launch_us"].update(awq_launch_costs(dev))
     print("== host us per launch:", {k: round(v, 1) for k, v in res["launch_us"].items()})
     (out / "gpu_prefill_host.json").write_text(json.dumps(res, indent=1, default=str))
 
