@@ -91,10 +91,17 @@ def awq_launch_costs(dev) -> dict:
     grid = ((k // 8) // 16, triton_cdiv(n, 16))
     raw = lambda: at._awq_dequant_k_kernel[grid](qt, qz, sc, w, n, k // 8, n // 8, 0, n, k,  # noqa: E731
                                                   GROUP=128, BLOCK_N=16, BLOCK_KW=16, num_warps=1)
+    from hisparse_cli.model.awq import AWQLinear
+
+    lin = AWQLinear(k, n, 128, device="meta")
+    lin.qweight, lin.qzeros, lin.scales, lin.layout = qt, qz, sc, "kmajor"
     return {
         "awq_dequantize_k (wrapper)": host_us(lambda: at.awq_dequantize_k(qt, qz, sc, 128, torch.float16, out=w), 100),
         "_awq_dequant_k_kernel[grid] (raw)": host_us(raw, 100),
         "awq_dequant_matmul_k 1024 tok": host_us(lambda: at.awq_dequant_matmul_k(x, qt, qz, sc, None, 128), 50),
+        "awq_dequant_matmul_k 1024 tok, checked": host_us(
+            lambda: at.awq_dequant_matmul_k(x, qt, qz, sc, None, 128, checked=True), 50),
+        "AWQLinear.forward 1024 tok": host_us(lambda: lin(x), 50),
         "F.linear fp16 1024 tok": host_us(lambda: torch.nn.functional.linear(x, w), 50),
     }
 
@@ -161,6 +168,9 @@ def main() -> None:
               f"{min(r[0] for r in runs):.3f} s, GPU kernels {res[imp]['gpu_kernel_ms']:.0f} ms",
               flush=True)
     eng.sparse = sparse
+    gen = [eng.generate(ids, max_new_tokens=1).stats.prefill_seconds for _ in range(2)]
+    res["generate_prefill_s"] = gen  # the same prefill through Engine.generate (gpu_engine.py)
+    print(f"Engine.generate prefill: {min(gen):.3f} s", flush=True)
     prof = cProfile.Profile()
     sub = ids[: a.cprofile_tokens]
     prof.enable()

@@ -61,6 +61,28 @@ def test_awq_linear_forward_and_checkpoint_validation():
                                   None, 32, expect=(40, 64))
 
 
+def test_kmajor_linear_prepares_once_and_again_when_buffers_change():
+    """The K-major forward binds the backend's linear to the buffers once (checks and launch
+    constants: host time bounds INT4 prefill), again once a buffer object is replaced, and
+    drops it on .to() (so the old buffers are not kept alive)."""
+    from hisparse_cli.kernels.awq_layout import repack_kmajor
+
+    torch.manual_seed(0)
+    p = quantize_weight(torch.randn(40, 64), 32)
+    lin = AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, None, 32, dtype=torch.float32)
+    x = torch.randn(3, 64)
+    expect = lin(x)
+    lin.qweight, lin.layout = repack_kmajor(lin.qweight), "kmajor"
+    assert lin._prepared is None
+    assert torch.allclose(lin(x), expect, atol=1e-5)
+    first = lin._prepared
+    assert first is not None and torch.equal(lin(x), lin(x)) and lin._prepared is first
+    lin.scales = lin.scales * 2  # a replaced buffer: prepared again, and used
+    assert torch.allclose(lin(x), 2 * expect, atol=1e-4) and lin._prepared is not first
+    lin.to(torch.float64)
+    assert lin._prepared is None and lin._prepared_key is None
+
+
 def make_tiny_llama(path, seed=0, **over):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -157,6 +157,21 @@ def test_gemv_k_interpreter_split(split, m, group):
 
 
 @interp
+@pytest.mark.parametrize("split,m", [(1, 1), (2, 3), (4, 4)])
+@pytest.mark.parametrize("group", [32, 128])
+def test_gemv_k_interpreter_prefetch_same_bits(split, m, group):
+    """The register-prefetch loop (next step's words loaded before this one computes; the
+    last step reloads itself) adds the same terms in the same order as the plain loop."""
+    x, qw, qt, qz, s, b = case_k(m, 8 * group, 40, group, torch.float16, "cpu", seed=split)
+    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=gemv_cfg(group, 32, split))
+    cfg = GemvConfig(block_n=32, block_kw=min(16, group // 8), split=split, num_warps=1,
+                     num_stages=1, prefetch=1)
+    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
+    assert torch.equal(y, plain)
+    check(y, x, qw, qz, s, b, group)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemv_k_interpreter_dtypes(dtype, split):
@@ -198,6 +213,28 @@ def test_awq_linear_k_paths_interpreter(m, monkeypatch):
     y = awq_triton.awq_linear_k(x.view(1, m, 128), qt, qz, s, b, 32)
     assert y.shape == (1, m, 200)
     check(y.view(m, 200), x, qw, qz, s, b, 32)
+
+
+@interp
+@pytest.mark.parametrize("m", [1, 5, 70])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prepared_linear_k_equals_awq_linear_k(m, chunked, monkeypatch):
+    """What AWQLinear runs per call (weights checked once, launch constants kept) gives the
+    bits of awq_linear_k on every path (GEMV, fused GEMM at 5 tokens, dequantize + cuBLAS in
+    one or several W^T chunks) and still checks x."""
+    if chunked:
+        monkeypatch.setattr(awq_triton, "DEQUANT_CHUNK_ELEMS_K", 128 * 64)  # 64-row chunks
+    monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", 8)
+    x, qw, qt, qz, s, b = case_k(m, 128, 200, 32, torch.float16, "cpu")
+    lin = awq_triton.PreparedLinearK(qt, qz, s, b, 32)
+    y = lin(x.view(1, m, 128))
+    assert y.shape == (1, m, 200)
+    assert torch.equal(y[0], awq_triton.awq_linear_k(x, qt, qz, s, b, 32))
+    assert torch.equal(awq_triton.awq_linear_k(x, qt, qz, s, b, 32, checked=True), y[0])
+    with pytest.raises(AssertionError):  # x of the wrong width
+        lin(torch.zeros(m, 96, dtype=torch.float16))
+    with pytest.raises(AssertionError):  # the weights are checked when prepared
+        awq_triton.PreparedLinearK(qw, qz, s, b, 32)
 
 
 @interp
@@ -290,7 +327,8 @@ def test_planner_mirrors_awq_linear_k_allocations(m, dtype, max_fused, monkeypat
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 33, 512])
-@pytest.mark.parametrize("fn", ["gemv_k", "gemm_k", "dequant_matmul_k", "linear_k"])
+@pytest.mark.parametrize("fn", ["gemv_k", "gemm_k", "dequant_matmul_k", "linear_k",
+                                "linear_k_prepared"])
 def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
     for mark in gpu:
         request.applymarker(mark)
@@ -301,6 +339,11 @@ def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
     x, qw, qt, qz, s, b = case_k(m, k, n, group, dtype, "cuda", seed=m)
     if fn == "gemm_k":
         check(awq_gemm_k.awq_gemm_k(x, qt, qz, s, b, group), x, qw, qz, s, b, group)
+        return
+    if fn == "linear_k_prepared":  # AWQLinear's per-call path (weights checked once)
+        y = awq_triton.PreparedLinearK(qt, qz, s, b, group)(x)
+        assert torch.equal(y, awq_triton.awq_linear_k(x, qt, qz, s, b, group))
+        check(y, x, qw, qz, s, b, group)
         return
     check(getattr(awq_triton, f"awq_{fn}")(x, qt, qz, s, b, group), x, qw, qz, s, b, group)
 

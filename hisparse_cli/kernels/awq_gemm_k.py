@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_gemv import check_gemv_args
+from hisparse_cli.kernels.awq_gemv import check_gemv_args, check_x
 
 
 @triton.jit
@@ -105,14 +105,18 @@ def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
-def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None):
+def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
+               checked: bool = False):
     """Fused dequant-GEMM on the K-major layout: x2 [M, K] -> y [M, N] in x2's dtype
     (fp16/bf16 on tensor cores; fp32 with IEEE products). Allocates only y.
 
     config: awq_layout.GemmConfig; default awq_layout.gemm_config (the table). Its block_k
-    is capped at the group size (one z and s per column and step).
+    is capped at the group size (one z and s per column and step). checked: as awq_gemv_k.
     """
-    check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
+    if checked:
+        check_x(x2, qweight_k)
+    else:
+        check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
     assert x2.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x dtype {x2.dtype}"
     (m, k), (n, kw) = x2.shape, qweight_k.shape
     cfg = config or awq_layout.gemm_config(m, n)

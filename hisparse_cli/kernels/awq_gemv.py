@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
+from hisparse_cli.kernels.awq_layout import check_gemv_args, check_x  # noqa: F401 (re-export)
 
 @triton.jit
 def _token_term(words, hi, xp, s49, sz):
@@ -104,11 +105,32 @@ def _reduce_tile(p_ptr, b_ptr, y_ptr, offs_n, mask_n, stride_ps, stride_pm, stri
 
 
 @triton.jit
+def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, stride_xm,
+               M: tl.constexpr):
+    """One loop step: the [BN, BKW] word tile at K word w0 (inside one group: zw, sv are its
+    rows' zero-point words and scales) added into the M tokens' accumulators."""
+    z = ((zw >> zshift) & 0xF).to(tl.float32)  # [BN]
+    s = sv.to(tl.float32)  # [BN]
+    s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
+    sz = s * z
+    hi = words >> 16
+    xp = x_ptr + w0 * 8 + x_off  # [BKW]
+    acc0 += _token_term(words, hi, xp, s49, sz)
+    if M > 1:
+        acc1 += _token_term(words, hi, xp + stride_xm, s49, sz)
+    if M > 2:
+        acc2 += _token_term(words, hi, xp + 2 * stride_xm, s49, sz)
+    if M > 3:
+        acc3 += _token_term(words, hi, xp + 3 * stride_xm, s49, sz)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, N, KW, W8,
                      stride_xm, stride_ym, stride_ps, stride_pm, KW_PER_SPLIT,
                      GROUP: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -133,22 +155,32 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
     acc1 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-    for w0 in tl.range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
-        words = tl.load(w_row + (w0 + offs_w)[None, :])  # [BN, BKW] int32
-        g = (w0 * 8) // GROUP
-        z = ((tl.load(qz_ptr + g * W8 + rows // 8) >> zshift) & 0xF).to(tl.float32)  # [BN]
-        s = tl.load(s_ptr + g * N + rows).to(tl.float32)  # [BN]
-        s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
-        sz = s * z
-        hi = words >> 16
-        xp = x_ptr + w0 * 8 + x_off  # [BKW]
-        acc0 += _token_term(words, hi, xp, s49, sz)
-        if M > 1:
-            acc1 += _token_term(words, hi, xp + stride_xm, s49, sz)
-        if M > 2:
-            acc2 += _token_term(words, hi, xp + 2 * stride_xm, s49, sz)
-        if M > 3:
-            acc3 += _token_term(words, hi, xp + 3 * stride_xm, s49, sz)
+    if PREFETCH:  # registers double-buffer the next step's words, zeros and scales: their
+        # loads are in flight while this step computes (the last step reloads itself)
+        w_last = w_start + KW_PER_SPLIT - BLOCK_KW
+        g = (w_start * 8) // GROUP
+        words_n = tl.load(w_row + (w_start + offs_w)[None, :])
+        zw_n = tl.load(qz_ptr + g * W8 + rows // 8)
+        s_n = tl.load(s_ptr + g * N + rows)
+        for w0 in range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW):
+            words = words_n
+            zw = zw_n
+            sv = s_n
+            nxt = tl.minimum(w0 + BLOCK_KW, w_last)
+            g = (nxt * 8) // GROUP
+            words_n = tl.load(w_row + (nxt + offs_w)[None, :])
+            zw_n = tl.load(qz_ptr + g * W8 + rows // 8)
+            s_n = tl.load(s_ptr + g * N + rows)
+            acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
+                                                x_off, zshift, stride_xm, M)
+    else:
+        for w0 in tl.range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
+            words = tl.load(w_row + (w0 + offs_w)[None, :])  # [BN, BKW] int32
+            g = (w0 * 8) // GROUP
+            zw = tl.load(qz_ptr + g * W8 + rows // 8)  # [BN] words of zero points
+            sv = tl.load(s_ptr + g * N + rows)  # [BN]
+            acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
+                                                x_off, zshift, stride_xm, M)
     if SPLIT == 1:
         _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
                     HAS_BIAS, False)
@@ -162,30 +194,18 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
 
 
-def check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size):
-    """Assert the K-major GEMV/dequantize contract: x2 [M, K] unit stride in K, qweight_k
-    int32 [N, K/8], qzeros int32 [K/group, N/8], scales [K/group, N], bias [N] or None."""
-    n, kw = qweight_k.shape
-    k = kw * 8
-    assert qweight_k.dtype == torch.int32 and qzeros.dtype == torch.int32, "int32 words"
-    assert x2.dim() == 2 and x2.shape[1] == k and x2.stride(1) == 1, \
-        f"x must be [M, {k}] with unit stride in K"
-    assert k % group_size == 0 and group_size % 32 == 0, f"K {k}, group {group_size}"
-    assert qzeros.shape == (k // group_size, n // 8) and scales.shape == (k // group_size, n), \
-        f"qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} for K-major [{n}, {kw}]"
-    assert bias is None or bias.shape == (n,)
-    for t in (qweight_k, qzeros, scales) + (() if bias is None else (bias,)):
-        assert t.is_contiguous(), "qweight/qzeros/scales/bias must be contiguous"
-        assert t.device == x2.device, "tensors on different devices"
-
-
-def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None):
+def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
+               checked: bool = False):
     """Fused dequant GEMV on the K-major layout: x2 [M, K] (M <= 4) -> y [M, N] in x2's dtype.
 
     config: awq_layout.GemvConfig; default awq_layout.gemv_config (the H200 table).
     split > 1: fp32 partials [split, M, N], summed by each column tile's last program.
+    checked: the weights already passed check_gemv_args (only x is checked here).
     """
-    check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
+    if checked:
+        check_x(x2, qweight_k)
+    else:
+        check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
     (m, k), (n, kw) = x2.shape, qweight_k.shape
     assert 1 <= m <= awq_layout.GEMV_MAX_TOKENS, f"{m} tokens: the GEMV takes 1..4"
     cfg = config or awq_layout.gemv_config(m, k, n, group_size, _sm_count(x2.device))
@@ -198,6 +218,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None):
     tiles = triton.cdiv(n, cfg.block_n)
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
+                  PREFETCH=cfg.prefetch,
                   num_warps=cfg.num_warps)
     b = bias if has_bias else scales
     if split == 1:

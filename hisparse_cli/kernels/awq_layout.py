@@ -85,6 +85,33 @@ def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
     return pack_int4(unpack_kmajor(qweight_k))
 
 
+# -- argument checks of the K-major kernels (kernels/awq_gemv.py, awq_gemm_k.py, awq_triton.py)
+def check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size):
+    """Assert the K-major GEMV/dequantize contract: x2 [M, K] unit stride in K, qweight_k
+    int32 [N, K/8], qzeros int32 [K/group, N/8], scales [K/group, N], bias [N] or None."""
+    n, kw = qweight_k.shape
+    k = kw * 8
+    assert qweight_k.dtype == torch.int32 and qzeros.dtype == torch.int32, "int32 words"
+    assert x2.dim() == 2 and x2.shape[1] == k and x2.stride(1) == 1, \
+        f"x must be [M, {k}] with unit stride in K"
+    assert k % group_size == 0 and group_size % 32 == 0, f"K {k}, group {group_size}"
+    assert qzeros.shape == (k // group_size, n // 8) and scales.shape == (k // group_size, n), \
+        f"qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} for K-major [{n}, {kw}]"
+    assert bias is None or bias.shape == (n,)
+    for t in (qweight_k, qzeros, scales) + (() if bias is None else (bias,)):
+        assert t.is_contiguous(), "qweight/qzeros/scales/bias must be contiguous"
+        assert t.device == x2.device, "tensors on different devices"
+
+
+def check_x(x2, qweight_k) -> None:
+    """The part of check_gemv_args about x alone, for callers whose weights were checked
+    once (`checked=True`: AWQLinear checks its buffers on first use, not per call)."""
+    assert x2.dim() == 2 and x2.shape[1] == qweight_k.shape[1] * 8 and x2.stride(1) == 1, \
+        f"x must be [M, {qweight_k.shape[1] * 8}] with unit stride in K"
+    assert x2.device == qweight_k.device, "tensors on different devices"
+
+
+
 # -- launch choices (the planner imports these: keep them free of triton) ----------------------
 GEMV_MAX_TOKENS = 4  # more tokens: prefill_path (fused GEMM, or dequantize W^T + cuBLAS)
 DEQUANT_CHUNK_ELEMS = 1 << 26  # temp W^T of the cuBLAS path: 128 MiB in fp16, so every
@@ -96,13 +123,15 @@ class GemvConfig:
     """One launch of the K-major GEMV (kernels/awq_gemv.py). block_n: output columns per
     program; block_kw: words of K per loop step (a multiple of 4, inside one group); split:
     programs along K (> 1: fp32 partials [split, m, n] + a reduction kernel); num_warps;
-    num_stages: software-pipelining depth of the K loop (1: none)."""
+    num_stages: software-pipelining depth of the K loop (1: none); prefetch: 1 loads the next
+    step's words into registers before this step computes (then num_stages is not used)."""
 
     block_n: int
     block_kw: int
     split: int
     num_warps: int
     num_stages: int
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -111,6 +140,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} = {v}: a power of two >= 1")
         if self.block_kw % RUN_WORDS:
             raise ValueError(f"GemvConfig.block_kw = {self.block_kw}: a multiple of {RUN_WORDS}")
+        if self.prefetch not in (0, 1):
+            raise ValueError(f"GemvConfig.prefetch = {self.prefetch}: 0 or 1")
 
 
 @dataclass(frozen=True)
@@ -122,6 +153,7 @@ class GemvTile:
     num_warps: int
     num_stages: int
     programs_per_sm: int
+    prefetch: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens. Not yet measured on a GPU: 64 columns a
@@ -135,10 +167,12 @@ GEMV_TABLE = {
     "large_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16),  # < 65536
     "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),  # lm_head
 }
-# (block_n, num_warps, num_stages) the sweep tries (the K split comes from programs_per_sm);
-# a warp covers 8 rows x 16 words, so block_n / (8 num_warps) rows a thread
-GEMV_CANDIDATES = ((64, 2, 1), (64, 2, 3), (32, 2, 1), (32, 2, 3), (32, 1, 1), (64, 1, 1),
-                   (64, 4, 1), (128, 4, 1), (128, 4, 3), (128, 2, 1), (256, 4, 1), (16, 1, 1))
+# (block_n, num_warps, num_stages, prefetch) the sweep tries (the K split comes from
+# programs_per_sm); a warp covers 8 rows x 16 words, so block_n / (8 num_warps) rows a thread
+GEMV_CANDIDATES = ((64, 2, 1, 0), (64, 2, 3, 0), (32, 2, 1, 0), (32, 2, 3, 0), (32, 1, 1, 0),
+                   (64, 1, 1, 0), (64, 4, 1, 0), (128, 4, 1, 0), (128, 4, 3, 0), (128, 2, 1, 0),
+                   (256, 4, 1, 0), (16, 1, 1, 0), (32, 1, 1, 1), (64, 2, 1, 1), (16, 1, 1, 1),
+                   (64, 1, 1, 1), (128, 4, 1, 1))
 
 
 def gemv_shape_class(n: int) -> str:
@@ -169,7 +203,8 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     block_kw = min(group // PACK, 16)
     split = gemv_split(k, n, tile.block_n, block_kw, tile.programs_per_sm, sms)
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
-                      num_warps=tile.num_warps, num_stages=tile.num_stages)
+                      num_warps=tile.num_warps, num_stages=tile.num_stages,
+                      prefetch=tile.prefetch)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:

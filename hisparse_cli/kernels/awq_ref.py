@@ -65,9 +65,11 @@ def awq_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
 
 
 def awq_linear_k(x: torch.Tensor, qweight_k: torch.Tensor, qzeros: torch.Tensor,
-                 scales: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+                 scales: torch.Tensor, bias: torch.Tensor | None, group_size: int, *,
+                 checked: bool = False) -> torch.Tensor:
     """awq_linear with qweight in the K-major run-time layout [out, in/8]
-    (kernels/awq_layout.py): converted back to the AWQ GEMM layout, then the reference."""
+    (kernels/awq_layout.py): converted back to the AWQ GEMM layout, then the reference
+    (which checks every argument; `checked` is accepted for the Triton path's signature)."""
     from hisparse_cli.kernels.awq_layout import kmajor_to_awq
 
     return awq_linear(x, kmajor_to_awq(qweight_k), qzeros, scales, bias, group_size)

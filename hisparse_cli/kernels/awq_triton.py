@@ -39,7 +39,7 @@ import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
 from hisparse_cli.kernels.awq_gemm_k import _dequant_nibble, awq_gemm_k
-from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k, check_gemv_args
+from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k, check_gemv_args, check_x
 from hisparse_cli.kernels.awq_ref import check_awq_tensors
 
 GEMV_MAX_TOKENS = awq_layout.GEMV_MAX_TOKENS
@@ -328,45 +328,106 @@ def awq_dequantize_k(qweight_k, qzeros, scales, group_size, dtype, *, n0=0, n1=N
     w = out if out is not None else torch.empty((n1 - n0, k), device=qweight_k.device,
                                                 dtype=dtype)
     assert w.shape == (n1 - n0, k) and w.stride(1) == 1
+    _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1, block_n, block_kw,
+                      num_warps)
+    return w
+
+
+def _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1, block_n=16,
+                      block_kw=None, num_warps=1):
+    """The launch of awq_dequantize_k without its checks (the prefill path's arguments are
+    checked once per call of awq_dequant_matmul_k, or once per module)."""
+    n, kw = qweight_k.shape
+    block_kw = block_kw or min(group_size // 8, 16)
     grid = (kw // block_kw, triton.cdiv(n1 - n0, block_n))
     _awq_dequant_k_kernel[grid](qweight_k, qzeros, scales, w, n, kw, n // 8, n0, n1, w.stride(0),
                                 GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw,
                                 num_warps=num_warps)
-    return w
 
 
-def awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size):
-    """Dequantize W^T (in row chunks of at most DEQUANT_CHUNK_ELEMS) then cuBLAS x @ W^T.T."""
-    check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
-    (m, k), n = x2.shape, qweight_k.shape[0]
-    chunk = awq_layout.dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS_K)
-    if chunk >= n:
-        y = x2 @ awq_dequantize_k(qweight_k, qzeros, scales, group_size, x2.dtype).t()
+def awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size, *,
+                         checked: bool = False):
+    """Dequantize W^T (in row chunks of at most DEQUANT_CHUNK_ELEMS) then cuBLAS x @ W^T.T.
+    checked: as awq_gemv_k (the weights passed check_gemv_args before)."""
+    if checked:
+        check_x(x2, qweight_k)
     else:
-        y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+        check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
+    n, k = qweight_k.shape[0], x2.shape[1]
+    return _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k,
+                           awq_layout.dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS_K))
+
+
+def _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k, chunk):
+    """awq_dequant_matmul_k after its checks (n, k: the weight's; chunk: W^T rows a step)."""
+    if chunk >= n:
+        w = torch.empty((n, k), device=x2.device, dtype=x2.dtype)
+        _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, 0, n)
+        y = x2 @ w.t()
+    else:
+        y = torch.empty((x2.shape[0], n), device=x2.device, dtype=x2.dtype)
         buf = torch.empty((chunk, k), device=x2.device, dtype=x2.dtype)
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
-            w = awq_dequantize_k(qweight_k, qzeros, scales, group_size, x2.dtype, n0=n0, n1=n1,
-                                 out=buf[: n1 - n0])
+            w = buf[: n1 - n0]
+            _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1)
             torch.matmul(x2, w.t(), out=y[:, n0:n1])
     if bias is not None:
         y += bias.to(y.dtype)
     return y
 
 
-def awq_linear_k(x, qweight_k, qzeros, scales, bias, group_size):
+class PreparedLinearK:
+    """awq_linear_k bound to one weight set: the weights' checks and the launch constants are
+    done once, so a prefill call costs the host only x's checks, the dequantize launch and
+    the cuBLAS call (on a slow host the per-call checks and dispatch were ~30 us of an
+    INT4 prefill linear's ~100 us, against ~23 us for an fp16 F.linear). Same results as
+    awq_linear_k, bit for bit. AWQLinear makes one per set of buffer objects
+    (KernelBackend.prepare_awq_linear_k)."""
+
+    __slots__ = ("qweight_k", "qzeros", "scales", "bias", "group_size", "n", "k", "chunk",
+                 "device")
+
+    def __init__(self, qweight_k, qzeros, scales, bias, group_size):
+        n, kw = qweight_k.shape
+        check_gemv_args(qweight_k.new_empty((0, kw * 8), dtype=scales.dtype), qweight_k, qzeros,
+                        scales, bias, group_size)
+        self.qweight_k, self.qzeros, self.scales, self.bias = qweight_k, qzeros, scales, bias
+        self.group_size, self.n, self.k, self.device = group_size, n, kw * 8, qweight_k.device
+        self.chunk = awq_layout.dequant_chunk(self.k, n, DEQUANT_CHUNK_ELEMS_K)
+
+    def __call__(self, x):
+        k, n = self.k, self.n
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        if m <= GEMV_MAX_TOKENS or awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
+            y = awq_linear_k(x2, self.qweight_k, self.qzeros, self.scales, self.bias,
+                             self.group_size, checked=True)
+        else:
+            assert x2.shape[1] == k and x2.device == self.device, \
+                f"x must be [M, {k}] on {self.device}"
+            y = _dequant_matmul(x2, self.qweight_k, self.qzeros, self.scales, self.bias,
+                                self.group_size, n, k, self.chunk)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+def awq_linear_k(x, qweight_k, qzeros, scales, bias, group_size, *, checked: bool = False):
     """y [..., out] = x [..., in] @ dequant(W) + bias with qweight in the K-major layout
-    (kernels/awq_layout.py); any float dtype (fp32 too). Contract otherwise as awq_linear."""
-    lead, k = x.shape[:-1], x.shape[-1]
+    (kernels/awq_layout.py); any float dtype (fp32 too). Contract otherwise as awq_linear.
+    checked: the weights passed check_gemv_args before (AWQLinear checks them once): only x
+    is checked per call (the host time of a prefill linear is what bounds INT4 prefill)."""
+    k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], qweight_k.shape[0]
     if m <= GEMV_MAX_TOKENS:
-        y = awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size)
+        y = awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, checked=checked)
     elif awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
-        y = awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size)
+        y = awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, checked=checked)
     else:
-        y = awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size)
-    return y.reshape(*lead, y.shape[-1])
+        y = awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size,
+                                 checked=checked)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -92,6 +92,19 @@ class KernelBackend:
             from hisparse_cli.kernels.awq_ref import awq_linear_k
         return awq_linear_k(*args, **kwargs)
 
+    def prepare_awq_linear_k(self, qweight_k, qzeros, scales, bias, group_size):
+        """x -> awq_linear_k(x, qweight_k, ...) with the weights' checks and launch constants
+        done once (what AWQLinear calls per forward)."""
+        if self.int4_linear == "triton":
+            from hisparse_cli.kernels.awq_triton import PreparedLinearK
+
+            return PreparedLinearK(qweight_k, qzeros, scales, bias, group_size)
+        from functools import partial
+
+        from hisparse_cli.kernels.awq_ref import awq_linear_k
+
+        return partial(_ref_linear_k, awq_linear_k, qweight_k, qzeros, scales, bias, group_size)
+
     # -- RMSNorm, residual add + RMSNorm, RoPE -------------------------------------------
     # Triton where the kernel's layout applies (weight/cos/sin in x's dtype, unit stride
     # along the last dim), else the reference; see kernels/norm_rope_ref.py for the contracts.
@@ -123,9 +136,20 @@ class KernelBackend:
         return rope(x, cos, sin)
 
 
+def _ref_linear_k(fn, qweight_k, qzeros, scales, bias, group_size, x):
+    return fn(x, qweight_k, qzeros, scales, bias, group_size)
+
+
 def select_backend(device_type: str, prefer: str | None = None) -> KernelBackend:
-    """Backend for a device type ("cpu", "cuda", ...). prefer: "torch" | "triton" | None."""
-    prefer = prefer or os.environ.get("HISPARSE_BACKEND") or "auto"
+    """Backend for a device type ("cpu", "cuda", ...). prefer: "torch" | "triton" | None
+    (None: $HISPARSE_BACKEND, else "auto"). Memoised per (device type, preference): layers
+    ask on every call, and on a slow host a fresh dataclass each time showed in the profile."""
+    return _backend_for(device_type, prefer or os.environ.get("HISPARSE_BACKEND") or "auto")
+
+
+@lru_cache(maxsize=32)
+def _backend_for(device_type: str, prefer: str) -> KernelBackend:
+    """(errors are raised, never cached)"""
     if prefer not in ("auto", "torch", "triton"):
         from hisparse_cli.errors import ConfigError
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from hisparse_cli.errors import ModelError
 from hisparse_cli.kernels.awq_layout import kmajor_to_awq, repack_kmajor
+from hisparse_cli.kernels.dispatch import select_backend
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED = ("AWQ 'gemm' checkpoints (AutoAWQ layout): quant_method awq, version gemm, bits 4, "
@@ -101,6 +102,8 @@ class AWQLinear(nn.Module):
     """
 
     layout = "awq"  # "awq": qweight [in, out/8] (AutoAWQ GEMM); "kmajor": [out, in/8]
+    _prepared_key: tuple | None = None  # forward: what `_prepared` was made for
+    _prepared = None  # the backend's awq_linear_k bound to these buffers
 
     def __init__(self, in_features: int, out_features: int, group_size: int,
                  bias: bool = False, device=None, dtype: torch.dtype = torch.float16) -> None:
@@ -167,8 +170,6 @@ class AWQLinear(nn.Module):
     @staticmethod
     def repacks_on(device: torch.device) -> bool:
         """True where the kernels run on the K-major layout: CUDA with the Triton backend."""
-        from hisparse_cli.kernels.dispatch import select_backend
-
         return device.type == "cuda" and select_backend("cuda").int4_linear == "triton"
 
     def checkpoint_qweight(self) -> torch.Tensor:
@@ -187,11 +188,23 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
-        from hisparse_cli.kernels.dispatch import select_backend
-
         backend = select_backend(x.device.type)
-        fn = backend.awq_linear_k if self.layout == "kmajor" else backend.awq_linear
-        return fn(x, self.qweight, self.qzeros, self.scales, self.bias, self.group_size)
+        if self.layout != "kmajor":
+            return backend.awq_linear(x, self.qweight, self.qzeros, self.scales, self.bias,
+                                      self.group_size)
+        # the buffers' checks and launch constants are made once per backend and set of
+        # buffer objects (a module whose buffers are replaced, e.g. by .to(), is prepared
+        # again); x is checked on every call
+        key = (backend, id(self.qweight), id(self.qzeros), id(self.scales), id(self.bias))
+        if self._prepared_key != key:
+            self._prepared = backend.prepare_awq_linear_k(self.qweight, self.qzeros,
+                                                          self.scales, self.bias, self.group_size)
+            self._prepared_key = key
+        return self._prepared(x)
+
+    def _apply(self, fn, recurse=True):  # .to() / .half() / .cuda(): new buffers, prepare again
+        self._prepared = self._prepared_key = None  # (and do not keep the old ones alive)
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
