@@ -194,12 +194,14 @@ class AWQLinear(nn.Module):
                                       self.group_size)
         # the buffers' checks and launch constants are made once per backend and set of
         # buffer objects (a module whose buffers are replaced, e.g. by .to(), is prepared
-        # again); x is checked on every call
-        key = (backend, id(self.qweight), id(self.qzeros), id(self.scales), id(self.bias))
-        if self._prepared_key != key:
-            self._prepared = backend.prepare_awq_linear_k(self.qweight, self.qzeros,
-                                                          self.scales, self.bias, self.group_size)
-            self._prepared_key = key
+        # again); x is checked on every call. Identity tests on the buffer dict: a module
+        # attribute lookup per buffer was measurable host time per prefill linear.
+        b, key = self._buffers, self._prepared_key
+        qw, qz, sc, bias = b["qweight"], b["qzeros"], b["scales"], b["bias"]
+        if (key is None or key[0] is not backend or key[1] is not qw or key[2] is not qz
+                or key[3] is not sc or key[4] is not bias):
+            self._prepared = backend.prepare_awq_linear_k(qw, qz, sc, bias, self.group_size)
+            self._prepared_key = (backend, qw, qz, sc, bias)
         return self._prepared(x)
 
     def _apply(self, fn, recurse=True):  # .to() / .half() / .cuda(): new buffers, prepare again
