@@ -481,7 +481,8 @@ def phase_hf(a, hf, cfg, dev, contexts) -> list[dict]:
 def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
     """(e) the same 8B shape with fp16 and with AWQ INT4 (g128) weights, same sparse settings
     (h200-141g), same prompts: prefill and decode tok/s and the INT4/fp16 ratios."""
-    sparse = load_profile("h200-141g").sparse_config()
+    base = load_profile("h200-141g").sparse_config()
+    chunks = [int(c) for c in a.awq_chunks.split(",")] if a.awq_chunks else [base.prefill_chunk]
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     rows = []
     systems = [("fp16", False, False), ("awq-int4", True, False)]
@@ -490,30 +491,36 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
     for label, awq, head in systems:
         model = build_ours(cfg, dev, awq=awq, host_emb=False, awq_lm_head=head)
         kw = dict(weight_format="awq-int4" if awq else "fp16", awq_lm_head=head)
-        run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 4, backend, dev, **kw)
-        for ctx in [int(c) for c in a.contexts.split(",")]:
-            if left(a.time_budget) < 20 + ctx / 5000:
-                SKIPPED.append(f"(e) {label} at {ctx}: out of time")
-                continue
-            for _ in range(a.repeat):  # the last repeat is kept (the first graph decode of a
-                # context size in a process has run slow: Triton specializations compile)
-                r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size), a.decode_tokens,
-                             backend, dev, **kw)
-            r.update(system=label, weights_bytes=r["plan"].weights_bytes, repeats=a.repeat)
-            r.pop("plan")
-            rows.append(r)
-            log(f"(e) {label} ctx {ctx}: prefill {r['prefill_tok_s']:,.0f} tok/s, decode "
-                f"{r['decode_tok_s']:.1f} tok/s, peak {gib(r['peak_bytes'])} GiB, weights "
-                f"{gib(r['weights_bytes'])} GiB")
+        run_ours(model, cfg, base, prompt(4096, cfg.vocab_size), 4, backend, dev, **kw)
+        for chunk in chunks:  # --awq-chunks: the same rows at other prefill chunks
+            sparse = base.with_overrides(prefill_chunk=chunk)
+            for ctx in [int(c) for c in a.contexts.split(",")]:
+                if left(a.time_budget) < 20 + ctx / 5000:
+                    SKIPPED.append(f"(e) {label} at {ctx}, chunk {chunk}: out of time")
+                    continue
+                seen = []
+                for _ in range(a.repeat):  # the last repeat is kept (the first graph decode
+                    # of a context size in a process has run slow: specializations compile)
+                    r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
+                                 a.decode_tokens, backend, dev, **kw)
+                    seen.append(r["prefill_tok_s"])
+                r.update(system=label, weights_bytes=r["plan"].weights_bytes, repeats=a.repeat,
+                         prefill_chunk=chunk, prefill_tok_s_repeats=seen)
+                r.pop("plan")
+                rows.append(r)
+                log(f"(e) {label} ctx {ctx} chunk {chunk}: prefill {r['prefill_tok_s']:,.0f} "
+                    f"tok/s, decode {r['decode_tok_s']:.1f} tok/s, peak {gib(r['peak_bytes'])} "
+                    f"GiB, weights {gib(r['weights_bytes'])} GiB")
         del model
         free_all(dev)
     for r in rows:
-        fp = next((x for x in rows if x["system"] == "fp16" and x["context"] == r["context"]), None)
+        fp = next((x for x in rows if x["system"] == "fp16" and x["context"] == r["context"]
+                   and x["prefill_chunk"] == r["prefill_chunk"]), None)
         if fp and r["system"] != "fp16":
             r["decode_vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"]
             r["prefill_vs_fp16"] = r["prefill_tok_s"] / fp["prefill_tok_s"]
-            log(f"(e) ctx {r['context']}: INT4/fp16 decode {r['decode_vs_fp16']:.2f}x, "
-                f"prefill {r['prefill_vs_fp16']:.2f}x")
+            log(f"(e) ctx {r['context']} chunk {r['prefill_chunk']}: INT4/fp16 decode "
+                f"{r['decode_vs_fp16']:.2f}x, prefill {r['prefill_vs_fp16']:.2f}x")
     return rows
 
 
@@ -602,6 +609,9 @@ def main() -> None:
     ap.add_argument("--only-budget", action="store_true", help="run only phase (d)")
     ap.add_argument("--awq-lm-head", action="store_true",
                     help="with --awq-vs-fp16: also a row whose lm_head is INT4 too")
+    ap.add_argument("--awq-chunks", default=None,
+                    help="with --awq-vs-fp16: prefill chunks to run (default: the profile's), "
+                         "e.g. 1024,2048")
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")
