@@ -23,7 +23,6 @@ from test_awq_ref import random_awq  # noqa: E402
 
 CPU = not torch.cuda.is_available()
 interp = pytest.mark.skipif(not CPU, reason="interpreter tests run only without CUDA")
-gpu = [pytest.mark.gpu, pytest.mark.skipif(CPU, reason="needs CUDA")]
 
 # relative to max |y|: output rounding in the dtype + the dequantized weight rounded to it
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -106,16 +105,14 @@ def test_launchers_assert_layout():
 SHAPES = [(4096, 4096), (4096, 1024), (1024, 4096 + 8 * 13)]  # last: partial tiles
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 33, 64, 128, 512])
 @pytest.mark.parametrize("fn", ["gemv", "gemm", "dequant_matmul", "linear"])
-def test_kernels_cuda(dtype, group, k, n, m, fn, request):
-    for mark in gpu:
-        request.applymarker(mark)
-    if CPU:
-        pytest.skip("needs CUDA")
+def test_kernels_cuda(dtype, group, k, n, m, fn):
     if fn == "gemv" and m > 16:
         pytest.skip("GEMV is for few tokens")
     x, qw, qz, s, b = case(m, k, n, group, dtype, "cuda", seed=m)
@@ -329,11 +326,9 @@ def test_planner_mirrors_awq_linear_k_allocations(m, dtype, max_fused, monkeypat
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 33, 512])
 @pytest.mark.parametrize("fn", ["gemv_k", "gemm_k", "dequant_matmul_k", "linear_k",
                                 "linear_k_prepared"])
-def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
-    for mark in gpu:
-        request.applymarker(mark)
-    if CPU:
-        pytest.skip("needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+def test_kernels_k_cuda(dtype, group, k, n, m, fn):
     if fn == "gemv_k" and m > awq_layout.GEMV_MAX_TOKENS:
         pytest.skip("the GEMV takes 1..GEMV_MAX_TOKENS tokens (awq_linear_k routes more elsewhere)")
     x, qw, qt, qz, s, b = case_k(m, k, n, group, dtype, "cuda", seed=m)
@@ -348,12 +343,10 @@ def test_kernels_k_cuda(dtype, group, k, n, m, fn, request):
     check(getattr(awq_triton, f"awq_{fn}")(x, qt, qz, s, b, group), x, qw, qz, s, b, group)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequantize_k_cuda_exact(dtype, request):
-    for mark in gpu:
-        request.applymarker(mark)
-    if CPU:
-        pytest.skip("needs CUDA")
+def test_dequantize_k_cuda_exact(dtype):
     _, qw, qt, qz, s, _ = case_k(1, 4096, 4096 + 8 * 13, 128, dtype, "cuda")
     wt = awq_triton.awq_dequantize_k(qt, qz, s, 128, dtype)
     assert torch.equal(wt, dequantize_weight(qw, qz, s, 128).t().to(dtype))
