@@ -249,7 +249,12 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
         sg = torch.baddbmm(g_add, qg, _f32(g_k).transpose(1, 2), alpha=scale)
         s = torch.cat((s, sg), dim=-1)  # [Hkv, grp, N + G]
     p = torch.softmax(s, dim=-1)
-    out = torch.matmul(p[..., :n], _f32(v_cache.view(-1, hkv, d).transpose(0, 1)))  # [Hkv, grp, D]
+    # P.V as one matmul over the flat storage [N, Hkv * D] (read once, in order): every query
+    # head against every KV head's values, [Hq, Hkv * D], of which the diagonal blocks are
+    # the output; the per-head batched form read V in a strided [Hkv, N, D] view and took
+    # ~1.3-1.6x as long on a 2-core CPU (3x the multiply-adds here are still tiny)
+    full = torch.mm(p[..., :n].reshape(hq, n), _f32(v_cache.view(-1, hkv * d)))
+    out = full.view(hkv, grp, hkv, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [Hkv, grp, D]
     if has_g:
         out += torch.matmul(p[..., n:], _f32(g_v))
     out = out.reshape(1, hq, d)
