@@ -230,6 +230,8 @@ def test_prepared_linear_k_equals_awq_linear_k(m, chunked, monkeypatch):
     assert torch.equal(awq_triton.awq_linear_k(x, qt, qz, s, b, 32, checked=True), y[0])
     with pytest.raises(AssertionError):  # x of the wrong width
         lin(torch.zeros(m, 96, dtype=torch.float16))
+    with pytest.raises(AssertionError):  # 1 x 4 x 96: as many elements as 3 rows of 128
+        lin(torch.zeros(1, 4, 96, dtype=torch.float16))
     with pytest.raises(AssertionError):  # the weights are checked when prepared
         awq_triton.PreparedLinearK(qw, qz, s, b, 32)
 

@@ -398,7 +398,7 @@ class PreparedLinearK:
 
     def __call__(self, x):
         k, n = self.k, self.n
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # x's own width: checked below
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         m = x2.shape[0]
