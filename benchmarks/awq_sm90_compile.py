@@ -76,11 +76,12 @@ def gemv_candidates(every: bool) -> list[tuple[GemvConfig, int, bool]]:
     at 1 token, or the first few; plus 2..4 tokens with and without split-K."""
     tiles = GEMV_CANDIDATES if every else GEMV_CANDIDATES[:3]
     out = [(GemvConfig(block_n=bn, block_kw=16, split=1, num_warps=w, num_stages=st,
-                       prefetch=pf), 1, p)
-           for bn, w, st, pf in tiles for p in (False, True)]
-    if not every:  # the register-prefetch variant too
+                       prefetch=pf, stream=sm), 1, p)
+           for bn, w, st, pf, sm in tiles for p in (False, True)]
+    if not every:  # the register-prefetch and streaming variants too
         out += [(GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1,
-                            prefetch=1), 1, p) for p in (False, True)]
+                            prefetch=pf, stream=sm), 1, p)
+                for pf, sm in ((1, 0), (0, 1), (0, 2), (1, 2)) for p in (False, True)]
     out += [(out[0][0], 4, False), (out[0][0], 3, True), (out[0][0], 2, False)]
     return out
 
@@ -107,10 +108,11 @@ def main() -> None:
         k = compile_one(ag._awq_gemv_kernel, sig,
                         dict(GROUP=group, M=m, BLOCK_N=c.block_n, BLOCK_KW=c.block_kw,
                              NUM_STAGES=c.num_stages, HAS_BIAS=not partial,
-                             SPLIT=4 if partial else 1, PREFETCH=c.prefetch),
+                             SPLIT=4 if partial else 1, PREFETCH=c.prefetch,
+                             STREAM=c.stream),
                         c.num_warps, aligned)
         report(f"gemv {dt[1:]} g{group} m{m} bn{c.block_n} bkw{c.block_kw} w{c.num_warps} "
-               f"st{c.num_stages} pf{c.prefetch} p{int(partial)}", k, a.sass_dir)
+               f"st{c.num_stages} pf{c.prefetch} sm{c.stream} p{int(partial)}", k, a.sass_dir)
     for dt in ("*fp16", "*bf16"):
         for bn, bkw, warps in ((16, 16, 1), (64, 16, 4), (128, 16, 8), (64, 8, 4), (64, 4, 4)):
             k = compile_one(at._awq_dequant_k_kernel,

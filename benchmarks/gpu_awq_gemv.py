@@ -39,12 +39,12 @@ def candidates(k: int, n: int, sms: int) -> dict[al.GemvConfig, list[tuple]]:
     """config -> the (block_n, num_warps, num_stages, programs_per_sm) rows that give it."""
     out: dict[al.GemvConfig, list[tuple]] = {}
     bkw = min(GROUP // 8, 16)
-    for bn, warps, stages, prefetch in al.GEMV_CANDIDATES:
+    for bn, warps, stages, prefetch, stream in al.GEMV_CANDIDATES:
         for pps in PROGRAMS_PER_SM:
             split = al.gemv_split(k, n, bn, bkw, pps, sms)
             cfg = al.GemvConfig(block_n=bn, block_kw=bkw, split=split, num_warps=warps,
-                                num_stages=stages, prefetch=prefetch)
-            out.setdefault(cfg, []).append((bn, warps, stages, prefetch, pps))
+                                num_stages=stages, prefetch=prefetch, stream=stream)
+            out.setdefault(cfg, []).append((bn, warps, stages, prefetch, stream, pps))
     return out
 
 
@@ -123,7 +123,7 @@ def print_row(r: dict) -> None:
     b = r.get("best")
     cfg = b["config"] if b else {}
     tag = (f"bn{cfg['block_n']} w{cfg['num_warps']} st{cfg['num_stages']} "
-           f"pf{cfg.get('prefetch', 0)} split{cfg['split']}"
+           f"pf{cfg.get('prefetch', 0)} sm{cfg.get('stream', 0)} split{cfg['split']}"
            if b else "none ok")
     for m, mm in r["m"].items():
         t3, tb = mm.get("v3_table_us"), mm.get("v3_best_us")
@@ -142,7 +142,7 @@ def print_row(r: dict) -> None:
 
 
 def suggest_table(rows: list[dict]) -> dict:
-    """Per shape class, the (block_n, warps, stages, prefetch, programs_per_sm) row with the lowest sum
+    """Per shape class, the (block_n, warps, stages, prefetch, stream, programs_per_sm) row with the lowest sum
     of time / best time over the class's shapes (only rows timed on every one of them)."""
     out = {}
     for cls in ("small_n", "large_n", "huge_n"):
@@ -157,11 +157,11 @@ def suggest_table(rows: list[dict]) -> dict:
         if full:
             key = min(full, key=full.get)
             out[cls] = dict(block_n=key[0], num_warps=key[1], num_stages=key[2],
-                            prefetch=key[3], programs_per_sm=key[4],
+                            prefetch=key[3], stream=key[4], programs_per_sm=key[5],
                             mean_time_over_best=full[key])
             g.log(f"suggested GEMV_TABLE[{cls!r}] = GemvTile(block_n={key[0]}, "
-                  f"num_warps={key[1]}, num_stages={key[2]}, programs_per_sm={key[4]}, "
-                  f"prefetch={key[3]})  # {full[key]:.3f}x the per-shape best on average")
+                  f"num_warps={key[1]}, num_stages={key[2]}, programs_per_sm={key[5]}, "
+                  f"prefetch={key[3]}, stream={key[4]})  # {full[key]:.3f}x the per-shape best on average")
     return out
 
 
@@ -174,16 +174,17 @@ def warm_up(deadline: float) -> dict:
     qt = al.repack_kmajor(qw)
     x = torch.randn(1, k, device=g.DEV).half()
     failed = {}
-    for bn, warps, stages, prefetch in al.GEMV_CANDIDATES:
+    for bn, warps, stages, prefetch, stream in al.GEMV_CANDIDATES:
         for split in (1, 2):
             if time.time() > deadline:
                 return failed
             cfg = al.GemvConfig(block_n=bn, block_kw=min(GROUP // 8, 16), split=split,
-                                num_warps=warps, num_stages=stages, prefetch=prefetch)
+                                num_warps=warps, num_stages=stages, prefetch=prefetch,
+                                stream=stream)
             try:
                 awq_gemv_k(x, qt, qz, s, None, GROUP, config=cfg)
             except Exception as exc:  # noqa: BLE001
-                failed[str((bn, warps, stages, prefetch, split))] = \
+                failed[str((bn, warps, stages, prefetch, stream, split))] = \
                     f"{type(exc).__name__}: {str(exc)[:160]}"
     if g.DEV == "cuda":
         torch.cuda.synchronize()

@@ -30,11 +30,11 @@ def main() -> None:
     qz = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // g, n // 8), device=dev, dtype=torch.int32)
     s = torch.full((k // g, n), 1e-3, device=dev, dtype=torch.float16)
     x = torch.randn(1, k, device=dev, dtype=torch.float16)
-    cfg = None  # argv: block_n num_warps split prefetch (default: the table's config)
-    if len(sys.argv) == 5:
-        bn, w, split, pf = (int(v) for v in sys.argv[1:])
+    cfg = None  # argv: block_n num_warps split prefetch [stream] (default: the table's)
+    if len(sys.argv) in (5, 6):
+        bn, w, split, pf, *sm = (int(v) for v in sys.argv[1:])
         cfg = GemvConfig(block_n=bn, block_kw=16, split=split, num_warps=w, num_stages=1,
-                         prefetch=pf)
+                         prefetch=pf, stream=sm[0] if sm else 0)
     for _ in range(5):
         awq_gemv_k(x, qt, qz, s, None, g, config=cfg)
     torch.cuda.synchronize()

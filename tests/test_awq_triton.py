@@ -169,6 +169,21 @@ def test_gemv_k_interpreter_prefetch_same_bits(split, m, group):
 
 
 @interp
+@pytest.mark.parametrize("stream,prefetch", [(1, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize("split,m", [(1, 1), (2, 4)])
+def test_gemv_k_interpreter_stream_same_bits(stream, prefetch, split, m):
+    """The cache hints of GemvConfig.stream change where the words and x are cached, never
+    the arithmetic: the same bits as the plain loop."""
+    x, qw, qt, qz, s, b = case_k(m, 4 * 128, 40, 128, torch.float16, "cpu", seed=stream)
+    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=gemv_cfg(128, 32, split))
+    cfg = GemvConfig(block_n=32, block_kw=16, split=split, num_warps=2, num_stages=1,
+                     prefetch=prefetch, stream=stream)
+    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=cfg)
+    assert torch.equal(y, plain)
+    check(y, x, qw, qz, s, b, 128)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemv_k_interpreter_dtypes(dtype, split):

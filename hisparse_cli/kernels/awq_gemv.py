@@ -38,17 +38,38 @@ from hisparse_cli.kernels import awq_layout
 from hisparse_cli.kernels.awq_layout import check_gemv_args, check_x  # noqa: F401 (re-export)
 
 @triton.jit
-def _token_term(words, hi, xp, s49, sz):
-    """[BN, BKW] contribution s (q - z) x of one loop step for one token, before the sum
-    over the words: xp [BKW] points at the x of nibble 0 of each word (nibble i: + 4 i)."""
-    x0 = tl.load(xp).to(tl.float32)
-    x1 = tl.load(xp + 4).to(tl.float32)
-    x2 = tl.load(xp + 8).to(tl.float32)
-    x3 = tl.load(xp + 12).to(tl.float32)
-    x4 = tl.load(xp + 16).to(tl.float32)
-    x5 = tl.load(xp + 20).to(tl.float32)
-    x6 = tl.load(xp + 24).to(tl.float32)
-    x7 = tl.load(xp + 28).to(tl.float32)
+def _load_words(ptrs, STREAM: tl.constexpr):
+    """A word tile, read once per call, so that x (re-read by every column tile) stays in
+    L1: STREAM 1 reads it past L1 (.cg); 2 marks it first to evict (PTX allows one or the
+    other on a load, not both)."""
+    if STREAM == 1:
+        return tl.load(ptrs, cache_modifier=".cg")
+    if STREAM == 2:
+        return tl.load(ptrs, eviction_policy="evict_first")
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _load_x(ptrs, STREAM: tl.constexpr):
+    """x values in fp32; STREAM == 2 also marks them last to evict."""
+    if STREAM == 2:
+        return tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
+    return tl.load(ptrs).to(tl.float32)
+
+
+@triton.jit
+def _token_term(words, hi, xp, STREAM: tl.constexpr):
+    """(t [BN, BKW] = q x 2^-49 summed over each word's nibbles, xs [BKW] = the sum of each
+    word's 8 x) of one loop step for one token: xp [BKW] points at the x of nibble 0 of
+    each word (nibble i: + 4 i)."""
+    x0 = _load_x(xp, STREAM)
+    x1 = _load_x(xp + 4, STREAM)
+    x2 = _load_x(xp + 8, STREAM)
+    x3 = _load_x(xp + 12, STREAM)
+    x4 = _load_x(xp + 16, STREAM)
+    x5 = _load_x(xp + 20, STREAM)
+    x6 = _load_x(xp + 24, STREAM)
+    x7 = _load_x(xp + 28, STREAM)
     # nibble j of a half-word masked in place reads as the fp32 subnormal q 16^j 2^-149; x is
     # scaled by 2^100 16^-j (literals: no float constexpr arithmetic), so t = q x 2^-49
     t = (words & 0xF).to(tl.float32, bitcast=True) * (x0 * 1.2676506002282294e30)[None, :]
@@ -60,7 +81,16 @@ def _token_term(words, hi, xp, s49, sz):
     t += (hi & 0xF00).to(tl.float32, bitcast=True) * (x6 * 4.951760157141521e27)[None, :]
     t += (hi & 0xF000).to(tl.float32, bitcast=True) * (x7 * 3.094850098213451e26)[None, :]
     xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))  # [BKW]
-    return s49[:, None] * t - sz[:, None] * xs[None, :]
+    return t, xs
+
+
+@triton.jit
+def _accumulate(acc, words, hi, xp, s49, sz, STREAM: tl.constexpr):
+    """acc + s (q - z) x of one loop step for one token, as two fused multiply-adds per
+    element (acc + s t, then - s z xs)."""
+    t, xs = _token_term(words, hi, xp, STREAM)
+    acc = acc + s49[:, None] * t
+    return acc - sz[:, None] * xs[None, :]
 
 
 @triton.jit
@@ -106,7 +136,7 @@ def _reduce_tile(p_ptr, b_ptr, y_ptr, offs_n, mask_n, stride_ps, stride_pm, stri
 
 @triton.jit
 def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, stride_xm,
-               M: tl.constexpr):
+               M: tl.constexpr, STREAM: tl.constexpr):
     """One loop step: the [BN, BKW] word tile at K word w0 (inside one group: zw, sv are its
     rows' zero-point words and scales) added into the M tokens' accumulators."""
     z = ((zw >> zshift) & 0xF).to(tl.float32)  # [BN]
@@ -115,13 +145,13 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
     sz = s * z
     hi = words >> 16
     xp = x_ptr + w0 * 8 + x_off  # [BKW]
-    acc0 += _token_term(words, hi, xp, s49, sz)
+    acc0 = _accumulate(acc0, words, hi, xp, s49, sz, STREAM)
     if M > 1:
-        acc1 += _token_term(words, hi, xp + stride_xm, s49, sz)
+        acc1 = _accumulate(acc1, words, hi, xp + stride_xm, s49, sz, STREAM)
     if M > 2:
-        acc2 += _token_term(words, hi, xp + 2 * stride_xm, s49, sz)
+        acc2 = _accumulate(acc2, words, hi, xp + 2 * stride_xm, s49, sz, STREAM)
     if M > 3:
-        acc3 += _token_term(words, hi, xp + 3 * stride_xm, s49, sz)
+        acc3 = _accumulate(acc3, words, hi, xp + 3 * stride_xm, s49, sz, STREAM)
     return acc0, acc1, acc2, acc3
 
 
@@ -130,7 +160,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      stride_xm, stride_ym, stride_ps, stride_pm, KW_PER_SPLIT,
                      GROUP: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+                     STREAM: tl.constexpr):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -159,7 +190,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         # loads are in flight while this step computes (the last step reloads itself)
         w_last = w_start + KW_PER_SPLIT - BLOCK_KW
         g = (w_start * 8) // GROUP
-        words_n = tl.load(w_row + (w_start + offs_w)[None, :])
+        words_n = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
         zw_n = tl.load(qz_ptr + g * W8 + rows // 8)
         s_n = tl.load(s_ptr + g * N + rows)
         for w0 in range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW):
@@ -168,19 +199,19 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             sv = s_n
             nxt = tl.minimum(w0 + BLOCK_KW, w_last)
             g = (nxt * 8) // GROUP
-            words_n = tl.load(w_row + (nxt + offs_w)[None, :])
+            words_n = _load_words(w_row + (nxt + offs_w)[None, :], STREAM)
             zw_n = tl.load(qz_ptr + g * W8 + rows // 8)
             s_n = tl.load(s_ptr + g * N + rows)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
-                                                x_off, zshift, stride_xm, M)
+                                                x_off, zshift, stride_xm, M, STREAM)
     else:
         for w0 in tl.range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
-            words = tl.load(w_row + (w0 + offs_w)[None, :])  # [BN, BKW] int32
+            words = _load_words(w_row + (w0 + offs_w)[None, :], STREAM)  # [BN, BKW] int32
             g = (w0 * 8) // GROUP
             zw = tl.load(qz_ptr + g * W8 + rows // 8)  # [BN] words of zero points
             sv = tl.load(s_ptr + g * N + rows)  # [BN]
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
-                                                x_off, zshift, stride_xm, M)
+                                                x_off, zshift, stride_xm, M, STREAM)
     if SPLIT == 1:
         _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
                     HAS_BIAS, False)
@@ -218,7 +249,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     tiles = triton.cdiv(n, cfg.block_n)
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
-                  PREFETCH=cfg.prefetch,
+                  PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   num_warps=cfg.num_warps)
     b = bias if has_bias else scales
     if split == 1:

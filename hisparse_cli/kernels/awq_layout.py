@@ -124,7 +124,9 @@ class GemvConfig:
     program; block_kw: words of K per loop step (a multiple of 4, inside one group); split:
     programs along K (> 1: fp32 partials [split, m, n] + a reduction kernel); num_warps;
     num_stages: software-pipelining depth of the K loop (1: none); prefetch: 1 loads the next
-    step's words into registers before this step computes (then num_stages is not used)."""
+    step's words into registers before this step computes (then num_stages is not used);
+    stream: so that x (read by every column tile) stays in L1, 1 loads the words past L1
+    (.cg); 2 marks the words first and x last to evict."""
 
     block_n: int
     block_kw: int
@@ -132,6 +134,7 @@ class GemvConfig:
     num_warps: int
     num_stages: int
     prefetch: int = 0
+    stream: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -142,6 +145,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.block_kw = {self.block_kw}: a multiple of {RUN_WORDS}")
         if self.prefetch not in (0, 1):
             raise ValueError(f"GemvConfig.prefetch = {self.prefetch}: 0 or 1")
+        if self.stream not in (0, 1, 2):
+            raise ValueError(f"GemvConfig.stream = {self.stream}: 0, 1 or 2")
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,7 @@ class GemvTile:
     num_stages: int
     programs_per_sm: int
     prefetch: int = 0
+    stream: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens. Not yet measured on a GPU: 64 columns a
@@ -161,18 +167,25 @@ class GemvTile:
 # and scaling) and K split to ~16 programs per SM (H200 run 4's best for the previous
 # kernel). `benchmarks/gpu_awq.py --gemv-sweep` times GEMV_CANDIDATES and prints the rows.
 GEMV_TABLE = {
-    # from the H200 sweep of 2026-12-01 (benchmarks/gpu_awq.py --gemv-sweep; results in
-    # benchmarks/results/h200-run6): the best tile per class over the Llama-3-8B decode shapes
-    "small_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16),  # < 8192
-    "large_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16),  # < 65536
+    # from the H200 sweeps of 2026-12-01 (benchmarks/gpu_awq.py --gemv-sweep; results in
+    # benchmarks/results/h200-run6 and h200-run31): the best tile per class over the
+    # Llama-3-8B decode shapes; stream 2 (words evict-first, x evict-last) won 3-8 % on
+    # every shape but lm_head in run 31
+    "small_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16,
+                        stream=2),  # < 8192
+    "large_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=32,
+                        stream=2),  # < 65536
     "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),  # lm_head
 }
-# (block_n, num_warps, num_stages, prefetch) the sweep tries (the K split comes from
+# (block_n, num_warps, num_stages, prefetch, stream) the sweep tries (the K split comes from
 # programs_per_sm); a warp covers 8 rows x 16 words, so block_n / (8 num_warps) rows a thread
-GEMV_CANDIDATES = ((64, 2, 1, 0), (64, 2, 3, 0), (32, 2, 1, 0), (32, 2, 3, 0), (32, 1, 1, 0),
-                   (64, 1, 1, 0), (64, 4, 1, 0), (128, 4, 1, 0), (128, 4, 3, 0), (128, 2, 1, 0),
-                   (256, 4, 1, 0), (16, 1, 1, 0), (32, 1, 1, 1), (64, 2, 1, 1), (16, 1, 1, 1),
-                   (64, 1, 1, 1), (128, 4, 1, 1))
+_PLAIN = ((64, 2, 1), (64, 2, 3), (32, 2, 1), (32, 2, 3), (32, 1, 1), (64, 1, 1), (64, 4, 1),
+          (128, 4, 1), (128, 4, 3), (128, 2, 1), (256, 4, 1), (16, 1, 1))
+GEMV_CANDIDATES = (tuple(t + (0, 0) for t in _PLAIN)
+                   + ((32, 1, 1, 1, 0), (64, 2, 1, 1, 0), (64, 1, 1, 1, 0), (128, 4, 1, 1, 0))
+                   + tuple((bn, w, st, pf, sm) for bn, w, st, pf in
+                           ((32, 1, 1, 0), (64, 2, 1, 0), (128, 2, 1, 0), (64, 2, 3, 0),
+                            (128, 4, 3, 0), (32, 1, 1, 1), (64, 2, 1, 1)) for sm in (1, 2)))
 
 
 def gemv_shape_class(n: int) -> str:
@@ -204,7 +217,7 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     split = gemv_split(k, n, tile.block_n, block_kw, tile.programs_per_sm, sms)
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
-                      prefetch=tile.prefetch)
+                      prefetch=tile.prefetch, stream=tile.stream)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:
