@@ -39,7 +39,7 @@ GROUP = 128
 
 def launch(x, qt, qz, s, cfg: al.GemvConfig, kw_stride: int, part, cnt):
     """awq_gemv_k's launch with the row stride of the words given explicitly."""
-    (m, k), (n, kw) = x.shape, qt.shape
+    m, (n, kw) = x.shape[0], qt.shape
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     tiles = triton.cdiv(n, cfg.block_n)
     common = dict(GROUP=GROUP, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=cfg.block_kw,

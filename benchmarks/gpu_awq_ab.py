@@ -1,0 +1,93 @@
+"""Same-process A/B of two INT4 launch choices in the engine (Llama-3-8B-shaped AWQ model,
+h200-141g sparse settings, CUDA-graph decode), alternating variants so drift hits both:
+
+  decode: GEMV_TABLE as it is vs the table before H200 run 31 (no cache hints, 16 programs
+          per SM for large_n) - decode tok/s over --decode-tokens at an 8K context;
+  prefill: the dequantize + cuBLAS path's temp W^T capped at 2^26 elements (gate|up of an 8B
+           model in two chunks) vs 2^27 (one chunk: one dequantize and one cuBLAS launch
+           fewer per layer, 128 MiB more temp) - prefill tok/s at --context.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_awq_ab.py [--out DIR] [--rounds 3]
+Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from gpu_engine import build_ours, pick_backend, prompt, run_ours  # noqa: E402
+from hisparse_cli.kernels import awq_layout, awq_triton  # noqa: E402
+from hisparse_cli.model.awq import AWQLinear  # noqa: E402
+from hisparse_cli.model.config import ModelConfig  # noqa: E402
+from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
+from hisparse_cli.profiles import load_profile  # noqa: E402
+
+OLD_TABLE = dict(awq_layout.GEMV_TABLE,
+                 small_n=awq_layout.GemvTile(block_n=32, num_warps=1, num_stages=1,
+                                             programs_per_sm=16),
+                 large_n=awq_layout.GemvTile(block_n=32, num_warps=1, num_stages=1,
+                                             programs_per_sm=16))
+NEW_TABLE = dict(awq_layout.GEMV_TABLE)
+
+
+def unprepare(model) -> None:
+    """Drop every AWQLinear's prepared launch (made again, with the current module
+    constants, on its next call)."""
+    for m in model.modules():
+        if isinstance(m, AWQLinear):
+            m._prepared = m._prepared_key = None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--decode-tokens", type=int, default=257)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    backend = pick_backend(dev)[0]
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
+    sparse = load_profile("h200-141g").sparse_config()
+    model = build_ours(cfg, dev, awq=True, host_emb=False)
+    kw = dict(weight_format="awq-int4")
+    run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev, **kw)  # JIT
+    res: dict = {"decode": [], "prefill": []}
+    short = prompt(8192, cfg.vocab_size)
+    for r in range(a.rounds):
+        for label, table in (("table before run 31", OLD_TABLE), ("table now", NEW_TABLE)):
+            awq_layout.GEMV_TABLE.clear()
+            awq_layout.GEMV_TABLE.update(table)
+            out = run_ours(model, cfg, sparse, short, a.decode_tokens, backend, dev, **kw)
+            res["decode"].append(dict(round=r, variant=label, decode_tok_s=out["decode_tok_s"]))
+            print(f"decode  round {r} {label:<20} {out['decode_tok_s']:7.1f} tok/s", flush=True)
+    awq_layout.GEMV_TABLE.clear()
+    awq_layout.GEMV_TABLE.update(NEW_TABLE)
+    long = prompt(a.context, cfg.vocab_size)
+    for r in range(a.rounds):
+        for elems in (1 << 26, 1 << 27):
+            awq_triton.DEQUANT_CHUNK_ELEMS_K = elems
+            unprepare(model)
+            out = run_ours(model, cfg, sparse, long, 2, backend, dev, **kw)
+            res["prefill"].append(dict(round=r, dequant_chunk_elems=elems,
+                                       prefill_tok_s=out["prefill_tok_s"],
+                                       peak_bytes=out["peak_bytes"]))
+            print(f"prefill round {r} chunk 2^{elems.bit_length() - 1}: "
+                  f"{out['prefill_tok_s']:9,.0f} tok/s  peak {out['peak_bytes'] / 2**30:.2f} GiB",
+                  flush=True)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_awq_ab.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
