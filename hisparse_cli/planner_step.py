@@ -158,9 +158,14 @@ def evict_peak(s: StepShape, ne: int) -> SubPeak:
     t2 = tr.alloc(name, lh * c * 8)  # j // bs
     tmp.append(tr.alloc(name, lh * c * 8))  # blk = ids[...]
     tr.free(t2)
-    m1 = tr.alloc(name, s.layers * 8)  # arange(L), then * capacity
-    m = tr.alloc(name, s.layers * 8)
-    tr.free(m1)
+    if s.cuda:  # interleaved storage: ((arange(L) * capacity + blk) * bs + j % bs) * H + h
+        m1 = tr.alloc(name, s.layers * 8)  # arange(L), then * capacity
+        m = tr.alloc(name, s.layers * 8)
+        tr.free(m1)
+    else:  # head-major (the CPU's): (arange(L * H) * capacity + blk) * bs + j % bs
+        m1 = tr.alloc(name, lh * 8)
+        m = tr.alloc(name, lh * 8)
+        tr.free(m1)
     for _ in range(2):  # + blk, * bs
         m2 = tr.alloc(name, lh * c * 8)
         tr.free(m)
@@ -168,11 +173,14 @@ def evict_peak(s: StepShape, ne: int) -> SubPeak:
     m4 = tr.alloc(name, lh * c * 8)  # j % bs
     m5 = tr.alloc(name, lh * c * 8)
     tr.free(m, m4)
-    m6 = tr.alloc(name, lh * c * 8)  # * H
-    tr.free(m5)
-    ah = tr.alloc(name, s.hkv * 8)  # arange(H)
-    tmp.append(tr.alloc(name, lh * c * 8))  # rows
-    tr.free(m6, ah)
+    if s.cuda:
+        m6 = tr.alloc(name, lh * c * 8)  # * H
+        tr.free(m5)
+        ah = tr.alloc(name, s.hkv * 8)  # arange(H)
+        tmp.append(tr.alloc(name, lh * c * 8))  # rows
+        tr.free(m6, ah)
+    else:
+        tmp.append(m5)  # rows
     tmp.append(tr.alloc(name, lh * c))  # keep = idx < C
     tmp.append(tr.alloc(name, lh * c * 8))  # idx.clamp
     for _ in range(2):  # K, then V: old candidates' rows and the storage's, where(out=slots)

@@ -91,8 +91,17 @@ def test_block_run_view_only_for_consecutive_ids():
     memo: dict = {}
     assert ref._block_run(torch.tensor([0]), memo) == 0 and memo["block_run"] == 0
     cache = torch.randn(6, BS, HKV, D)
-    view = ref._visible(cache, torch.tensor([2, 3, 4]), None)
-    assert view.data_ptr() == cache[2].data_ptr() and torch.equal(view, cache[2:5])
+    view = ref._visible(cache, torch.tensor([2, 3, 4]), None)  # [Hkv, N, D]
+    assert view.data_ptr() == cache[2].data_ptr()
+    assert torch.equal(view, cache[2:5].reshape(-1, HKV, D).transpose(0, 1))
+    # head-major memory (the CPU engine's): each head's keys come back as one contiguous view
+    mem = torch.randn(HKV, 6, BS, D)
+    hm = mem.permute(1, 2, 0, 3)
+    view = ref._visible(hm, torch.tensor([2, 3, 4]), None)
+    assert view.stride()[1:] == (D, 1) and view.data_ptr() == mem[0, 2].data_ptr()
+    assert torch.equal(view, hm[2:5].reshape(-1, HKV, D).transpose(0, 1))
+    gathered = ref._visible(hm, torch.tensor([4, 1]), None)
+    assert torch.equal(gathered, hm[[4, 1]].reshape(-1, HKV, D).transpose(0, 1))
 
 
 @pytest.mark.parametrize("t", [1, 5])
@@ -148,3 +157,41 @@ def test_layers_sharing_a_step_memo_equal_separate_calls(globals_, min_distance,
             torch.testing.assert_close(got[1].double(), ex[1], rtol=1e-5, atol=1e-6)
     assert ("mask_g" in memo) == (globals_ == "full")
     assert any(k.startswith("score_consts_") for k in memo) == (globals_ != "some_empty")
+
+
+def _head_major_copy(cache: torch.Tensor) -> torch.Tensor:
+    """The same [nb, bs, Hkv, D] values in head-major memory (engine/kv_cache.py, CPU)."""
+    mem = cache.permute(2, 0, 1, 3).contiguous()
+    return mem.permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("scored", [False, True])
+def test_head_major_storage_gives_the_interleaved_results(t, scored):
+    """store_kv, then sparse_attention (the scored one-query path, the SDPA path and its
+    re-scoring) on head-major storage: what the interleaved layout gives."""
+    g = torch.Generator().manual_seed(7 + t)
+    nb = 7
+    k_std = torch.randn(nb, BS, HKV, D, generator=g)
+    v_std = torch.randn(nb, BS, HKV, D, generator=g)
+    k_hm, v_hm = _head_major_copy(k_std), _head_major_copy(v_std)
+    assert ref.heads_view(k_hm) is not None and ref.heads_view(k_std) is None
+    slots = torch.tensor([5, 17, 2][:t])
+    k_new, v_new = torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
+    ref.store_kv(k_std, v_std, k_new, v_new, slots)
+    ref.store_kv(k_hm, v_hm, k_new, v_new, slots)
+    assert torch.equal(k_hm, k_std) and torch.equal(v_hm, v_std)
+    q = torch.randn(t, HQ, D, generator=g)
+    g_k, g_v = torch.randn(HKV, 3, D, generator=g), torch.randn(HKV, 3, D, generator=g)
+    g_pos = torch.tensor([[0, 1, -1], [2, -1, 3]])
+    for ids in ([4, 1, 6, 3], [2, 3, 4, 5]):  # a gather, then a run of consecutive blocks
+        block_ids = torch.tensor(ids)
+        starts = torch.tensor([8, 12, 16, 20])
+        args = (block_ids, starts, 22 - t + 1, 2, 9, D ** -0.5, g_k, g_v, g_pos, scored)
+        want = ref.sparse_attention(q, k_std, v_std, *args)
+        got = ref.sparse_attention(q, k_hm, v_hm, *args)
+        for w, x in zip(want, got):
+            if w is None:
+                assert x is None
+            else:
+                torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-6)

@@ -61,9 +61,22 @@ class PagedKVCache:
         # empty: masked-out slots are read (of a visible block, and on the CPU's one-query
         # path every slot of the storage), so they must be finite (0 * NaN = NaN); a reused
         # or freed block holds its old (finite) tokens.
+        # On the CPU the K/V memory is head-major, [L, Hkv, capacity, bs, D], and k/v are that
+        # storage seen as [L, capacity, bs, Hkv, D] (a permuted view; same bytes): each KV
+        # head's keys are then one [capacity * bs, D] matrix, which the torch reference's
+        # matmuls read as is (kernels/attention_ref.py: heads_view). A one-query q.K over a
+        # 5K-slot layer took 215-235 us on a 2-core CPU with the heads interleaved against
+        # 67-92 us head-major, and dense decode's SDPA 1.5 against 0.8 ms a layer. The CUDA
+        # kernels take any strides; on the GPU the layout stays [L, capacity, bs, Hkv, D].
         shape = (num_layers, capacity_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.head_major = device.type == "cpu"
+        if self.head_major:
+            phys = (num_layers, num_kv_heads, capacity_blocks, block_size, head_dim)
+            self.k = torch.zeros(phys, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
+            self.v = torch.zeros(phys, dtype=dtype, device=device).permute(0, 2, 3, 1, 4)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.track_scores = track_scores
         self.score = torch.zeros(shape[:-1], dtype=torch.float32,
                                  device=device) if track_scores else None
@@ -162,21 +175,30 @@ class PagedKVCache:
         cpos, cmass, cseen = (torch.cat(pair, dim=2) for pair in (
             (self.cpos, pos), (self.cmass, mass), (self.cseen, seen)))
         idx, pos_sel = self._top(cpos, cmass, cseen, C)  # idx < C: an old candidate
-        # row of token j = idx - C of the evicted blocks in the storage viewed as [-1, D]:
-        # ((layer * capacity + block) * bs + offset) * H + head
+        # row of token j = idx - C of the evicted blocks in the storage's memory viewed as
+        # [-1, D]: ((layer * capacity + block) * bs + offset) * H + head, or head-major
+        # ((layer * H + head) * capacity + block) * bs + offset
         j = (idx - C).clamp(min=0)
         blk = ids[j // bs]
-        rows = ((torch.arange(L, device=self.device)[:, None, None] * self.capacity + blk) * bs
-                + j % bs) * H + torch.arange(H, device=self.device)[None, :, None]
+        if self.head_major:  # (planner_step.evict_peak traces both expressions' temporaries)
+            rows = ((torch.arange(L * H, device=self.device).view(L, H, 1) * self.capacity + blk)
+                    * bs + j % bs)
+        else:
+            rows = ((torch.arange(L, device=self.device)[:, None, None] * self.capacity + blk)
+                    * bs + j % bs) * H + torch.arange(H, device=self.device)[None, :, None]
         keep = (idx < C)[..., None]
         old = self._expand(idx.clamp(max=C - 1))
         for slots, pages in ((self.ck, self.k), (self.cv, self.v)):  # one statement each: two
             # [L, H, C, D] temporaries at a time, the result written into the slots in place
             torch.where(keep, slots.gather(2, old),
-                        pages.view(-1, D).index_select(0, rows.reshape(-1)).view(L, H, C, D),
+                        self._memory(pages).index_select(0, rows.reshape(-1)).view(L, H, C, D),
                         out=slots)
         self._assign((self.cpos, self.cmass, self.cseen),
                      (pos_sel, cmass.gather(-1, idx), cseen.gather(-1, idx)))
+
+    def _memory(self, pages: torch.Tensor) -> torch.Tensor:
+        """k or v's memory in its own order, as [-1, D] (a view)."""
+        return (pages.permute(0, 3, 1, 2, 4) if self.head_major else pages).reshape(-1, self.D)
 
     def recalibrate(self) -> None:
         """Segmented recalibration: new globals = best G of (globals ∪ candidates)."""

@@ -17,15 +17,29 @@ from __future__ import annotations
 import torch
 
 
+def heads_view(cache: torch.Tensor) -> torch.Tensor | None:
+    """[Hkv, nb * bs, D], a view, when a layer's storage [nb, bs, Hkv, D] is head-major in
+    memory (engine/kv_cache.py allocates it so on the CPU: each KV head's keys one matrix);
+    None for the interleaved layout (a contiguous [nb, bs, Hkv, D])."""
+    hm = cache.permute(2, 0, 1, 3)
+    if not hm.is_contiguous():
+        return None
+    return hm.view(hm.shape[0], -1, hm.shape[-1])
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write new K/V ([T, Hkv, D]) into their paged slots."""
+    """Write new K/V ([T, Hkv, D]) into their paged slots (either memory layout)."""
     nb, bs, hkv, d = k_cache.shape
     assert k.shape[1:] == (hkv, d) and v.shape == k.shape, (k.shape, k_cache.shape)
     assert slot_mapping.shape == (k.shape[0],)
     for cache, x in ((k_cache, k), (v_cache, v)):  # (no dispatched no-op cast: CPU decode)
-        cache.view(nb * bs, hkv, d).index_copy_(
-            0, slot_mapping, x if x.dtype == cache.dtype else x.to(cache.dtype))
+        x = x if x.dtype == cache.dtype else x.to(cache.dtype)
+        hm = heads_view(cache)
+        if hm is not None:
+            hm.index_copy_(1, slot_mapping, x.transpose(0, 1))
+        else:
+            cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, x)
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sinks: int,
@@ -70,14 +84,20 @@ def _block_run(block_ids: torch.Tensor, memo: dict | None) -> int | None:
 
 
 def _visible(cache: torch.Tensor, block_ids: torch.Tensor, memo: dict | None) -> torch.Tensor:
-    """The step's blocks of a layer's storage [nb, bs, Hkv, D]: a view when they are one run
-    of consecutive ids (a dense 5K-token decode step read 2 x 3.8 MB of copies per layer
-    otherwise), else a gather (index_select, not cache[block_ids]: the same gather, 4x faster
-    on the CPU)."""
+    """The step's keys (or values) of a layer's storage [nb, bs, Hkv, D] as [Hkv, N, D]:
+    a view when the blocks are one run of consecutive ids (a dense 5K-token decode step read
+    2 x 3.8 MB of copies per layer otherwise), else a gather (index_select, not
+    cache[block_ids]: the same gather, 4x faster on the CPU). Head-major storage (the CPU's)
+    gives each head's [N, D] contiguous; the interleaved one a strided view of it."""
     first = _block_run(block_ids, memo)
-    if first is not None:
-        return cache[first:first + block_ids.shape[0]]
-    return cache.index_select(0, block_ids)
+    nb = block_ids.shape[0]
+    hkv, d = cache.shape[2], cache.shape[3]
+    hm = cache.permute(2, 0, 1, 3)  # [Hkv, nb, bs, D]
+    if hm.is_contiguous():
+        blocks = hm[:, first:first + nb] if first is not None else hm.index_select(1, block_ids)
+        return blocks.reshape(hkv, -1, d)
+    blocks = cache[first:first + nb] if first is not None else cache.index_select(0, block_ids)
+    return blocks.reshape(-1, hkv, d).transpose(0, 1)
 
 
 def sparse_attention(
@@ -118,8 +138,7 @@ def sparse_attention(
                                  window, scale, g_k, g_v, g_pos, score_min_distance, memo)
     dt = torch.float32 if q.device.type == "cpu" else q.dtype
     # keys of the step: [Hkv, N, D], N = nb * bs
-    k, v = (_visible(c, block_ids, memo).reshape(-1, hkv, d).transpose(0, 1).to(dt)
-            for c in (k_cache, v_cache))
+    k, v = (_visible(c, block_ids, memo).to(dt) for c in (k_cache, v_cache))
     k_pos, q_pos, mask = _step_keys(memo, block_starts, bs, q_start, t, sinks, window, q.device)
     n = k.shape[1]
     has_g = g_k is not None and g_k.shape[1] > 0
@@ -239,7 +258,9 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
     k_pos, q_pos, mask = _step_keys(memo, block_starts, bs, q_start, 1, sinks, window, q.device)
     smask, list_ok = _storage_mask(memo, mask, block_ids, cap, bs)  # [cap * bs]
     qg = _f32(q[0].reshape(hkv, grp, d))  # [Hkv, grp, D]
-    kt = _f32(k_cache.view(-1, hkv, d).permute(1, 2, 0))  # [Hkv, D, cap * bs], a view
+    hk, hv = heads_view(k_cache), heads_view(v_cache)
+    # [Hkv, D, cap * bs], a view (head-major: each head's keys one contiguous matrix)
+    kt = _f32(hk.transpose(1, 2) if hk is not None else k_cache.view(-1, hkv, d).permute(1, 2, 0))
     n = kt.shape[-1]
     # scale * (q . k) + mask in one op each (baddbmm), for the paged keys and the globals
     s = torch.baddbmm(smask, qg, kt, alpha=scale)  # [Hkv, grp, N]
@@ -249,12 +270,16 @@ def _decode_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sin
         sg = torch.baddbmm(g_add, qg, _f32(g_k).transpose(1, 2), alpha=scale)
         s = torch.cat((s, sg), dim=-1)  # [Hkv, grp, N + G]
     p = torch.softmax(s, dim=-1)
-    # P.V as one matmul over the flat storage [N, Hkv * D] (read once, in order): every query
-    # head against every KV head's values, [Hq, Hkv * D], of which the diagonal blocks are
-    # the output; the per-head batched form read V in a strided [Hkv, N, D] view and took
-    # ~1.3-1.6x as long on a 2-core CPU (3x the multiply-adds here are still tiny)
-    full = torch.mm(p[..., :n].reshape(hq, n), _f32(v_cache.view(-1, hkv * d)))
-    out = full.view(hkv, grp, hkv, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # [Hkv, grp, D]
+    # P.V: head-major storage is one batched matmul over each KV head's contiguous [N, D]
+    # values; the interleaved layout is read once, in order, as the flat [N, Hkv * D]: every
+    # query head against every KV head's values, [Hq, Hkv * D], of which the diagonal blocks
+    # are the output (the per-head batched form over its strided [Hkv, N, D] view took
+    # ~1.3-1.6x as long on a 2-core CPU; 3x the multiply-adds here are still tiny)
+    if hv is not None:
+        out = torch.bmm(p[..., :n], _f32(hv))  # [Hkv, grp, D]
+    else:
+        full = torch.mm(p[..., :n].reshape(hq, n), _f32(v_cache.view(-1, hkv * d)))
+        out = full.view(hkv, grp, hkv, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     if has_g:
         out += torch.matmul(p[..., n:], _f32(g_v))
     out = out.reshape(1, hq, d)
