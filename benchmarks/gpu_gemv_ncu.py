@@ -6,7 +6,7 @@ reads 3.8 TB/s (BENCHMARKS.md, runs 25-26) is what the stall reasons should say.
     ncu --clock-control none --kernel-name regex:_awq_gemv_kernel --launch-skip 3 \\
         --launch-count 1 --section SpeedOfLight --section Occupancy \\
         --section SchedulerStats --section WarpStateStats \\
-        python3 benchmarks/gpu_gemv_ncu.py [BLOCK_N NUM_WARPS SPLIT PREFETCH]
+        python3 benchmarks/gpu_gemv_ncu.py [BLOCK_N NUM_WARPS SPLIT PREFETCH [STREAM]]
 """
 
 from __future__ import annotations
