@@ -134,19 +134,30 @@ def test_transformers4_style_rope_keys_are_read(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied (llama tiny) and qkv-bias configs
-def test_cpu_engine_holds_linears_input_major_with_the_checkpoint_values(tiny_models, arch):
-    """The engine stores fp32 CPU linear weights input-major (faster one-token matmuls) with
-    q|k|v and gate|up stacked (one matmul each); the values are the checkpoint's, and tools
-    that write weights back get the checkpoint's separate [out, in] layout."""
-    from hisparse_cli.model.loader import load_model
+def test_cpu_engine_holds_linears_in_the_decode_layout_with_the_checkpoint_values(tiny_models, arch):
+    """The engine stores fp32 CPU linear weights in the decode layout (wide ones input-major,
+    the others as [out, in] rows) with q|k|v and gate|up stacked (one matmul each), every
+    linear a RowSplitLinear; the values are the checkpoint's, and tools that write weights
+    back get the checkpoint's separate [out, in] layout."""
+    from hisparse_cli.model.loader import decode_input_major, load_model
+    from hisparse_cli.model.row_split import RowSplitLinear
 
     path, hf = tiny_models[arch]
     eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config())
+    layouts = set()
+    for name, mod in eng.model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            assert type(mod) is RowSplitLinear, name
+            out_f, in_f = mod.weight.shape
+            wide = decode_input_major(out_f, in_f)
+            assert mod.weight.stride() == ((1, out_f) if wide else (in_f, 1)), name
+            layouts.add(wide)
+    assert layouts == {True, False}  # the tiny configs exercise both layouts
     attn, ref_attn = eng.model.model.layers[0].self_attn, hf.model.layers[0].self_attn
     assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
     ours = attn.qkv_proj.weight
     ref = torch.cat([ref_attn.q_proj.weight, ref_attn.k_proj.weight, ref_attn.v_proj.weight])
-    assert ours.shape == ref.shape and ours.stride() == (1, ours.shape[0])
+    assert ours.shape == ref.shape
     assert torch.equal(ours, ref)
     if arch == "qwen2":
         assert torch.equal(attn.qkv_proj.bias, torch.cat([ref_attn.q_proj.bias,
@@ -157,6 +168,8 @@ def test_cpu_engine_holds_linears_input_major_with_the_checkpoint_values(tiny_mo
         mlp.gate_up_proj.weight, torch.cat([ref_mlp.gate_proj.weight, ref_mlp.up_proj.weight]))
     assert torch.equal(eng.model.lm_head.weight, hf.lm_head.weight)
     assert eng.model.lm_head.weight.stride()[0] == 1
+    if hf.config.tie_word_embeddings:  # the head's module was replaced, the tie kept
+        assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight
     plain, _ = load_model(path)  # default: the checkpoint's [out, in] rows
     assert plain.model.layers[0].self_attn.q_proj.weight.is_contiguous()
     assert plain.model.embed_tokens.weight.is_contiguous()
@@ -168,14 +181,16 @@ def test_fuse_projections_in_memory_keeps_logits(tiny_models, arch, input_major)
     """fuse_projections (what Engine does to a model built in memory) stacks q|k|v and
     gate|up, keeps the weight layout, and leaves the logits as they were."""
     from hisparse_cli.model.llama import forward_full, fuse_projections
-    from hisparse_cli.model.loader import load_model
+    from hisparse_cli.model.loader import decode_input_major, load_model
 
     path, _ = tiny_models[arch]
     model, _ = load_model(path, decode_layout=input_major)
     ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(3))
     before = forward_full(model, ids)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert (q.stride(0) == 1) == (input_major and decode_input_major(*q.shape))
     fuse_projections(model)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj is None and attn.qkv_proj is not None
-    assert (attn.qkv_proj.weight.stride(0) == 1) == input_major
+    assert (attn.qkv_proj.weight.stride(0) == 1) == (q.stride(0) == 1)  # the pieces' layout
     assert torch.allclose(forward_full(model, ids), before, atol=1e-5, rtol=1e-5)

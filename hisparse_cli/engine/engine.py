@@ -28,6 +28,7 @@ from hisparse_cli.kernels.dispatch import select_backend
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.model.llama import CausalLM, fuse_projections
 from hisparse_cli.model.loader import load_model
+from hisparse_cli.model.row_split import split_row_products
 
 Progress = Callable[[str, int, int], None]  # (phase "prefill"|"decode", done, total)
 
@@ -86,6 +87,8 @@ class Engine:
                  probe=None) -> None:
         # q|k|v and gate|up as one matmul each (from_pretrained's loader already did it)
         self.model, self.cfg, self.sparse, self.device = fuse_projections(model), cfg, sparse, device
+        if device.type == "cpu":  # decode's one-row products on every thread (model/row_split.py)
+            split_row_products(self.model)
         self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)

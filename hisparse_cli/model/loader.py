@@ -75,13 +75,23 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value, requires_grad=False))
 
 
+def decode_input_major(out_features: int, in_features: int) -> bool:
+    """Whether the CPU decode layout stores an [out, in] weight input-major: where it is at
+    least twice as wide as it is deep (gate|up, the vocabulary head). The one-row products of
+    decode run as column slices on the threads (model/row_split.py); measured on the 2-core
+    development machine, a slice of a wide weight reads faster input-major (a short output row
+    accumulated while rows of W stream by), and a slice of a square or narrow one (q|k|v, o,
+    down) faster as the checkpoint's [out, in] rows (long dot products). BENCHMARKS.md, CPU
+    section, seventh session."""
+    return out_features >= 2 * in_features
+
+
 def converted(w: torch.Tensor, device: torch.device, dtype: torch.dtype,
               input_major: bool = False) -> torch.Tensor:
     """`w` on `device` in `dtype`; input_major: the same [out, in] matrix stored input-major
     (a transposed view of [in, out] storage), written in one copy from the checkpoint (no
-    second full-size temporary). On the CPU, one-token matmuls (decode) read this layout
-    1.3-1.7x faster than the checkpoint's [out, in] rows (BENCHMARKS.md, CPU section); larger
-    matmuls run at the same speed, except a vocabulary-sized head over many positions."""
+    second full-size temporary). Multi-row matmuls (prefill) run at the same speed either way,
+    except a vocabulary-sized head over many positions (slower input-major)."""
     if not input_major:
         return w.to(device=device, dtype=dtype)
     out = torch.empty((w.shape[1], w.shape[0]), dtype=dtype, device=device)
@@ -107,7 +117,8 @@ def _load_linear(parent: nn.Module, attr: str, prefix: str, tensors: _Tensors, a
     if tuple(w.shape) != (lin.out_features, lin.in_features):
         raise ModelError(f"{prefix}.weight has shape {tuple(w.shape)}, config implies "
                          f"{(lin.out_features, lin.in_features)}")
-    _set_param(lin, "weight", converted(w, device, dtype, input_major))
+    _set_param(lin, "weight", converted(w, device, dtype,
+                                        input_major and decode_input_major(*w.shape)))
     if lin.bias is not None:
         _set_param(lin, "bias", tensors.get(f"{prefix}.bias").to(device=device, dtype=dtype))
 
@@ -141,6 +152,7 @@ def _load_fused(parent: nn.Module, attr: str, parts: tuple[str, ...], pre: str, 
             bias=bias, group_size=awq_cfg.group_size, device=device, dtype=dtype,
             name=f"{pre}.{attr}", expect=(out_f, in_f), **cat))
     else:
+        input_major = input_major and decode_input_major(out_f, in_f)
         w = torch.empty((in_f, out_f) if input_major else (out_f, in_f), dtype=dtype, device=device)
         o = 0
         for p, lin in zip(prefixes, lins):
@@ -165,8 +177,8 @@ def _load_fused(parent: nn.Module, attr: str, parts: tuple[str, ...], pre: str, 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False,
                decode_layout: bool = False, fuse: bool = False) -> tuple[CausalLM, ModelConfig]:
-    """decode_layout: on a CPU in float32, store linear weights input-major (`converted`) for
-    faster decode. fuse: load q|k|v and gate|up as one linear each (`_load_fused`): fewer,
+    """decode_layout: on a CPU in float32, store the wide linear weights input-major
+    (`converted`, `decode_input_major`) for faster decode. fuse: load q|k|v and gate|up as one linear each (`_load_fused`): fewer,
     larger matmuls. The engine asks for both; tools that write weights back (quantize) and
     read the checkpoint's module names do not."""
     folder = Path(path)
@@ -189,7 +201,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     # few rows does not care)
     tied = cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "lm_head.qweight" not in tensors
     _set_param(model.model.embed_tokens, "weight",
-               converted(emb, emb_device, dtype, input_major and tied and not embeddings_on_host))
+               converted(emb, emb_device, dtype, input_major and tied and not embeddings_on_host
+                         and decode_input_major(*emb.shape)))
     for i, layer in enumerate(model.model.layers):
         pre = f"model.layers.{i}"
         done: set[str] = set()
