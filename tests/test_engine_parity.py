@@ -136,23 +136,27 @@ def test_transformers4_style_rope_keys_are_read(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied (llama tiny) and qkv-bias configs
 def test_cpu_engine_holds_linears_in_the_decode_layout_with_the_checkpoint_values(tiny_models, arch):
     """The engine stores fp32 CPU linear weights in the decode layout (wide ones input-major,
-    the others as [out, in] rows) with q|k|v and gate|up stacked (one matmul each), every
-    linear a RowSplitLinear; the values are the checkpoint's, and tools that write weights
-    back get the checkpoint's separate [out, in] layout."""
+    the others as [out, in] rows) with q|k|v and gate|up stacked (one matmul each), and every
+    linear wide enough to split is a RowSplitLinear; the values are the checkpoint's, and
+    tools that write weights back get the checkpoint's separate [out, in] layout."""
     from hisparse_cli.model.loader import decode_input_major, load_model
-    from hisparse_cli.model.row_split import RowSplitLinear
+    from hisparse_cli.model.row_split import RowSplitLinear, row_splits
 
     path, hf = tiny_models[arch]
     eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config())
-    layouts = set()
+    layouts, kinds = set(), set()
     for name, mod in eng.model.named_modules():
         if isinstance(mod, torch.nn.Linear):
-            assert type(mod) is RowSplitLinear, name
             out_f, in_f = mod.weight.shape
+            split = row_splits(out_f, torch.get_num_threads()) > 1
+            assert (type(mod) is RowSplitLinear) == split, name
+            kinds.add(split)
             wide = decode_input_major(out_f, in_f)
             assert mod.weight.stride() == ((1, out_f) if wide else (in_f, 1)), name
             layouts.add(wide)
     assert layouts == {True, False}  # the tiny configs exercise both layouts
+    if torch.get_num_threads() > 1:
+        assert kinds == {True, False}  # and split and plain products
     attn, ref_attn = eng.model.model.layers[0].self_attn, hf.model.layers[0].self_attn
     assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
     ours = attn.qkv_proj.weight

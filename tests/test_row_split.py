@@ -54,28 +54,35 @@ def test_wrap_keeps_the_parameters_and_follows_a_replaced_weight():
 def test_row_splits_divides_the_outputs():
     assert row_splits(576, 2) == 2
     assert row_splits(49152, 4) == 4
-    assert row_splits(9, 4) == 3
-    assert row_splits(7, 2) == 1
-    assert row_splits(64, 1) == 1
-    assert row_splits(64, 0) == 1
+    assert row_splits(387, 4) == 3  # 4 does not divide 387
+    assert row_splits(7 * 128 + 1, 2) == 1  # odd
+    assert row_splits(576, 16) == 4  # slices of at least 128 outputs
+    assert row_splits(200, 2) == 1
+    assert row_splits(576, 1) == 1
+    assert row_splits(576, 0) == 1
 
 
 def test_split_row_products_swaps_cpu_float32_linears_and_keeps_ties():
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = nn.Embedding(50, 8)
-            self.a = nn.Linear(8, 16)
-            self.fp16 = nn.Linear(8, 16).to(torch.float16)
-            self.odd = nn.Linear(8, 7)
-            self.head = nn.Linear(8, 50, bias=False)
+            self.emb = nn.Embedding(512, 8)
+            self.a = nn.Linear(8, 256)
+            self.fp16 = nn.Linear(8, 256).to(torch.float16)
+            self.odd = nn.Linear(8, 257)
+            self.narrow = nn.Linear(8, 64)
+            self.head = nn.Linear(8, 512, bias=False)
             self.head.weight = self.emb.weight
 
     m = Tiny()
     params = {id(p) for p in m.parameters()}
-    assert split_row_products(m, threads=2) == 2  # a and head; not fp16, not 7 outputs at 2
+    assert split_row_products(m, threads=2) == 2  # a and head
     assert type(m.a) is RowSplitLinear and type(m.head) is RowSplitLinear
-    assert type(m.fp16) is nn.Linear and type(m.odd) is nn.Linear
+    assert m.a.splits == 2 and m.head.splits == 2
+    for name in ("fp16", "odd", "narrow"):
+        assert type(getattr(m, name)) is nn.Linear, name
     assert m.head.weight is m.emb.weight
     assert {id(p) for p in m.parameters()} == params
+    x = torch.randn(1, 8)
+    assert torch.allclose(m.head(x), x @ m.emb.weight.t(), atol=1e-6)
     assert split_row_products(Tiny(), threads=1) == 0

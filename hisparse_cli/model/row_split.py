@@ -56,10 +56,15 @@ class RowSplitLinear(nn.Linear):
         return new
 
 
+MIN_SLICE = 128  # outputs per slice at least: narrower slices cost more than they spread
+
+
 def row_splits(out_features: int, threads: int) -> int:
     """How many column slices a one-row product of `out_features` outputs runs as: one per
-    thread, fewer where `out_features` does not divide evenly; 1 = a plain product."""
-    for k in range(max(threads, 1), 1, -1):
+    thread, fewer where `out_features` does not divide evenly or a slice would be narrower
+    than MIN_SLICE; 1 = a plain product. Measured with 2 threads only (the development
+    machine); more slices than threads were no faster there."""
+    for k in range(min(max(threads, 1), out_features // MIN_SLICE), 1, -1):
         if out_features % k == 0:
             return k
     return 1
