@@ -13,6 +13,8 @@ settings. Reports:
      torch.add, a Triton RMSNorm, and the sparse_attention wrapper (attention + scoring); with
      --awq also the INT4 dequantize kernel and a whole INT4 prefill linear (dequantize +
      cuBLAS) of a 1,024-token chunk, and parts 1-2 run the AWQ INT4 model (g128).
+--graph-probe: only part 3's launches and the INT4 prefill linear eager against CUDA-graph
+replays of its dequantize (and of the whole linear), writing gpu_prefill_host_graph.json.
 Writes DIR/gpu_prefill_host.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -106,6 +108,63 @@ def awq_launch_costs(dev) -> dict:
     }
 
 
+def graph_probe(dev) -> dict:
+    """Would CUDA graphs cut the INT4 prefill linear's host time? Host us per call on the same
+    4096 x 4096 layer, 1,024 tokens: the eager path (AWQLinear), the dequantize kernel
+    replayed from a graph into a persistent workspace + an eager cuBLAS call, and the whole
+    linear as one graph (x copied into a static input, the output a static buffer); each
+    graph variant's output is checked against the eager one (bit for bit)."""
+    from hisparse_cli.kernels import awq_triton as at
+    from hisparse_cli.model.awq import AWQLinear
+
+    n = k = 4096
+    g = torch.Generator(device=dev).manual_seed(0)
+    qt = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), device=dev, dtype=torch.int32, generator=g)
+    qz = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 128, n // 8), device=dev, dtype=torch.int32, generator=g)
+    sc = torch.full((k // 128, n), 1e-3, device=dev, dtype=torch.float16)
+    x = torch.randn(1024, k, device=dev, dtype=torch.float16, generator=g)
+    lin = AWQLinear(k, n, 128, device="meta")
+    lin.qweight, lin.qzeros, lin.scales, lin.layout = qt, qz, sc, "kmajor"
+    ref = lin(x)
+    ws = torch.empty((n, k), device=dev, dtype=torch.float16)  # the persistent workspace
+    at._dequant_k_launch(qt, qz, sc, 128, ws, 0, n)  # compiled before capture
+    torch.cuda.synchronize()
+    g_deq = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_deq):
+        at._dequant_k_launch(qt, qz, sc, 128, ws, 0, n)
+    x_in = torch.empty_like(x)
+    y_out = torch.empty((1024, n), device=dev, dtype=torch.float16)
+    x_in.copy_(x)
+    torch.matmul(x_in, ws.t(), out=y_out)
+    torch.cuda.synchronize()
+    g_lin = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_lin):
+        at._dequant_k_launch(qt, qz, sc, 128, ws, 0, n)
+        torch.matmul(x_in, ws.t(), out=y_out)
+
+    def deq_graph_then_cublas():
+        g_deq.replay()
+        return torch.matmul(x, ws.t())
+
+    def whole_graph():
+        x_in.copy_(x)
+        g_lin.replay()
+        return y_out
+
+    same = {"graph dequantize + cuBLAS": bool(torch.equal(deq_graph_then_cublas(), ref)),
+            "whole linear graph": bool(torch.equal(whole_graph().clone(), ref))}
+    torch.cuda.synchronize()
+    w = torch.empty((n, k), device=dev, dtype=torch.float16)
+    res = {
+        "AWQLinear.forward 1024 tok (eager)": host_us(lambda: lin(x), 50),
+        "dequantize graph replay only": host_us(g_deq.replay, 100),
+        "graph dequantize + cuBLAS": host_us(deq_graph_then_cublas, 50),
+        "whole linear graph (copy x in + replay)": host_us(whole_graph, 50),
+        "F.linear fp16 1024 tok": host_us(lambda: torch.nn.functional.linear(x, w), 50),
+    }
+    return {"host_us": res, "same_as_eager": same}
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -144,10 +203,20 @@ def main() -> None:
     ap.add_argument("--cprofile-tokens", type=int, default=8192)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--awq", action="store_true", help="the AWQ INT4 model (see the docstring)")
+    ap.add_argument("--graph-probe", action="store_true",
+                    help="only: host us of an INT4 prefill linear eager vs replayed from CUDA graphs")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
+    if a.graph_probe:
+        res = {"launch_us": launch_costs(dev), "graph_probe": graph_probe(dev)}
+        print("== host us per launch:", {k: round(v, 1) for k, v in res["launch_us"].items()})
+        print("== INT4 prefill linear, host us per call:",
+              {k: round(v, 1) for k, v in res["graph_probe"]["host_us"].items()})
+        print("== graph outputs bit-equal to eager:", res["graph_probe"]["same_as_eager"])
+        (out / "gpu_prefill_host_graph.json").write_text(json.dumps(res, indent=1, default=str))
+        return
     from hisparse_cli.engine.engine import Engine
 
     backend, _ = pick_backend(dev)
