@@ -7,7 +7,9 @@ h200-141g sparse settings, CUDA-graph decode), alternating variants so drift hit
            model in two chunks) vs 2^27 (one chunk: one dequantize and one cuBLAS launch
            fewer per layer, 128 MiB more temp) - prefill tok/s at --context.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_awq_ab.py [--out DIR] [--rounds 3]
+    PYTHONPATH=$PWD python3 benchmarks/gpu_awq_ab.py [--out DIR] [--rounds 3] [--graphs]
+--graphs: only the INT4 prefill with its dequantize replayed from CUDA graphs vs launched
+eagerly, with fp16 in the same rounds (gpu_awq_ab_graphs.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -54,6 +56,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--decode-tokens", type=int, default=257)
+    ap.add_argument("--graphs", action="store_true",
+                    help="only: prefill with the dequantize replayed from CUDA graphs vs launched "
+                         "eagerly, and fp16, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -62,6 +67,9 @@ def main() -> None:
     model = build_ours(cfg, dev, awq=True, host_emb=False)
     kw = dict(weight_format="awq-int4")
     run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev, **kw)  # JIT
+    if a.graphs:
+        graphs_ab(a, model, cfg, sparse, backend, dev)
+        return
     res: dict = {"decode": [], "prefill": []}
     short = prompt(8192, cfg.vocab_size)
     for r in range(a.rounds):
@@ -87,6 +95,38 @@ def main() -> None:
                   flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_awq_ab.json").write_text(json.dumps(res, indent=1))
+
+
+def graphs_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Prefill tok/s at --context: INT4 with the dequantize replayed from CUDA graphs
+    (awq_triton.PreparedLinearK) vs launched eagerly (GRAPHS_PER_LINEAR = 0), and the fp16
+    model, the order rotated each round; the INT4 / fp16 ratio per round."""
+    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
+    long = prompt(a.context, cfg.vocab_size)
+    run_ours(fp16, cfg, sparse, prompt(4096, cfg.vocab_size), 2, backend, dev, weight_format="fp16")
+    cap = awq_triton.GRAPHS_PER_LINEAR
+    variants = [("fp16", fp16, None), ("int4 eager dequantize", model, 0),
+                ("int4 graph dequantize", model, cap)]
+    res: list = []
+    for r in range(a.rounds):
+        row = {}
+        for label, m, graphs in variants[r % 3:] + variants[: r % 3]:
+            if graphs is not None:
+                awq_triton.GRAPHS_PER_LINEAR = graphs
+                unprepare(m)
+                run_ours(m, cfg, sparse, prompt(4096, cfg.vocab_size), 2, backend, dev,
+                         weight_format="awq-int4")  # graphs captured outside the timing
+            out = run_ours(m, cfg, sparse, long, 2, backend, dev,
+                           weight_format="fp16" if graphs is None else "awq-int4")
+            row[label] = out["prefill_tok_s"]
+            print(f"round {r} {label:<22} prefill {out['prefill_tok_s']:9,.0f} tok/s", flush=True)
+        ratios = {k: row[k] / row["fp16"] for k in row if k != "fp16"}
+        print(f"round {r} INT4/fp16 prefill: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()),
+              flush=True)
+        res.append(dict(round=r, prefill_tok_s=row, ratio=ratios))
+    awq_triton.GRAPHS_PER_LINEAR = cap
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_awq_ab_graphs.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

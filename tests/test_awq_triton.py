@@ -251,6 +251,45 @@ def test_prepared_linear_k_equals_awq_linear_k(m, chunked, monkeypatch):
         awq_triton.PreparedLinearK(qw, qz, s, b, 32)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prepared_linear_k_graph_dequantize_cuda(chunked, monkeypatch):
+    """On CUDA the prefill path replays its dequantize from CUDA graphs, one per (W^T rows,
+    workspace address): the bits of the eager path on every call (the first captures), at
+    most GRAPHS_PER_LINEAR graphs, from another stream too, and inside someone else's graph
+    capture the launch is captured there (no nested capture)."""
+    if chunked:
+        monkeypatch.setattr(awq_triton, "DEQUANT_CHUNK_ELEMS_K", 1024 * 256)  # 256-row chunks
+    x, qw, qt, qz, s, b = case_k(300, 1024, 1000, 128, torch.float16, "cuda")
+    ref = awq_triton.awq_linear_k(x, qt, qz, s, b, 128)
+    lin = awq_triton.PreparedLinearK(qt, qz, s, b, 128)
+    for _ in range(4):
+        assert torch.equal(lin(x), ref)
+    rows = ({(n0, min(1000, n0 + 256)) for n0 in range(0, 1000, 256)} if chunked
+            else {(0, 1000)})
+    assert lin.graphs and {key[:2] for key in lin.graphs} <= rows
+    assert len(lin.graphs) <= awq_triton.GRAPHS_PER_LINEAR
+    held = [torch.empty(1 << 22, device="cuda") for _ in range(3)]  # move the allocator along
+    for _ in range(2):
+        assert torch.equal(lin(x), ref)
+    assert len(lin.graphs) <= awq_triton.GRAPHS_PER_LINEAR
+    del held
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = lin(x)
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref)
+    before = dict(lin.graphs)
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        y_static = lin(x)
+    outer.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_static, ref) and lin.graphs == before
+
+
 @interp
 def test_k_launchers_assert_layout():
     x, qw, qt, qz, s, b = case_k(2, 64, 128, 32, torch.float16, "cpu")

@@ -358,11 +358,15 @@ def awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size, *,
                            awq_layout.dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS_K))
 
 
-def _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k, chunk):
-    """awq_dequant_matmul_k after its checks (n, k: the weight's; chunk: W^T rows a step)."""
+def _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k, chunk, launch=None):
+    """awq_dequant_matmul_k after its checks (n, k: the weight's; chunk: W^T rows a step).
+    launch(w, n0, n1): dequantize W^T rows [n0, n1) into w (default: the Triton launch)."""
+    if launch is None:
+        def launch(w, n0, n1):
+            _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1)
     if chunk >= n:
         w = torch.empty((n, k), device=x2.device, dtype=x2.dtype)
-        _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, 0, n)
+        launch(w, 0, n)
         y = x2 @ w.t()
     else:
         y = torch.empty((x2.shape[0], n), device=x2.device, dtype=x2.dtype)
@@ -370,11 +374,14 @@ def _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k, chunk
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
             w = buf[: n1 - n0]
-            _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1)
+            launch(w, n0, n1)
             torch.matmul(x2, w.t(), out=y[:, n0:n1])
     if bias is not None:
         y += bias.to(y.dtype)
     return y
+
+
+GRAPHS_PER_LINEAR = 4  # dequantize graphs kept per (rows, workspace address); then eager
 
 
 class PreparedLinearK:
@@ -383,10 +390,19 @@ class PreparedLinearK:
     the cuBLAS call (on a slow host the per-call checks and dispatch were ~30 us of an
     INT4 prefill linear's ~100 us, against ~23 us for an fp16 F.linear). Same results as
     awq_linear_k, bit for bit. AWQLinear makes one per set of buffer objects
-    (KernelBackend.prepare_awq_linear_k)."""
+    (KernelBackend.prepare_awq_linear_k).
+
+    On CUDA the prefill path's dequantize is replayed from a CUDA graph: a Triton launch
+    costs the host ~18-23 us, a graph replay ~4 us (H200 box, `gpu_prefill_host.py
+    --graph-probe`). A graph holds its kernel's arguments, so one is captured per (W^T rows,
+    workspace address): the workspace is still allocated per call, as before (the planner's
+    transient), and the caching allocator hands back the same block chunk after chunk, so a
+    few graphs per linear serve a whole prefill. Beyond GRAPHS_PER_LINEAR addresses, or
+    while another graph is being captured, the launch is eager. A graph holds no memory of
+    its own (one kernel node writing the caller's workspace)."""
 
     __slots__ = ("qweight_k", "qzeros", "scales", "bias", "group_size", "n", "k", "chunk",
-                 "device")
+                 "device", "graphs")
 
     def __init__(self, qweight_k, qzeros, scales, bias, group_size):
         n, kw = qweight_k.shape
@@ -395,6 +411,40 @@ class PreparedLinearK:
         self.qweight_k, self.qzeros, self.scales, self.bias = qweight_k, qzeros, scales, bias
         self.group_size, self.n, self.k, self.device = group_size, n, kw * 8, qweight_k.device
         self.chunk = awq_layout.dequant_chunk(self.k, n, DEQUANT_CHUNK_ELEMS_K)
+        self.graphs: dict | None = {} if self.device.type == "cuda" else None
+
+    def _launch(self, w, n0, n1):
+        """Dequantize W^T rows [n0, n1) into w: a graph replay where one is (or can be) kept."""
+        graphs = self.graphs
+        key = (n0, n1, w.data_ptr(), w.stride(0))
+        g = graphs.get(key)
+        capturing = torch.cuda.is_current_stream_capturing()  # someone else's graph: no
+        if g is None or capturing:  # replay (nor capture) inside it, the launch is captured
+            if capturing or len(graphs) >= GRAPHS_PER_LINEAR:
+                _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w,
+                                  n0, n1)
+            else:
+                graphs[key] = self._capture(w, n0, n1)  # runs this call's launch eagerly too
+            return
+        g.replay()
+
+    def _capture(self, w, n0, n1):
+        """A CUDA graph of the dequantize launch into w (captured on a side stream, without
+        torch.cuda.graph's synchronize / empty_cache: this runs in the middle of a prefill)."""
+        _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w, n0,
+                          n1)  # compiled (JIT) outside the capture; and it does this call's work
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device=w.device)
+        side.wait_stream(torch.cuda.current_stream(w.device))
+        with torch.cuda.stream(side):
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w,
+                                  n0, n1)
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream(w.device).wait_stream(side)
+        return g
 
     def __call__(self, x):
         k, n = self.k, self.n
@@ -409,7 +459,8 @@ class PreparedLinearK:
             assert x2.shape[1] == k and x2.device == self.device, \
                 f"x must be [M, {k}] on {self.device}"
             y = _dequant_matmul(x2, self.qweight_k, self.qzeros, self.scales, self.bias,
-                                self.group_size, n, k, self.chunk)
+                                self.group_size, n, k, self.chunk,
+                                None if self.graphs is None else self._launch)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
