@@ -281,6 +281,9 @@ def test_prepared_linear_k_graph_dequantize_cuda(chunked, monkeypatch):
         y = lin(x)
     torch.cuda.synchronize()
     assert torch.equal(y, ref)
+    xb = x.to(torch.bfloat16)  # another activation dtype: its own graphs (the kernel's output
+    yb = lin(xb)                # dtype is compiled in), the bits of the eager path
+    assert torch.equal(yb, awq_triton.awq_linear_k(xb, qt, qz, s, b, 128))
     before = dict(lin.graphs)
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):

@@ -395,7 +395,7 @@ class PreparedLinearK:
     On CUDA the prefill path's dequantize is replayed from a CUDA graph: a Triton launch
     costs the host ~18-23 us, a graph replay ~4 us (H200 box, `gpu_prefill_host.py
     --graph-probe`). A graph holds its kernel's arguments, so one is captured per (W^T rows,
-    workspace address): the workspace is still allocated per call, as before (the planner's
+    workspace address, dtype): the workspace is still allocated per call, as before (the planner's
     transient), and the caching allocator hands back the same block chunk after chunk, so a
     few graphs per linear serve a whole prefill. Beyond GRAPHS_PER_LINEAR addresses, or
     while another graph is being captured, the launch is eager. A graph holds no memory of
@@ -416,7 +416,7 @@ class PreparedLinearK:
     def _launch(self, w, n0, n1):
         """Dequantize W^T rows [n0, n1) into w: a graph replay where one is (or can be) kept."""
         graphs = self.graphs
-        key = (n0, n1, w.data_ptr(), w.stride(0))
+        key = (n0, n1, w.data_ptr(), w.stride(0), w.dtype)  # the kernel is per output dtype
         g = graphs.get(key)
         capturing = torch.cuda.is_current_stream_capturing()  # someone else's graph: no
         if g is None or capturing:  # replay (nor capture) inside it, the launch is captured
