@@ -1,7 +1,7 @@
 """Compile the K-major AWQ kernels for sm_90 without a GPU (Triton's bundled ptxas) and print
 registers, spills, shared memory and the SASS instruction mix of each configuration.
 
-    python benchmarks/awq_sm90_compile.py [--sass-dir DIR]
+    python benchmarks/awq_sm90_compile.py [--sass-dir DIR] [--all | --packed]
 
 Catches what the CPU interpreter accepts but the compiler refuses (e.g. constexpr rules of
 Triton 3.6) and shows whether loads/stores are 16 bytes wide and whether layouts convert
@@ -35,7 +35,7 @@ from hisparse_cli.kernels.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noq
                                              GEMV_CANDIDATES, GemvConfig)
 
 OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "I2F",
-       "PRMT", "F2FP")
+       "PRMT", "F2FP", "HFMA2", "HMUL2", "HADD2")
 
 
 def compile_one(fn, sig: dict, consts: dict, warps: int, aligned: tuple[str, ...],
@@ -71,6 +71,56 @@ def report(name: str, k, sass_dir: Path | None) -> None:
         (sass_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.sass").write_text(sass)
 
 
+GEMV_SIG = dict(x_ptr="*fp16", qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16",
+                y_ptr="*fp16", p_ptr="*fp32", cnt_ptr="*i32", N="i32", KW="i32", W8="i32",
+                stride_xm="i32", stride_ym="i32", stride_ps="i32", stride_pm="i32",
+                KW_PER_SPLIT="i32")
+GEMV_ALIGNED = ("x_ptr", "qt_ptr", "qz_ptr", "s_ptr", "b_ptr", "y_ptr", "p_ptr", "cnt_ptr", "N",
+                "KW", "W8", "stride_xm", "stride_ym", "KW_PER_SPLIT")
+
+
+def compile_gemv(c: GemvConfig, m: int, partial: bool, group: int, dt: str):
+    """The decode GEMV for sm_90 as awq_gemv_k launches it on CUDA (ASM: the packed path's
+    PTX, when c.packed and fp16 activations)."""
+    sig = dict(GEMV_SIG, x_ptr=dt, b_ptr=dt, y_ptr=dt)
+    return compile_one(ag._awq_gemv_kernel, sig,
+                       dict(GROUP=group, M=m, BLOCK_N=c.block_n, BLOCK_KW=c.block_kw,
+                            NUM_STAGES=c.num_stages, HAS_BIAS=not partial,
+                            SPLIT=4 if partial else 1, PREFETCH=c.prefetch,
+                            STREAM=c.stream, PACKED=c.packed if dt == "*fp16" else 0,
+                            ASM=True),
+                       c.num_warps, GEMV_ALIGNED)
+
+
+def loop_length(k) -> int:
+    """SASS instructions of the kernel's first loop (label to its backward branch)."""
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([str(bindir / "nvdisasm"), str(cubin)], capture_output=True,
+                              text=True).stdout
+    for m in re.finditer(r"BRA `\((\.L_x_\d+)\)", sass):
+        label = m.group(1)
+        start = sass.find(f"\n{label}:")
+        if 0 <= start < m.start():  # a backward branch: the loop
+            return len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass[start:m.start()]))
+    return 0
+
+
+def compile_packed(sass_dir: Path | None) -> None:
+    for m, partial in ((1, False), (1, True), (2, False), (4, True)):
+        for packed in (0, 1, 2):
+            c = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1,
+                           stream=2, packed=packed)
+            k = compile_gemv(c, m, partial, 128, "*fp16")
+            name = f"gemv packed{packed} m{m} p{int(partial)}"
+            report(name, k, sass_dir)
+            print(f"{name}: loop {loop_length(k)} instructions (16 words a thread a step)")
+    c = GemvConfig(block_n=32, block_kw=4, split=1, num_warps=1, num_stages=1, packed=2)
+    report("gemv packed2 g32 m1", compile_gemv(c, 1, False, 32, "*fp16"), sass_dir)
+
+
 def gemv_candidates(every: bool) -> list[tuple[GemvConfig, int, bool]]:
     """(config, tokens, split-K?) to compile: every sweep candidate (awq_layout.GEMV_CANDIDATES)
     at 1 token, or the first few; plus 2..4 tokens with and without split-K."""
@@ -91,26 +141,21 @@ def main() -> None:
     ap.add_argument("--sass-dir", type=Path)
     ap.add_argument("--all", action="store_true",
                     help="every GEMV candidate of gpu_awq.py --gemv-sweep (default: a few)")
+    ap.add_argument("--packed", action="store_true",
+                    help="only the GEMV's packed fp16 path (GemvConfig.packed 1, 2: its PTX "
+                         "inline assembly) at 1 and 2 tokens, with and without split-K, and "
+                         "the fp32 path's tile for comparison; prints the loop's length")
     a = ap.parse_args()
-    gemv_sig = dict(x_ptr="*fp16", qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16",
-                    y_ptr="*fp16", p_ptr="*fp32", cnt_ptr="*i32", N="i32", KW="i32", W8="i32",
-                    stride_xm="i32", stride_ym="i32", stride_ps="i32", stride_pm="i32",
-                    KW_PER_SPLIT="i32")
-    aligned = ("x_ptr", "qt_ptr", "qz_ptr", "s_ptr", "b_ptr", "y_ptr", "p_ptr", "cnt_ptr", "N",
-               "KW", "W8", "stride_xm", "stride_ym", "KW_PER_SPLIT")
+    if a.packed:
+        compile_packed(a.sass_dir)
+        return
     cands = [(c, m, p, 128, "*fp16") for c, m, p in gemv_candidates(a.all)]
     c0 = cands[0][0]
     cands += [(c0, 3, False, 128, "*bf16"), (c0, 1, True, 128, "*bf16"),  # bf16 activations
               (GemvConfig(block_n=64, block_kw=4, split=1, num_warps=2, num_stages=1), 2, False,
                32, "*fp16")]  # group 32: 4 words a step
     for c, m, partial, group, dt in cands:
-        sig = dict(gemv_sig, x_ptr=dt, b_ptr=dt, y_ptr=dt)
-        k = compile_one(ag._awq_gemv_kernel, sig,
-                        dict(GROUP=group, M=m, BLOCK_N=c.block_n, BLOCK_KW=c.block_kw,
-                             NUM_STAGES=c.num_stages, HAS_BIAS=not partial,
-                             SPLIT=4 if partial else 1, PREFETCH=c.prefetch,
-                             STREAM=c.stream),
-                        c.num_warps, aligned)
+        k = compile_gemv(c, m, partial, group, dt)
         report(f"gemv {dt[1:]} g{group} m{m} bn{c.block_n} bkw{c.block_kw} w{c.num_warps} "
                f"st{c.num_stages} pf{c.prefetch} sm{c.stream} p{int(partial)}", k, a.sass_dir)
     for dt in ("*fp16", "*bf16"):

@@ -10,6 +10,9 @@ h200-141g sparse settings, CUDA-graph decode), alternating variants so drift hit
     PYTHONPATH=$PWD python3 benchmarks/gpu_awq_ab.py [--out DIR] [--rounds 3] [--graphs]
 --graphs: only the INT4 prefill with its dequantize replayed from CUDA graphs vs launched
 eagerly, with fp16 in the same rounds (gpu_awq_ab_graphs.json).
+--packed: only decode at --context: the fp16 model, INT4 with GEMV_TABLE as it is, and INT4
+with every tile's GemvTile.packed set to 1 and to 2 (the packed fp16 GEMV), order rotated
+each round; INT4/fp16 decode per round (gpu_awq_ab_packed.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -56,6 +59,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--decode-tokens", type=int, default=257)
+    ap.add_argument("--packed", action="store_true",
+                    help="only: decode with the packed fp16 GEMV (GemvTile.packed 1, 2) vs the "
+                         "table as it is, and fp16, interleaved")
     ap.add_argument("--graphs", action="store_true",
                     help="only: prefill with the dequantize replayed from CUDA graphs vs launched "
                          "eagerly, and fp16, interleaved")
@@ -69,6 +75,9 @@ def main() -> None:
     run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev, **kw)  # JIT
     if a.graphs:
         graphs_ab(a, model, cfg, sparse, backend, dev)
+        return
+    if a.packed:
+        packed_ab(a, model, cfg, sparse, backend, dev)
         return
     res: dict = {"decode": [], "prefill": []}
     short = prompt(8192, cfg.vocab_size)
@@ -127,6 +136,47 @@ def graphs_ab(a, model, cfg, sparse, backend, dev) -> None:
     awq_triton.GRAPHS_PER_LINEAR = cap
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_awq_ab_graphs.json").write_text(json.dumps(res, indent=1))
+
+
+def packed_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Decode tok/s at --context over --decode-tokens: fp16, INT4 with GEMV_TABLE as it is,
+    INT4 with packed 1 and packed 2 on every tile; the order rotated each round (a new
+    Engine per run: each captures its own decode graph with the table of the moment)."""
+    from dataclasses import replace
+
+    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
+    run_ours(fp16, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
+             weight_format="fp16")
+    long = prompt(a.context, cfg.vocab_size)
+    table = dict(awq_layout.GEMV_TABLE)
+    tables = {p: {k: replace(t, packed=p) for k, t in table.items()} for p in (1, 2)}
+    for t in tables.values():  # compile the packed kernels outside the timing
+        awq_layout.GEMV_TABLE.update(t)
+        run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
+                 weight_format="awq-int4")
+    variants = [("fp16", fp16, None), ("int4 table", model, table),
+                ("int4 packed 1", model, tables[1]), ("int4 packed 2", model, tables[2])]
+    res: list = []
+    for r in range(a.rounds):
+        row = {}
+        k = r % len(variants)
+        for label, m, tab in variants[k:] + variants[:k]:
+            if tab is not None:
+                awq_layout.GEMV_TABLE.clear()
+                awq_layout.GEMV_TABLE.update(tab)
+            out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
+                           weight_format="fp16" if tab is None else "awq-int4")
+            row[label] = out["decode_tok_s"]
+            print(f"round {r} {label:<14} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
+                  f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
+        ratios = {k: row[k] / row["fp16"] for k in row if k != "fp16"}
+        print(f"round {r} INT4/fp16 decode: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()),
+              flush=True)
+        res.append(dict(round=r, decode_tok_s=row, ratio=ratios))
+    awq_layout.GEMV_TABLE.clear()
+    awq_layout.GEMV_TABLE.update(table)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_awq_ab_packed.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Without CUDA the kernels run under TRITON_INTERPRET=1 on tiny shapes (seconds); 
 
 from __future__ import annotations
 
+from dataclasses import replace
 import os
 
 import pytest
@@ -409,3 +410,149 @@ def test_dequantize_k_cuda_exact(dtype):
     _, qw, qt, qz, s, _ = case_k(1, 4096, 4096 + 8 * 13, 128, dtype, "cuda")
     wt = awq_triton.awq_dequantize_k(qt, qz, s, 128, dtype)
     assert torch.equal(wt, dequantize_weight(qw, qz, s, 128).t().to(dtype))
+
+
+# -- packed fp16 GEMV (GemvConfig.packed: PTX inline assembly, CUDA only) ---------------------
+def _fp16_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float16).view(torch.int16)) & 0xFFFF
+
+
+def _from_bits(bits: int) -> torch.Tensor:
+    """The fp16 whose bits are the low 16 of bits (int32 -> int16 wraps)."""
+    return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+
+@pytest.mark.parametrize("packed,div", [(1, 64), (2, 128)])
+def test_packed_gemv_constants_exact(packed, div):
+    """The constants of the packed path (awq_gemv._dequant_pairs) against their definition:
+    for every code q and zero point z, the fp16 1024 + q (1024 + 16 q for a byte's upper
+    nibble) times the scale plus the offset is (q - z) / div exactly, in one fp16 rounding
+    (an HFMA2), and the offsets' bits are what the kernel builds from z."""
+    from hisparse_cli.kernels import awq_gemv as ag
+
+    z1, z16 = (ag._Z1_64, ag._Z16_64) if packed == 1 else (ag._Z1_128, ag._Z16_128)
+    c1, c16 = 1.0 / div, 1.0 / (16 * div)
+    assert _fp16_bits(c1) == (0x2400 if div == 64 else 0x2000)  # the asm's c1 / c16
+    assert _fp16_bits(c16) == (0x1400 if div == 64 else 0x1000)
+    q = torch.arange(16, dtype=torch.float64)
+    for z in range(16):
+        o1, o16 = _from_bits(z1.value + z), _from_bits(z16.value + 16 * z)
+        assert float(o1) == -(1024 / div + z / div)
+        assert float(o16) == -(1024 / (16 * div) + z / div)
+        for h, c, o in ((1024 + q, c1, o1), (1024 + 16 * q, c16, o16)):
+            exact = h * c + float(o)  # float64: exact for these values
+            assert torch.equal(exact.to(torch.float16).double(), exact)  # one rounding: none
+            assert torch.equal(exact, (q - z) / div)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("packed", [1, 2])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("split", [1, 2])
+def test_packed_gemv_cuda(packed, group, k, n, m, split):
+    x, qw, qt, qz, s, b = case_k(m, k, n, group, torch.float16, "cuda", seed=m)
+    cfg = GemvConfig(block_n=32, block_kw=min(16, group // 8), split=split, num_warps=1,
+                     num_stages=1, stream=2, packed=packed)
+    check(awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg), x, qw, qz, s, b, group)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("packed", [1, 2])
+def test_packed_gemv_cuda_extreme_x(packed):
+    """fp16 products within a word: no overflow for any finite fp16 x (a lane's terms are
+    bounded by 65504 in all); small x (many subnormal products) within the tolerance."""
+    _extreme_x(packed, "cuda", 4096, 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+def test_packed_gemv_cuda_other_dtypes_take_fp32_path():
+    """packed applies to fp16 x only: bf16 x with a packed config is the fp32 path's bits."""
+    x, qw, qt, qz, s, b = case_k(1, 1024, 1024, 128, torch.bfloat16, "cuda")
+    plain = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1)
+    packed = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1, packed=2)
+    assert torch.equal(awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=packed),
+                       awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=plain))
+
+
+@interp
+@pytest.mark.parametrize("packed", [1, 2])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m,split", [(1, 1), (3, 2)])
+def test_packed_gemv_interpreter(packed, group, m, split):
+    """The packed path's Triton code (x pairs, word halves, zero-point bits, scales) with
+    its two PTX blocks replaced by their fp16 emulation (ASM=False on CPU tensors)."""
+    x, qw, qt, qz, s, b = case_k(m, 2 * group, 200, group, torch.float16, "cpu", seed=m)
+    cfg = GemvConfig(block_n=32, block_kw=min(16, group // 8), split=split, num_warps=1,
+                     num_stages=1, packed=packed)
+    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
+    check(y, x, qw, qz, s, b, group)
+    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=replace(cfg, packed=0))
+    assert not torch.equal(y, plain) or m == 1  # fp16 products: not the fp32 path's bits
+
+
+@interp
+@pytest.mark.parametrize("packed", [1, 2])
+def test_packed_gemv_interpreter_extreme_x(packed):
+    _extreme_x(packed, "cpu", 256, 64)
+
+
+def _extreme_x(packed, device, k, n):
+    """Row 0: runs of x at +-60000 (scales cut so that y fits fp16): finite, accurate.
+    Row 1: x scaled by 1e-2 (rms 0.01, the small end of what reaches a decoder linear):
+    products (q - z) x / 64 (/ 128) fall below fp16's normal range and keep only absolute
+    precision (2^-25 a product, x 64 or 128 in y's units), still inside the tolerance."""
+    x, qw, qt, qz, s, b = case_k(2, k, n, 128, torch.float16, device, seed=3)
+    cfg = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1, packed=packed)
+    big = x[:1].clone()
+    big[0, :64] = 60000.0
+    big[0, 64:128] = -60000.0
+    small = (x[1:].float() * 1e-2).half()
+    for xi, si in ((big, (s.float() * 1e-3).half()), (small, s)):
+        y = awq_gemv.awq_gemv_k(xi, qt, qz, si, None, 128, config=cfg)
+        assert torch.isfinite(y).all()
+        ref = xi.float() @ dequantize_weight(qw, qz, si, 128)
+        err = float((y.float() - ref).abs().max() / ref.abs().max())
+        assert err <= TOL[torch.float16], f"relative error {err:.2e}"
+
+
+_COMPILE_PACKED = """
+import sys
+sys.path.insert(0, 'benchmarks')
+import awq_sm90_compile as c
+from hisparse_cli.kernels.awq_layout import GemvConfig
+for packed, m, partial in ((1, 1, False), (2, 2, True)):
+    cfg = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1, stream=2,
+                     packed=packed)
+    k = c.compile_gemv(cfg, m, partial, 128, '*fp16')
+    c.report(f'packed{packed}', k, None)
+"""
+
+
+@pytest.mark.slow
+def test_packed_gemv_ptx_compiles_for_sm90():
+    """The packed path's PTX blocks (which the CPU interpreter replaces by their emulation)
+    go through ptxas for sm_90 (Triton's bundled toolchain, no GPU), with no spills, and the
+    HFMA2 / LOP3 code they stand for is there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("no ptxas in this Triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, "-c", _COMPILE_PACKED], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("packed")]
+    assert len(lines) == 2, out.stdout
+    for ln in lines:
+        assert " local 0 " in ln and "HFMA2=" in ln and "LOP3=" in ln, ln

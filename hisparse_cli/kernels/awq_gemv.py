@@ -21,9 +21,25 @@ Split-K (SPLIT > 1) writes fp32 partials [SPLIT, M, N]; the last program of each
 (a second reduction kernel cost 2.6 µs x 128 calls = 0.34 ms per 8B decode token, H200 run
 15), the same buffers every call (CUDA-graph capturable).
 
-Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); no
-inline assembly, descriptors or autotuning. benchmarks/awq_sm90_compile.py compiles it for
-sm_90 without a GPU.
+Packed fp16 path (GemvConfig.packed 1 / 2; fp16 activations only, other dtypes take the
+fp32 path above). Per word: LOP3 ORs each nibble pair (nibbles p and p + 4) into the fp16x2
+magic 1024 (a SHR brings nibbles 2, 3, 6, 7 down), one HFMA2 scales and subtracts the zero
+point exactly, giving (q - z) / 64 (packed 2: / 128) per lane; then four fp16x2 products
+with the word's x pairs, summed per lane in fp16 (packed 2: over two words), converted to
+fp32 (two HADD2.F32 and an FADD) and scaled by 64 s (128 s) into the fp32 accumulator. The
+division keeps every lane sum below 65504 for any finite fp16 x (4 x 15/64 x 65504, 8 x
+15/128 x 65504); the price is at tiny x, where the products fall below fp16's normal range
+and keep 2^-25 absolute precision (x 64 or 128 in y's units). SASS for sm_90
+(`awq_sm90_compile.py --packed`), one 16-word step of a thread at 1 token: 471 instructions
+on the fp32 path, 370 packed 1, 338 packed 2 (96 registers); at 4 tokens 1270 / 891 / 752.
+The two PTX blocks run only on CUDA (ASM); the CPU interpreter runs an fp16 emulation of them
+(_dequant_pairs_emulated, _dot_lanes_emulated) through the same Triton code around them.
+GEMV_TABLE keeps packed 0 until an H200 run has timed it (benchmarks/gpu_gemv_packed.py,
+gpu_awq_ab.py --packed).
+
+Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); PTX
+inline assembly only on the packed path; no descriptors or autotuning.
+benchmarks/awq_sm90_compile.py compiles it for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -93,6 +109,238 @@ def _accumulate(acc, words, hi, xp, s49, sz, STREAM: tl.constexpr):
     return acc - sz[:, None] * xs[None, :]
 
 
+# fp16 bits of the packed path's offsets at z = 0: -(16 + z/64) and -(1 + z/64) for a
+# pair's lower and upper nibble (PACKED 1: codes (q - z) / 64); -(8 + z/128) and
+# -(0.5 + z/128) for PACKED 2 (codes / 128). z adds z (16 z) units in the last place.
+_Z1_64, _Z16_64 = tl.constexpr(0xCC00), tl.constexpr(0xBC00)
+_Z1_128, _Z16_128 = tl.constexpr(0xC800), tl.constexpr(0xB800)
+
+
+@triton.jit
+def _dequant_pairs(words, z1, z16, WIDE: tl.constexpr):
+    """Packed fp16 dequantization (PACKED): the 8 nibbles of each word as 4 fp16x2 pairs
+    (nibbles p and p + 4, p = 0..3) of (q - z) / 64 (WIDE: / 128), exact. Each pair is one
+    LOP3 that ORs the masked nibbles into the fp16 1024 (0x6400: 1024 + q, or 1024 + 16 q for
+    the upper nibble of a byte) and one HFMA2 that scales by 1/64 (1/1024) and adds
+    -(16 + z/64) (-(1 + z/64)): z1, z16 are those constants' fp16x2 bits, per row (WIDE:
+    1/128, 1/2048, -(8 + z/128), -(0.5 + z/128)). Every step is exact in fp16."""
+    if WIDE:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, t2, t3, w8, c1, c16;
+            lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
+            shr.u32 w8, $4, 8;
+            lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
+            mov.b32 c1, 0x20002000;
+            mov.b32 c16, 0x10001000;
+            fma.rn.f16x2 $0, t0, c1, $5;
+            fma.rn.f16x2 $1, t1, c16, $6;
+            fma.rn.f16x2 $2, t2, c1, $5;
+            fma.rn.f16x2 $3, t3, c16, $6;
+            }""",
+            constraints="=r,=r,=r,=r,r,r,r", args=[words, z1, z16],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, t2, t3, w8, c1, c16;
+        lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
+        shr.u32 w8, $4, 8;
+        lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
+        lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
+        mov.b32 c1, 0x24002400;
+        mov.b32 c16, 0x14001400;
+        fma.rn.f16x2 $0, t0, c1, $5;
+        fma.rn.f16x2 $1, t1, c16, $6;
+        fma.rn.f16x2 $2, t2, c1, $5;
+        fma.rn.f16x2 $3, t3, c16, $6;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r", args=[words, z1, z16],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _dot_pairs(v0, v1, v2, v3, p0, p1, p2, p3):
+    """sum over a word's 8 nibbles of ((q - z) / 64) x: four fp16x2 products summed per lane
+    in fp16 (a lane's 4 terms are at most 4 x 15/64 x 65504 < 65504 in all: no overflow for
+    any finite fp16 x), then the two lanes added in fp32. p0..p3: the x pairs' fp16x2 bits."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a;
+        .reg .b16 lo, hi;
+        .reg .f32 fl, fh;
+        mul.rn.f16x2 a, $1, $5;
+        fma.rn.f16x2 a, $2, $6, a;
+        fma.rn.f16x2 a, $3, $7, a;
+        fma.rn.f16x2 a, $4, $8, a;
+        mov.b32 {lo, hi}, a;
+        cvt.f32.f16 fl, lo;
+        cvt.f32.f16 fh, hi;
+        add.f32 $0, fl, fh;
+        }""",
+        constraints="=f,r,r,r,r,r,r,r,r", args=[v0, v1, v2, v3, p0, p1, p2, p3],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _dot_pairs2(v0, v1, v2, v3, u0, u1, u2, u3, p0, p1, p2, p3, r0, r1, r2, r3):
+    """_dot_pairs over two words (codes v of one, u of the other, / 128: a lane's 8 terms
+    are at most 8 x 15/128 x 65504 < 65504), one fp32 conversion for both."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a;
+        .reg .b16 lo, hi;
+        .reg .f32 fl, fh;
+        mul.rn.f16x2 a, $1, $9;
+        fma.rn.f16x2 a, $2, $10, a;
+        fma.rn.f16x2 a, $3, $11, a;
+        fma.rn.f16x2 a, $4, $12, a;
+        fma.rn.f16x2 a, $5, $13, a;
+        fma.rn.f16x2 a, $6, $14, a;
+        fma.rn.f16x2 a, $7, $15, a;
+        fma.rn.f16x2 a, $8, $16, a;
+        mov.b32 {lo, hi}, a;
+        cvt.f32.f16 fl, lo;
+        cvt.f32.f16 fh, hi;
+        add.f32 $0, fl, fh;
+        }""",
+        constraints="=f" + ",r" * 16,
+        args=[v0, v1, v2, v3, u0, u1, u2, u3, p0, p1, p2, p3, r0, r1, r2, r3],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16(bits):
+    """fp16 from the low 16 bits of an int32 tensor."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _bits2(lo, hi):
+    """fp16x2 bits (int32) of two fp16 tensors: lo in bits 0-15, hi in bits 16-31."""
+    return ((lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+            | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16))
+
+
+@triton.jit
+def _lane_mul(v, p, a):
+    """fp16 v * p (+ a): the exact product (11 x 11 bits fits fp32), one fp16 rounding;
+    with a, the add rounds in fp32 first (an HFMA2 rounds once: same value unless the
+    fp32 sum was inexact)."""
+    prod = _f16(v).to(tl.float32) * _f16(p).to(tl.float32)
+    if a is None:
+        return prod.to(tl.float16)
+    return (prod + a.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dequant_pairs_emulated(words, z1, z16, WIDE: tl.constexpr):
+    """_dequant_pairs without PTX, for the CPU interpreter: the same 1024 + q (1024 + 16 q)
+    fp16 codes, scales and offset bits, in fp32 (exact), rounded to fp16 once."""
+    if WIDE:
+        c1 = 0.0078125  # 1/128
+        c16 = 0.00048828125  # 1/2048
+    else:
+        c1 = 0.015625  # 1/64
+        c16 = 0.0009765625  # 1/1024
+    o1_lo = _f16(z1).to(tl.float32)
+    o1_hi = _f16(z1 >> 16).to(tl.float32)
+    o16_lo = _f16(z16).to(tl.float32)
+    o16_hi = _f16(z16 >> 16).to(tl.float32)
+    out0 = _bits2(((1024 + (words & 0xF)).to(tl.float32) * c1 + o1_lo).to(tl.float16),
+                  ((1024 + ((words >> 16) & 0xF)).to(tl.float32) * c1 + o1_hi).to(tl.float16))
+    out1 = _bits2(((1024 + (words & 0xF0)).to(tl.float32) * c16 + o16_lo).to(tl.float16),
+                  ((1024 + ((words >> 16) & 0xF0)).to(tl.float32) * c16 + o16_hi)
+                  .to(tl.float16))
+    w8 = (words >> 8) & 0xFFFFFF  # shr.u32
+    out2 = _bits2(((1024 + (w8 & 0xF)).to(tl.float32) * c1 + o1_lo).to(tl.float16),
+                  ((1024 + ((w8 >> 16) & 0xF)).to(tl.float32) * c1 + o1_hi).to(tl.float16))
+    out3 = _bits2(((1024 + (w8 & 0xF0)).to(tl.float32) * c16 + o16_lo).to(tl.float16),
+                  ((1024 + ((w8 >> 16) & 0xF0)).to(tl.float32) * c16 + o16_hi)
+                  .to(tl.float16))
+    return out0, out1, out2, out3
+
+
+@triton.jit
+def _dot_lanes_emulated(v0, v1, v2, v3, p0, p1, p2, p3, lo, hi):
+    """Lane sums (lo, hi) of _dot_pairs's chain (mul, then three fma), continued from
+    (lo, hi) unless None."""
+    lo = _lane_mul(v0, p0, lo)
+    hi = _lane_mul(v0 >> 16, p0 >> 16, hi)
+    lo = _lane_mul(v1, p1, lo)
+    hi = _lane_mul(v1 >> 16, p1 >> 16, hi)
+    lo = _lane_mul(v2, p2, lo)
+    hi = _lane_mul(v2 >> 16, p2 >> 16, hi)
+    lo = _lane_mul(v3, p3, lo)
+    hi = _lane_mul(v3 >> 16, p3 >> 16, hi)
+    return lo, hi
+
+
+@triton.jit
+def _x_pair(xp, off, STREAM: tl.constexpr):
+    """fp16x2 bits (x[xp + off], x[xp + off + 16]): the x of nibbles p and p + 4."""
+    if STREAM == 2:
+        lo = tl.load(xp + off, eviction_policy="evict_last")
+        hi = tl.load(xp + off + 16, eviction_policy="evict_last")
+    else:
+        lo = tl.load(xp + off)
+        hi = tl.load(xp + off + 16)
+    lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return lo | hi
+
+
+@triton.jit
+def _halves(t, BN: tl.constexpr, BKW: tl.constexpr):
+    """[BN, BKW] -> ([BN, BKW/2] even, [BN, BKW/2] odd) along the last axis."""
+    return tl.split(tl.reshape(t, (BN, BKW // 2, 2)))
+
+
+@triton.jit
+def _halves1(t, BKW: tl.constexpr):
+    """[BKW] -> ([BKW/2] even, [BKW/2] odd)."""
+    return tl.split(tl.reshape(t, (BKW // 2, 2)))
+
+
+@triton.jit
+def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: tl.constexpr):
+    """acc + s (q - z) x of one loop step for one token on the packed path (sc = 64 s)."""
+    p0 = _x_pair(xp, 0, STREAM)[None, :]
+    p1 = _x_pair(xp, 4, STREAM)[None, :]
+    p2 = _x_pair(xp, 8, STREAM)[None, :]
+    p3 = _x_pair(xp, 12, STREAM)[None, :]
+    if ASM:
+        d = _dot_pairs(v0, v1, v2, v3, p0, p1, p2, p3)
+    else:
+        lo, hi = _dot_lanes_emulated(v0, v1, v2, v3, p0, p1, p2, p3, None, None)
+        d = lo.to(tl.float32) + hi.to(tl.float32)
+    return acc + sc[:, None] * d
+
+
+@triton.jit
+def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.constexpr,
+                        ASM: tl.constexpr):
+    """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s;
+    ve, vo: the codes of the even and odd words)."""
+    p0, r0 = _halves1(_x_pair(xp, 0, STREAM), BKW)
+    p1, r1 = _halves1(_x_pair(xp, 4, STREAM), BKW)
+    p2, r2 = _halves1(_x_pair(xp, 8, STREAM), BKW)
+    p3, r3 = _halves1(_x_pair(xp, 12, STREAM), BKW)
+    if ASM:
+        d = _dot_pairs2(ve[0], ve[1], ve[2], ve[3], vo[0], vo[1], vo[2], vo[3],
+                        p0[None, :], p1[None, :], p2[None, :], p3[None, :],
+                        r0[None, :], r1[None, :], r2[None, :], r3[None, :])
+    else:
+        lo, hi = _dot_lanes_emulated(ve[0], ve[1], ve[2], ve[3], p0[None, :], p1[None, :],
+                                     p2[None, :], p3[None, :], None, None)
+        lo, hi = _dot_lanes_emulated(vo[0], vo[1], vo[2], vo[3], r0[None, :], r1[None, :],
+                                     r2[None, :], r3[None, :], lo, hi)
+        d = lo.to(tl.float32) + hi.to(tl.float32)
+    return acc + sc[:, None] * d
+
+
 @triton.jit
 def _store_row(y_ptr, acc, b_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """One token's output row: the sum over the words of acc [BN, BKW] (+ bias unless a
@@ -136,22 +384,65 @@ def _reduce_tile(p_ptr, b_ptr, y_ptr, offs_n, mask_n, stride_ps, stride_pm, stri
 
 @triton.jit
 def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, stride_xm,
-               M: tl.constexpr, STREAM: tl.constexpr):
+               M: tl.constexpr, STREAM: tl.constexpr, PACKED: tl.constexpr,
+               BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr):
     """One loop step: the [BN, BKW] word tile at K word w0 (inside one group: zw, sv are its
     rows' zero-point words and scales) added into the M tokens' accumulators."""
-    z = ((zw >> zshift) & 0xF).to(tl.float32)  # [BN]
-    s = sv.to(tl.float32)  # [BN]
-    s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
-    sz = s * z
-    hi = words >> 16
-    xp = x_ptr + w0 * 8 + x_off  # [BKW]
-    acc0 = _accumulate(acc0, words, hi, xp, s49, sz, STREAM)
-    if M > 1:
-        acc1 = _accumulate(acc1, words, hi, xp + stride_xm, s49, sz, STREAM)
-    if M > 2:
-        acc2 = _accumulate(acc2, words, hi, xp + 2 * stride_xm, s49, sz, STREAM)
-    if M > 3:
-        acc3 = _accumulate(acc3, words, hi, xp + 3 * stride_xm, s49, sz, STREAM)
+    if PACKED == 2:  # two words per fp32 conversion, codes / 128
+        zi = (zw >> zshift) & 0xF  # [BN] int32
+        h1 = zi + _Z1_128
+        h16 = zi * 16 + _Z16_128
+        z1 = ((h1 << 16) | h1)[:, None]
+        z16 = ((h16 << 16) | h16)[:, None]
+        we, wo = _halves(words, BN, BKW)
+        if ASM:
+            ve = _dequant_pairs(we, z1, z16, True)
+            vo = _dequant_pairs(wo, z1, z16, True)
+        else:
+            ve = _dequant_pairs_emulated(we, z1, z16, True)
+            vo = _dequant_pairs_emulated(wo, z1, z16, True)
+        sc = sv.to(tl.float32) * 128.0
+        xq = x_ptr + w0 * 8 + x_off  # [BKW]
+        acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM)
+        if M > 1:
+            acc1 = _accumulate_packed2(acc1, ve, vo, xq + stride_xm, sc, STREAM, BKW, ASM)
+        if M > 2:
+            acc2 = _accumulate_packed2(acc2, ve, vo, xq + 2 * stride_xm, sc, STREAM, BKW, ASM)
+        if M > 3:
+            acc3 = _accumulate_packed2(acc3, ve, vo, xq + 3 * stride_xm, sc, STREAM, BKW, ASM)
+    elif PACKED == 1:
+        zi = (zw >> zshift) & 0xF  # [BN] int32
+        h1 = zi + _Z1_64
+        h16 = zi * 16 + _Z16_64
+        z1 = ((h1 << 16) | h1)[:, None]
+        z16 = ((h16 << 16) | h16)[:, None]
+        if ASM:
+            v0, v1, v2, v3 = _dequant_pairs(words, z1, z16, False)
+        else:
+            v0, v1, v2, v3 = _dequant_pairs_emulated(words, z1, z16, False)
+        sc = sv.to(tl.float32) * 64.0
+        xq = x_ptr + w0 * 8 + x_off  # [BKW]
+        acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM)
+        if M > 1:
+            acc1 = _accumulate_packed(acc1, v0, v1, v2, v3, xq + stride_xm, sc, STREAM, ASM)
+        if M > 2:
+            acc2 = _accumulate_packed(acc2, v0, v1, v2, v3, xq + 2 * stride_xm, sc, STREAM, ASM)
+        if M > 3:
+            acc3 = _accumulate_packed(acc3, v0, v1, v2, v3, xq + 3 * stride_xm, sc, STREAM, ASM)
+    else:
+        z = ((zw >> zshift) & 0xF).to(tl.float32)  # [BN]
+        s = sv.to(tl.float32)  # [BN]
+        s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
+        sz = s * z
+        hi = words >> 16
+        xp = x_ptr + w0 * 8 + x_off  # [BKW]
+        acc0 = _accumulate(acc0, words, hi, xp, s49, sz, STREAM)
+        if M > 1:
+            acc1 = _accumulate(acc1, words, hi, xp + stride_xm, s49, sz, STREAM)
+        if M > 2:
+            acc2 = _accumulate(acc2, words, hi, xp + 2 * stride_xm, s49, sz, STREAM)
+        if M > 3:
+            acc3 = _accumulate(acc3, words, hi, xp + 3 * stride_xm, s49, sz, STREAM)
     return acc0, acc1, acc2, acc3
 
 
@@ -161,7 +452,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      GROUP: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-                     STREAM: tl.constexpr):
+                     STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
+                     ASM: tl.constexpr = True):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -182,10 +474,11 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
     zshift = (4 * (jn % 2) + jn // 2) * 4  # zero points stay in the AWQ nibble order
     w_row = qt_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
     w_start = pid_k * KW_PER_SPLIT
-    acc0 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    ACC_KW: tl.constexpr = BLOCK_KW // 2 if PACKED == 2 else BLOCK_KW  # PACKED 2: word pairs
+    acc0 = tl.zeros((BLOCK_N, ACC_KW), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, ACC_KW), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, ACC_KW), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, ACC_KW), dtype=tl.float32)
     if PREFETCH:  # registers double-buffer the next step's words, zeros and scales: their
         # loads are in flight while this step computes (the last step reloads itself)
         w_last = w_start + KW_PER_SPLIT - BLOCK_KW
@@ -203,7 +496,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             zw_n = tl.load(qz_ptr + g * W8 + rows // 8)
             s_n = tl.load(s_ptr + g * N + rows)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
-                                                x_off, zshift, stride_xm, M, STREAM)
+                                                x_off, zshift, stride_xm, M, STREAM, PACKED,
+                                                BLOCK_N, BLOCK_KW, ASM)
     else:
         for w0 in tl.range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
             words = _load_words(w_row + (w0 + offs_w)[None, :], STREAM)  # [BN, BKW] int32
@@ -211,7 +505,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             zw = tl.load(qz_ptr + g * W8 + rows // 8)  # [BN] words of zero points
             sv = tl.load(s_ptr + g * N + rows)  # [BN]
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
-                                                x_off, zshift, stride_xm, M, STREAM)
+                                                x_off, zshift, stride_xm, M, STREAM, PACKED,
+                                                BLOCK_N, BLOCK_KW, ASM)
     if SPLIT == 1:
         _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
                     HAS_BIAS, False)
@@ -250,6 +545,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
+                  PACKED=cfg.packed if x2.dtype == torch.float16 else 0, ASM=x2.is_cuda,
                   num_warps=cfg.num_warps)
     b = bias if has_bias else scales
     if split == 1:

@@ -126,7 +126,9 @@ class GemvConfig:
     num_stages: software-pipelining depth of the K loop (1: none); prefetch: 1 loads the next
     step's words into registers before this step computes (then num_stages is not used);
     stream: so that x (read by every column tile) stays in L1, 1 loads the words past L1
-    (.cg); 2 marks the words first and x last to evict."""
+    (.cg); 2 marks the words first and x last to evict; packed: 1 dequantizes to fp16x2
+    pairs and multiplies in fp16 within a word (PTX inline assembly: fp16 x on CUDA only,
+    other calls take the fp32 path)."""
 
     block_n: int
     block_kw: int
@@ -135,6 +137,7 @@ class GemvConfig:
     num_stages: int
     prefetch: int = 0
     stream: int = 0
+    packed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -147,6 +150,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.prefetch = {self.prefetch}: 0 or 1")
         if self.stream not in (0, 1, 2):
             raise ValueError(f"GemvConfig.stream = {self.stream}: 0, 1 or 2")
+        if self.packed not in (0, 1, 2):
+            raise ValueError(f"GemvConfig.packed = {self.packed}: 0, 1 or 2")
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class GemvTile:
     programs_per_sm: int
     prefetch: int = 0
     stream: int = 0
+    packed: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens. Not yet measured on a GPU: 64 columns a
@@ -177,6 +183,8 @@ GEMV_TABLE = {
                         stream=2),  # < 65536
     "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),  # lm_head
 }
+# packed stays 0 in every row: the packed fp16 GEMV (GemvTile.packed 1/2, kernels/awq_gemv.py)
+# is checked on CPU (interpreter emulation, sm_90 compile) but not yet timed on a GPU
 # (block_n, num_warps, num_stages, prefetch, stream) the sweep tries (the K split comes from
 # programs_per_sm); a warp covers 8 rows x 16 words, so block_n / (8 num_warps) rows a thread
 _PLAIN = ((64, 2, 1), (64, 2, 3), (32, 2, 1), (32, 2, 3), (32, 1, 1), (64, 1, 1), (64, 4, 1),
@@ -217,7 +225,7 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     split = gemv_split(k, n, tile.block_n, block_kw, tile.programs_per_sm, sms)
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
-                      prefetch=tile.prefetch, stream=tile.stream)
+                      prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:

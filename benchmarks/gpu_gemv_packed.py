@@ -1,0 +1,131 @@
+"""The decode GEMV's packed fp16 path (GemvConfig.packed, kernels/awq_gemv.py) against the
+fp32 path it would replace and fp16 cuBLAS, per Llama-3-8B decode shape, group 128.
+
+packed 0: nibbles read as fp32 subnormals, fp32 products (the kernel of runs 18-38);
+packed 1: nibbles to fp16x2 pairs (LOP3 into the 1024 magic + one HFMA2), fp16 products
+          summed per word, then fp32; packed 2: the same over two words per fp32 conversion.
+
+Timing as the engine's decode runs: back-to-back calls over rotating weight copies (>= 256 MB
+a pass, nothing served from L2) replayed from one CUDA graph (gpu_awq.graph_ms). Every timed
+config is first checked against the fp32 matmul of the dequantized weight (relative to
+max |y|, gpu_awq.TOL). Configs: the table's tile with packed 0/1/2, then packed 2 with the
+other tiles of VARIANTS (block_n, num_warps, programs_per_sm); 1 token, then the table's
+tile at 2 and 4 tokens.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_gemv_packed.py [--out DIR]
+Writes DIR/gpu_gemv_packed.json (DIR: --out, else $OUT, else ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import gpu_awq as g  # noqa: E402
+from hisparse_cli.kernels import awq_layout as al  # noqa: E402
+from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k  # noqa: E402
+from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+
+SHAPES = {"qkv 4096x6144": (4096, 6144), "o 4096x4096": (4096, 4096),
+          "gate_up 4096x28672": (4096, 28672), "down 14336x4096": (14336, 4096),
+          "lm_head 4096x128256": (4096, 128256)}
+GROUP = 128
+VARIANTS = ((32, 1, 16), (32, 1, 32), (32, 1, 64), (64, 2, 16), (64, 2, 32), (16, 1, 32),
+            (64, 1, 32), (128, 4, 16))
+
+
+def config(k: int, n: int, sms: int, bn: int, warps: int, pps: int, packed: int,
+           stream: int) -> al.GemvConfig:
+    bkw = min(GROUP // 8, 16)
+    return al.GemvConfig(block_n=bn, block_kw=bkw, split=al.gemv_split(k, n, bn, bkw, pps, sms),
+                         num_warps=warps, num_stages=1, stream=stream, packed=packed)
+
+
+def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
+    nb4 = g.int4_bytes(0, k, n, GROUP)
+    mats = []
+    for i in range(g.copies(nb4)):
+        qw, qz, s, _ = g.make(k, n, GROUP, seed=i)
+        mats.append((al.repack_kmajor(qw), qz, s))
+        if i == 0:
+            w_ref = dequantize_weight(qw, qz, s, GROUP)
+        del qw
+    x = torch.randn(4, k, device="cuda").half()
+    ref = x.float() @ w_ref
+    del w_ref
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16)
+           for _ in range(g.copies(2 * k * n))]
+    rows = []
+    base = al.gemv_config(1, k, n, GROUP, sms)
+    todo = [(1, replace(base, packed=p)) for p in (0, 1, 2)]
+    todo += [(1, config(k, n, sms, bn, w, pps, 2, base.stream)) for bn, w, pps in VARIANTS]
+    todo += [(m, replace(base, packed=p)) for m in (2, 4) for p in (0, 2)]
+    seen = set()
+    t16 = {}
+    for m, cfg in todo:
+        if (m, cfg) in seen:
+            continue
+        seen.add((m, cfg))
+        if m not in t16:
+            t16[m] = g.graph_ms([lambda w=w: F.linear(x[:m], w) for w in w16] * 2) * 1e3
+        rec = dict(shape=name, m=m, config=asdict(cfg), fp16_us=t16[m])
+        try:
+            y = awq_gemv_k(x[:m], mats[0][0], mats[0][1], mats[0][2], None, GROUP, config=cfg)
+            rec["err"] = g.rel(y, ref[:m])
+            rec["us"] = g.graph_ms([lambda w=w: awq_gemv_k(x[:m], w[0], w[1], w[2], None, GROUP,
+                                                           config=cfg) for w in mats] * 2) * 1e3
+            rec["GBs"] = g.int4_bytes(m, k, n, GROUP) / rec["us"] / 1e3
+        except Exception as exc:  # noqa: BLE001 - one bad config must not end the run
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(rec)
+        c = rec["config"]
+        tag = (f"bn{c['block_n']:<3} w{c['num_warps']} split{c['split']} sm{c['stream']} "
+               f"packed{c['packed']}")
+        if "us" in rec:
+            bad = "" if rec["err"] <= g.TOL[torch.float16] else "  ERR"
+            g.log(f"{name:<20} m={m} {tag:<32} {rec['us']:7.1f} us  {rec['GBs']:5.0f} GB/s  "
+                  f"fp16 {t16[m]:7.1f} us  int4/fp16 speed {t16[m] / rec['us']:.2f}x  "
+                  f"err {rec['err']:.1e}{bad}")
+        else:
+            g.log(f"{name:<20} m={m} {tag:<32} {rec['error']}")
+    del mats, w16
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = ap.parse_args()
+    sms = _sm_count(torch.device("cuda"))
+    rows = []
+    for name, (k, n) in SHAPES.items():
+        rows += shape_rows(name, k, n, sms)
+    g.log("\nper shape, 1 token: table tile packed 0 -> best packed config")
+    for name in SHAPES:
+        mine = [r for r in rows if r["shape"] == name and r["m"] == 1 and "us" in r
+                and r["err"] <= g.TOL[torch.float16]]
+        p0 = [r for r in mine if r["config"]["packed"] == 0]
+        pk = [r for r in mine if r["config"]["packed"] > 0]
+        if p0 and pk:
+            best = min(pk, key=lambda r: r["us"])
+            c = best["config"]
+            g.log(f"{name:<20} {p0[0]['us']:7.1f} -> {best['us']:7.1f} us "
+                  f"({p0[0]['us'] / best['us']:.2f}x; bn{c['block_n']} w{c['num_warps']} "
+                  f"split{c['split']} packed{c['packed']})")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_gemv_packed.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
