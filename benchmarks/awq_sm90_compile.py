@@ -39,13 +39,13 @@ OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3"
 
 
 def compile_one(fn, sig: dict, consts: dict, warps: int, aligned: tuple[str, ...],
-                stages: int = 3):
+                stages: int = 3, maxnreg: int = 0):
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
-                                                                    num_stages=stages))
+    opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def report(name: str, k, sass_dir: Path | None) -> None:
@@ -60,7 +60,8 @@ def report(name: str, k, sass_dir: Path | None) -> None:
     use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     ops = re.finditer(r"\b([A-Z][A-Z0-9]+)(?:\.[A-Z0-9.]+)?\s", sass)
     mix = collections.Counter(m.group(1) for m in ops if m.group(1) in OPS)
-    wide = len(re.findall(r"LDG\.E\.128", sass)), len(re.findall(r"STG\.E\.128", sass))
+    wide = (len(re.findall(r"LDG\.E(?:\.[A-Z]+)*\.128", sass)),  # .EF/.EL: eviction hints
+            len(re.findall(r"STG\.E(?:\.[A-Z]+)*\.128", sass)))
     mma = {o: len(re.findall(rf"\b{o}\.", sass)) for o in ("HGMMA", "HMMA", "LDGSTS")}
     print(f"{name:<44} regs {use.group(1):>3} stack {use.group(2)} local {use.group(4)}  "
           f"LDG.128 {wide[0]} STG.128 {wide[1]}  "
@@ -89,7 +90,7 @@ def compile_gemv(c: GemvConfig, m: int, partial: bool, group: int, dt: str):
                             SPLIT=4 if partial else 1, PREFETCH=c.prefetch,
                             STREAM=c.stream, PACKED=c.packed if dt == "*fp16" else 0,
                             ASM=True),
-                       c.num_warps, GEMV_ALIGNED)
+                       c.num_warps, GEMV_ALIGNED, maxnreg=c.maxnreg)
 
 
 def loop_length(k) -> int:
@@ -117,6 +118,12 @@ def compile_packed(sass_dir: Path | None) -> None:
             name = f"gemv packed{packed} m{m} p{int(partial)}"
             report(name, k, sass_dir)
             print(f"{name}: loop {loop_length(k)} instructions (16 words a thread a step)")
+    for cap in (80, 64):  # GemvConfig.maxnreg: registers traded for spills
+        c = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1, stream=2,
+                       packed=2, maxnreg=cap)
+        k = compile_gemv(c, 1, True, 128, "*fp16")
+        report(f"gemv packed2 m1 p1 maxnreg{cap}", k, sass_dir)
+        print(f"gemv packed2 m1 p1 maxnreg{cap}: loop {loop_length(k)} instructions")
     c = GemvConfig(block_n=32, block_kw=4, split=1, num_warps=1, num_stages=1, packed=2)
     report("gemv packed2 g32 m1", compile_gemv(c, 1, False, 32, "*fp16"), sass_dir)
 

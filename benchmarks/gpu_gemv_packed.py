@@ -9,8 +9,8 @@ Timing as the engine's decode runs: back-to-back calls over rotating weight copi
 a pass, nothing served from L2) replayed from one CUDA graph (gpu_awq.graph_ms). Every timed
 config is first checked against the fp32 matmul of the dequantized weight (relative to
 max |y|, gpu_awq.TOL). Configs: the table's tile with packed 0/1/2, then packed 2 with the
-other tiles of VARIANTS (block_n, num_warps, programs_per_sm); 1 token, then the table's
-tile at 2 and 4 tokens.
+VARIANTS (tile, K split, pipelining, register cap); 1 token, then the table's tile at 2 and
+4 tokens, packed 0 and 2.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_gemv_packed.py [--out DIR]
 Writes DIR/gpu_gemv_packed.json (DIR: --out, else $OUT, else ./out).
@@ -40,15 +40,20 @@ SHAPES = {"qkv 4096x6144": (4096, 6144), "o 4096x4096": (4096, 4096),
           "gate_up 4096x28672": (4096, 28672), "down 14336x4096": (14336, 4096),
           "lm_head 4096x128256": (4096, 128256)}
 GROUP = 128
-VARIANTS = ((32, 1, 16), (32, 1, 32), (32, 1, 64), (64, 2, 16), (64, 2, 32), (16, 1, 32),
-            (64, 1, 32), (128, 4, 16))
+# (block_n, num_warps, programs_per_sm, num_stages, maxnreg) tried with packed 2: K splits
+# for more warps in flight (the fp32 path was latency-bound with ~14 warps an SM, H200 run
+# 30), cp.async pipelining (num_stages 3: LDGSTS), register caps for more resident warps
+VARIANTS = ((32, 1, 16, 1, 0), (32, 1, 32, 1, 0), (32, 1, 64, 1, 0), (32, 1, 64, 1, 80),
+            (32, 1, 64, 1, 64), (32, 1, 32, 3, 0), (32, 1, 64, 3, 0), (64, 2, 16, 1, 0),
+            (64, 2, 32, 1, 0), (64, 2, 32, 3, 0), (16, 1, 64, 1, 0), (128, 4, 16, 1, 0))
 
 
-def config(k: int, n: int, sms: int, bn: int, warps: int, pps: int, packed: int,
-           stream: int) -> al.GemvConfig:
+def config(k: int, n: int, sms: int, bn: int, warps: int, pps: int, stages: int, maxnreg: int,
+           packed: int, stream: int) -> al.GemvConfig:
     bkw = min(GROUP // 8, 16)
     return al.GemvConfig(block_n=bn, block_kw=bkw, split=al.gemv_split(k, n, bn, bkw, pps, sms),
-                         num_warps=warps, num_stages=1, stream=stream, packed=packed)
+                         num_warps=warps, num_stages=stages, stream=stream, packed=packed,
+                         maxnreg=maxnreg)
 
 
 def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
@@ -68,7 +73,7 @@ def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
     rows = []
     base = al.gemv_config(1, k, n, GROUP, sms)
     todo = [(1, replace(base, packed=p)) for p in (0, 1, 2)]
-    todo += [(1, config(k, n, sms, bn, w, pps, 2, base.stream)) for bn, w, pps in VARIANTS]
+    todo += [(1, config(k, n, sms, *v, 2, base.stream)) for v in VARIANTS]
     todo += [(m, replace(base, packed=p)) for m in (2, 4) for p in (0, 2)]
     seen = set()
     t16 = {}
@@ -89,8 +94,8 @@ def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rows.append(rec)
         c = rec["config"]
-        tag = (f"bn{c['block_n']:<3} w{c['num_warps']} split{c['split']} sm{c['stream']} "
-               f"packed{c['packed']}")
+        tag = (f"bn{c['block_n']:<3} w{c['num_warps']} split{c['split']} st{c['num_stages']} "
+               f"sm{c['stream']} reg{c['maxnreg']} packed{c['packed']}")
         if "us" in rec:
             bad = "" if rec["err"] <= g.TOL[torch.float16] else "  ERR"
             g.log(f"{name:<20} m={m} {tag:<32} {rec['us']:7.1f} us  {rec['GBs']:5.0f} GB/s  "

@@ -456,7 +456,12 @@ def test_packed_gemv_cuda(packed, group, k, n, m, split):
     x, qw, qt, qz, s, b = case_k(m, k, n, group, torch.float16, "cuda", seed=m)
     cfg = GemvConfig(block_n=32, block_kw=min(16, group // 8), split=split, num_warps=1,
                      num_stages=1, stream=2, packed=packed)
-    check(awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg), x, qw, qz, s, b, group)
+    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
+    check(y, x, qw, qz, s, b, group)
+    for other in (replace(cfg, maxnreg=64), replace(cfg, num_stages=3)):  # same products
+        yo = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=other)
+        assert torch.equal(yo, y) or float((yo.float() - y.float()).abs().max()) <= \
+            1e-3 * float(y.float().abs().max()), other  # fp32 sums may be ordered otherwise
 
 
 @pytest.mark.gpu
@@ -493,6 +498,8 @@ def test_packed_gemv_interpreter(packed, group, m, split):
     check(y, x, qw, qz, s, b, group)
     plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=replace(cfg, packed=0))
     assert not torch.equal(y, plain) or m == 1  # fp16 products: not the fp32 path's bits
+    capped = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=replace(cfg, maxnreg=80))
+    assert torch.equal(capped, y)  # a compile option: the interpreter takes and ignores it
 
 
 @interp

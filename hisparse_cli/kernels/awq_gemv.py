@@ -547,6 +547,8 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=cfg.packed if x2.dtype == torch.float16 else 0, ASM=x2.is_cuda,
                   num_warps=cfg.num_warps)
+    if cfg.maxnreg:  # a compile option (Triton >= 3.0); not passed at all when unset
+        common["maxnreg"] = cfg.maxnreg
     b = bias if has_bias else scales
     if split == 1:
         _awq_gemv_kernel[(tiles, 1)](x2, qweight_k, qzeros, scales, b, y, y, qzeros, n, kw,

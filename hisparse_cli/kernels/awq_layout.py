@@ -127,8 +127,9 @@ class GemvConfig:
     step's words into registers before this step computes (then num_stages is not used);
     stream: so that x (read by every column tile) stays in L1, 1 loads the words past L1
     (.cg); 2 marks the words first and x last to evict; packed: 1 dequantizes to fp16x2
-    pairs and multiplies in fp16 within a word (PTX inline assembly: fp16 x on CUDA only,
-    other calls take the fp32 path)."""
+    pairs and multiplies in fp16 within a word, 2 the same over two words (fp16 x only,
+    other dtypes take the fp32 path); maxnreg: a register cap per thread for ptxas (0: its
+    own choice), for more resident warps at the price of spills."""
 
     block_n: int
     block_kw: int
@@ -138,6 +139,7 @@ class GemvConfig:
     prefetch: int = 0
     stream: int = 0
     packed: int = 0
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -152,6 +154,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.stream = {self.stream}: 0, 1 or 2")
         if self.packed not in (0, 1, 2):
             raise ValueError(f"GemvConfig.packed = {self.packed}: 0, 1 or 2")
+        if self.maxnreg and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"GemvConfig.maxnreg = {self.maxnreg}: 0 or 24..255")
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class GemvTile:
     prefetch: int = 0
     stream: int = 0
     packed: int = 0
+    maxnreg: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens. Not yet measured on a GPU: 64 columns a
@@ -225,7 +230,8 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     split = gemv_split(k, n, tile.block_n, block_kw, tile.programs_per_sm, sms)
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
-                      prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed)
+                      prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed,
+                      maxnreg=tile.maxnreg)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:
