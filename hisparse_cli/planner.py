@@ -127,6 +127,14 @@ def graph_decode_enabled() -> bool:
     return os.environ.get("HISPARSE_CUDA_GRAPH") != "0"
 
 
+def cpu_int4pack_enabled() -> bool:
+    """Whether a CPU run's AWQ linears keep the packed decode copy (AWQLinear.packs_on): the
+    CPU backend's INT4 choice, which HISPARSE_BACKEND=torch turns off."""
+    from hisparse_cli.kernels.dispatch import select_backend
+
+    return select_backend("cpu").int4_linear == "int4pack"
+
+
 def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int = 128,
                 awq_lm_head: bool = False, embeddings_on_host: bool = False,
                 sparse: SparseConfig, context_tokens: int, max_new_tokens: int, kv_dtype,
@@ -150,6 +158,7 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                    model_name=model_name)
     cuda = device_kind == "cuda"
     host_emb = embeddings_on_host and cuda  # on the cpu the table is already in host memory
+    cpu_int4 = awq and not cuda and backend == "torch" and cpu_int4pack_enabled()
     cb, kvb = _DTYPE_BYTES[c_name], _DTYPE_BYTES[kv_name]
     seq = policy(sparse, model_cfg.sliding_window)
     use_globals = seq.window is not None and sparse.global_tokens > 0
@@ -169,13 +178,13 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         C=sparse.recalibrate_topk if use_globals else 0,
         track_scores=track, score_tensor=track or (use_globals and imp == "probe"),
         score_stride=sparse.score_stride, min_distance=min_distance, importance=imp,
-        num_sms=num_sms)
+        num_sms=num_sms, cpu_int4=cpu_int4)
     graph = cuda and backend == "triton" and graph_decode_enabled()  # Engine._use_graph
     run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens,
                        graph_workspace=CUBLAS_WORKSPACE_BYTES if graph else 0,
                        graph_input_bytes=model_cfg.hidden_size * cb if host_emb else 0)
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
-                          embeddings_on_host=host_emb, cuda=cuda)
+                          embeddings_on_host=host_emb, cuda=cuda, cpu_int4=cpu_int4)
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
                       counted=w.on_device) for w in witems]
     weights = sum(w.bytes for w in witems if w.on_device)

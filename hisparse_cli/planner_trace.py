@@ -139,6 +139,7 @@ class StepShape:
     min_distance: int  # snapkv: score_min_distance passed to the kernel (0: none)
     importance: str
     num_sms: int
+    cpu_int4: bool = False  # CPU AWQ linears keep the packed decode copy (kernels/awq_cpu.py)
 
     @property
     def grp(self) -> int:
@@ -159,7 +160,23 @@ def linear(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, quant: bo
         return tr.alloc(name, m * n * cb)
     if s.backend == "triton":  # K-major kernels for every dtype (kernels/awq_layout.py)
         return _awq_triton(tr, s, name, m, k, n)
+    if s.cpu_int4 and not s.cuda:
+        from hisparse_cli.kernels.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_applies
+
+        if m <= CPU_INT4_MAX_TOKENS and int4pack_applies(k, n, s.group):
+            return _awq_int4pack(tr, s, name, m, k, n)
     return _awq_ref(tr, s, name, m, k, n, bias)
+
+
+def _awq_int4pack(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> int:
+    """awq_cpu.int4pack_linear: x in bf16, the kernel's bf16 y, y in the compute dtype (the
+    bias is added in place)."""
+    xb = tr.alloc(name + ".int4pack_x", m * k * 2)
+    yb = tr.alloc(name + ".int4pack_y", m * n * 2)
+    tr.free(xb)
+    y = tr.alloc(name, m * n * s.cb)
+    tr.free(yb)
+    return y
 
 
 def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> int:

@@ -42,8 +42,36 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
             ("down_proj", im, hs, mb)]
 
 
+def cpu_int4pack_items(cfg: ModelConfig, group: int, awq_lm_head: bool) -> list[WeightItem]:
+    """The packed CPU decode copies of the AWQ linears (kernels/awq_cpu.py), per linear as the
+    loader stacks them (q|k|v, gate|up) and only where the shape allows the packing."""
+    from hisparse_cli.kernels.awq_cpu import int4pack_applies, packed_bytes
+
+    hs, qd, kd, im = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                      cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    stacked = [("qkv", hs, qd + 2 * kd), ("o", qd, hs), ("gate_up", hs, 2 * im),
+               ("down", im, hs)]
+    per_layer, parts = 0, []
+    for name, i, o in stacked:
+        if int4pack_applies(i, o, group):
+            per_layer += sum(packed_bytes(i, o, group))
+            parts.append(f"{name} {i}x{o}")
+    items = []
+    if per_layer:
+        items.append(WeightItem(
+            "weights.linears_cpu_int4pack", cfg.num_hidden_layers * per_layer,
+            f"{cfg.num_hidden_layers} layers x ({', '.join(parts)}): in*out/2 + "
+            f"(in/{group})*out*4 each (packed decode copy, bf16 scales and zeros)"))
+    if awq_lm_head and int4pack_applies(hs, cfg.vocab_size, group):
+        b = sum(packed_bytes(hs, cfg.vocab_size, group))
+        items.append(WeightItem("weights.lm_head_cpu_int4pack", b,
+                                f"INT4 {hs}x{cfg.vocab_size} packed decode copy"))
+    return items
+
+
 def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_head: bool,
-                 embeddings_on_host: bool, cuda: bool) -> list[WeightItem]:
+                 embeddings_on_host: bool, cuda: bool,
+                 cpu_int4: bool = False) -> list[WeightItem]:
     def a(n: int) -> int:
         return cuda_block_bytes(n) if cuda else max(n, 0)
 
@@ -84,6 +112,8 @@ def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_hea
         why = " (device copy of the host-resident tied table)" if cfg.tie_word_embeddings else ""
         items.append(WeightItem("weights.lm_head", a(V * H * cb), f"[{V}, {H}] x {dt}{why}"))
     items.append(WeightItem("weights.rope", a(D // 2 * 4), f"inv_freq [{D // 2}] fp32"))
+    if awq and cpu_int4 and not cuda:
+        items += cpu_int4pack_items(cfg, group, awq_lm_head)
     return items
 
 

@@ -99,11 +99,10 @@ def make_tiny_llama(path, seed=0, **over):
     return model
 
 
-def test_mixed_checkpoint_matches_hf_with_decoded_weights(tmp_path):
+def _mixed_checkpoint(tmp_path):
+    """A tiny Llama with some linears AWQ INT4 (group 32) and the rest fp, and the HF model
+    holding the independently decoded weights (the oracle): (folder, hf)."""
     from safetensors.torch import load_file, save_file
-
-    from hisparse_cli.model.llama import forward_full, fuse_projections
-    from hisparse_cli.model.loader import load_model
 
     hf = make_tiny_llama(tmp_path / "fp")
     tensors = load_file(str(tmp_path / "fp" / "model.safetensors"))
@@ -128,7 +127,19 @@ def test_mixed_checkpoint_matches_hf_with_decoded_weights(tmp_path):
     cfg["quantization_config"] = {**PUBLISHED, "group_size": group,
                                   "modules_to_not_convert": ["layers.1.self_attn.k_proj"]}
     (out / "config.json").write_text(json.dumps(cfg))
+    return out, hf
+
+
+def test_mixed_checkpoint_matches_hf_with_decoded_weights(tmp_path, monkeypatch):
+    """The exact path (HISPARSE_BACKEND=torch: the fp32 reference for every call) against
+    HF with the decoded weights."""
+    from hisparse_cli.model.llama import forward_full, fuse_projections
+    from hisparse_cli.model.loader import load_model
+
+    monkeypatch.setenv("HISPARSE_BACKEND", "torch")
+    out, hf = _mixed_checkpoint(tmp_path)
     model, _ = load_model(out, "cpu", torch.float32)
+    assert model.lm_head.int4pack is None  # the reference backend keeps no packed copy
     assert isinstance(model.get_submodule("lm_head"), AWQLinear)
     assert isinstance(model.get_submodule("model.layers.1.self_attn.v_proj"), AWQLinear)
     assert not isinstance(model.get_submodule("model.layers.1.self_attn.k_proj"), AWQLinear)
@@ -150,6 +161,47 @@ def test_mixed_checkpoint_matches_hf_with_decoded_weights(tmp_path):
     in_memory = fuse_projections(model)
     assert isinstance(in_memory.model.layers[0].self_attn.qkv_proj, AWQLinear)
     assert torch.allclose(forward_full(in_memory, ids), got, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_checkpoint_cpu_int4pack_path(tmp_path):
+    """The CPU default: decode-sized calls (<= CPU_INT4_MAX_TOKENS rows) through torch's
+    packed int4 kernel on bf16 activations, against HF with the decoded weights: within
+    bf16's rounding (x and y rounded to 8 bits: ~2^-8 of the logits' scale a layer); longer
+    calls are the reference's bits; the packed copy follows stacking, is not saved, and is
+    dropped off the CPU."""
+    from hisparse_cli.kernels.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_available
+    from hisparse_cli.model.llama import forward_full, fuse_projections
+    from hisparse_cli.model.loader import load_model
+
+    if not int4pack_available():
+        pytest.skip("this torch has no working packed int4 CPU kernel")
+    out, hf = _mixed_checkpoint(tmp_path)
+    model, _ = load_model(out, "cpu", torch.float32)
+    head = model.lm_head
+    assert head.int4pack is not None and head.int4pack.dtype == torch.uint8
+    assert head.int4pack_sz.dtype == torch.bfloat16
+    assert not any("int4pack" in k for k in model.state_dict())
+    ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expect = hf(ids[None]).logits[0]
+    got = forward_full(model, ids)
+    scale = float(expect.abs().max())
+    err = float((got - expect).abs().max())
+    assert err <= 3e-2 * scale, (err, scale)
+    assert err > 1e-6 * scale  # the bf16 path ran (the reference agrees to ~1e-6)
+    long_ids = torch.randint(0, 256, (CPU_INT4_MAX_TOKENS + 1,),
+                             generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expect_long = hf(long_ids[None]).logits[0]
+    assert torch.allclose(forward_full(model, long_ids), expect_long, atol=2e-4, rtol=1e-4)
+    fused = fuse_projections(model)
+    qkv = fused.model.layers[0].self_attn.qkv_proj
+    assert qkv.int4pack is not None and qkv.int4pack.shape[0] == qkv.out_features
+    assert torch.allclose(forward_full(fused, ids), got, atol=1e-5, rtol=1e-5)
+    head.to(torch.float64)  # a float cast: the copy is made again in bf16
+    assert head.int4pack_sz.dtype == torch.bfloat16
+    head.to("meta")  # off the CPU (as to a GPU): no copy
+    assert head.int4pack is None and head.int4pack_sz is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -458,6 +458,8 @@ def test_packed_gemv_cuda(packed, group, k, n, m, split):
                      num_stages=1, stream=2, packed=packed)
     y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
     check(y, x, qw, qz, s, b, group)
+    if group != 128 or m not in (1, 4):
+        return
     for other in (replace(cfg, maxnreg=64), replace(cfg, num_stages=3)):  # same products
         yo = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=other)
         assert torch.equal(yo, y) or float((yo.float() - y.float()).abs().max()) <= \

@@ -542,10 +542,12 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     has_bias = bias is not None
     tiles = triton.cdiv(n, cfg.block_n)
+    asm = x2.is_cuda and torch.version.hip is None  # the packed path's PTX: NVIDIA only
+    packed = cfg.packed if x2.dtype == torch.float16 and (asm or not x2.is_cuda) else 0
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
-                  PACKED=cfg.packed if x2.dtype == torch.float16 else 0, ASM=x2.is_cuda,
+                  PACKED=packed, ASM=asm,
                   num_warps=cfg.num_warps)
     if cfg.maxnreg:  # a compile option (Triton >= 3.0); not passed at all when unset
         common["maxnreg"] = cfg.maxnreg

@@ -3,7 +3,9 @@
 `select_backend(device)` returns a `KernelBackend`; the model and the KV cache call its
 methods and never import an implementation module directly. Triton kernels are used on CUDA
 when triton imports; the torch references run everywhere (and are the test oracles).
-`HISPARSE_BACKEND=torch` forces the references (read once, when a backend is selected).
+`HISPARSE_BACKEND=torch` forces the references (read once, when a backend is selected); on
+the CPU the default ("auto") runs decode-sized AWQ INT4 calls through torch's packed int4
+kernel (kernels/awq_cpu.py), `torch` keeps the exact fp32 reference there too.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class KernelBackend:
     """Names the implementation used for each kernel family on one device."""
 
     attention: str = "torch"  # "torch" | "triton"
-    int4_linear: str = "torch"  # "torch" | "triton"
+    int4_linear: str = "torch"  # "torch" | "triton" | "int4pack" (CPU: kernels/awq_cpu.py)
     elementwise: str = "torch"  # "torch" | "triton": RMSNorm (+ residual add), RoPE
 
     # -- attention -------------------------------------------------------------------------
@@ -76,13 +78,21 @@ class KernelBackend:
         return store_kv(*args, **kwargs)
 
     # -- INT4 (AWQ GEMM layout) linear -----------------------------------------------------
-    def awq_linear(self, *args, **kwargs):
-        """See kernels/awq_ref.py:awq_linear for the contract."""
+    def awq_linear(self, x, qweight, qzeros, scales, bias, group_size, *, cpu_pack=None):
+        """See kernels/awq_ref.py:awq_linear for the contract. cpu_pack: the layer's
+        (packed, scales-and-zeros) CPU copy (kernels/awq_cpu.py), which runs calls of at most
+        CPU_INT4_MAX_TOKENS rows on the CPU; everything else takes the reference (or, with
+        the Triton backend, the AWQ-layout Triton kernels)."""
+        if self.int4_linear == "int4pack" and cpu_pack is not None and x.device.type == "cpu":
+            from hisparse_cli.kernels.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_linear
+
+            if x.shape[:-1].numel() <= CPU_INT4_MAX_TOKENS:
+                return int4pack_linear(x, cpu_pack[0], cpu_pack[1], bias, group_size)
         if self.int4_linear == "triton":
             from hisparse_cli.kernels.awq_triton import awq_linear
         else:
             from hisparse_cli.kernels.awq_ref import awq_linear
-        return awq_linear(*args, **kwargs)
+        return awq_linear(x, qweight, qzeros, scales, bias, group_size)
 
     def awq_linear_k(self, *args, **kwargs):
         """awq_linear with qweight in the K-major run-time layout (kernels/awq_layout.py)."""
@@ -161,4 +171,9 @@ def _backend_for(device_type: str, prefer: str) -> KernelBackend:
         raise ConfigError("the triton backend needs a CUDA device and the triton package",
                           hint="unset HISPARSE_BACKEND or install triton on a CUDA machine")
     name = "triton" if use_triton else "torch"
-    return KernelBackend(attention=name, int4_linear=name, elementwise=name)
+    int4 = name
+    if device_type == "cpu" and prefer == "auto":
+        from hisparse_cli.kernels.awq_cpu import int4pack_available
+
+        int4 = "int4pack" if int4pack_available() else "torch"
+    return KernelBackend(attention=name, int4_linear=int4, elementwise=name)

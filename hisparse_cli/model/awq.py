@@ -98,7 +98,10 @@ class AWQLinear(nn.Module):
     On CUDA with the Triton backend, `from_checkpoint` repacks qweight once into the K-major
     run-time layout int32 [out, in/8] (kernels/awq_layout.py; `layout` == "kmajor"): same
     bytes, the checkpoint-layout tensor is dropped. `checkpoint_qweight()` gives the AutoAWQ
-    layout back.
+    layout back. On the CPU (backend "int4pack", the default there) it also keeps a packed
+    copy for decode-sized calls, non-persistent buffers `int4pack` uint8 [out, in/2] and
+    `int4pack_sz` bf16 [in/group, out, 2] (kernels/awq_cpu.py: ~25x faster one-token calls,
+    bf16 activations); prefill-sized calls keep the fp32 reference.
     """
 
     layout = "awq"  # "awq": qweight [in, out/8] (AutoAWQ GEMM); "kmajor": [out, in/8]
@@ -120,6 +123,10 @@ class AWQLinear(nn.Module):
                                                    device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device)
                              if bias else None)
+        # the CPU decode copy (kernels/awq_cpu.py), made by from_checkpoint on the CPU where
+        # the shape allows; not part of the checkpoint (non-persistent)
+        self.register_buffer("int4pack", None, persistent=False)
+        self.register_buffer("int4pack_sz", None, persistent=False)
 
     @classmethod
     def from_checkpoint(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -165,7 +172,26 @@ class AWQLinear(nn.Module):
         mod.qzeros = qzeros.to(device).contiguous()
         mod.scales = scales.to(device=device, dtype=torch.float16).contiguous()
         mod.bias = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
+        mod._pack_for_cpu()
         return mod
+
+    def _pack_for_cpu(self) -> None:
+        """(Re)make or drop the CPU decode copy to match the buffers' device and dtypes."""
+        from hisparse_cli.kernels.awq_cpu import int4pack_applies, pack_for_cpu
+
+        qw = self.qweight
+        if (self.layout == "awq" and self.packs_on(qw.device)
+                and int4pack_applies(self.in_features, self.out_features, self.group_size)):
+            if self.int4pack is None or self.int4pack_sz.dtype != torch.bfloat16:
+                self.int4pack, self.int4pack_sz = pack_for_cpu(qw, self.qzeros, self.scales)
+        else:
+            self.int4pack = self.int4pack_sz = None
+
+    @staticmethod
+    def packs_on(device: torch.device) -> bool:
+        """True where the layer keeps the packed CPU decode copy: the CPU, whose backend runs
+        INT4 through torch's packed kernel (not with HISPARSE_BACKEND=torch)."""
+        return device.type == "cpu" and select_backend("cpu").int4_linear == "int4pack"
 
     @staticmethod
     def repacks_on(device: torch.device) -> bool:
@@ -190,8 +216,10 @@ class AWQLinear(nn.Module):
         """x [..., in] -> [..., out] in x's dtype."""
         backend = select_backend(x.device.type)
         if self.layout != "kmajor":
+            pack = self.int4pack
             return backend.awq_linear(x, self.qweight, self.qzeros, self.scales, self.bias,
-                                      self.group_size)
+                                      self.group_size,
+                                      cpu_pack=None if pack is None else (pack, self.int4pack_sz))
         # the buffers' checks and launch constants are made once per backend and set of
         # buffer objects (a module whose buffers are replaced, e.g. by .to(), is prepared
         # again); x is checked on every call. Identity tests on the buffer dict: a module
@@ -206,7 +234,10 @@ class AWQLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to() / .half() / .cuda(): new buffers, prepare again
         self._prepared = self._prepared_key = None  # (and do not keep the old ones alive)
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        if self.int4pack is not None:  # moved off the CPU: dropped; a float cast: made again
+            self._pack_for_cpu()
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -265,6 +265,9 @@ def _stack_linears(lins: list[nn.Module]) -> nn.Module | None:
         fused.register_buffer("qzeros", torch.cat([m.qzeros for m in lins], dim=1))
         fused.register_buffer("scales", torch.cat([m.scales for m in lins], dim=1))
         fused.register_buffer("bias", bias)
+        fused.register_buffer("int4pack", None, persistent=False)
+        fused.register_buffer("int4pack_sz", None, persistent=False)
+        fused._pack_for_cpu()  # its own CPU decode copy (the pieces' go with them)
         return fused
     if type(lins[0]) is not nn.Linear:
         return None
