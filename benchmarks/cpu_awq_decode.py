@@ -68,7 +68,8 @@ def child(model_dir: str, ids_file: str, new_tokens: int) -> None:
                           decode_s=s.decode_seconds,
                           decode_ms_per_token=1e3 * s.decode_seconds / max(1, s.new_tokens),
                           int4_linear=select_backend("cpu").int4_linear,
-                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+                          peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                          * 1024)))
 
 
 def main() -> None:

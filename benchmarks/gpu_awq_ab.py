@@ -170,8 +170,8 @@ def packed_ab(a, model, cfg, sparse, backend, dev) -> None:
             print(f"round {r} {label:<14} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
                   f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
         ratios = {k: row[k] / row["fp16"] for k in row if k != "fp16"}
-        print(f"round {r} INT4/fp16 decode: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()),
-              flush=True)
+        print(f"round {r} INT4/fp16 decode: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
         res.append(dict(round=r, decode_tok_s=row, ratio=ratios))
     awq_layout.GEMV_TABLE.clear()
     awq_layout.GEMV_TABLE.update(table)

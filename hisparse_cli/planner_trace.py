@@ -165,7 +165,24 @@ def linear(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, quant: bo
 
         if m <= CPU_INT4_MAX_TOKENS and int4pack_applies(k, n, s.group):
             return _awq_int4pack(tr, s, name, m, k, n)
+        return _awq_cpu_dequant(tr, s, name, m, k, n, bias)
     return _awq_ref(tr, s, name, m, k, n, bias)
+
+
+def _awq_cpu_dequant(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int,
+                     bias: bool) -> int:
+    """awq_cpu.awq_linear_dequant: the broadcasting dequantize, then the reference's matmul."""
+    el, gz, t = k * n, (k // s.group) * n, name + ".dequant"
+    a = tr.alloc(t, el * 4)  # words >> shifts (int32 [k, n/8, 8])
+    q = tr.alloc(t, el * 4)  # & 0xF
+    tr.free(a)
+    a = tr.alloc(t, gz * 4)  # zeros: the same on [k/group, n]
+    z = tr.alloc(t, gz * 4)
+    tr.free(a)
+    sf = tr.alloc(t, gz * 4)  # scales.float()
+    w = tr.alloc(t, el * 4)  # q - z written into it, then * s in place
+    tr.free(q, z, sf)
+    return _cpu_matmul(tr, s, name, t, m, k, n, bias, w)
 
 
 def _awq_int4pack(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> int:
@@ -230,28 +247,37 @@ def _awq_ref(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, bias: b
     tr.free(diff)
     w = tr.alloc(t, el * 4)  # * s
     tr.free(f, q, z, sc)
+    if not s.cuda:
+        return _cpu_matmul(tr, s, name, t, m, k, n, bias, w)
     cb = s.cb
-    if not s.cuda:  # CPU: fp32 matmul, one rounding at the end
-        xf = tr.alloc(t, m * k * 4) if cb != 4 else -1
-        y = tr.alloc(name if cb == 4 else t, m * n * 4)
-        tr.free(xf)
-        if bias:
-            bf = tr.alloc(t, n * 4) if cb != 4 else -1
-            y2 = tr.alloc(name if cb == 4 else t, m * n * 4)
-            tr.free(y, bf)
-            y = y2
-        if cb != 4:
-            out = tr.alloc(name, m * n * cb)
-            tr.free(y)
-            y = out
-    else:
-        wc = tr.alloc(t, el * cb) if cb != 4 else -1
-        y = tr.alloc(name, m * n * cb)
-        tr.free(wc)
-        if bias:
-            y2 = tr.alloc(name, m * n * cb)
-            tr.free(y)
-            y = y2
+    wc = tr.alloc(t, el * cb) if cb != 4 else -1
+    y = tr.alloc(name, m * n * cb)
+    tr.free(wc)
+    if bias:
+        y2 = tr.alloc(name, m * n * cb)
+        tr.free(y)
+        y = y2
+    tr.free(w)
+    return y
+
+
+def _cpu_matmul(tr: Trace, s: StepShape, name: str, t: str, m: int, k: int, n: int,
+                bias: bool, w: int) -> int:
+    """The reference's CPU tail after the dequantized fp32 w: fp32 matmul, one rounding at
+    the end; w is freed last."""
+    cb = s.cb
+    xf = tr.alloc(t, m * k * 4) if cb != 4 else -1
+    y = tr.alloc(name if cb == 4 else t, m * n * 4)
+    tr.free(xf)
+    if bias:
+        bf = tr.alloc(t, n * 4) if cb != 4 else -1
+        y2 = tr.alloc(name if cb == 4 else t, m * n * 4)
+        tr.free(y, bf)
+        y = y2
+    if cb != 4:
+        out = tr.alloc(name, m * n * cb)
+        tr.free(y)
+        y = out
     tr.free(w)
     return y
 

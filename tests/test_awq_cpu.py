@@ -64,7 +64,7 @@ def test_backend_dispatch_threshold_and_reference_switch(monkeypatch):
     y = be.awq_linear(x[:m], *args, cpu_pack=(packed, sz))
     assert torch.equal(y, awq_cpu.int4pack_linear(x[:m], packed, sz, None, 64))
     assert not torch.equal(y, awq_linear(x[:m], *args))
-    # ... beyond it, and without a packed copy, the reference's bits
+    # ... beyond it, and without a packed copy, the reference's bits (a faster dequantize)
     assert torch.equal(be.awq_linear(x, *args, cpu_pack=(packed, sz)), awq_linear(x, *args))
     assert torch.equal(be.awq_linear(x[:1], *args), awq_linear(x[:1], *args))
     ref_be = KernelBackend(int4_linear="torch")
@@ -84,3 +84,19 @@ def test_awq_linear_module_keeps_copy_only_where_it_applies(monkeypatch):
     assert AWQLinear.from_checkpoint(p2.qweight, p2.qzeros, p2.scales, None, 64).int4pack is None
     monkeypatch.setenv("HISPARSE_BACKEND", "torch")
     assert AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, None, 64).int4pack is None
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("k,n", [(128, 8), (256, 200), (1536, 576)])
+def test_dequantize_cpu_is_the_references_bits(group, k, n):
+    if k % group:
+        pytest.skip("in_features not a multiple of the group")
+    p, b = layer(k, n, group, seed=k + n, bias=True)
+    qw = p.qweight.clone()
+    qw[0, 0] = -1  # the sign bit: an arithmetic shift must still give 8 nibbles of 15
+    assert torch.equal(awq_cpu.dequantize_cpu(qw, p.qzeros, p.scales, group),
+                       dequantize_weight(qw, p.qzeros, p.scales, group))
+    x = torch.randn(70, k)
+    for xx, bb in ((x, b), (x.bfloat16(), b.bfloat16()), (x[:3], None)):
+        assert torch.equal(awq_cpu.awq_linear_dequant(xx, qw, p.qzeros, p.scales, bb, group),
+                           awq_linear(xx, qw, p.qzeros, p.scales, bb, group))

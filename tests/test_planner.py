@@ -190,7 +190,11 @@ def test_peak_and_kv_equal_a_recorded_cpu_run(tiny, arch, sp, prompt, new, dtype
     assert rec.peak == plan.peak_allocated_bytes - plan.weights_bytes, plan.peak_when
 
 
-def test_awq_cpu_run_matches(tmp_path):
+@pytest.mark.parametrize("chunk,backend", [(32, "auto"), (100, "auto"), (100, "torch")])
+def test_awq_cpu_run_matches(tmp_path, monkeypatch, chunk, backend):
+    """Every CPU INT4 path: decode-sized calls through the packed kernel (chunk 32: the whole
+    run), prefill chunks over CPU_INT4_MAX_TOKENS through the broadcasting dequantize
+    (chunk 100), and the exact reference everywhere (HISPARSE_BACKEND=torch)."""
     from safetensors.torch import load_file, save_file
 
     from hisparse_cli.kernels.awq_pack import quantize_weight
@@ -206,7 +210,9 @@ def test_awq_cpu_run_matches(tmp_path):
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
                                   "zero_point": True, "version": "gemm"}
     (path / "config.json").write_text(json.dumps(cfg))
-    sparse = SparseConfig(window_size=64, global_tokens=8, recalibrate_topk=8, prefill_chunk=32)
+    sparse = SparseConfig(window_size=64, global_tokens=8, recalibrate_topk=8,
+                          prefill_chunk=chunk)
+    monkeypatch.setenv("HISPARSE_BACKEND", backend)
     eng = Engine.from_pretrained(path, sparse=sparse)
     rec = AllocRecorder()
     with rec:

@@ -81,13 +81,16 @@ class KernelBackend:
     def awq_linear(self, x, qweight, qzeros, scales, bias, group_size, *, cpu_pack=None):
         """See kernels/awq_ref.py:awq_linear for the contract. cpu_pack: the layer's
         (packed, scales-and-zeros) CPU copy (kernels/awq_cpu.py), which runs calls of at most
-        CPU_INT4_MAX_TOKENS rows on the CPU; everything else takes the reference (or, with
-        the Triton backend, the AWQ-layout Triton kernels)."""
-        if self.int4_linear == "int4pack" and cpu_pack is not None and x.device.type == "cpu":
-            from hisparse_cli.kernels.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_linear
+        CPU_INT4_MAX_TOKENS rows on the CPU; the CPU backend's other calls dequantize with
+        awq_cpu.dequantize_cpu (the reference's bits); other backends: the reference (or,
+        with Triton, the AWQ-layout Triton kernels)."""
+        if self.int4_linear == "int4pack" and x.device.type == "cpu":
+            from hisparse_cli.kernels.awq_cpu import (CPU_INT4_MAX_TOKENS, awq_linear_dequant,
+                                                      int4pack_linear)
 
-            if x.shape[:-1].numel() <= CPU_INT4_MAX_TOKENS:
+            if cpu_pack is not None and x.shape[:-1].numel() <= CPU_INT4_MAX_TOKENS:
                 return int4pack_linear(x, cpu_pack[0], cpu_pack[1], bias, group_size)
+            return awq_linear_dequant(x, qweight, qzeros, scales, bias, group_size)
         if self.int4_linear == "triton":
             from hisparse_cli.kernels.awq_triton import awq_linear
         else:
