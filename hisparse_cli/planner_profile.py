@@ -46,7 +46,7 @@ def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_toke
         if profile.weight_format == "awq-int4" and ckpt_format is None and cuda:
             notes.append(f"profile {profile.name!r} prefers AWQ INT4 weights but this model is "
                          "not quantized: planned as it would load (unquantized)")
-    if weight_format == "awq-int4":
+    if weight_format == "awq-int4" and cuda:  # on the cpu the run is float32 (runtime.py)
         compute = "float16"
     if budget_bytes is None and cuda:
         budget_bytes = profile.vram_budget_bytes

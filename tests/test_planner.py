@@ -21,6 +21,7 @@ from hisparse_cli.engine import Engine, SparseConfig
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.engine.sparsity import SparseSequence
 from hisparse_cli.errors import ConfigError, ResourceError
+from hisparse_cli.kernels import awq_cpu
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.planner import plan_memory
 from hisparse_cli.planner_run import visible_count
@@ -430,6 +431,23 @@ def test_cli_plan_json_parses():
     assert d["fits"] is True and d["settings"]["weight_format"] == "awq-int4"
     r = CliRunner().invoke(app, ["plan", "-m", "llama-3-8b", "-p", "4060ti-6g", "--check"])
     assert r.exit_code == 5
+
+
+def test_profile_plan_of_an_awq_model_uses_the_runs_dtype():
+    """An AWQ model runs in float16 on a GPU profile and in float32 on the cpu profile
+    (runtime.plan_device): the plan's activations follow, and on the cpu it counts the
+    packed decode copies."""
+    from hisparse_cli.planner_profile import plan_for_profile
+    from hisparse_cli.profiles import load_profile
+
+    cfg = shape_config("llama-3-8b-awq")
+    gpu = plan_for_profile(cfg, load_profile("4060ti-6g"), context_tokens=4096)
+    cpu = plan_for_profile(cfg, load_profile("cpu"), context_tokens=4096)
+    assert gpu.settings["compute_dtype"] == "float16"
+    assert cpu.settings["compute_dtype"] == "float32"
+    names = {i.name for i in cpu.items}
+    assert ("weights.linears_cpu_int4pack" in names) == awq_cpu.int4pack_available()
+    assert "weights.linears_cpu_int4pack" not in {i.name for i in gpu.items}
 
 
 # -- the GPU: predicted vs torch.cuda.max_memory_allocated -------------------------------------

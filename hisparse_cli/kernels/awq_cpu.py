@@ -28,6 +28,8 @@ from functools import lru_cache
 
 import torch
 
+from hisparse_cli.kernels.awq_pack import AWQ_ORDER_INV
+
 CPU_INT4_MAX_TOKENS = 64  # rows per call up to which the packed kernel beats dequantize + fp32
 GROUPS = (32, 64, 128, 256)  # the kernel's group sizes
 N_MULTIPLE = 16  # the packing needs out_features divisible by this
@@ -79,7 +81,9 @@ def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor,
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-_SHIFTS: torch.Tensor | None = None  # int32 [8]: nibble shifts in logical column order
+# int32 [8]: the nibble shifts in logical column order (made at import: a run allocates nothing
+# for it, which the planner's exact trace relies on)
+_SHIFTS = torch.tensor([4 * p for p in AWQ_ORDER_INV], dtype=torch.int32)
 
 
 def dequantize_cpu(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -88,11 +92,6 @@ def dequantize_cpu(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     two small integers and its fp32 conversion are exact; one fp32 product), ~2x faster and
     with half its temporaries: zeros and scales broadcast over each group instead of being
     repeated, the integer difference written straight into the fp32 output."""
-    global _SHIFTS
-    if _SHIFTS is None:
-        from hisparse_cli.kernels.awq_pack import AWQ_ORDER_INV
-
-        _SHIFTS = torch.tensor([4 * p for p in AWQ_ORDER_INV], dtype=torch.int32)
     k, words = qweight.shape
     n, groups = words * 8, k // group_size
     q = (qweight.unsqueeze(-1) >> _SHIFTS) & 0xF  # int32 [k, out/8, 8], logical order
