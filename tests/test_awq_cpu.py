@@ -67,6 +67,8 @@ def test_backend_dispatch_threshold_and_reference_switch(monkeypatch):
     # ... beyond it, and without a packed copy, the reference's bits (a faster dequantize)
     assert torch.equal(be.awq_linear(x, *args, cpu_pack=(packed, sz)), awq_linear(x, *args))
     assert torch.equal(be.awq_linear(x[:1], *args), awq_linear(x[:1], *args))
+    empty = be.awq_linear(x[:0], *args, cpu_pack=(packed, sz))  # no rows: the dequantize path
+    assert empty.shape == (0, 64)
     ref_be = KernelBackend(int4_linear="torch")
     assert torch.equal(ref_be.awq_linear(x[:1], *args, cpu_pack=(packed, sz)),
                        awq_linear(x[:1], *args))

@@ -88,7 +88,7 @@ class KernelBackend:
             from hisparse_cli.kernels.awq_cpu import (CPU_INT4_MAX_TOKENS, awq_linear_dequant,
                                                       int4pack_linear)
 
-            if cpu_pack is not None and x.shape[:-1].numel() <= CPU_INT4_MAX_TOKENS:
+            if cpu_pack is not None and 0 < x.shape[:-1].numel() <= CPU_INT4_MAX_TOKENS:
                 return int4pack_linear(x, cpu_pack[0], cpu_pack[1], bias, group_size)
             return awq_linear_dequant(x, qweight, qzeros, scales, bias, group_size)
         if self.int4_linear == "triton":
