@@ -125,40 +125,43 @@ def _dequant_pairs(words, z1, z16, WIDE: tl.constexpr):
     -(16 + z/64) (-(1 + z/64)): z1, z16 are those constants' fp16x2 bits, per row (WIDE:
     1/128, 1/2048, -(8 + z/128), -(0.5 + z/128)). Every step is exact in fp16."""
     if WIDE:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1, t2, t3, w8, c1, c16;
-            lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
-            shr.u32 w8, $4, 8;
-            lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
-            mov.b32 c1, 0x20002000;
-            mov.b32 c16, 0x10001000;
-            fma.rn.f16x2 $0, t0, c1, $5;
-            fma.rn.f16x2 $1, t1, c16, $6;
-            fma.rn.f16x2 $2, t2, c1, $5;
-            fma.rn.f16x2 $3, t3, c16, $6;
-            }""",
-            constraints="=r,=r,=r,=r,r,r,r", args=[words, z1, z16],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        c1 = 0x20002000  # fp16x2 1/128
+        c16 = 0x10001000  # fp16x2 1/2048
+    else:
+        c1 = 0x24002400  # fp16x2 1/64
+        c16 = 0x14001400  # fp16x2 1/1024
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 t0, t1, t2, t3, w8, c1, c16;
+        .reg .b32 t0, t1, t2, t3, w8;
         lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
         lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
         shr.u32 w8, $4, 8;
         lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
         lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
-        mov.b32 c1, 0x24002400;
-        mov.b32 c16, 0x14001400;
-        fma.rn.f16x2 $0, t0, c1, $5;
-        fma.rn.f16x2 $1, t1, c16, $6;
-        fma.rn.f16x2 $2, t2, c1, $5;
-        fma.rn.f16x2 $3, t3, c16, $6;
+        fma.rn.f16x2 $0, t0, $7, $5;
+        fma.rn.f16x2 $1, t1, $8, $6;
+        fma.rn.f16x2 $2, t2, $7, $5;
+        fma.rn.f16x2 $3, t3, $8, $6;
         }""",
-        constraints="=r,=r,=r,=r,r,r,r", args=[words, z1, z16],
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[words, z1, z16, tl.full(words.shape, c1, tl.int32),
+              tl.full(words.shape, c16, tl.int32)],
         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+def _dot_asm(words: int) -> str:
+    """PTX of _dot_pairs over `words` words: operands $1.. the codes (4 a word), then the x
+    pairs in the same order; one fp16x2 chain, its two lanes added in fp32 into $0."""
+    n = 4 * words
+    chain = [f"mul.rn.f16x2 a, $1, ${n + 1};"]
+    chain += [f"fma.rn.f16x2 a, ${i + 1}, ${n + i + 1}, a;" for i in range(1, n)]
+    return "\n".join(["{", ".reg .b32 a;", ".reg .b16 lo, hi;", ".reg .f32 fl, fh;", *chain,
+                      "mov.b32 {lo, hi}, a;", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;",
+                      "add.f32 $0, fl, fh;", "}"])
+
+
+_DOT1 = tl.constexpr(_dot_asm(1))
+_DOT2 = tl.constexpr(_dot_asm(2))
 
 
 @triton.jit
@@ -167,20 +170,7 @@ def _dot_pairs(v0, v1, v2, v3, p0, p1, p2, p3):
     in fp16 (a lane's 4 terms are at most 4 x 15/64 x 65504 < 65504 in all: no overflow for
     any finite fp16 x), then the two lanes added in fp32. p0..p3: the x pairs' fp16x2 bits."""
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a;
-        .reg .b16 lo, hi;
-        .reg .f32 fl, fh;
-        mul.rn.f16x2 a, $1, $5;
-        fma.rn.f16x2 a, $2, $6, a;
-        fma.rn.f16x2 a, $3, $7, a;
-        fma.rn.f16x2 a, $4, $8, a;
-        mov.b32 {lo, hi}, a;
-        cvt.f32.f16 fl, lo;
-        cvt.f32.f16 fh, hi;
-        add.f32 $0, fl, fh;
-        }""",
-        constraints="=f,r,r,r,r,r,r,r,r", args=[v0, v1, v2, v3, p0, p1, p2, p3],
+        asm=_DOT1, constraints="=f" + ",r" * 8, args=[v0, v1, v2, v3, p0, p1, p2, p3],
         dtype=tl.float32, is_pure=True, pack=1)
 
 
@@ -189,24 +179,7 @@ def _dot_pairs2(v0, v1, v2, v3, u0, u1, u2, u3, p0, p1, p2, p3, r0, r1, r2, r3):
     """_dot_pairs over two words (codes v of one, u of the other, / 128: a lane's 8 terms
     are at most 8 x 15/128 x 65504 < 65504), one fp32 conversion for both."""
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a;
-        .reg .b16 lo, hi;
-        .reg .f32 fl, fh;
-        mul.rn.f16x2 a, $1, $9;
-        fma.rn.f16x2 a, $2, $10, a;
-        fma.rn.f16x2 a, $3, $11, a;
-        fma.rn.f16x2 a, $4, $12, a;
-        fma.rn.f16x2 a, $5, $13, a;
-        fma.rn.f16x2 a, $6, $14, a;
-        fma.rn.f16x2 a, $7, $15, a;
-        fma.rn.f16x2 a, $8, $16, a;
-        mov.b32 {lo, hi}, a;
-        cvt.f32.f16 fl, lo;
-        cvt.f32.f16 fh, hi;
-        add.f32 $0, fl, fh;
-        }""",
-        constraints="=f" + ",r" * 16,
+        asm=_DOT2, constraints="=f" + ",r" * 16,
         args=[v0, v1, v2, v3, u0, u1, u2, u3, p0, p1, p2, p3, r0, r1, r2, r3],
         dtype=tl.float32, is_pure=True, pack=1)
 
