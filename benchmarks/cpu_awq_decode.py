@@ -9,6 +9,7 @@ variant), rounds alternate the order.
 
     python benchmarks/cpu_awq_decode.py [--model DIR] [--awq DIR] [--doc FILE]
         [--prompt-tokens 2000] [--new-tokens 64] [--rounds 2] [--json OUT.json]
+    python benchmarks/cpu_awq_decode.py --fidelity 400 [--json OUT.json]   (quality instead)
 Default model: the embedded SmolLM2-135M (hisparse models path smollm2-135m-instruct).
 """
 
@@ -72,6 +73,56 @@ def child(model_dir: str, ids_file: str, new_tokens: int) -> None:
                           * 1024)))
 
 
+def fidelity(a) -> None:
+    """Teacher-forced, one token a step: the packed decode path against the exact reference
+    on the same INT4 weights (the backend is read per call: HISPARSE_BACKEND switches it),
+    and the fp32 model for scale."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hisparse_cli.engine import Engine, SparseConfig
+    from hisparse_cli.quality.capture import logits_at, teacher_forced
+    from hisparse_cli.quality.metrics import token_fidelity
+    from hisparse_cli.models.resolve import resolve_model
+
+    model = a.model or str(resolve_model("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    ids = tok(Path(a.doc).read_text(encoding="utf-8"))["input_ids"][: a.fidelity + 1]
+    sparse = SparseConfig(prefill_chunk=1)
+    targets = torch.tensor(ids[1:])
+    with tempfile.TemporaryDirectory() as tmp:
+        awq = a.awq or str(Path(tmp) / "awq")
+        if a.awq is None:
+            rtn_checkpoint(Path(model), Path(awq), 64)
+        os.environ.pop("HISPARSE_BACKEND", None)
+        eng4 = Engine.from_pretrained(awq, sparse=sparse)
+        logits = {}
+        for label, backend in (("INT4 packed", "auto"), ("INT4 reference", "torch")):
+            os.environ["HISPARSE_BACKEND"] = backend
+            tr = teacher_forced(eng4, ids[:-1], sparse)
+            logits[label] = logits_at(eng4, tr.hidden)
+            print(f"{label:<15} {tr.seconds:7.1f} s for {len(ids) - 1} one-token steps",
+                  flush=True)
+        os.environ.pop("HISPARSE_BACKEND", None)
+        eng = Engine.from_pretrained(model, sparse=sparse)
+        tr = teacher_forced(eng, ids[:-1], sparse)
+        logits["fp32"] = logits_at(eng, tr.hidden)
+    res = {}
+    for ref, other in (("INT4 reference", "INT4 packed"), ("fp32", "INT4 reference"),
+                       ("fp32", "INT4 packed")):
+        f = token_fidelity(logits[ref], logits[other], targets)
+        res[f"{other} vs {ref}"] = dict(kl=f.kl / f.n, top1=f.agree / f.n,
+                                        ppl_ref=float(torch.exp(torch.tensor(f.nll_dense / f.n))),
+                                        ppl=float(torch.exp(torch.tensor(f.nll_sparse / f.n))))
+        r = res[f"{other} vs {ref}"]
+        print(f"{other} vs {ref}: KL {r['kl']:.5f} nats/token, top-1 agreement "
+              f"{r['top1']:.4f}, perplexity {r['ppl']:.3f} vs {r['ppl_ref']:.3f} "
+              f"({f.n} tokens)", flush=True)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(dict(tokens=len(ids) - 1, results=res), indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -81,10 +132,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fidelity", type=int, default=0, metavar="N",
+                    help="instead: N tokens of --doc teacher-forced one token a step (every "
+                         "linear call decode-sized) through the INT4 model with the packed "
+                         "kernel and with the exact reference, and through the fp32 model: "
+                         "KL, top-1 agreement and perplexity")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(a.child[0], a.child[1], int(a.child[2]))
+        return
+    if a.fidelity:
+        fidelity(a)
         return
     from cpu_engine_vs_hf import prompt_ids
 
