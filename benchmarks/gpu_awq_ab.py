@@ -10,9 +10,10 @@ h200-141g sparse settings, CUDA-graph decode), alternating variants so drift hit
     PYTHONPATH=$PWD python3 benchmarks/gpu_awq_ab.py [--out DIR] [--rounds 3] [--graphs]
 --graphs: only the INT4 prefill with its dequantize replayed from CUDA graphs vs launched
 eagerly, with fp16 in the same rounds (gpu_awq_ab_graphs.json).
---packed: only decode at --context: the fp16 model, INT4 with GEMV_TABLE as it is, and INT4
-with every tile's GemvTile.packed set to 1 and to 2 (the packed fp16 GEMV), order rotated
-each round; INT4/fp16 decode per round (gpu_awq_ab_packed.json).
+--packed: only decode at --context: the fp16 model, INT4 with GEMV_TABLE as it is (packed 2
+since run 39), the same tiles with packed 0 (the fp32 path), and the table of runs 31-38
+(RUN31_TABLE, packed 0); order rotated each round; INT4/fp16 decode per round
+(gpu_awq_ab_packed.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -60,8 +61,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--decode-tokens", type=int, default=257)
     ap.add_argument("--packed", action="store_true",
-                    help="only: decode with the packed fp16 GEMV (GemvTile.packed 1, 2) vs the "
-                         "table as it is, and fp16, interleaved")
+                    help="only: decode with GEMV_TABLE (packed fp16 GEMV) vs its tiles at packed 0, "
+                         "RUN31_TABLE and fp16, interleaved")
     ap.add_argument("--graphs", action="store_true",
                     help="only: prefill with the dequantize replayed from CUDA graphs vs launched "
                          "eagerly, and fp16, interleaved")
@@ -138,9 +139,19 @@ def graphs_ab(a, model, cfg, sparse, backend, dev) -> None:
     (Path(a.out) / "gpu_awq_ab_graphs.json").write_text(json.dumps(res, indent=1))
 
 
+# GEMV_TABLE of runs 31-38 (before the packed fp16 GEMV): the A/B's baseline
+RUN31_TABLE = {
+    "small_n": awq_layout.GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16,
+                                   stream=2),
+    "large_n": awq_layout.GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=32,
+                                   stream=2),
+    "huge_n": awq_layout.GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),
+}
+
+
 def packed_ab(a, model, cfg, sparse, backend, dev) -> None:
     """Decode tok/s at --context over --decode-tokens: fp16, INT4 with GEMV_TABLE as it is,
-    INT4 with packed 1 and packed 2 on every tile; the order rotated each round (a new
+    with its tiles at packed 0, and with RUN31_TABLE; the order rotated each round (a new
     Engine per run: each captures its own decode graph with the table of the moment)."""
     from dataclasses import replace
 
@@ -149,13 +160,15 @@ def packed_ab(a, model, cfg, sparse, backend, dev) -> None:
              weight_format="fp16")
     long = prompt(a.context, cfg.vocab_size)
     table = dict(awq_layout.GEMV_TABLE)
-    tables = {p: {k: replace(t, packed=p) for k, t in table.items()} for p in (1, 2)}
-    for t in tables.values():  # compile the packed kernels outside the timing
+    tables = {"packed 0": {k: replace(t, packed=0) for k, t in table.items()},
+              "run31": dict(RUN31_TABLE)}
+    for t in tables.values():  # compile the kernels outside the timing
         awq_layout.GEMV_TABLE.update(t)
         run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
                  weight_format="awq-int4")
     variants = [("fp16", fp16, None), ("int4 table", model, table),
-                ("int4 packed 1", model, tables[1]), ("int4 packed 2", model, tables[2])]
+                ("int4 table packed 0", model, tables["packed 0"]),
+                ("int4 run-31 table", model, tables["run31"])]
     res: list = []
     for r in range(a.rounds):
         row = {}

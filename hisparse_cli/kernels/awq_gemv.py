@@ -34,8 +34,9 @@ and keep 2^-25 absolute precision (x 64 or 128 in y's units). SASS for sm_90
 on the fp32 path, 370 packed 1, 338 packed 2 (96 registers); at 4 tokens 1270 / 891 / 752.
 The two PTX blocks run only on CUDA (ASM); the CPU interpreter runs an fp16 emulation of them
 (_dequant_pairs_emulated, _dot_lanes_emulated) through the same Triton code around them.
-GEMV_TABLE keeps packed 0 until an H200 run has timed it (benchmarks/gpu_gemv_packed.py,
-gpu_awq_ab.py --packed).
+Timed on the H200 (run 39, benchmarks/gpu_gemv_packed.py): at 1 token 1.02-1.20x the fp32
+path per Llama-3-8B shape (with its best tile), at 2-4 tokens 1.1-1.45x; GEMV_TABLE uses
+packed 2 for every shape class.
 
 Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); PTX
 inline assembly only on the packed path; no descriptors or autotuning.

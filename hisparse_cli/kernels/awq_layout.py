@@ -173,23 +173,24 @@ class GemvTile:
     maxnreg: int = 0
 
 
-# Shape classes by output columns n at 1..4 tokens. Not yet measured on a GPU: 64 columns a
-# 2-warp program (4 rows x 4 words a thread, enough rows to amortise x's loads, conversion
-# and scaling) and K split to ~16 programs per SM (H200 run 4's best for the previous
-# kernel). `benchmarks/gpu_awq.py --gemv-sweep` times GEMV_CANDIDATES and prints the rows.
+# Shape classes by output columns n at 1..4 tokens; `benchmarks/gpu_awq.py --gemv-sweep` times
+# GEMV_CANDIDATES and prints the rows, `benchmarks/gpu_gemv_packed.py` the packed variants.
 GEMV_TABLE = {
-    # from the H200 sweeps of 2026-12-01 (benchmarks/gpu_awq.py --gemv-sweep; results in
-    # benchmarks/results/h200-run6 and h200-run31): the best tile per class over the
-    # Llama-3-8B decode shapes; stream 2 (words evict-first, x evict-last) won 3-8 % on
-    # every shape but lm_head in run 31
-    "small_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=16,
-                        stream=2),  # < 8192
-    "large_n": GemvTile(block_n=32, num_warps=1, num_stages=1, programs_per_sm=32,
-                        stream=2),  # < 65536
-    "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),  # lm_head
+    # tiles from the H200 sweeps of 2026-12-01 (benchmarks/gpu_awq.py --gemv-sweep; results in
+    # benchmarks/results/h200-run6 and h200-run31; stream 2: words evict-first, x evict-last);
+    # packed 2 (the packed fp16 GEMV, two words per fp32 conversion) and the small/large_n
+    # tiles from benchmarks/gpu_gemv_packed.py, H200 run 39 (benchmarks/results/h200-run39):
+    # 1 token, per layer qkv+o+gate_up+down 60.9 -> 55.6 us, lm_head 118.5 -> 116.2 us;
+    # 2-4 tokens 1.1-1.45x faster than packed 0
+    "small_n": GemvTile(block_n=128, num_warps=4, num_stages=1, programs_per_sm=16,
+                        stream=2, packed=2),  # < 8192
+    "large_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=32,
+                        stream=2, packed=2),  # < 65536
+    "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4,
+                       packed=2),  # lm_head
 }
-# packed stays 0 in every row: the packed fp16 GEMV (GemvTile.packed 1/2, kernels/awq_gemv.py)
-# is checked on CPU (interpreter emulation, sm_90 compile) but not yet timed on a GPU
+# packed 2 applies to fp16 activations on NVIDIA CUDA; bf16/fp32 and ROCm take the fp32
+# path (packed 0) with the same tile
 # (block_n, num_warps, num_stages, prefetch, stream) the sweep tries (the K split comes from
 # programs_per_sm); a warp covers 8 rows x 16 words, so block_n / (8 num_warps) rows a thread
 _PLAIN = ((64, 2, 1), (64, 2, 3), (32, 2, 1), (32, 2, 3), (32, 1, 1), (64, 1, 1), (64, 4, 1),
