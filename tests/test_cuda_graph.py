@@ -104,6 +104,69 @@ def test_device_sampler_ngram_blocking_equals_host_sampler(n):
         assert a == b
 
 
+def test_device_sampler_suppresses_and_remembers_tokens():
+    """The suppressed ids are never chosen (the next best is) and every sampled token is marked
+    seen, for the repetition penalty of later steps."""
+    from hisparse_cli.engine import GenerationConfig
+    from hisparse_cli.engine.cuda_graph import DeviceSampler
+
+    g = GenerationConfig(max_new_tokens=4, repetition_penalty=2.0)
+    dev = DeviceSampler(g, 8, torch.device("cpu"))
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 2.5, 1.0, 0.5, 0.2]])
+    assert int(dev(logits, torch.tensor([1, 2]))) == 3
+    assert int(dev(logits, None)) == 1
+    assert dev.seen.nonzero().flatten().tolist() == [1, 3]
+    # seen tokens are penalised: 5/2 and 3/2 fall below 4 (token 2), then 4/2 below 2.5
+    assert int(dev(logits, None)) == 2
+    assert int(dev(logits, torch.tensor([1]))) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gen", [dict(), dict(repetition_penalty=1.1, no_repeat_ngram_size=3),
+                                 dict(temperature=0.8, top_p=0.9, seed=0)])
+def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeypatch, gen):
+    """The decode loop reads tokens back every 16 steps and must not wait for the GPU anywhere
+    else (an indexed scalar assignment in the sampler did, twice a token, found in H200 run 41):
+    sync debug mode is on for the loop of a run that replays the kept graph, across evictions,
+    recalibrations, suppressed EOS, the penalty and n-gram ban, and top-p sampling."""
+    import traceback
+    import warnings
+
+    from hisparse_cli.engine import Engine, GenerationConfig
+
+    eng = _engine(tmp_path, torch.float16)
+    ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(3))
+    g = GenerationConfig(max_new_tokens=64, min_new_tokens=64, eos_token_ids=(5,), **gen)
+    eng.generate(ids, gen=g)  # warms up and captures the graph
+    original = Engine._decode_graph
+
+    def counted(self, *a, **k):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return original(self, *a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    syncs = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        # a sync inside the loop has _decode_graph's frame on the stack (not one of the
+        # sync-debug switch itself, which warns once in a process on some torch versions)
+        stack = traceback.extract_stack()
+        if "synchroniz" in str(message) and any(f.name == "_decode_graph" for f in stack):
+            own = [f for f in stack if "hisparse_cli" in f.filename]
+            syncs.append(f"{filename.split('/')[-1]}:{lineno} in {own[-1].name}:{own[-1].lineno}")
+
+    monkeypatch.setattr(Engine, "_decode_graph", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        res = eng.generate(ids, gen=g)
+    assert res.extra["cuda_graph"] == "reused" and len(res.token_ids) == 64
+    assert res.stats.recalibrations > 0
+    assert len(syncs) == 64 // 16, syncs  # the read-backs, nothing else
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompt", [5, 200])
 def test_graph_greedy_equals_eager(tmp_path, monkeypatch, prompt):

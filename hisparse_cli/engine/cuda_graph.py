@@ -52,7 +52,7 @@ class GraphStepContext(StepContext):
 class DeviceSampler:
     """Greedy / temperature + top-p sampling with a repetition penalty and no-repeat n-gram
     blocking, all on the device (tensor shapes depend only on the step count, which the host
-    knows, so nothing here waits for the device)."""
+    knows, so nothing here waits for the device; `benchmarks/gpu_decode_syncs.py` checks)."""
 
     def __init__(self, gen: GenerationConfig, vocab: int, device: torch.device) -> None:
         self.gen = gen
@@ -73,8 +73,10 @@ class DeviceSampler:
         ban = self._ngram_banned(x.shape[0])
         if ban is not None:
             x = torch.where(ban, float("-inf"), x)
-        if suppress is not None:
-            x[suppress] = float("-inf")
+        if suppress is not None:  # index_fill_, not x[suppress] = ...: an indexed
+            # assignment of a Python scalar waits for the device (a host sync per token,
+            # found in H200 run 41)
+            x.index_fill_(0, suppress, float("-inf"))
         if g.temperature == 0:
             tok = torch.argmax(x).reshape(1)
         else:
@@ -84,7 +86,7 @@ class DeviceSampler:
                 keep = torch.cumsum(sp, -1) - sp < g.top_p
                 probs = torch.zeros_like(probs).scatter_(0, si, sp * keep)
             tok = torch.multinomial(probs, 1, generator=self.rng)
-        self.seen[tok] = True
+        self.seen.index_fill_(0, tok.reshape(-1), True)
         if self.count < self.hist.shape[0]:
             self.hist[self.count:self.count + 1].copy_(tok.reshape(1))
         self.count += 1

@@ -22,6 +22,7 @@ import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.engine.config import GenerationConfig, SparseConfig
+from hisparse_cli.engine.kv_cache import int64_to_device
 from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.engine.sampling import Sampler
 from hisparse_cli.kernels.dispatch import select_backend
@@ -263,7 +264,7 @@ class Engine:
         decoder, reused = self._decode_state.decoder_for(self.model, run,
                                                          prompt_len + gen.max_new_tokens)
         sampler = DeviceSampler(gen, logits.shape[-1], self.device)
-        eos_t = torch.tensor(sorted(eos), dtype=torch.int64, device=self.device) if eos else None
+        eos_t = int64_to_device(sorted(eos), self.device) if eos else None
         toks = torch.empty(gen.max_new_tokens, dtype=torch.int64, device=self.device)
         out: list[int] = []
         for i in range(gen.max_new_tokens):

@@ -121,7 +121,8 @@ class PagedKVCache:
 
     def reset_scores(self, blocks: list[int]) -> None:
         if self.score is not None and blocks:
-            self.score[:, int64_to_device(blocks, self.device)] = 0.0
+            # index_fill_: an indexed assignment of a scalar would wait for the device
+            self.score.index_fill_(1, int64_to_device(blocks, self.device), 0.0)
 
     def set_token_scores(self, layer: int, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Probe policy: per-token scores [T, Hkv] written at the tokens' slots."""
