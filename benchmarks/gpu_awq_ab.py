@@ -14,6 +14,9 @@ eagerly, with fp16 in the same rounds (gpu_awq_ab_graphs.json).
 since run 39), the same tiles with packed 0 (the fp32 path), and the table of runs 31-38
 (RUN31_TABLE, packed 0); order rotated each round; INT4/fp16 decode per round
 (gpu_awq_ab_packed.json).
+--silu: only the gated MLP's silu(gate) * up as one Triton kernel (KernelBackend.silu_mul_)
+vs torch's two in-place ops, for fp16 and INT4: decode and prefill tok/s at --context, the
+order alternating each round (gpu_awq_ab_silu.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -66,6 +69,8 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="only: prefill with the dequantize replayed from CUDA graphs vs launched "
                          "eagerly, and fp16, interleaved")
+    ap.add_argument("--silu", action="store_true",
+                    help="only: fused silu * up kernel vs torch's two ops, fp16 and INT4")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -79,6 +84,9 @@ def main() -> None:
         return
     if a.packed:
         packed_ab(a, model, cfg, sparse, backend, dev)
+        return
+    if a.silu:
+        silu_ab(a, model, cfg, sparse, backend, dev)
         return
     res: dict = {"decode": [], "prefill": []}
     short = prompt(8192, cfg.vocab_size)
@@ -105,6 +113,42 @@ def main() -> None:
                   flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_awq_ab.json").write_text(json.dumps(res, indent=1))
+
+
+def silu_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Decode and prefill tok/s at --context over --decode-tokens, fp16 and INT4, with the
+    fused silu * up kernel and with KernelBackend.silu_mul_ patched to the torch reference
+    (F.silu in place, then mul_: the model's ops before the kernel), alternating."""
+    from hisparse_cli.kernels import norm_rope_ref
+    from hisparse_cli.kernels.dispatch import KernelBackend
+
+    fused = KernelBackend.silu_mul_
+    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
+    run_ours(fp16, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
+             weight_format="fp16")
+    long = prompt(a.context, cfg.vocab_size)
+    res: list = []
+    for r in range(a.rounds):
+        for fmt, m in (("fp16", fp16), ("awq-int4", model)):
+            row = {}
+            for variant in (("kernel", "torch ops") if r % 2 == 0 else ("torch ops", "kernel")):
+                if variant == "torch ops":
+                    KernelBackend.silu_mul_ = lambda self, gu, inter: norm_rope_ref.silu_mul_(
+                        gu, inter)
+                try:
+                    out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
+                                   weight_format=fmt)
+                finally:
+                    KernelBackend.silu_mul_ = fused
+                row[variant] = {k: out[k] for k in ("decode_tok_s", "prefill_tok_s")}
+            k, t = row["kernel"], row["torch ops"]
+            print(f"round {r} {fmt:<8} decode {k['decode_tok_s']:6.1f} vs {t['decode_tok_s']:6.1f}"
+                  f" tok/s ({k['decode_tok_s'] / t['decode_tok_s']:.3f}x), prefill "
+                  f"{k['prefill_tok_s']:8,.0f} vs {t['prefill_tok_s']:8,.0f} "
+                  f"({k['prefill_tok_s'] / t['prefill_tok_s']:.3f}x)", flush=True)
+            res.append(dict(round=r, weights=fmt, **row))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_awq_ab_silu.json").write_text(json.dumps(res, indent=1))
 
 
 def graphs_ab(a, model, cfg, sparse, backend, dev) -> None:

@@ -75,6 +75,8 @@ def cases(quick: bool = False):
                    "sxt": "i32", "sxh": "i32", "sct": "i32", "sst": "i32"}
             yield (f"rope {dt} heads={heads} D={d}", nt._rope, sig,
                    dict(HALF=d // 2, BLOCK_H=bh, BLOCK_D=bd), warps)
+        sig = {"gu_ptr": p, "INTER": "i32", "stride_t": "i32"}
+        yield (f"silu_mul {dt}", nt._silu_mul, sig, dict(BLOCK=nt.SILU_BLOCK), 4)
 
 
 def main() -> int:

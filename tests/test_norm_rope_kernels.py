@@ -1,5 +1,5 @@
-"""Triton RMSNorm / residual-add + RMSNorm / RoPE (kernels/norm_rope_triton.py) against their
-torch references (kernels/norm_rope_ref.py, the ops the model runs on the CPU).
+"""Triton RMSNorm / residual-add + RMSNorm / RoPE / silu(gate) * up (kernels/norm_rope_triton.py)
+against their torch references (kernels/norm_rope_ref.py, the ops the model runs on the CPU).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes; the interpreter casts
 fp32 -> bf16 by truncation (not round-to-nearest), so bf16 gets a tolerance of a few ulps
@@ -103,6 +103,29 @@ def test_rope_on_the_strided_qk_view_interpreter(dtype, t, hq, hkv, d):
         close(out, want)
 
 
+def silu_case(t, inter, dtype, pad=0, seed=0):
+    """A stacked gate|up output [t, 2 inter], as a view with row stride 2 inter + pad."""
+    return rnd(t, 2 * inter + pad, dtype=dtype, seed=seed)[:, :2 * inter]
+
+
+@interp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,inter,pad", [(1, 64, 0), (3, 1500, 0), (5, 2048, 24), (2, 3, 1)])
+def test_silu_mul_interpreter(dtype, t, inter, pad):
+    """In place over the gate half (ragged column blocks, strided rows); the up half and the
+    padding are left alone; fp16 matches the reference's two roundings except where the
+    exp's last ulp flips one (checked within one fp16 ulp of the value)."""
+    gu = silu_case(t, inter, dtype, pad)
+    before = gu.clone()
+    want = ref.silu_mul_(before.clone(), inter)
+    out = tri.silu_mul_(gu, inter)
+    assert out.data_ptr() == gu.data_ptr() and out.shape == (t, inter)
+    assert torch.equal(gu[:, inter:], before[:, inter:])
+    close(out.contiguous(), want.contiguous())
+    if dtype == torch.float16:
+        assert torch.allclose(out.float(), want.float(), rtol=2 ** -10, atol=2 ** -24)
+
+
 @interp
 def test_dispatch_picks_triton_or_the_reference():
     x, w = rnd(4, 32, dtype=torch.float16), rnd(32, dtype=torch.float16, seed=1)
@@ -115,6 +138,9 @@ def test_dispatch_picks_triton_or_the_reference():
     close(tri_b.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
     close(tri_b.add_rms_norm(x, x, w, 1e-6)[1], ref.add_rms_norm(x, x, w, 1e-6)[1])
     assert torch.equal(tri_b.rope(qk, cos, sin), ref.rope(qk, cos, sin))
+    gu = silu_case(4, 40, torch.float16)
+    assert torch.equal(torch_b.silu_mul_(gu.clone(), 40), ref.silu_mul_(gu.clone(), 40))
+    close(tri_b.silu_mul_(gu.clone(), 40).contiguous(), ref.silu_mul_(gu.clone(), 40).contiguous())
     # outside the kernels' layout (fp32 weight with fp16 x): the reference, same promotion
     w32 = w.float()
     assert torch.equal(tri_b.rms_norm(x, w32, 1e-6), ref.rms_norm(x, w32, 1e-6))
@@ -167,6 +193,9 @@ def test_llama_shapes_gpu(dtype, t):
         # not bit-exact on the GPU (H200, run 10): the compiler contracts the product and
         # the sum into one FMA where the reference rounds the product first
         close(tri.rope(v, cos, sin), ref.rope(v, cos, sin))
+    gu = silu_case(t, 14336, dtype, pad=8)
+    want = ref.silu_mul_(gu.clone(), 14336)
+    close(tri.silu_mul_(gu, 14336).contiguous(), want.contiguous())
 
 
 @pytest.mark.gpu
@@ -178,9 +207,11 @@ def test_kernels_capture_in_a_cuda_graph_gpu():
     _, _, _, qk = qkv_views(1, 32, 8, 128, dtype)  # a strided view of the qkv output
     cos, sin = rnd(1, 128, dtype=dtype, seed=4), rnd(1, 128, dtype=dtype, seed=5)
 
+    gu = rnd(1, 2 * 14336, dtype=dtype, seed=9)
+
     def run():
         return (tri.rms_norm(x, w, 1e-5), tri.add_rms_norm(x, y, w, 1e-5),
-                tri.rope(qk, cos, sin))
+                tri.rope(qk, cos, sin), tri.silu_mul_(gu, 14336))
 
     run()  # compile outside the capture
     torch.cuda.synchronize()
@@ -189,11 +220,14 @@ def test_kernels_capture_in_a_cuda_graph_gpu():
         outs = run()
     x.copy_(rnd(1, 4096, dtype=dtype, seed=7))
     qk.copy_(rnd(1, 40, 128, dtype=dtype, seed=8))
+    gu.copy_(rnd(1, 2 * 14336, dtype=dtype, seed=10))
+    want = ref.silu_mul_(gu.clone(), 14336)
     g.replay()
     torch.cuda.synchronize()
     close(outs[0], ref.rms_norm(x, w, 1e-5))
     close(outs[1][1], ref.add_rms_norm(x, y, w, 1e-5)[1])
     close(outs[2], ref.rope(qk, cos, sin))
+    close(outs[3].contiguous(), want.contiguous())
 
 
 @pytest.mark.gpu

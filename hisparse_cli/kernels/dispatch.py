@@ -30,7 +30,7 @@ class KernelBackend:
 
     attention: str = "torch"  # "torch" | "triton"
     int4_linear: str = "torch"  # "torch" | "triton" | "int4pack" (CPU: kernels/awq_cpu.py)
-    elementwise: str = "torch"  # "torch" | "triton": RMSNorm (+ residual add), RoPE
+    elementwise: str = "torch"  # "torch" | "triton": RMSNorm (+ residual add), RoPE, silu * up
 
     # -- attention -------------------------------------------------------------------------
     def sparse_attention(self, *args, scores_into: tuple | None = None, **kwargs):
@@ -138,6 +138,15 @@ class KernelBackend:
         else:
             from hisparse_cli.kernels.norm_rope_ref import add_rms_norm
         return add_rms_norm(x, y, weight, eps)
+
+    def silu_mul_(self, gu, inter: int):
+        """gu [T, 2 inter] (gate | up) -> its gate half, now silu(gate) * up, in place."""
+        if (self.elementwise == "triton" and gu.dim() == 2 and gu.stride(-1) == 1
+                and gu.is_floating_point() and gu.element_size() in (2, 4)):
+            from hisparse_cli.kernels.norm_rope_triton import silu_mul_
+        else:
+            from hisparse_cli.kernels.norm_rope_ref import silu_mul_
+        return silu_mul_(gu, inter)
 
     def rope(self, x, cos, sin):
         if (self.elementwise == "triton" and x.dim() == 3 and x.shape[-1] % 2 == 0

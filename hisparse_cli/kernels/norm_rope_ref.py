@@ -1,6 +1,7 @@
 """Torch references for the decoder's elementwise chains: RMSNorm, residual add + RMSNorm,
-and rotate-half RoPE. These are the ops model/llama.py runs on the CPU (and under
-HISPARSE_BACKEND=torch), and the oracles of kernels/norm_rope_triton.py.
+rotate-half RoPE, and the gated MLP's silu(gate) * up. These are the ops model/llama.py runs
+on the CPU (and under HISPARSE_BACKEND=torch), and the oracles of
+kernels/norm_rope_triton.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     """(s, rms_norm(s)) with s = x + y (the new residual stream, rounded to the dtype)."""
     s = x + y
     return s, rms_norm(s, weight, eps)
+
+
+def silu_mul_(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """gu [T, 2 inter] (gate | up, the stacked projection's output) -> its gate half, now
+    silu(gate) * up, written in place: silu rounded to the dtype, then the product rounded
+    (no temporaries beyond gu)."""
+    h = torch.nn.functional.silu(gu[..., :inter], inplace=True)
+    return h.mul_(gu[..., inter:])
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Triton RMSNorm (optionally fused with the residual add before it) and rotate-half RoPE.
+"""Triton RMSNorm (optionally fused with the residual add before it), rotate-half RoPE, and the
+gated MLP's silu(gate) * up in place.
 
 Torch references: kernels/norm_rope_ref.py. One launch replaces the ~8 elementwise kernels of
 an fp16 RMSNorm and the ~5 of RoPE. Rounding follows the references step by step: the
@@ -9,7 +10,9 @@ exactly, in fp16/bf16). Outputs are new contiguous tensors and nothing else is a
 CUDA-graph capturable, and the planner (planner_trace.rms_norm / rope) counts only them.
 
 v1: one program per ROWS rows of x [R, H] (ROWS > 1 for short rows such as q/k heads);
-    RoPE: one program per (token, block of heads) over both halves of D.
+    RoPE: one program per (token, block of heads) over both halves of D; silu * up: one
+    program per (token, SILU_BLOCK columns), one launch instead of torch's two (silu in
+    place, then the product), reading gate and up once.
 """
 
 from __future__ import annotations
@@ -123,6 +126,33 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_norm(x, y, weight, eps, out, s)
     return s, out
+
+
+@triton.jit
+def _silu_mul(gu_ptr, INTER, stride_t, BLOCK: tl.constexpr):
+    """gu[t, c] = rnd(rnd(silu(gu[t, c])) * gu[t, INTER + c]) for c < INTER (in place)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    row = gu_ptr + t * stride_t
+    g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(row + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(row + cols, (s * u).to(gu_ptr.dtype.element_ty), mask=mask)
+
+
+SILU_BLOCK = 1024  # columns per program (4 warps, 8 elements a thread)
+
+
+def silu_mul_(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """gu [T, 2 inter] (unit stride along columns, any row stride) -> its gate half, now
+    silu(gate) * up, in place (norm_rope_ref.silu_mul_); nothing is allocated."""
+    assert gu.dim() == 2 and gu.shape[1] == 2 * inter and gu.stride(1) == 1, (gu.shape,
+                                                                              gu.stride())
+    if gu.numel():
+        _silu_mul[(gu.shape[0], triton.cdiv(inter, SILU_BLOCK))](
+            gu, inter, gu.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
+    return gu[:, :inter]
 
 
 def rope_config(heads: int, half: int) -> tuple[int, int, int]:

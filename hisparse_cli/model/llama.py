@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
-from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope_tabled, rope_tables
+from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope_tabled, rope_tables, silu_mul_
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.model.rope import RotaryEmbedding
 
@@ -111,12 +111,12 @@ class MLP(nn.Module):
         # set by the loader when it fuses gate and up (then gate_proj/up_proj are None)
         self.gate_up_proj: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: KernelBackend | None = None) -> torch.Tensor:
         # silu and the product in place: two [T, intermediate] temporaries at a time, not three
         if self.gate_up_proj is not None:  # one matmul; the product lands in its gate half
             gu = self.gate_up_proj(x)
-            h = F.silu(gu[..., :self.im], inplace=True)
-            h.mul_(gu[..., self.im:])
+            # one Triton kernel for silu and the product with `fused`, else torch's two ops
+            h = fused.silu_mul_(gu, self.im) if fused is not None else silu_mul_(gu, self.im)
             return self.down_proj(h)
         h = F.silu(self.gate_proj(x), inplace=True)
         h.mul_(self.up_proj(x))
@@ -140,7 +140,7 @@ class DecoderLayer(nn.Module):
             x, h = fused.add_rms_norm(x[-1:] if last_only else x,
                                       self.self_attn(self.input_layernorm(x, fused), cos, sin, ctx,
                                                      last_only, fused), norm.weight, norm.eps)
-            h = self.mlp(h)  # the norm output dies here, before the residual add
+            h = self.mlp(h, fused)  # the norm output dies here, before the residual add
             return x + h
         # the attention output dies with the residual add (not held through the MLP)
         x = (x[-1:] if last_only else x) + self.self_attn(self.input_layernorm(x), cos, sin, ctx,
