@@ -9,8 +9,9 @@ A synchronising call in the loop (a pageable host->device copy, `.item()`, a boo
 index, ...) drains the pipeline instead: the GPU then idles for the host's sampler, input
 preparation and graph launch every token (`gpu_decode_profile.py` shows it as "between GPU").
 
-Here `torch.cuda.set_sync_debug_mode("warn")` is on for the decode loop only, and every
-warning is recorded with the Python stack that caused it. Llama-3-8B-shaped random weights
+Here `torch.cuda.set_sync_debug_mode("warn")` is on for the decode loop and, separately, for
+each prefill chunk's `KVRun.step` (the engine's one sync after the last chunk is outside),
+and every warning is recorded with the Python stack that caused it. Llama-3-8B-shaped random weights
 (`--layers` of them), the `h200-141g` sparse settings; per generation config (the benchmarks'
 plain greedy with min_new_tokens, and the CLI's defaults: repetition penalty 1.1, no-repeat
 8-grams) one generate to capture the decode graph, then a second one (the kept graph replays
@@ -40,6 +41,7 @@ from gpu_engine import build_ours, pick_backend, prompt  # noqa: E402
 from hisparse_cli.engine import engine as engine_mod  # noqa: E402
 from hisparse_cli.engine.config import GenerationConfig  # noqa: E402
 from hisparse_cli.engine.cuda_graph import DeviceSampler  # noqa: E402
+from hisparse_cli.engine.runner import KVRun  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
 from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
 from hisparse_cli.profiles import load_profile  # noqa: E402
@@ -73,9 +75,23 @@ def main() -> None:
     ids = prompt(a.context, cfg.vocab_size)
 
     hits: collections.Counter = collections.Counter()
-    state = {"on": False}
+    prefill_hits: collections.Counter = collections.Counter()
+    state = {"on": False, "prefill": False, "chunks": 0}
     original = engine_mod.Engine._decode_graph
+    original_step = KVRun.step
     sampler_call = DeviceSampler.__call__
+
+    def counted_step(self, model, input_ids, *args, **kw):  # a prefill chunk, sync-debugged
+        if input_ids.shape[0] <= 1 or state["on"]:
+            return original_step(self, model, input_ids, *args, **kw)
+        state["prefill"] = True
+        state["chunks"] += 1
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return original_step(self, model, input_ids, *args, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            state["prefill"] = False
 
     def counted(self, *args, **kw):  # the decode loop with sync debugging on
         state["on"] = True
@@ -87,8 +103,8 @@ def main() -> None:
             state["on"] = False
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if state["on"] and "synchroniz" in str(message):
-            hits[site(traceback.extract_stack()[:-1])] += 1
+        if "synchroniz" in str(message) and (state["on"] or state["prefill"]):
+            (hits if state["on"] else prefill_hits)[site(traceback.extract_stack()[:-1])] += 1
 
     def synced(self, *args, **kw):  # the sampler as it behaved before run 41
         tok = sampler_call(self, *args, **kw)
@@ -111,20 +127,34 @@ def main() -> None:
                                    min_new_tokens=a.decode_tokens, **kw)
             eng.generate(ids, gen=gen)  # captures the decode graph
             hits.clear()
+            prefill_hits.clear()
+            state["chunks"] = 0
             engine_mod.Engine._decode_graph = counted
+            KVRun.step = counted_step
             try:
                 res = eng.generate(ids, gen=gen)  # replays it from the first step: counted
             finally:
                 engine_mod.Engine._decode_graph = original
+                KVRun.step = original_step
             steps = max(res.stats.new_tokens, 1)
             row = {"weights": weights, "gen": label, "graph": res.extra.get("cuda_graph"),
                    "new_tokens": res.stats.new_tokens, "decode_tok_s": tok_s(res),
-                   "syncs_per_token": {k: v / steps for k, v in hits.most_common()}, "ab": []}
+                   "syncs_per_token": {k: v / steps for k, v in hits.most_common()},
+                   "prefill_chunks": state["chunks"],
+                   "prefill_syncs_per_chunk": {k: v / max(state["chunks"], 1)
+                                               for k, v in prefill_hits.most_common()},
+                   "ab": []}
             print(f"\n== {weights}, {label}: graph {row['graph']}, {steps} tokens, decode "
                   f"{row['decode_tok_s']:.1f} tok/s; syncs per token by call site:", flush=True)
             for k, v in hits.most_common():
                 print(f"  {v / steps:6.3f}  {k}", flush=True)
             if not hits:
+                print("  none", flush=True)
+            print(f"  prefill, {state['chunks']} chunks: syncs per chunk by call site:",
+                  flush=True)
+            for k, v in prefill_hits.most_common():
+                print(f"  {v / max(state['chunks'], 1):6.3f}  {k}", flush=True)
+            if not prefill_hits:
                 print("  none", flush=True)
             for r in range(a.rounds):
                 pair = {}
