@@ -89,12 +89,12 @@ def compile_gemv(c: GemvConfig, m: int, partial: bool, group: int, dt: str):
                             NUM_STAGES=c.num_stages, HAS_BIAS=not partial,
                             SPLIT=4 if partial else 1, PREFETCH=c.prefetch,
                             STREAM=c.stream, PACKED=c.packed if dt == "*fp16" else 0,
-                            ASM=True),
+                            ASM=True, ROWS2D=c.rows2d),
                        c.num_warps, GEMV_ALIGNED, maxnreg=c.maxnreg)
 
 
-def loop_length(k) -> int:
-    """SASS instructions of the kernel's first loop (label to its backward branch)."""
+def _loop_body(k) -> str:
+    """SASS of the kernel's first loop (label to its backward branch), '' if none."""
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -105,8 +105,19 @@ def loop_length(k) -> int:
         label = m.group(1)
         start = sass.find(f"\n{label}:")
         if 0 <= start < m.start():  # a backward branch: the loop
-            return len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass[start:m.start()]))
-    return 0
+            return sass[start:m.start()]
+    return ""
+
+
+def loop_length(k) -> int:
+    """SASS instructions of the kernel's first loop."""
+    return len(re.findall(r"/\*[0-9a-f]{4,}\*/", _loop_body(k)))
+
+
+def loop_count(k, op: str) -> int:
+    """How many `op` instructions (e.g. BAR: barriers of a layout conversion through shared
+    memory) the kernel's first loop holds."""
+    return len(re.findall(rf"\*/\s+(?:@!?U?P\w+\s+)?{op}\b", _loop_body(k)))
 
 
 def compile_packed(sass_dir: Path | None) -> None:
@@ -126,6 +137,18 @@ def compile_packed(sass_dir: Path | None) -> None:
         print(f"gemv packed2 m1 p1 maxnreg{cap}: loop {loop_length(k)} instructions")
     c = GemvConfig(block_n=32, block_kw=4, split=1, num_warps=1, num_stages=1, packed=2)
     report("gemv packed2 g32 m1", compile_gemv(c, 1, False, 32, "*fp16"), sass_dir)
+    # the table's tiles with the per-row zero points / scales as [BN] vectors (rows2d 0) or
+    # tiles in the word layout (rows2d 1), with and without the register prefetch
+    for bn, w in ((128, 4), (64, 2)):
+        for m in (1, 2):
+            for rows2d, pf in ((0, 0), (1, 0), (0, 1), (1, 1)):
+                c = GemvConfig(block_n=bn, block_kw=16, split=1, num_warps=w, num_stages=1,
+                               stream=2, packed=2, prefetch=pf, rows2d=rows2d)
+                k = compile_gemv(c, m, False, 128, "*fp16")
+                name = f"gemv packed2 bn{bn} w{w} m{m} rows2d{rows2d} prefetch{pf}"
+                report(name, k, sass_dir)
+                print(f"{name}: loop {loop_length(k)} instructions, "
+                      f"{loop_count(k, 'BAR')} barriers")
 
 
 def gemv_candidates(every: bool) -> list[tuple[GemvConfig, int, bool]]:

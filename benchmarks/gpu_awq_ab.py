@@ -17,6 +17,10 @@ since run 39), the same tiles with packed 0 (the fp32 path), and the table of ru
 --silu: only the gated MLP's silu(gate) * up as one Triton kernel (KernelBackend.silu_mul_)
 vs torch's two in-place ops, for fp16 and INT4: decode and prefill tok/s at --context, the
 order alternating each round (gpu_awq_ab_silu.json).
+--table-json FILE: only decode at --context: fp16, INT4 with GEMV_TABLE as it is, with its
+tiles at rows2d 1 (zero points / scales loaded in the word tile's layout), and with the table
+FILE suggests (`gpu_gemv_packed.py --rows2d` writes it: gpu_gemv_rows2d.json); order rotated
+each round (gpu_awq_ab_table.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -71,6 +75,9 @@ def main() -> None:
                          "eagerly, and fp16, interleaved")
     ap.add_argument("--silu", action="store_true",
                     help="only: fused silu * up kernel vs torch's two ops, fp16 and INT4")
+    ap.add_argument("--table-json", type=Path,
+                    help="only: decode with GEMV_TABLE vs its tiles at rows2d 1 vs the table "
+                         "this gpu_gemv_rows2d.json suggests, and fp16, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -84,6 +91,9 @@ def main() -> None:
         return
     if a.packed:
         packed_ab(a, model, cfg, sparse, backend, dev)
+        return
+    if a.table_json:
+        table_ab(a, model, cfg, sparse, backend, dev)
         return
     if a.silu:
         silu_ab(a, model, cfg, sparse, backend, dev)
@@ -191,6 +201,65 @@ RUN31_TABLE = {
                                    stream=2),
     "huge_n": awq_layout.GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4),
 }
+
+
+def table_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Decode tok/s at --context over --decode-tokens: fp16, INT4 with GEMV_TABLE, with its
+    tiles at rows2d 1, and with the table --table-json suggests (classes it lacks keep
+    GEMV_TABLE's row); the order rotated each round."""
+    from dataclasses import replace
+
+    table = dict(awq_layout.GEMV_TABLE)
+    sugg = json.loads(a.table_json.read_text())["table"]
+    fields = set(awq_layout.GemvTile.__dataclass_fields__)
+    suggested = dict(table, **{c: awq_layout.GemvTile(**{k: v for k, v in t.items()
+                                                         if k in fields})
+                               for c, t in sugg.items()})
+    print("suggested table:", suggested, flush=True)
+    tables = {"int4 table": table,
+              "int4 table rows2d": {k: replace(t, rows2d=1) for k, t in table.items()},
+              "int4 suggested": suggested}
+    _decode_ab(a, model, cfg, sparse, backend, dev, tables, "gpu_awq_ab_table.json",
+               extra=dict(suggested={k: str(v) for k, v in suggested.items()}))
+
+
+def _decode_ab(a, model, cfg, sparse, backend, dev, tables: dict, name: str,
+               extra: dict | None = None) -> None:
+    """fp16 and INT4 under each of `tables` (label -> GEMV_TABLE), decode tok/s at --context,
+    the order rotated each round; INT4/fp16 per round. GEMV_TABLE is restored after."""
+    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
+    run_ours(fp16, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
+             weight_format="fp16")
+    long = prompt(a.context, cfg.vocab_size)
+    saved = dict(awq_layout.GEMV_TABLE)
+    for t in tables.values():  # compile the kernels outside the timing
+        awq_layout.GEMV_TABLE.update(t)
+        run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
+                 weight_format="awq-int4")
+    variants = [("fp16", fp16, None)] + [(k, model, t) for k, t in tables.items()]
+    res: list = []
+    try:
+        for r in range(a.rounds):
+            row = {}
+            k = r % len(variants)
+            for label, m, tab in variants[k:] + variants[:k]:
+                if tab is not None:
+                    awq_layout.GEMV_TABLE.clear()
+                    awq_layout.GEMV_TABLE.update(tab)
+                out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
+                               weight_format="fp16" if tab is None else "awq-int4")
+                row[label] = out["decode_tok_s"]
+                print(f"round {r} {label:<20} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
+                      f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
+            ratios = {k: row[k] / row["fp16"] for k in row if k != "fp16"}
+            print(f"round {r} INT4/fp16 decode: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
+            res.append(dict(round=r, decode_tok_s=row, ratio=ratios))
+    finally:
+        awq_layout.GEMV_TABLE.clear()
+        awq_layout.GEMV_TABLE.update(saved)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / name).write_text(json.dumps(dict(rounds=res, **(extra or {})), indent=1))
 
 
 def packed_ab(a, model, cfg, sparse, backend, dev) -> None:

@@ -12,8 +12,15 @@ max |y|, gpu_awq.TOL). Configs: the table's tile with packed 0/1/2, then packed 
 VARIANTS (tile, K split, pipelining, register cap); 1 token, then the table's tile at 2 and
 4 tokens, packed 0 and 2.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_gemv_packed.py [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/gpu_gemv_packed.py [--out DIR] [--rows2d]
 Writes DIR/gpu_gemv_packed.json (DIR: --out, else $OUT, else ./out).
+
+--rows2d: packed 2 only; the per-row zero points and scales loaded as [BN] vectors (rows2d 0:
+a layout conversion through shared memory with barriers every step) or in the word tile's
+layout (rows2d 1), with and without the register prefetch of the next step, over the table's
+tile and ROWS2D_TILES, at 1 token (the table's tile also at 2 and 4); then the fastest tile
+per shape class (summed over the class's shapes, 1 token) as GemvTile rows, in
+DIR/gpu_gemv_rows2d.json ("table"), which `gpu_awq_ab.py --table-json` A/Bs in the engine.
 """
 
 from __future__ import annotations
@@ -56,7 +63,31 @@ def config(k: int, n: int, sms: int, bn: int, warps: int, pps: int, stages: int,
                          maxnreg=maxnreg)
 
 
-def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
+# (block_n, num_warps, programs_per_sm) tried with rows2d 1, prefetch 0 and 1
+ROWS2D_TILES = ((32, 1, 32), (64, 2, 16), (64, 2, 32), (128, 4, 8), (128, 4, 16), (128, 4, 32),
+                (128, 2, 16), (256, 4, 16), (256, 8, 8))
+
+
+def rows2d_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
+    """(tokens, config, programs_per_sm) of the --rows2d sweep."""
+    pps0 = al.GEMV_TABLE[al.gemv_shape_class(n)].programs_per_sm
+    todo = [(m, replace(base, packed=2, rows2d=r, prefetch=pf), pps0) for m in (1, 2, 4)
+            for r in (0, 1) for pf in (0, 1)]
+    for bn, w, pps in ROWS2D_TILES:
+        for pf in (0, 1):
+            c = config(k, n, sms, bn, w, pps, 1, 0, 2, base.stream)
+            todo.append((1, replace(c, rows2d=1, prefetch=pf), pps))
+    return todo
+
+
+def packed_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
+    todo = [(1, replace(base, packed=p)) for p in (0, 1, 2)]
+    todo += [(1, config(k, n, sms, *v, 2, base.stream)) for v in VARIANTS]
+    todo += [(m, replace(base, packed=p)) for m in (2, 4) for p in (0, 2)]
+    return todo
+
+
+def shape_rows(name: str, k: int, n: int, sms: int, make_todo=packed_todo) -> list[dict]:
     nb4 = g.int4_bytes(0, k, n, GROUP)
     mats = []
     for i in range(g.copies(nb4)):
@@ -72,18 +103,16 @@ def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
            for _ in range(g.copies(2 * k * n))]
     rows = []
     base = al.gemv_config(1, k, n, GROUP, sms)
-    todo = [(1, replace(base, packed=p)) for p in (0, 1, 2)]
-    todo += [(1, config(k, n, sms, *v, 2, base.stream)) for v in VARIANTS]
-    todo += [(m, replace(base, packed=p)) for m in (2, 4) for p in (0, 2)]
+    todo = make_todo(k, n, sms, base)
     seen = set()
     t16 = {}
-    for m, cfg in todo:
+    for m, cfg, *pps in todo:
         if (m, cfg) in seen:
             continue
         seen.add((m, cfg))
         if m not in t16:
             t16[m] = g.graph_ms([lambda w=w: F.linear(x[:m], w) for w in w16] * 2) * 1e3
-        rec = dict(shape=name, m=m, config=asdict(cfg), fp16_us=t16[m])
+        rec = dict(shape=name, m=m, config=asdict(cfg), fp16_us=t16[m], pps=(pps or [None])[0])
         try:
             y = awq_gemv_k(x[:m], mats[0][0], mats[0][1], mats[0][2], None, GROUP, config=cfg)
             rec["err"] = g.rel(y, ref[:m])
@@ -95,7 +124,8 @@ def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
         rows.append(rec)
         c = rec["config"]
         tag = (f"bn{c['block_n']:<3} w{c['num_warps']} split{c['split']} st{c['num_stages']} "
-               f"sm{c['stream']} reg{c['maxnreg']} packed{c['packed']}")
+               f"sm{c['stream']} reg{c['maxnreg']} packed{c['packed']} pf{c['prefetch']} "
+               f"r2d{c['rows2d']}")
         if "us" in rec:
             bad = "" if rec["err"] <= g.TOL[torch.float16] else "  ERR"
             g.log(f"{name:<20} m={m} {tag:<32} {rec['us']:7.1f} us  {rec['GBs']:5.0f} GB/s  "
@@ -108,12 +138,48 @@ def shape_rows(name: str, k: int, n: int, sms: int) -> list[dict]:
     return rows
 
 
+def suggest_table(rows: list[dict]) -> dict:
+    """Per shape class, the (tile, split rule, prefetch, rows2d) with the least summed 1-token
+    time over the class's shapes (only configs timed and correct on every one of them)."""
+    table = {}
+    for cls in ("small_n", "large_n", "huge_n"):
+        names = [nm for nm, (k, n) in SHAPES.items() if al.gemv_shape_class(n) == cls]
+        tot: dict = {}
+        for r in rows:
+            if r["shape"] not in names or r["m"] != 1 or "us" not in r \
+                    or r["err"] > g.TOL[torch.float16]:
+                continue
+            c = r["config"]
+            key = (c["block_n"], c["num_warps"], c["num_stages"], r["pps"],
+                   c["prefetch"], c["stream"], c["packed"], c["maxnreg"], c["rows2d"])
+            tot.setdefault(key, {})[r["shape"]] = r["us"]
+        full = {key: sum(v.values()) for key, v in tot.items() if len(v) == len(names)}
+        if not full:
+            continue
+        best = min(full, key=full.get)
+        bn, w, st, pps, pf, sm, pk, reg, r2 = best
+        table[cls] = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps,
+                          prefetch=pf, stream=sm, packed=pk, maxnreg=reg, rows2d=r2,
+                          us=full[best])
+        g.log(f"suggest {cls:<8} {table[cls]}")
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--rows2d", action="store_true",
+                    help="only: rows2d 0/1 x prefetch 0/1 over tiles (packed 2); suggest a table")
     a = ap.parse_args()
     sms = _sm_count(torch.device("cuda"))
     rows = []
+    if a.rows2d:
+        for name, (k, n) in SHAPES.items():
+            rows += shape_rows(name, k, n, sms, rows2d_todo)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "gpu_gemv_rows2d.json").write_text(json.dumps(
+            dict(rows=rows, table=suggest_table(rows)), indent=1))
+        return
     for name, (k, n) in SHAPES.items():
         rows += shape_rows(name, k, n, sms)
     g.log("\nper shape, 1 token: table tile packed 0 -> best packed config")

@@ -505,6 +505,43 @@ def test_packed_gemv_interpreter(packed, group, m, split):
 
 
 @interp
+@pytest.mark.parametrize("packed,prefetch", [(0, 0), (1, 0), (2, 0), (2, 1), (0, 1)])
+@pytest.mark.parametrize("m,split,group", [(1, 1, 128), (3, 2, 64), (4, 4, 32)])
+def test_gemv_rows2d_interpreter_same_bits(packed, prefetch, m, split, group):
+    """GemvConfig.rows2d loads each step's zero points and scales as [BN, BKW] tiles (every
+    word column of a row the row's value) instead of [BN] vectors: a layout choice, the same
+    products and sums, so the same bits, on every path (fp32, packed 1 and 2, prefetch)."""
+    x, qw, qt, qz, s, b = case_k(m, 4 * group, 200, group, torch.float16, "cpu", seed=m)
+    cfg = GemvConfig(block_n=32, block_kw=min(16, group // 8), split=split, num_warps=1,
+                     num_stages=1, prefetch=prefetch, packed=packed)
+    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
+    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=replace(cfg, rows2d=1))
+    assert torch.equal(y, plain)
+    check(y, x, qw, qz, s, b, group)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("packed,prefetch", [(0, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("block_n,warps", [(64, 2), (128, 4)])
+def test_gemv_rows2d_cuda(packed, prefetch, k, n, m, block_n, warps):
+    """rows2d on sm_90 (the packed path's PTX included): within the tolerance of the fp32
+    reference, and the same bits as rows2d 0 (only where the per-row values are loaded
+    changes, not the arithmetic)."""
+    x, qw, qt, qz, s, b = case_k(m, k, n, 128, torch.float16, "cuda", seed=m)
+    sms = awq_gemv._sm_count(x.device)
+    cfg = GemvConfig(block_n=block_n, block_kw=16,
+                     split=awq_layout.gemv_split(k, n, block_n, 16, 16, sms), num_warps=warps,
+                     num_stages=1, prefetch=prefetch, stream=2, packed=packed, rows2d=1)
+    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=cfg)
+    check(y, x, qw, qz, s, b, 128)
+    assert torch.equal(y, awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128,
+                                              config=replace(cfg, rows2d=0)))
+
+
+@interp
 @pytest.mark.parametrize("packed", [1, 2])
 def test_packed_gemv_interpreter_extreme_x(packed):
     _extreme_x(packed, "cpu", 256, 64)
@@ -539,6 +576,11 @@ for packed, m, partial in ((1, 1, False), (2, 2, True)):
                      packed=packed)
     k = c.compile_gemv(cfg, m, partial, 128, '*fp16')
     c.report(f'packed{packed}', k, None)
+for rows2d in (0, 1):
+    cfg = GemvConfig(block_n=128, block_kw=16, split=1, num_warps=4, num_stages=1, stream=2,
+                     packed=2, rows2d=rows2d)
+    print(f'rows2d{rows2d} loop barriers', c.loop_count(c.compile_gemv(cfg, 1, False, 128,
+                                                                      '*fp16'), 'BAR'))
 """
 
 
@@ -563,5 +605,10 @@ def test_packed_gemv_ptx_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("packed")]
     assert len(lines) == 2, out.stdout
+    # rows2d 0: the [BN] zero points / scales convert layouts through shared memory, with
+    # barriers in the loop; rows2d 1 loads them in the word tile's layout: none
+    bars = dict(ln.split(" loop barriers ") for ln in out.stdout.splitlines()
+                if " loop barriers " in ln)
+    assert int(bars["rows2d0"]) > 0 and int(bars["rows2d1"]) == 0, out.stdout
     for ln in lines:
         assert " local 0 " in ln and "HFMA2=" in ln and "LOP3=" in ln, ln

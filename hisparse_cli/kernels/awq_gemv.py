@@ -104,10 +104,10 @@ def _token_term(words, hi, xp, STREAM: tl.constexpr):
 @triton.jit
 def _accumulate(acc, words, hi, xp, s49, sz, STREAM: tl.constexpr):
     """acc + s (q - z) x of one loop step for one token, as two fused multiply-adds per
-    element (acc + s t, then - s z xs)."""
+    element (acc + s t, then - s z xs); s49, sz: [BN, 1] or [BN, BKW]."""
     t, xs = _token_term(words, hi, xp, STREAM)
-    acc = acc + s49[:, None] * t
-    return acc - sz[:, None] * xs[None, :]
+    acc = acc + s49 * t
+    return acc - sz * xs[None, :]
 
 
 # fp16 bits of the packed path's offsets at z = 0: -(16 + z/64) and -(1 + z/64) for a
@@ -280,7 +280,8 @@ def _halves1(t, BKW: tl.constexpr):
 
 @triton.jit
 def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: tl.constexpr):
-    """acc + s (q - z) x of one loop step for one token on the packed path (sc = 64 s)."""
+    """acc + s (q - z) x of one loop step for one token on the packed path (sc = 64 s,
+    [BN, 1] or [BN, BKW])."""
     p0 = _x_pair(xp, 0, STREAM)[None, :]
     p1 = _x_pair(xp, 4, STREAM)[None, :]
     p2 = _x_pair(xp, 8, STREAM)[None, :]
@@ -290,14 +291,14 @@ def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: t
     else:
         lo, hi = _dot_lanes_emulated(v0, v1, v2, v3, p0, p1, p2, p3, None, None)
         d = lo.to(tl.float32) + hi.to(tl.float32)
-    return acc + sc[:, None] * d
+    return acc + sc * d
 
 
 @triton.jit
 def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.constexpr,
                         ASM: tl.constexpr):
-    """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s;
-    ve, vo: the codes of the even and odd words)."""
+    """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s,
+    [BN, 1] or [BN, BKW/2]; ve, vo: the codes of the even and odd words)."""
     p0, r0 = _halves1(_x_pair(xp, 0, STREAM), BKW)
     p1, r1 = _halves1(_x_pair(xp, 4, STREAM), BKW)
     p2, r2 = _halves1(_x_pair(xp, 8, STREAM), BKW)
@@ -312,7 +313,7 @@ def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.const
         lo, hi = _dot_lanes_emulated(vo[0], vo[1], vo[2], vo[3], r0[None, :], r1[None, :],
                                      r2[None, :], r3[None, :], lo, hi)
         d = lo.to(tl.float32) + hi.to(tl.float32)
-    return acc + sc[:, None] * d
+    return acc + sc * d
 
 
 @triton.jit
@@ -357,17 +358,45 @@ def _reduce_tile(p_ptr, b_ptr, y_ptr, offs_n, mask_n, stride_ps, stride_pm, stri
 
 
 @triton.jit
+def _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D: tl.constexpr):
+    """The zero-point words and scales of group g for the program's rows: [BN] vectors, or
+    (ROWS2D) [BN, BKW] tiles with every word column of a row holding the row's value. The
+    [BN] loads take a layout of their own (one row a thread), so broadcasting them against
+    the word tile converts layouts through shared memory with barriers every step (sm_90
+    SASS: 6 BAR.SYNC a step); the tiles are loaded in the word tile's layout directly, each
+    thread reading its own rows (a few more loads, L1 hits, no barrier)."""
+    if ROWS2D:
+        bcast = offs_w[None, :] * 0  # [1, BKW]: the word tile's shape and layout
+        zw = tl.load(qz_ptr + g * W8 + (rows // 8)[:, None] + bcast)
+        sv = tl.load(s_ptr + g * N + rows[:, None] + bcast)
+    else:
+        zw = tl.load(qz_ptr + g * W8 + rows // 8)
+        sv = tl.load(s_ptr + g * N + rows)
+    return zw, sv
+
+
+@triton.jit
 def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, stride_xm,
                M: tl.constexpr, STREAM: tl.constexpr, PACKED: tl.constexpr,
-               BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr):
+               BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr, ROWS2D: tl.constexpr):
     """One loop step: the [BN, BKW] word tile at K word w0 (inside one group: zw, sv are its
-    rows' zero-point words and scales) added into the M tokens' accumulators."""
+    rows' zero-point words and scales, from _load_rows) added into the M tokens'
+    accumulators."""
+    if ROWS2D:
+        zi = (zw >> zshift[:, None]) & 0xF  # [BN, BKW] int32
+        s = sv.to(tl.float32)
+        if PACKED == 2:  # the accumulators hold word pairs: one column of each pair
+            zi = _halves(zi, BN, BKW)[0]
+            s = _halves(s, BN, BKW)[0]
+    else:
+        zi = ((zw >> zshift) & 0xF)[:, None]  # [BN, 1] int32
+        s = sv.to(tl.float32)[:, None]
+    xq = x_ptr + w0 * 8 + x_off  # [BKW]: the x of nibble 0 of each word
     if PACKED == 2:  # two words per fp32 conversion, codes / 128
-        zi = (zw >> zshift) & 0xF  # [BN] int32
         h1 = zi + _Z1_128
         h16 = zi * 16 + _Z16_128
-        z1 = ((h1 << 16) | h1)[:, None]
-        z16 = ((h16 << 16) | h16)[:, None]
+        z1 = (h1 << 16) | h1
+        z16 = (h16 << 16) | h16
         we, wo = _halves(words, BN, BKW)
         if ASM:
             ve = _dequant_pairs(we, z1, z16, True)
@@ -375,8 +404,7 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
         else:
             ve = _dequant_pairs_emulated(we, z1, z16, True)
             vo = _dequant_pairs_emulated(wo, z1, z16, True)
-        sc = sv.to(tl.float32) * 128.0
-        xq = x_ptr + w0 * 8 + x_off  # [BKW]
+        sc = s * 128.0
         acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM)
         if M > 1:
             acc1 = _accumulate_packed2(acc1, ve, vo, xq + stride_xm, sc, STREAM, BKW, ASM)
@@ -385,17 +413,15 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
         if M > 3:
             acc3 = _accumulate_packed2(acc3, ve, vo, xq + 3 * stride_xm, sc, STREAM, BKW, ASM)
     elif PACKED == 1:
-        zi = (zw >> zshift) & 0xF  # [BN] int32
         h1 = zi + _Z1_64
         h16 = zi * 16 + _Z16_64
-        z1 = ((h1 << 16) | h1)[:, None]
-        z16 = ((h16 << 16) | h16)[:, None]
+        z1 = (h1 << 16) | h1
+        z16 = (h16 << 16) | h16
         if ASM:
             v0, v1, v2, v3 = _dequant_pairs(words, z1, z16, False)
         else:
             v0, v1, v2, v3 = _dequant_pairs_emulated(words, z1, z16, False)
-        sc = sv.to(tl.float32) * 64.0
-        xq = x_ptr + w0 * 8 + x_off  # [BKW]
+        sc = s * 64.0
         acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM)
         if M > 1:
             acc1 = _accumulate_packed(acc1, v0, v1, v2, v3, xq + stride_xm, sc, STREAM, ASM)
@@ -404,19 +430,17 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
         if M > 3:
             acc3 = _accumulate_packed(acc3, v0, v1, v2, v3, xq + 3 * stride_xm, sc, STREAM, ASM)
     else:
-        z = ((zw >> zshift) & 0xF).to(tl.float32)  # [BN]
-        s = sv.to(tl.float32)  # [BN]
+        z = zi.to(tl.float32)
         s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
         sz = s * z
         hi = words >> 16
-        xp = x_ptr + w0 * 8 + x_off  # [BKW]
-        acc0 = _accumulate(acc0, words, hi, xp, s49, sz, STREAM)
+        acc0 = _accumulate(acc0, words, hi, xq, s49, sz, STREAM)
         if M > 1:
-            acc1 = _accumulate(acc1, words, hi, xp + stride_xm, s49, sz, STREAM)
+            acc1 = _accumulate(acc1, words, hi, xq + stride_xm, s49, sz, STREAM)
         if M > 2:
-            acc2 = _accumulate(acc2, words, hi, xp + 2 * stride_xm, s49, sz, STREAM)
+            acc2 = _accumulate(acc2, words, hi, xq + 2 * stride_xm, s49, sz, STREAM)
         if M > 3:
-            acc3 = _accumulate(acc3, words, hi, xp + 3 * stride_xm, s49, sz, STREAM)
+            acc3 = _accumulate(acc3, words, hi, xq + 3 * stride_xm, s49, sz, STREAM)
     return acc0, acc1, acc2, acc3
 
 
@@ -427,7 +451,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
-                     ASM: tl.constexpr = True):
+                     ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -458,8 +482,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         w_last = w_start + KW_PER_SPLIT - BLOCK_KW
         g = (w_start * 8) // GROUP
         words_n = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
-        zw_n = tl.load(qz_ptr + g * W8 + rows // 8)
-        s_n = tl.load(s_ptr + g * N + rows)
+        zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
         for w0 in range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW):
             words = words_n
             zw = zw_n
@@ -467,20 +490,18 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             nxt = tl.minimum(w0 + BLOCK_KW, w_last)
             g = (nxt * 8) // GROUP
             words_n = _load_words(w_row + (nxt + offs_w)[None, :], STREAM)
-            zw_n = tl.load(qz_ptr + g * W8 + rows // 8)
-            s_n = tl.load(s_ptr + g * N + rows)
+            zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM)
+                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D)
     else:
         for w0 in tl.range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
             words = _load_words(w_row + (w0 + offs_w)[None, :], STREAM)  # [BN, BKW] int32
             g = (w0 * 8) // GROUP
-            zw = tl.load(qz_ptr + g * W8 + rows // 8)  # [BN] words of zero points
-            sv = tl.load(s_ptr + g * N + rows)  # [BN]
+            zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM)
+                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D)
     if SPLIT == 1:
         _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
                     HAS_BIAS, False)
@@ -521,7 +542,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
-                  PACKED=packed, ASM=asm,
+                  PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d,
                   num_warps=cfg.num_warps)
     if cfg.maxnreg:  # a compile option (Triton >= 3.0); not passed at all when unset
         common["maxnreg"] = cfg.maxnreg

@@ -129,7 +129,9 @@ class GemvConfig:
     (.cg); 2 marks the words first and x last to evict; packed: 1 dequantizes to fp16x2
     pairs and multiplies in fp16 within a word, 2 the same over two words (fp16 x only,
     other dtypes take the fp32 path); maxnreg: a register cap per thread for ptxas (0: its
-    own choice), for more resident warps at the price of spills."""
+    own choice), for more resident warps at the price of spills; rows2d: 1 loads each step's
+    zero points and scales straight into the word tile's layout (no shared-memory layout
+    conversion, no barrier in the loop), 0 as [BN] vectors."""
 
     block_n: int
     block_kw: int
@@ -140,6 +142,7 @@ class GemvConfig:
     stream: int = 0
     packed: int = 0
     maxnreg: int = 0
+    rows2d: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -154,6 +157,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.stream = {self.stream}: 0, 1 or 2")
         if self.packed not in (0, 1, 2):
             raise ValueError(f"GemvConfig.packed = {self.packed}: 0, 1 or 2")
+        if self.rows2d not in (0, 1):
+            raise ValueError(f"GemvConfig.rows2d = {self.rows2d}: 0 or 1")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"GemvConfig.maxnreg = {self.maxnreg}: 0 or 24..255")
 
@@ -171,6 +176,7 @@ class GemvTile:
     stream: int = 0
     packed: int = 0
     maxnreg: int = 0
+    rows2d: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens; `benchmarks/gpu_awq.py --gemv-sweep` times
@@ -232,7 +238,7 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
                       prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed,
-                      maxnreg=tile.maxnreg)
+                      maxnreg=tile.maxnreg, rows2d=tile.rows2d)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:
