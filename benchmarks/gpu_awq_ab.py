@@ -21,6 +21,9 @@ order alternating each round (gpu_awq_ab_silu.json).
 tiles at rows2d 1 (zero points / scales loaded in the word tile's layout), and with the table
 FILE suggests (`gpu_gemv_packed.py --rows2d` writes it: gpu_gemv_rows2d.json); order rotated
 each round (gpu_awq_ab_table.json).
+--pdl: only decode at --context: fp16, INT4 with GEMV_TABLE's launches at pdl 0, with the
+GEMVs launched with programmatic dependent launch (pdl 1, kernels/pdl.py) but the producers
+of x not triggering early, and with both; order rotated each round (gpu_awq_ab_pdl.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -78,6 +81,9 @@ def main() -> None:
     ap.add_argument("--table-json", type=Path,
                     help="only: decode with GEMV_TABLE vs its tiles at rows2d 1 vs the table "
                          "this gpu_gemv_rows2d.json suggests, and fp16, interleaved")
+    ap.add_argument("--pdl", action="store_true",
+                    help="only: decode with the GEMVs launched with PDL (with / without the "
+                         "producers' early trigger) vs without, and fp16, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -94,6 +100,9 @@ def main() -> None:
         return
     if a.table_json:
         table_ab(a, model, cfg, sparse, backend, dev)
+        return
+    if a.pdl:
+        pdl_ab(a, model, cfg, sparse, backend, dev)
         return
     if a.silu:
         silu_ab(a, model, cfg, sparse, backend, dev)
@@ -223,19 +232,42 @@ def table_ab(a, model, cfg, sparse, backend, dev) -> None:
                extra=dict(suggested={k: str(v) for k, v in suggested.items()}))
 
 
+def pdl_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Decode tok/s at --context over --decode-tokens: fp16, INT4 with the table's tiles at
+    pdl 0 (producers not triggering), pdl 1 without and with the producers' early trigger."""
+    from dataclasses import replace
+
+    from hisparse_cli.kernels import pdl
+
+    assert pdl.pdl_enabled(dev), "PDL is off on this device / Triton (kernels/pdl.py)"
+    table = dict(awq_layout.GEMV_TABLE)
+    off = {k: replace(t, pdl=0) for k, t in table.items()}
+    on = {k: replace(t, pdl=1) for k, t in table.items()}
+    _decode_ab(a, model, cfg, sparse, backend, dev,
+               {"int4 no pdl": (off, False), "int4 pdl": (on, False),
+                "int4 pdl + triggers": (on, True)}, "gpu_awq_ab_pdl.json")
+
+
 def _decode_ab(a, model, cfg, sparse, backend, dev, tables: dict, name: str,
                extra: dict | None = None) -> None:
-    """fp16 and INT4 under each of `tables` (label -> GEMV_TABLE), decode tok/s at --context,
-    the order rotated each round; INT4/fp16 per round. GEMV_TABLE is restored after."""
+    """fp16 and INT4 under each of `tables` (label -> GEMV_TABLE, or (GEMV_TABLE, producers
+    trigger early: kernels/pdl.TRIGGERS)), decode tok/s at --context, the order rotated each
+    round; INT4/fp16 per round. GEMV_TABLE and the trigger switch are restored after."""
+    from hisparse_cli.kernels import pdl
+
+    tables = {k: v if isinstance(v, tuple) else (v, pdl.TRIGGERS) for k, v in tables.items()}
+    saved_trigger = pdl.TRIGGERS
     fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
     run_ours(fp16, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
              weight_format="fp16")
     long = prompt(a.context, cfg.vocab_size)
     saved = dict(awq_layout.GEMV_TABLE)
-    for t in tables.values():  # compile the kernels outside the timing
+    for t, trig in tables.values():  # compile the kernels outside the timing
         awq_layout.GEMV_TABLE.update(t)
+        pdl.TRIGGERS = trig
         run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
                  weight_format="awq-int4")
+    pdl.TRIGGERS = saved_trigger
     variants = [("fp16", fp16, None)] + [(k, model, t) for k, t in tables.items()]
     res: list = []
     try:
@@ -243,9 +275,11 @@ def _decode_ab(a, model, cfg, sparse, backend, dev, tables: dict, name: str,
             row = {}
             k = r % len(variants)
             for label, m, tab in variants[k:] + variants[:k]:
+                pdl.TRIGGERS = saved_trigger
                 if tab is not None:
                     awq_layout.GEMV_TABLE.clear()
-                    awq_layout.GEMV_TABLE.update(tab)
+                    awq_layout.GEMV_TABLE.update(tab[0])
+                    pdl.TRIGGERS = tab[1]
                 out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
                                weight_format="fp16" if tab is None else "awq-int4")
                 row[label] = out["decode_tok_s"]
@@ -258,6 +292,7 @@ def _decode_ab(a, model, cfg, sparse, backend, dev, tables: dict, name: str,
     finally:
         awq_layout.GEMV_TABLE.clear()
         awq_layout.GEMV_TABLE.update(saved)
+        pdl.TRIGGERS = saved_trigger
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / name).write_text(json.dumps(dict(rounds=res, **(extra or {})), indent=1))
 

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
+from hisparse_cli.kernels.pdl import gdc_wait, pdl_enabled
 from hisparse_cli.kernels.awq_layout import check_gemv_args, check_x  # noqa: F401 (re-export)
 
 @triton.jit
@@ -451,7 +452,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
-                     ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0):
+                     ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
+                     PDL: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -483,6 +485,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         g = (w_start * 8) // GROUP
         words_n = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
         zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
+        if PDL:  # the loads above read weights only; x is the previous kernel's output
+            gdc_wait()
         for w0 in range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW):
             words = words_n
             zw = zw_n
@@ -495,7 +499,18 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
                                                 BLOCK_N, BLOCK_KW, ASM, ROWS2D)
     else:
-        for w0 in tl.range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
+        w_first = w_start
+        if PDL:  # the first step's weights, zero points and scales (no kernel writes them)
+            # are loaded while the previous kernel may still run; x (its output) after the wait
+            words = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
+            zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows, offs_w,
+                                ROWS2D)
+            gdc_wait()
+            acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w_start,
+                                                x_ptr, x_off, zshift, stride_xm, M, STREAM,
+                                                PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D)
+            w_first = w_start + BLOCK_KW
+        for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
             words = _load_words(w_row + (w0 + offs_w)[None, :], STREAM)  # [BN, BKW] int32
             g = (w0 * 8) // GROUP
             zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
@@ -539,11 +554,14 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     tiles = triton.cdiv(n, cfg.block_n)
     asm = x2.is_cuda and torch.version.hip is None  # the packed path's PTX: NVIDIA only
     packed = cfg.packed if x2.dtype == torch.float16 and (asm or not x2.is_cuda) else 0
+    pdl = bool(cfg.pdl) and pdl_enabled(x2.device)
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
-                  PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d,
+                  PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
                   num_warps=cfg.num_warps)
+    if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x
+        common["launch_pdl"] = True
     if cfg.maxnreg:  # a compile option (Triton >= 3.0); not passed at all when unset
         common["maxnreg"] = cfg.maxnreg
     b = bias if has_bias else scales

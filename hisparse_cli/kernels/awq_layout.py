@@ -131,7 +131,9 @@ class GemvConfig:
     other dtypes take the fp32 path); maxnreg: a register cap per thread for ptxas (0: its
     own choice), for more resident warps at the price of spills; rows2d: 1 loads each step's
     zero points and scales straight into the word tile's layout (no shared-memory layout
-    conversion, no barrier in the loop), 0 as [BN] vectors."""
+    conversion, no barrier in the loop), 0 as [BN] vectors; pdl: 1 launches with
+    programmatic dependent launch where kernels/pdl.py enables it (sm_90+): the first
+    step's weights are loaded before waiting for the kernel that wrote x."""
 
     block_n: int
     block_kw: int
@@ -143,6 +145,7 @@ class GemvConfig:
     packed: int = 0
     maxnreg: int = 0
     rows2d: int = 0
+    pdl: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -159,6 +162,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.packed = {self.packed}: 0, 1 or 2")
         if self.rows2d not in (0, 1):
             raise ValueError(f"GemvConfig.rows2d = {self.rows2d}: 0 or 1")
+        if self.pdl not in (0, 1):
+            raise ValueError(f"GemvConfig.pdl = {self.pdl}: 0 or 1")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"GemvConfig.maxnreg = {self.maxnreg}: 0 or 24..255")
 
@@ -177,6 +182,7 @@ class GemvTile:
     packed: int = 0
     maxnreg: int = 0
     rows2d: int = 0
+    pdl: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens; `benchmarks/gpu_awq.py --gemv-sweep` times
@@ -238,7 +244,7 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
                       prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed,
-                      maxnreg=tile.maxnreg, rows2d=tile.rows2d)
+                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:

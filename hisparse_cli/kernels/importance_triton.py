@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse_cli.kernels.pdl import trigger as pdl_trigger
+
 from hisparse_cli.kernels.attention_ref import visibility_mask
 
 
@@ -87,7 +89,9 @@ def _mass_from_logits(
     qs_ptr,
     GRP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_G: tl.constexpr, QS_PTR: tl.constexpr, ACCUM: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr = False,
 ):
+    pdl_trigger(PDL_TRIGGER)  # kernels/pdl.py: the next (PDL) kernel may be scheduled now
     if QS_PTR:
         q_start = tl.load(qs_ptr).to(tl.int32)
     kvh = tl.program_id(1)

@@ -21,13 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse_cli.kernels.pdl import trigger_enabled
+from hisparse_cli.kernels.pdl import trigger as pdl_trigger
+
 
 @triton.jit
 def _rms_norm(x_ptr, y_ptr, w_ptr, out_ptr, sum_ptr, R, B, sxa, sxb, sya, syb, eps,
               H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-              HAS_RES: tl.constexpr):
+              HAS_RES: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
     """Rows r = a * B + b of x (offset a * sxa + b * sxb, unit stride along H); HAS_RES: the
-    row is x + y (stored to sum_ptr, contiguous) before the norm; out is contiguous."""
+    row is x + y (stored to sum_ptr, contiguous) before the norm; out is contiguous.
+    PDL_TRIGGER: kernels/pdl.py (the next kernel, a decode GEMV, may be scheduled now)."""
+    pdl_trigger(PDL_TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < R)[:, None] & (cols < H)[None, :]
@@ -103,7 +108,7 @@ def _launch_norm(x, y, weight, eps, out, s):
     _rms_norm[(triton.cdiv(r, rows),)](
         x, y if y is not None else x, weight, out, s if s is not None else out, r, b,
         sxa, sxb, sya, syb, float(eps), H=h, BLOCK_H=block, ROWS=rows,
-        HAS_RES=y is not None, num_warps=warps)
+        HAS_RES=y is not None, PDL_TRIGGER=trigger_enabled(x.device), num_warps=warps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,8 +134,9 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul(gu_ptr, INTER, stride_t, BLOCK: tl.constexpr):
+def _silu_mul(gu_ptr, INTER, stride_t, BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
     """gu[t, c] = rnd(rnd(silu(gu[t, c])) * gu[t, INTER + c]) for c < INTER (in place)."""
+    pdl_trigger(PDL_TRIGGER)  # kernels/pdl.py: the down projection's GEMV may be scheduled
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -151,7 +157,8 @@ def silu_mul_(gu: torch.Tensor, inter: int) -> torch.Tensor:
                                                                               gu.stride())
     if gu.numel():
         _silu_mul[(gu.shape[0], triton.cdiv(inter, SILU_BLOCK))](
-            gu, inter, gu.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
+            gu, inter, gu.stride(0), BLOCK=SILU_BLOCK, PDL_TRIGGER=trigger_enabled(gu.device),
+            num_warps=4)
     return gu[:, :inter]
 
 

@@ -1,0 +1,93 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the decode chain of Triton kernels.
+
+A kernel launched with PDL (`launch_pdl=True`) may start while the kernel before it in the
+stream is still running: its programs are scheduled early, do work that needs nothing from
+that kernel, then `gdc_wait()` blocks until the previous kernel has completed and its writes
+are visible. The INT4 decode GEMV (kernels/awq_gemv.py) uses it to load its first weight
+tile (weights, zero points and scales are never written by a kernel) before it reads x, the
+output of the kernel before it; the producers of a GEMV's x (RMSNorm, silu * up, the
+attention reduce and mass kernels) call `gdc_launch_dependents()` when they start, so the
+GEMV's programs can be scheduled while they run (without that call the dependent launch
+begins only as the producer's programs exit).
+
+Rules every PDL consumer here follows: nothing before `gdc_wait()` reads memory a kernel
+writes or writes memory at all; every read of x and every store or atomic comes after it.
+A trigger in a producer is a hint and changes nothing when the next kernel is launched the
+ordinary way. Captured into CUDA graphs as programmatic edges (CUDA >= 12.3).
+
+`pdl_enabled(device)`: a CUDA device of compute capability >= 9.0 (not ROCm), a Triton with
+`gdc_wait` and the `launch_pdl` launch option, and HISPARSE_PDL not "0". Everywhere else
+(CPU interpreter, older GPUs or Triton) the kernels run without it, the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: the PDL branches are never compiled
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+__all__ = ["gdc_wait", "gdc_launch_dependents", "pdl_enabled", "trigger_enabled",
+           "launch_kwargs"]
+
+TRIGGERS = True  # producers trigger early where PDL is on (benchmarks A/B it off)
+
+
+def _triton_has_launch_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@lru_cache(maxsize=8)
+def _device_ok(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL and wait / trigger (module doc)."""
+    if os.environ.get("HISPARSE_PDL", "1") == "0" or not _HAS_GDC:
+        return False
+    return _device_ok(device) and _TRITON_LAUNCH_PDL
+
+
+_TRITON_LAUNCH_PDL = _triton_has_launch_pdl()
+
+
+def trigger_enabled(device: torch.device) -> bool:
+    """Whether the producers of a GEMV's x call gdc_launch_dependents() when they start."""
+    return TRIGGERS and pdl_enabled(device)
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """Extra launch options of a PDL consumer: {"launch_pdl": True} where enabled, else {}."""
+    return {"launch_pdl": True} if pdl_enabled(device) else {}
+
+
+@triton.jit
+def trigger(ENABLED: tl.constexpr):
+    """A producer's gdc_launch_dependents(), compiled in only when ENABLED."""
+    if ENABLED:
+        gdc_launch_dependents()
