@@ -528,8 +528,8 @@ def test_gemv_rows2d_interpreter_same_bits(packed, prefetch, m, split, group):
 @pytest.mark.parametrize("block_n,warps", [(64, 2), (128, 4)])
 def test_gemv_rows2d_cuda(packed, prefetch, k, n, m, block_n, warps):
     """rows2d on sm_90 (the packed path's PTX included): within the tolerance of the fp32
-    reference, and the same bits as rows2d 0 (only where the per-row values are loaded
-    changes, not the arithmetic)."""
+    reference, and within 1e-3 of max |y| of rows2d 0 (the same arithmetic; the compiler may
+    contract other products into FMAs in the other layout, so not always the same bits)."""
     x, qw, qt, qz, s, b = case_k(m, k, n, 128, torch.float16, "cuda", seed=m)
     sms = awq_gemv._sm_count(x.device)
     cfg = GemvConfig(block_n=block_n, block_kw=16,
@@ -537,8 +537,8 @@ def test_gemv_rows2d_cuda(packed, prefetch, k, n, m, block_n, warps):
                      num_stages=1, prefetch=prefetch, stream=2, packed=packed, rows2d=1)
     y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=cfg)
     check(y, x, qw, qz, s, b, 128)
-    assert torch.equal(y, awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128,
-                                              config=replace(cfg, rows2d=0)))
+    y0 = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=replace(cfg, rows2d=0))
+    assert float((y.float() - y0.float()).abs().max()) <= 1e-3 * float(y0.float().abs().max())
 
 
 @interp

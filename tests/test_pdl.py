@@ -145,8 +145,13 @@ def test_pdl_gemv_waits_for_its_producer(prefetch, m, k, n):
         _late_writer[(triton.cdiv(x.numel(), 1024),)](x, buf, x.numel(), 20000, BLOCK=1024)
         return awq_gemv.awq_gemv_k(buf, qt, qz, s, b, 128, config=replace(cfg, pdl=1))
 
+    def close(y):  # a read of the stale NaNs would show; the peeled first step may contract
+        # other products into FMAs than the plain loop, so not always the same bits
+        return bool(torch.isfinite(y).all()) and float((y.float() - want.float()).abs().max()) \
+            <= 1e-3 * float(want.float().abs().max())
+
     for _ in range(3):  # eager
-        assert torch.equal(step(), want)
+        assert close(step())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -159,4 +164,4 @@ def test_pdl_gemv_waits_for_its_producer(prefetch, m, k, n):
         out.fill_(0)
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, want)
+        assert close(out)
