@@ -24,6 +24,9 @@ each round (gpu_awq_ab_table.json).
 --pdl: only decode at --context: fp16, INT4 with GEMV_TABLE's launches at pdl 0, with the
 GEMVs launched with programmatic dependent launch (pdl 1, kernels/pdl.py) but the producers
 of x not triggering early, and with both; order rotated each round (gpu_awq_ab_pdl.json).
+--pdl-chain: only decode at --context, fp16 and INT4, with the decode chain's other Triton
+kernels (norm, RoPE, store_kv, attention, silu * up) launched as PDL consumers or the
+ordinary way (kernels/pdl.CHAIN); the order rotated each round (gpu_awq_ab_chain.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -84,6 +87,9 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true",
                     help="only: decode with the GEMVs launched with PDL (with / without the "
                          "producers' early trigger) vs without, and fp16, interleaved")
+    ap.add_argument("--pdl-chain", action="store_true",
+                    help="only: decode, fp16 and INT4, with the chain's kernels launched with "
+                         "PDL or not, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -103,6 +109,9 @@ def main() -> None:
         return
     if a.pdl:
         pdl_ab(a, model, cfg, sparse, backend, dev)
+        return
+    if a.pdl_chain:
+        chain_ab(a, model, cfg, sparse, backend, dev)
         return
     if a.silu:
         silu_ab(a, model, cfg, sparse, backend, dev)
@@ -230,6 +239,44 @@ def table_ab(a, model, cfg, sparse, backend, dev) -> None:
               "int4 suggested": suggested}
     _decode_ab(a, model, cfg, sparse, backend, dev, tables, "gpu_awq_ab_table.json",
                extra=dict(suggested={k: str(v) for k, v in suggested.items()}))
+
+
+def chain_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Decode tok/s at --context over --decode-tokens for fp16 and INT4, each with
+    kernels/pdl.CHAIN on and off, the order rotated each round; per round the gain of the
+    chain per format and INT4/fp16 with and without it."""
+    from hisparse_cli.kernels import pdl
+
+    assert pdl.pdl_enabled(dev), "PDL is off on this device / Triton (kernels/pdl.py)"
+    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
+    long = prompt(a.context, cfg.vocab_size)
+    variants = [(f"{fmt} chain {'on' if on else 'off'}", m, fmt, on)
+                for fmt, m in (("fp16", fp16), ("awq-int4", model)) for on in (False, True)]
+    for _, m, fmt, on in variants:  # compile at the timed shapes, outside the timing
+        pdl.CHAIN = on
+        run_ours(m, cfg, sparse, long, 8, backend, dev, weight_format=fmt)
+    res: list = []
+    try:
+        for r in range(a.rounds):
+            row = {}
+            k = r % len(variants)
+            for label, m, fmt, on in variants[k:] + variants[:k]:
+                pdl.CHAIN = on
+                out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
+                               weight_format=fmt)
+                row[label] = out["decode_tok_s"]
+                print(f"round {r} {label:<20} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
+                      f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
+            gain = {f: row[f"{f} chain on"] / row[f"{f} chain off"] for f in ("fp16", "awq-int4")}
+            ratio = {o: row[f"awq-int4 chain {o}"] / row[f"fp16 chain {o}"] for o in ("on", "off")}
+            print(f"round {r} chain on/off: " + ", ".join(f"{k} {v:.3f}" for k, v in gain.items())
+                  + "; INT4/fp16: " + ", ".join(f"chain {k} {v:.3f}" for k, v in ratio.items()),
+                  flush=True)
+            res.append(dict(round=r, decode_tok_s=row, chain_gain=gain, ratio=ratio))
+    finally:
+        pdl.CHAIN = True
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_awq_ab_chain.json").write_text(json.dumps(res, indent=1))
 
 
 def pdl_ab(a, model, cfg, sparse, backend, dev) -> None:

@@ -41,6 +41,20 @@ def test_pdl_off_on_cpu_and_by_env(monkeypatch):
     assert pdl.launch_kwargs(torch.device("cuda", 0)) == {}
 
 
+def test_chain_args_wait_whenever_launched_with_pdl(monkeypatch):
+    """launch_pdl only ever comes with PDL_WAIT (a consumer that did not wait could read
+    what the previous kernel has not written yet); CHAIN / TRIGGERS switch the parts."""
+    assert pdl.chain_args(torch.device("cpu")) == {"PDL_WAIT": False, "PDL_TRIGGER": False}
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    for chain in (False, True):
+        for trig in (False, True):
+            monkeypatch.setattr(pdl, "CHAIN", chain)
+            monkeypatch.setattr(pdl, "TRIGGERS", trig)
+            args = pdl.chain_args(torch.device("cuda", 0))
+            assert args.get("launch_pdl", False) == args["PDL_WAIT"] == chain
+            assert args["PDL_TRIGGER"] == trig
+
+
 @pytest.mark.skipif(not CPU, reason="interpreter test")
 @pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("m,split", [(1, 1), (4, 2)])
@@ -67,32 +81,42 @@ import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
 from hisparse_cli.kernels import awq_gemv as ag, norm_rope_triton as nr
-from hisparse_cli.kernels import attention_fwd_triton as af, importance_triton as it
+from hisparse_cli.kernels import store_kv_triton as sk
 for pdl in (False, True):
     for pf in (0, 1):
         k = c.compile_one(ag._awq_gemv_kernel, c.GEMV_SIG, dict(
             GROUP=128, M=1, BLOCK_N=64, BLOCK_KW=16, NUM_STAGES=1, HAS_BIAS=False, SPLIT=4,
-            PREFETCH=pf, STREAM=2, PACKED=2, ASM=True, ROWS2D=0, PDL=pdl), 2, c.GEMV_ALIGNED)
+            PREFETCH=pf, STREAM=2, PACKED=2, ASM=True, ROWS2D=0, PDL=pdl, PDL_TRIGGER=pdl),
+            2, c.GEMV_ALIGNED)
         ptx = k.asm['ptx']
         print('gemv', pdl, pf, ptx.count('griddepcontrol.wait'),
               ptx.count('griddepcontrol.launch_dependents'))
     k = c.compile_one(nr._silu_mul, dict(gu_ptr='*fp16', INTER='i32', stride_t='i32'),
-                      dict(BLOCK=1024, PDL_TRIGGER=pdl), 4, ('gu_ptr',))
-    print('silu', pdl, k.asm['ptx'].count('griddepcontrol.launch_dependents'))
+                      dict(BLOCK=1024, PDL_WAIT=pdl, PDL_TRIGGER=pdl), 4, ('gu_ptr',))
+    print('silu', pdl, k.asm['ptx'].count('griddepcontrol.wait'),
+          k.asm['ptx'].count('griddepcontrol.launch_dependents'))
     k = c.compile_one(nr._rms_norm, dict(x_ptr='*fp16', y_ptr='*fp16', w_ptr='*fp16',
                       out_ptr='*fp16', sum_ptr='*fp16', R='i32', B='i32', sxa='i32', sxb='i32',
                       sya='i32', syb='i32', eps='fp32'),
-                      dict(H=4096, BLOCK_H=4096, ROWS=1, HAS_RES=True, PDL_TRIGGER=pdl), 8,
-                      ('x_ptr',))
-    print('norm', pdl, k.asm['ptx'].count('griddepcontrol.launch_dependents'))
+                      dict(H=4096, BLOCK_H=4096, ROWS=1, HAS_RES=True, PDL_WAIT=pdl,
+                           PDL_TRIGGER=pdl), 8, ('x_ptr',))
+    print('norm', pdl, k.asm['ptx'].count('griddepcontrol.wait'),
+          k.asm['ptx'].count('griddepcontrol.launch_dependents'))
+    k = c.compile_one(sk._store_kv, dict(k_ptr='*fp16', v_ptr='*fp16', kc_ptr='*fp16',
+                      vc_ptr='*fp16', slot_ptr='*i64', stride_kt='i32', stride_kh='i32',
+                      stride_vt='i32', stride_vh='i32', stride_cb='i32', stride_cs='i32',
+                      stride_ch='i32'), dict(HKV=8, H_PAD=8, D=128, BS=16, PDL_WAIT=pdl,
+                                             PDL_TRIGGER=pdl), 4, ('k_ptr',))
+    print('store_kv', pdl, k.asm['ptx'].count('griddepcontrol.wait'),
+          k.asm['ptx'].count('griddepcontrol.launch_dependents'))
 """
 
 
 @pytest.mark.slow
 def test_pdl_instructions_compile_for_sm90():
     """sm_90 PTX: a PDL GEMV waits exactly once (after its first weight loads, before x) and
-    never triggers; a plain one has no griddepcontrol at all; the producers trigger once
-    when asked to and not otherwise."""
+    triggers once; a plain one has no griddepcontrol at all; the chain kernels wait and
+    trigger once each when asked to, and not otherwise."""
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("no ptxas in this Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -100,13 +124,13 @@ def test_pdl_instructions_compile_for_sm90():
     out = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    got = {tuple(ln.split()[:-2 if ln.startswith("gemv") else -1]): ln.split()[-2:]
-           if ln.startswith("gemv") else ln.split()[-1] for ln in out.stdout.splitlines()}
+    got = {tuple(ln.split()[:-2]): ln.split()[-2:] for ln in out.stdout.splitlines()}
     for pf in ("0", "1"):
         assert got[("gemv", "False", pf)] == ["0", "0"], out.stdout
-        assert got[("gemv", "True", pf)] == ["1", "0"], out.stdout
-    for kern in ("silu", "norm"):
-        assert got[(kern, "False")] == "0" and got[(kern, "True")] == "1", out.stdout
+        assert got[("gemv", "True", pf)] == ["1", "1"], out.stdout
+    for kern in ("silu", "norm", "store_kv"):
+        assert got[(kern, "False")] == ["0", "0"], out.stdout
+        assert got[(kern, "True")] == ["1", "1"], out.stdout
 
 
 # -- sm_90: the wait holds x back until the producer is done -------------------------------

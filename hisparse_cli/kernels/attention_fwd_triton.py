@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.pdl import trigger as pdl_trigger
+from hisparse_cli.kernels.pdl import enter as pdl_enter
 
 
 @triton.jit
@@ -145,7 +145,9 @@ def _attn_fwd(
     WINDOWED: tl.constexpr, HAS_G: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr,
     FULL_TILES: tl.constexpr,
     WRITE_LSE: tl.constexpr, STORE_S: tl.constexpr, UPCAST: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)  # kernels/pdl.py
     if QS_PTR:  # position of the first query read from device memory (CUDA-graph replay)
         q_start = tl.load(qs_ptr).to(tl.int32)
     pid_m = tl.program_id(0)
@@ -243,14 +245,14 @@ def _attn_fwd(
 def _attn_reduce(
     m_ws, l_ws, acc_ws, out_ptr, lse_ptr, T, n_split, stride_ot, stride_oh,
     HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, SPLIT_P2: tl.constexpr,
-    WRITE_LSE: tl.constexpr, PDL_TRIGGER: tl.constexpr = False,
+    WRITE_LSE: tl.constexpr, PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """Combine split partials of one row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
     One program per (row, KV head) loads all n_split partials at once ([SPLIT_P2, D] tile, no
     loop over splits: a serial loop made this kernel ~0.3 us per split, which capped the split
     count a decode step could use). PDL_TRIGGER: kernels/pdl.py (the o projection's GEMV may
     be scheduled now; it waits for this kernel before reading its output)."""
-    pdl_trigger(PDL_TRIGGER)
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     n_rows = T * GRP

@@ -35,7 +35,7 @@ import triton
 
 from hisparse_cli.kernels.attention_fwd_triton import _attn_fwd, _attn_reduce
 from hisparse_cli.kernels.importance_triton import _mass_from_logits, _mass_recompute
-from hisparse_cli.kernels.pdl import trigger_enabled
+from hisparse_cli.kernels.pdl import chain_args
 from hisparse_cli.kernels.store_kv_triton import store_kv
 
 __all__ = ["store_kv", "sparse_attention", "AttnConfig", "choose_config", "default_score_stride"]
@@ -184,13 +184,14 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         QS_PTR=qs_tensor, HKV=hkv, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
         WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, SCAN=m_tiles > 1,
         FULL_TILES=cfg.full_tiles and m_tiles > 1 and splits == 1, WRITE_LSE=write_lse,
-        STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **chain_args(dev))
     if splits > 1:
         p2 = triton.next_power_of_2(splits)
         _attn_reduce[(n_rows, hkv)](
             m_ws, l_ws, acc_ws, out, lse, t_len, splits, out.stride(0), out.stride(1),
             HKV=hkv, GRP=grp, D=d, SPLIT_P2=p2, WRITE_LSE=write_lse,
-            PDL_TRIGGER=trigger_enabled(dev), num_warps=8 if p2 * d >= 8192 else 4)
+            num_warps=8 if p2 * d >= 8192 else 4, **chain_args(dev))
     if not return_scores:
         return out, None, None
 
@@ -218,7 +219,7 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
             *common.values(), s_ws.stride(0), s_ws.stride(1), gp.stride(0) if has_g else 0,
             sb, so, qs_ptr,
             QS_PTR=qs_tensor, GRP=grp, BS=bs, BLOCK_R=16, BLOCK_N=bn, WINDOWED=windowed, HAS_G=has_g,
-            ACCUM=accum, PDL_TRIGGER=trigger_enabled(dev), num_warps=4)
+            ACCUM=accum, num_warps=4, **chain_args(dev))
     else:
         stride = score_stride or default_score_stride(t_len, visible_keys + G, hq, d)
         assert stride >= 1

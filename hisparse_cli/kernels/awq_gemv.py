@@ -52,7 +52,9 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.pdl import gdc_wait, pdl_enabled
+from hisparse_cli.kernels import pdl as _pdl
+from hisparse_cli.kernels.pdl import enter as pdl_enter
+from hisparse_cli.kernels.pdl import pdl_enabled
 from hisparse_cli.kernels.awq_layout import check_gemv_args, check_x  # noqa: F401 (re-export)
 
 @triton.jit
@@ -453,7 +455,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
                      ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -486,7 +488,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         words_n = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
         zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
         if PDL:  # the loads above read weights only; x is the previous kernel's output
-            gdc_wait()
+            pdl_enter(True, PDL_TRIGGER)
         for w0 in range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW):
             words = words_n
             zw = zw_n
@@ -505,7 +507,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             words = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
             zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows, offs_w,
                                 ROWS2D)
-            gdc_wait()
+            pdl_enter(True, PDL_TRIGGER)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w_start,
                                                 x_ptr, x_off, zshift, stride_xm, M, STREAM,
                                                 PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D)
@@ -559,6 +561,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
+                  PDL_TRIGGER=pdl and _pdl.TRIGGERS,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x
         common["launch_pdl"] = True

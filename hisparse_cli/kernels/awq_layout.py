@@ -194,12 +194,15 @@ GEMV_TABLE = {
     # tiles from benchmarks/gpu_gemv_packed.py, H200 run 39 (benchmarks/results/h200-run39):
     # 1 token, per layer qkv+o+gate_up+down 60.9 -> 55.6 us, lm_head 118.5 -> 116.2 us;
     # 2-4 tokens 1.1-1.45x faster than packed 0
+    # pdl 1 (kernels/pdl.py, H200 run 46, gpu_awq_ab.py --pdl, 3 rounds at 32K): INT4 decode
+    # +5.9 % with the producers' early trigger (+1.7 % without it); rows2d 1 lost on every
+    # shape (run 44: 9.0 -> 9.5 us qkv, 14.4 -> 19.9 us down), so it stays 0
     "small_n": GemvTile(block_n=128, num_warps=4, num_stages=1, programs_per_sm=16,
-                        stream=2, packed=2),  # < 8192
+                        stream=2, packed=2, pdl=1),  # < 8192
     "large_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=32,
-                        stream=2, packed=2),  # < 65536
+                        stream=2, packed=2, pdl=1),  # < 65536
     "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4,
-                       packed=2),  # lm_head
+                       packed=2, pdl=1),  # lm_head
 }
 # packed 2 applies to fp16 activations on NVIDIA CUDA; bf16/fp32 and ROCm take the fp32
 # path (packed 0) with the same tile

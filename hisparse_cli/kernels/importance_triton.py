@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.pdl import trigger as pdl_trigger
+from hisparse_cli.kernels.pdl import enter as pdl_enter
 
 from hisparse_cli.kernels.attention_ref import visibility_mask
 
@@ -89,9 +89,9 @@ def _mass_from_logits(
     qs_ptr,
     GRP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_G: tl.constexpr, QS_PTR: tl.constexpr, ACCUM: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
-    pdl_trigger(PDL_TRIGGER)  # kernels/pdl.py: the next (PDL) kernel may be scheduled now
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)  # kernels/pdl.py: the next (PDL) kernel may start
     if QS_PTR:
         q_start = tl.load(qs_ptr).to(tl.int32)
     kvh = tl.program_id(1)

@@ -21,18 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.pdl import trigger_enabled
-from hisparse_cli.kernels.pdl import trigger as pdl_trigger
+from hisparse_cli.kernels.pdl import chain_args
+from hisparse_cli.kernels.pdl import enter as pdl_enter
 
 
 @triton.jit
 def _rms_norm(x_ptr, y_ptr, w_ptr, out_ptr, sum_ptr, R, B, sxa, sxb, sya, syb, eps,
               H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-              HAS_RES: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
+              HAS_RES: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+              PDL_TRIGGER: tl.constexpr = False):
     """Rows r = a * B + b of x (offset a * sxa + b * sxb, unit stride along H); HAS_RES: the
     row is x + y (stored to sum_ptr, contiguous) before the norm; out is contiguous.
-    PDL_TRIGGER: kernels/pdl.py (the next kernel, a decode GEMV, may be scheduled now)."""
-    pdl_trigger(PDL_TRIGGER)
+    PDL_WAIT / PDL_TRIGGER: kernels/pdl.py (the next kernel, often a decode GEMV, may be
+    scheduled now)."""
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < R)[:, None] & (cols < H)[None, :]
@@ -53,8 +55,10 @@ def _rms_norm(x_ptr, y_ptr, w_ptr, out_ptr, sum_ptr, R, B, sxa, sxb, sya, syb, e
 
 @triton.jit
 def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, NH, sxt, sxh, sct, sst,
-          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+          HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+          PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
     """out[t, h] = x * cos + cat(-x2, x1) * sin for heads h of token t; out contiguous."""
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)
     t = tl.program_id(0).to(tl.int64)
     h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -108,7 +112,7 @@ def _launch_norm(x, y, weight, eps, out, s):
     _rms_norm[(triton.cdiv(r, rows),)](
         x, y if y is not None else x, weight, out, s if s is not None else out, r, b,
         sxa, sxb, sya, syb, float(eps), H=h, BLOCK_H=block, ROWS=rows,
-        HAS_RES=y is not None, PDL_TRIGGER=trigger_enabled(x.device), num_warps=warps)
+        HAS_RES=y is not None, num_warps=warps, **chain_args(x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,9 +138,10 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul(gu_ptr, INTER, stride_t, BLOCK: tl.constexpr, PDL_TRIGGER: tl.constexpr = False):
+def _silu_mul(gu_ptr, INTER, stride_t, BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+              PDL_TRIGGER: tl.constexpr = False):
     """gu[t, c] = rnd(rnd(silu(gu[t, c])) * gu[t, INTER + c]) for c < INTER (in place)."""
-    pdl_trigger(PDL_TRIGGER)  # kernels/pdl.py: the down projection's GEMV may be scheduled
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)  # kernels/pdl.py: the down projection's GEMV may start
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -157,8 +162,7 @@ def silu_mul_(gu: torch.Tensor, inter: int) -> torch.Tensor:
                                                                               gu.stride())
     if gu.numel():
         _silu_mul[(gu.shape[0], triton.cdiv(inter, SILU_BLOCK))](
-            gu, inter, gu.stride(0), BLOCK=SILU_BLOCK, PDL_TRIGGER=trigger_enabled(gu.device),
-            num_warps=4)
+            gu, inter, gu.stride(0), BLOCK=SILU_BLOCK, num_warps=4, **chain_args(gu.device))
     return gu[:, :inter]
 
 
@@ -183,5 +187,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     bh, bd, warps = rope_config(nh, d // 2)
     _rope[(t, triton.cdiv(nh, bh))](x, cos, sin, out, nh, x.stride(0), x.stride(1),
                                     cos.stride(0), sin.stride(0), HALF=d // 2, BLOCK_H=bh,
-                                    BLOCK_D=bd, num_warps=warps)
+                                    BLOCK_D=bd, num_warps=warps, **chain_args(x.device))
     return out

@@ -15,6 +15,12 @@ writes or writes memory at all; every read of x and every store or atomic comes 
 A trigger in a producer is a hint and changes nothing when the next kernel is launched the
 ordinary way. Captured into CUDA graphs as programmatic edges (CUDA >= 12.3).
 
+The decode chain's other Triton kernels (RMSNorm, RoPE, store_kv, attention, its reduce and
+mass, silu * up) are PDL consumers too, with nothing before the wait: `gdc_wait()` is their
+first instruction, so all their reads and writes follow the previous kernel's completion,
+as in ordinary stream order; what overlaps is their launch and scheduling with the previous
+kernel's tail (`chain_args`; CHAIN = False launches them the ordinary way).
+
 `pdl_enabled(device)`: a CUDA device of compute capability >= 9.0 (not ROCm), a Triton with
 `gdc_wait` and the `launch_pdl` launch option, and HISPARSE_PDL not "0". Everywhere else
 (CPU interpreter, older GPUs or Triton) the kernels run without it, the same bits.
@@ -47,6 +53,7 @@ __all__ = ["gdc_wait", "gdc_launch_dependents", "pdl_enabled", "trigger_enabled"
            "launch_kwargs"]
 
 TRIGGERS = True  # producers trigger early where PDL is on (benchmarks A/B it off)
+CHAIN = True  # the chain's other kernels launch as PDL consumers (benchmarks A/B it off)
 
 
 def _triton_has_launch_pdl() -> bool:
@@ -81,13 +88,26 @@ def trigger_enabled(device: torch.device) -> bool:
     return TRIGGERS and pdl_enabled(device)
 
 
+def chain_args(device: torch.device) -> dict:
+    """Launch arguments of a decode-chain kernel with the PDL_WAIT / PDL_TRIGGER constexprs
+    (its first statement `enter(PDL_WAIT, PDL_TRIGGER)`): waits, triggers and launch_pdl
+    where enabled. launch_pdl only ever comes with PDL_WAIT (a consumer must wait)."""
+    on = pdl_enabled(device)
+    if on and CHAIN:
+        return {"PDL_WAIT": True, "PDL_TRIGGER": TRIGGERS, "launch_pdl": True}
+    return {"PDL_WAIT": False, "PDL_TRIGGER": TRIGGERS and on}
+
+
 def launch_kwargs(device: torch.device) -> dict:
     """Extra launch options of a PDL consumer: {"launch_pdl": True} where enabled, else {}."""
     return {"launch_pdl": True} if pdl_enabled(device) else {}
 
 
 @triton.jit
-def trigger(ENABLED: tl.constexpr):
-    """A producer's gdc_launch_dependents(), compiled in only when ENABLED."""
-    if ENABLED:
+def enter(WAIT: tl.constexpr, TRIGGER: tl.constexpr):
+    """A chain kernel's first statement: wait for the previous kernel (WAIT: launched with
+    PDL), then let the next one be scheduled (TRIGGER); compiled in only when asked."""
+    if WAIT:
+        gdc_wait()
+    if TRIGGER:
         gdc_launch_dependents()

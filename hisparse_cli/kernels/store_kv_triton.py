@@ -11,11 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse_cli.kernels.pdl import chain_args
+from hisparse_cli.kernels.pdl import enter as pdl_enter
+
 
 @triton.jit
 def _store_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
               stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-              HKV: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+              HKV: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+              PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)  # kernels/pdl.py
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     h = tl.arange(0, H_PAD)
@@ -47,4 +52,5 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k, v, k_cache, v_cache, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, H_PAD=triton.next_power_of_2(hkv), D=d, BS=bs, num_warps=4)
+        HKV=hkv, H_PAD=triton.next_power_of_2(hkv), D=d, BS=bs, num_warps=4,
+        **chain_args(k.device))
