@@ -38,6 +38,14 @@ Timed on the H200 (run 39, benchmarks/gpu_gemv_packed.py): at 1 token 1.02-1.20x
 path per Llama-3-8B shape (with its best tile), at 2-4 tokens 1.1-1.45x; GEMV_TABLE uses
 packed 2 for every shape class.
 
+Per-row zero points and scales: loaded as [BN] vectors, which the compiler converts to the
+word tile's layout through shared memory (6 barriers a step in the sm_90 SASS); rows2d 1
+loads them in the word tile's layout instead (no barrier), same bits, but slower on the H200
+on every shape (run 44: gate|up 25.9 -> 34.7 us), so GEMV_TABLE keeps rows2d 0.
+Programmatic dependent launch (pdl 1, GEMV_TABLE since H200 run 46; kernels/pdl.py): the
+first step's weights are loaded before gdc_wait(), x and every store after it; the kernel
+then triggers its dependents. +5.9 % INT4 decode at 32K with the producers' early trigger.
+
 Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); PTX
 inline assembly only on the packed path; no descriptors or autotuning.
 benchmarks/awq_sm90_compile.py compiles it for sm_90 without a GPU.
