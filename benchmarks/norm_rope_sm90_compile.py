@@ -31,6 +31,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from hisparse_cli.kernels import norm_rope_triton as nt  # noqa: E402
 
 DT = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+# as launched on sm_90 (kernels/pdl.py: a decode-chain kernel waits, then triggers)
+PDL = dict(PDL_WAIT=True, PDL_TRIGGER=True)
 
 
 def compile_one(fn, sig: dict, consts: dict, warps: int):
@@ -68,15 +70,15 @@ def cases(quick: bool = False):
                        "R": "i32", "B": "i32", "sxa": "i32", "sxb": "i32", "sya": "i32",
                        "syb": "i32", "eps": "fp32"}
                 yield (f"rms_norm{'+res' if res else ''} {dt} H={h}", nt._rms_norm, sig,
-                       dict(H=h, BLOCK_H=block, ROWS=rows, HAS_RES=res), warps)
+                       dict(H=h, BLOCK_H=block, ROWS=rows, HAS_RES=res, **PDL), warps)
         for heads, d in ((40, 128), (48, 128), (6, 64), (20, 96)):
             bh, bd, warps = nt.rope_config(heads, d // 2)
             sig = {"x_ptr": p, "cos_ptr": p, "sin_ptr": p, "out_ptr": p, "NH": "i32",
                    "sxt": "i32", "sxh": "i32", "sct": "i32", "sst": "i32"}
             yield (f"rope {dt} heads={heads} D={d}", nt._rope, sig,
-                   dict(HALF=d // 2, BLOCK_H=bh, BLOCK_D=bd), warps)
+                   dict(HALF=d // 2, BLOCK_H=bh, BLOCK_D=bd, **PDL), warps)
         sig = {"gu_ptr": p, "INTER": "i32", "stride_t": "i32"}
-        yield (f"silu_mul {dt}", nt._silu_mul, sig, dict(BLOCK=nt.SILU_BLOCK), 4)
+        yield (f"silu_mul {dt}", nt._silu_mul, sig, dict(BLOCK=nt.SILU_BLOCK, **PDL), 4)
 
 
 def main() -> int:
