@@ -98,24 +98,11 @@ def main() -> None:
     model = build_ours(cfg, dev, awq=True, host_emb=False)
     kw = dict(weight_format="awq-int4")
     run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev, **kw)  # JIT
-    if a.graphs:
-        graphs_ab(a, model, cfg, sparse, backend, dev)
-        return
-    if a.packed:
-        packed_ab(a, model, cfg, sparse, backend, dev)
-        return
-    if a.table_json:
-        table_ab(a, model, cfg, sparse, backend, dev)
-        return
-    if a.pdl:
-        pdl_ab(a, model, cfg, sparse, backend, dev)
-        return
-    if a.pdl_chain:
-        chain_ab(a, model, cfg, sparse, backend, dev)
-        return
-    if a.silu:
-        silu_ab(a, model, cfg, sparse, backend, dev)
-        return
+    for flag, only in ((a.graphs, graphs_ab), (a.packed, packed_ab), (a.table_json, table_ab),
+                       (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab)):
+        if flag:  # the --flag modes: one A/B each, then done
+            only(a, model, cfg, sparse, backend, dev)
+            return
     res: dict = {"decode": [], "prefill": []}
     short = prompt(8192, cfg.vocab_size)
     for r in range(a.rounds):
@@ -351,41 +338,11 @@ def packed_ab(a, model, cfg, sparse, backend, dev) -> None:
     Engine per run: each captures its own decode graph with the table of the moment)."""
     from dataclasses import replace
 
-    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
-    run_ours(fp16, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
-             weight_format="fp16")
-    long = prompt(a.context, cfg.vocab_size)
     table = dict(awq_layout.GEMV_TABLE)
-    tables = {"packed 0": {k: replace(t, packed=0) for k, t in table.items()},
-              "run31": dict(RUN31_TABLE)}
-    for t in tables.values():  # compile the kernels outside the timing
-        awq_layout.GEMV_TABLE.update(t)
-        run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev,
-                 weight_format="awq-int4")
-    variants = [("fp16", fp16, None), ("int4 table", model, table),
-                ("int4 table packed 0", model, tables["packed 0"]),
-                ("int4 run-31 table", model, tables["run31"])]
-    res: list = []
-    for r in range(a.rounds):
-        row = {}
-        k = r % len(variants)
-        for label, m, tab in variants[k:] + variants[:k]:
-            if tab is not None:
-                awq_layout.GEMV_TABLE.clear()
-                awq_layout.GEMV_TABLE.update(tab)
-            out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
-                           weight_format="fp16" if tab is None else "awq-int4")
-            row[label] = out["decode_tok_s"]
-            print(f"round {r} {label:<14} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
-                  f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
-        ratios = {k: row[k] / row["fp16"] for k in row if k != "fp16"}
-        print(f"round {r} INT4/fp16 decode: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
-        res.append(dict(round=r, decode_tok_s=row, ratio=ratios))
-    awq_layout.GEMV_TABLE.clear()
-    awq_layout.GEMV_TABLE.update(table)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "gpu_awq_ab_packed.json").write_text(json.dumps(res, indent=1))
+    _decode_ab(a, model, cfg, sparse, backend, dev,
+               {"int4 table": table,
+                "int4 table packed 0": {k: replace(t, packed=0) for k, t in table.items()},
+                "int4 run-31 table": dict(RUN31_TABLE)}, "gpu_awq_ab_packed.json")
 
 
 if __name__ == "__main__":
