@@ -1,6 +1,6 @@
 """AWQ checkpoints in the model: which quantization_configs load, `AWQLinear`, a mixed
 checkpoint (some linears INT4, some fp) against HF transformers with the independently decoded
-weights (the oracle), and `HostEmbedding` against `nn.Embedding`."""
+weights (the oracle)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from hisparse_cli.errors import ModelError
 from hisparse_cli.kernels.awq_pack import quantize_weight
 from hisparse_cli.model.awq import AWQConfig, AWQLinear, parse_quantization_config
-from hisparse_cli.model.host_embedding import HostEmbedding
 from test_awq_ref import oracle_weight
 
 PUBLISHED = {"bits": 4, "group_size": 128, "modules_to_not_convert": None,
@@ -202,25 +201,3 @@ def test_mixed_checkpoint_cpu_int4pack_path(tmp_path):
     assert head.int4pack_sz.dtype == torch.bfloat16
     head.to("meta")  # off the CPU (as to a GPU): no copy
     assert head.int4pack is None and head.int4pack_sz is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_host_embedding_gathers_on_cpu(dtype):
-    table = torch.randn(100, 16)
-    emb = HostEmbedding(table, device="cpu", dtype=dtype)
-    ids = torch.tensor([[3, 99, 0], [3, 3, 7]])
-    ref = torch.nn.Embedding.from_pretrained(table.to(dtype))
-    assert emb.weight.device.type == "cpu" and emb.weight.dtype == dtype
-    assert torch.equal(emb(ids), ref(ids))
-    assert emb.state_dict().keys() == {"weight"}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_host_embedding_to_cuda():
-    table = torch.randn(1000, 64)
-    emb = HostEmbedding(table, device="cuda", dtype=torch.float16)
-    ids = torch.tensor([5, 999, 5], device="cuda")
-    out = emb(ids)
-    assert out.device.type == "cuda" and emb.weight.device.type == "cpu" and emb.weight.is_pinned()
-    assert torch.equal(out.cpu(), table.half()[ids.cpu()])
