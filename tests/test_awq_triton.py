@@ -505,8 +505,9 @@ def test_packed_gemv_interpreter(packed, group, m, split):
 
 
 @interp
-@pytest.mark.parametrize("packed,prefetch", [(0, 0), (1, 0), (2, 0), (2, 1), (0, 1)])
-@pytest.mark.parametrize("m,split,group", [(1, 1, 128), (3, 2, 64), (4, 4, 32)])
+@pytest.mark.parametrize("packed,prefetch,m,split,group", [
+    (0, 0, 1, 1, 128), (0, 1, 3, 2, 64), (1, 0, 3, 2, 64), (2, 0, 1, 1, 128), (2, 1, 3, 2, 64),
+    (2, 0, 2, 4, 32)])
 def test_gemv_rows2d_interpreter_same_bits(packed, prefetch, m, split, group):
     """GemvConfig.rows2d loads each step's zero points and scales as [BN, BKW] tiles (every
     word column of a row the row's value) instead of [BN] vectors: a layout choice, the same
