@@ -6,9 +6,11 @@ that kernel, then `gdc_wait()` blocks until the previous kernel has completed an
 are visible. The INT4 decode GEMV (kernels/awq_gemv.py) uses it to load its first weight
 tile (weights, zero points and scales are never written by a kernel) before it reads x, the
 output of the kernel before it; the producers of a GEMV's x (RMSNorm, silu * up, the
-attention reduce and mass kernels) call `gdc_launch_dependents()` when they start, so the
-GEMV's programs can be scheduled while they run (without that call the dependent launch
-begins only as the producer's programs exit).
+attention reduce and mass kernels) call `gdc_launch_dependents()` as they start (right after
+their own wait), so the GEMV's programs can be scheduled while they run (without that call
+the dependent launch begins only as the producer's programs exit); the GEMV triggers its own
+dependents right after its wait. Every trigger comes after its kernel's wait, so a kernel
+launched early never runs ahead of one more than a step back.
 
 Rules every PDL consumer here follows: nothing before `gdc_wait()` reads memory a kernel
 writes or writes memory at all; every read of x and every store or atomic comes after it.
