@@ -9,8 +9,9 @@ output of the kernel before it; the producers of a GEMV's x (RMSNorm, silu * up,
 attention reduce and mass kernels) call `gdc_launch_dependents()` as they start (right after
 their own wait), so the GEMV's programs can be scheduled while they run (without that call
 the dependent launch begins only as the producer's programs exit); the GEMV triggers its own
-dependents right after its wait. Every trigger comes after its kernel's wait, so a kernel
-launched early never runs ahead of one more than a step back.
+dependents right after its wait. Every trigger comes after its kernel's wait (or, for a
+kernel launched the ordinary way, after its predecessor ended), so a kernel launched early
+never runs ahead of one more than a step back.
 
 Rules every PDL consumer here follows: nothing before `gdc_wait()` reads memory a kernel
 writes or writes memory at all; every read of x and every store or atomic comes after it.
@@ -51,8 +52,7 @@ except ImportError:  # pragma: no cover - older Triton: the PDL branches are nev
     def gdc_launch_dependents():
         pass
 
-__all__ = ["gdc_wait", "gdc_launch_dependents", "pdl_enabled", "trigger_enabled",
-           "launch_kwargs"]
+__all__ = ["gdc_wait", "gdc_launch_dependents", "pdl_enabled", "chain_args", "enter"]
 
 TRIGGERS = True  # producers trigger early where PDL is on (benchmarks A/B it off)
 CHAIN = True  # the chain's other kernels launch as PDL consumers (benchmarks A/B it off)
@@ -85,11 +85,6 @@ def pdl_enabled(device: torch.device) -> bool:
 _TRITON_LAUNCH_PDL = _triton_has_launch_pdl()
 
 
-def trigger_enabled(device: torch.device) -> bool:
-    """Whether the producers of a GEMV's x call gdc_launch_dependents() when they start."""
-    return TRIGGERS and pdl_enabled(device)
-
-
 def chain_args(device: torch.device) -> dict:
     """Launch arguments of a decode-chain kernel with the PDL_WAIT / PDL_TRIGGER constexprs
     (its first statement `enter(PDL_WAIT, PDL_TRIGGER)`): waits, triggers and launch_pdl
@@ -98,11 +93,6 @@ def chain_args(device: torch.device) -> dict:
     if on and CHAIN:
         return {"PDL_WAIT": True, "PDL_TRIGGER": TRIGGERS, "launch_pdl": True}
     return {"PDL_WAIT": False, "PDL_TRIGGER": TRIGGERS and on}
-
-
-def launch_kwargs(device: torch.device) -> dict:
-    """Extra launch options of a PDL consumer: {"launch_pdl": True} where enabled, else {}."""
-    return {"launch_pdl": True} if pdl_enabled(device) else {}
 
 
 @triton.jit
