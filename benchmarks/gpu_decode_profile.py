@@ -262,6 +262,29 @@ def _on_device(e) -> bool:
     return getattr(e, "device_type", None) == DeviceType.CUDA
 
 
+def exclusive_us(spans: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Device time of each kernel name on the critical path of one stream's timeline: spans
+    (name, start, end) in any order; each span is charged only the part after everything
+    that started before it has ended. With programmatic dependent launch (kernels/pdl.py) a
+    kernel's span starts at its early launch and overlaps its predecessor, so the profiler's
+    per-kernel totals add up to more than the busy time; these add up to the union."""
+    out: dict[str, float] = {}
+    busy_until = float("-inf")
+    for name, start, end in sorted(spans, key=lambda t: (t[1], t[2])):
+        out[name] = out.get(name, 0.0) + max(0.0, end - max(start, busy_until))
+        busy_until = max(busy_until, end)
+    return out
+
+
+def _device_spans(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every device event (kernels, copies) of a profile."""
+    spans = []
+    for e in prof.events():
+        if _on_device(e):
+            spans.append((e.name[:70], float(e.time_range.start), float(e.time_range.end)))
+    return spans
+
+
 def profile_steps(one, n: int, dev) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -282,8 +305,16 @@ def profile_steps(one, n: int, dev) -> dict:
                   key=_dev_time, reverse=True)
     gpu = [{"name": e.key[:70], "calls_per_token": e.count / n, "gpu_us_per_token": _dev_time(e) / n}
            for e in kern[:12]]
-    return {"steps": n, "top_cpu_ops": top, "waits": waits, "launches_per_token": launches,
-            "top_gpu_kernels": gpu, "gpu_kernels_per_token": sum(e.count for e in kern) / n}
+    out = {"steps": n, "top_cpu_ops": top, "waits": waits, "launches_per_token": launches,
+           "top_gpu_kernels": gpu, "gpu_kernels_per_token": sum(e.count for e in kern) / n}
+    try:  # the event API differs between torch versions: never lose the rest to it
+        excl = exclusive_us(_device_spans(prof))
+        out["critical_path_kernels"] = [{"name": k, "exclusive_us_per_token": v / n} for k, v
+                                        in sorted(excl.items(), key=lambda kv: -kv[1])[:12]]
+        out["device_busy_us_per_token"] = sum(excl.values()) / n
+    except Exception as exc:  # noqa: BLE001
+        out["critical_path_error"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def family(name: str) -> str:
@@ -461,6 +492,8 @@ def report(res: dict) -> None:
                 print(f"  {o['name']:<60} {o['calls_per_token']:6.1f}/tok {o['self_cpu_us_per_token']:8.1f} us")
             for o in p["top_gpu_kernels"][:8]:
                 print(f"  GPU {o['name']:<66} {o['calls_per_token']:6.1f}/tok {o['gpu_us_per_token']:8.1f} us")
+            for o in p.get("critical_path_kernels", [])[:8]:  # overlap-free (PDL)
+                print(f"  critical path {o['name']:<56} {o['exclusive_us_per_token']:8.1f} us")
         k = (r.get("decode") or {}).get("eager_step_kernels") or {}
         if k:
             print(f"  eager step: {k['kernels']} kernels, {k['gpu_us_sum'] / 1e3:.2f} ms GPU; "
