@@ -27,6 +27,9 @@ of x not triggering early, and with both; order rotated each round (gpu_awq_ab_p
 --pdl-chain: only decode at --context, fp16 and INT4, with the decode chain's other Triton
 kernels (norm, RoPE, store_kv, attention, silu * up) launched as PDL consumers or the
 ordinary way (kernels/pdl.CHAIN); the order rotated each round (gpu_awq_ab_chain.json).
+--fuse-mass: only decode at --context, fp16 and INT4, with the decode attention's split
+reduce and importance mass in one kernel or two (attention_triton.FUSE_REDUCE_MASS); the
+order rotated each round (gpu_awq_ab_fuse_mass.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -90,6 +93,9 @@ def main() -> None:
     ap.add_argument("--pdl-chain", action="store_true",
                     help="only: decode, fp16 and INT4, with the chain's kernels launched with "
                          "PDL or not, interleaved")
+    ap.add_argument("--fuse-mass", action="store_true",
+                    help="only: decode, fp16 and INT4, with the attention's split reduce and "
+                         "mass kernel in one launch or two, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -99,7 +105,8 @@ def main() -> None:
     kw = dict(weight_format="awq-int4")
     run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev, **kw)  # JIT
     for flag, only in ((a.graphs, graphs_ab), (a.packed, packed_ab), (a.table_json, table_ab),
-                       (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab)):
+                       (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
+                       (a.fuse_mass, fuse_mass_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -229,18 +236,33 @@ def table_ab(a, model, cfg, sparse, backend, dev) -> None:
 
 
 def chain_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """Decode tok/s at --context over --decode-tokens for fp16 and INT4, each with
-    kernels/pdl.CHAIN on and off, the order rotated each round; per round the gain of the
-    chain per format and INT4/fp16 with and without it."""
+    """kernels/pdl.CHAIN on and off (gpu_awq_ab_chain.json)."""
     from hisparse_cli.kernels import pdl
 
     assert pdl.pdl_enabled(dev), "PDL is off on this device / Triton (kernels/pdl.py)"
+    _switch_ab(a, model, cfg, sparse, backend, dev, "chain",
+               lambda on: setattr(pdl, "CHAIN", on), "gpu_awq_ab_chain.json")
+
+
+def fuse_mass_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """attention_triton.FUSE_REDUCE_MASS on and off (gpu_awq_ab_fuse_mass.json)."""
+    from hisparse_cli.kernels import attention_triton
+
+    _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
+               lambda on: setattr(attention_triton, "FUSE_REDUCE_MASS", on),
+               "gpu_awq_ab_fuse_mass.json")
+
+
+def _switch_ab(a, model, cfg, sparse, backend, dev, what: str, switch, name: str) -> None:
+    """Decode tok/s at --context over --decode-tokens for fp16 and INT4, each with a module
+    switch on and off (switch(bool) sets it; it is left on), the order rotated each round;
+    per round the gain per format and INT4/fp16 with and without it."""
     fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
     long = prompt(a.context, cfg.vocab_size)
-    variants = [(f"{fmt} chain {'on' if on else 'off'}", m, fmt, on)
+    variants = [(f"{fmt} {what} {'on' if on else 'off'}", m, fmt, on)
                 for fmt, m in (("fp16", fp16), ("awq-int4", model)) for on in (False, True)]
     for _, m, fmt, on in variants:  # compile at the timed shapes, outside the timing
-        pdl.CHAIN = on
+        switch(on)
         run_ours(m, cfg, sparse, long, 8, backend, dev, weight_format=fmt)
     res: list = []
     try:
@@ -248,22 +270,24 @@ def chain_ab(a, model, cfg, sparse, backend, dev) -> None:
             row = {}
             k = r % len(variants)
             for label, m, fmt, on in variants[k:] + variants[:k]:
-                pdl.CHAIN = on
+                switch(on)
                 out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
                                weight_format=fmt)
                 row[label] = out["decode_tok_s"]
                 print(f"round {r} {label:<20} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
                       f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
-            gain = {f: row[f"{f} chain on"] / row[f"{f} chain off"] for f in ("fp16", "awq-int4")}
-            ratio = {o: row[f"awq-int4 chain {o}"] / row[f"fp16 chain {o}"] for o in ("on", "off")}
-            print(f"round {r} chain on/off: " + ", ".join(f"{k} {v:.3f}" for k, v in gain.items())
-                  + "; INT4/fp16: " + ", ".join(f"chain {k} {v:.3f}" for k, v in ratio.items()),
+            gain = {f: row[f"{f} {what} on"] / row[f"{f} {what} off"]
+                    for f in ("fp16", "awq-int4")}
+            ratio = {o: row[f"awq-int4 {what} {o}"] / row[f"fp16 {what} {o}"]
+                     for o in ("on", "off")}
+            print(f"round {r} {what} on/off: " + ", ".join(f"{k} {v:.3f}" for k, v in gain.items())
+                  + "; INT4/fp16: " + ", ".join(f"{what} {k} {v:.3f}" for k, v in ratio.items()),
                   flush=True)
-            res.append(dict(round=r, decode_tok_s=row, chain_gain=gain, ratio=ratio))
+            res.append(dict(round=r, decode_tok_s=row, gain=gain, ratio=ratio))
     finally:
-        pdl.CHAIN = True
+        switch(True)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "gpu_awq_ab_chain.json").write_text(json.dumps(res, indent=1))
+    (Path(a.out) / name).write_text(json.dumps(res, indent=1))
 
 
 def pdl_ab(a, model, cfg, sparse, backend, dev) -> None:

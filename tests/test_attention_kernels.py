@@ -312,14 +312,16 @@ def test_q_start_from_device_tensor_equals_int(t):
     assert_close(o_t, ref_out, TOL[torch.float16]["out"], "out")
 
 
-@pytest.mark.parametrize("t,stride,g,pad", [(1, 1, 5, False), (1, 1, 5, True), (1, 1, 0, True),
-                                           (24, 1, 5, False), (24, 4, 5, True), (9, 2, 0, False)])
-def test_scores_into_adds_like_the_reference(t, stride, g, pad):
+@pytest.mark.parametrize("t,stride,g,pad,splits", [
+    (1, 1, 5, False, None), (1, 1, 5, True, None), (1, 1, 0, True, None), (1, 1, 5, True, 3),
+    (1, 1, 0, False, 4), (24, 1, 5, False, None), (24, 4, 5, True, None), (9, 2, 0, False, None)])
+def test_scores_into_adds_like_the_reference(t, stride, g, pad, splits):
     """scores_into: the mass kernels add into the run's score / global_mass / global_seen
     (decode: from the stored logits; prefill: recomputed, strided) as
     attention_ref.accumulate_scores does with the reference's masses; slots of blocks not in
     the step's list keep their values. pad: the list ends with repeats of its first block at
-    an unreachable start (as the CUDA-graph decoder pads it), which must add nothing."""
+    an unreachable start (as the CUDA-graph decoder pads it), which must add nothing.
+    splits: decode with split keys, where the reduce and the mass share one launch."""
     step = make_step(11 + t, t=t, q_start=45, hq=4, hkv=2, d=32, bs=8, window=20, sinks=3,
                      g=g, dtype=torch.float16)
     if pad:
@@ -336,7 +338,7 @@ def test_scores_into_adds_like_the_reference(t, stride, g, pad):
     ref.accumulate_scores(expect, step["block_ids"], km, gm, t)
     got = tuple(x.clone() for x in start)
     out = tri.sparse_attention(**step, return_scores=True, score_stride=stride, config=SMALL,
-                               scores_into=got)
+                               scores_into=got, num_splits=splits)
     assert out[1] is None and out[2] is None
     assert_close(out[0], ref.sparse_attention(**step)[0], TOL[torch.float16]["out"], "out")
     for name, a, b in zip(("score", "global_mass", "global_seen"), got, expect):
@@ -344,6 +346,49 @@ def test_scores_into_adds_like_the_reference(t, stride, g, pad):
     listed = torch.zeros(n_phys, dtype=torch.bool, device=DEV)
     listed[step["block_ids"]] = True
     assert torch.equal(got[0][~listed], start[0][~listed])
+
+
+@pytest.mark.parametrize("accum", [False, True])
+def test_fused_reduce_mass_equals_two_launches(monkeypatch, accum):
+    """A decode step with split keys and stored logits: `_attn_reduce_mass` (the reduce and
+    the mass in one launch) against `_attn_reduce` + `_mass_from_logits`: the same output
+    bits (the same row code), the same masses up to the order of the lse's adds, and both
+    launch counts as claimed."""
+    step = make_step(23, t=1, q_start=61, hq=8, hkv=2, d=32, bs=8, window=24, sinks=3, g=7,
+                     dtype=torch.float16)
+    launched: list[str] = []
+    real = {n: getattr(tri, n) for n in ("_attn_reduce", "_attn_reduce_mass",
+                                        "_mass_from_logits")}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return real[self.name][grid]
+
+    for n in real:
+        monkeypatch.setattr(tri, n, Spy(n))
+    n_phys, bs, hkv, _ = step["k_cache"].shape
+    results = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(tri, "FUSE_REDUCE_MASS", fuse)
+        launched.clear()
+        if accum:
+            into = (torch.zeros(n_phys, bs, hkv, device=DEV), torch.zeros(hkv, 7, device=DEV),
+                    torch.zeros(hkv, 7, device=DEV))
+            out = tri.sparse_attention(**step, return_scores=True, num_splits=3,
+                                       scores_into=into)
+            results[fuse] = (out[0], *into)
+        else:
+            results[fuse] = tri.sparse_attention(**step, return_scores=True, num_splits=3)
+        assert launched == (["_attn_reduce_mass"] if fuse
+                            else ["_attn_reduce", "_mass_from_logits"]), launched
+    assert torch.equal(results[True][0], results[False][0])
+    for a, b in zip(results[True][1:], results[False][1:]):
+        assert_close(a, b, (1e-6, 1e-5), "mass")
+    assert results[True][1].abs().sum() > 0
 
 
 def strided_or_exact(step, stride):

@@ -241,21 +241,14 @@ def _attn_fwd(
             tl.store(lse_ptr + kvh * n_rows + rows, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["T", "n_split"])
-def _attn_reduce(
-    m_ws, l_ws, acc_ws, out_ptr, lse_ptr, T, n_split, stride_ot, stride_oh,
-    HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, SPLIT_P2: tl.constexpr,
-    WRITE_LSE: tl.constexpr, PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
-):
-    """Combine split partials of one row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-    One program per (row, KV head) loads all n_split partials at once ([SPLIT_P2, D] tile, no
-    loop over splits: a serial loop made this kernel ~0.3 us per split, which capped the split
-    count a decode step could use). PDL_TRIGGER: kernels/pdl.py (the o projection's GEMV may
-    be scheduled now; it waits for this kernel before reading its output)."""
-    pdl_enter(PDL_WAIT, PDL_TRIGGER)
-    row = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n_rows = T * GRP
+@triton.jit
+def _reduce_row(m_ws, l_ws, acc_ws, out_ptr, lse_ptr, row, kvh, n_rows, n_split, stride_ot,
+                stride_oh, HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr,
+                SPLIT_P2: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Combine the split partials of one row (query t = row // GRP, head kvh GRP + row % GRP):
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, all n_split partials loaded at once
+    ([SPLIT_P2, D] tile, no loop over splits: a serial loop made this ~0.3 us per split, which
+    capped the split count a decode step could use)."""
     sp = tl.arange(0, SPLIT_P2)
     s_ok = sp < n_split
     ws = (sp * HKV + kvh) * n_rows + row
@@ -274,3 +267,34 @@ def _attn_reduce(
     if WRITE_LSE:
         lse = m_use + tl.math.log2(tl.where(l_sum == 0.0, 1.0, l_sum))
         tl.store(lse_ptr + kvh * n_rows + row, lse)
+
+
+@triton.jit
+def _split_lse(m_ws, l_ws, rows, row_ok, kvh, n_rows, n_split, HKV: tl.constexpr,
+               SPLIT_P2: tl.constexpr):
+    """The rows' log-sum-exp (log2 domain) from the split partials: [BLOCK_R] for rows
+    [BLOCK_R] (what _reduce_row writes with WRITE_LSE, computed as a [SPLIT_P2, BLOCK_R] tile;
+    rows that no split saw get 0, as there)."""
+    sp = tl.arange(0, SPLIT_P2)
+    ok = (sp < n_split)[:, None] & row_ok[None, :]
+    ws = (sp[:, None] * HKV + kvh) * n_rows + rows[None, :]
+    m_s = tl.load(m_ws + ws, mask=ok, other=float("-inf"))
+    m_max = tl.max(m_s, 0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.sum(tl.math.exp2(m_s - m_use[None, :]) * tl.load(l_ws + ws, mask=ok, other=0.0), 0)
+    return m_use + tl.math.log2(tl.where(l_sum == 0.0, 1.0, l_sum))
+
+
+@triton.jit(do_not_specialize=["T", "n_split"])
+def _attn_reduce(
+    m_ws, l_ws, acc_ws, out_ptr, lse_ptr, T, n_split, stride_ot, stride_oh,
+    HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, SPLIT_P2: tl.constexpr,
+    WRITE_LSE: tl.constexpr, PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+):
+    """One program per (row, KV head): _reduce_row. PDL_TRIGGER: kernels/pdl.py (the o
+    projection's GEMV may be scheduled now; it waits for this kernel before reading its
+    output). Decode steps that store logits for importance use importance_triton's
+    `_attn_reduce_mass` instead (this reduce and the mass in one launch)."""
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)
+    _reduce_row(m_ws, l_ws, acc_ws, out_ptr, lse_ptr, tl.program_id(0), tl.program_id(1),
+                T * GRP, n_split, stride_ot, stride_oh, HKV, GRP, D, SPLIT_P2, WRITE_LSE)

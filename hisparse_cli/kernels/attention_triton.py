@@ -34,7 +34,8 @@ import torch
 import triton
 
 from hisparse_cli.kernels.attention_fwd_triton import _attn_fwd, _attn_reduce
-from hisparse_cli.kernels.importance_triton import _mass_from_logits, _mass_recompute
+from hisparse_cli.kernels.importance_triton import (_attn_reduce_mass, _mass_from_logits,
+                                                    _mass_recompute)
 from hisparse_cli.kernels.pdl import chain_args
 from hisparse_cli.kernels.store_kv_triton import store_kv
 
@@ -45,6 +46,9 @@ SCORE_BUDGET = 0.03  # default stride keeps scoring under ~3% of a layer's weigh
 EXACT_SCORE_MAX_T = 64  # steps shorter than this are scored from every query
 LOGITS_MAX_ROWS = 16  # T * GRP <= this: exact mass from stored logits (no K re-read)
 LOG2E = 1.4426950408889634
+# decode steps with split keys and stored logits: the split reduce and the mass kernel in one
+# launch (importance_triton._attn_reduce_mass); False: two (benchmarks A/B it)
+FUSE_REDUCE_MASS = True
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -153,7 +157,8 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     key_tiles = triton.cdiv(visible_keys, cfg.block_n) + triton.cdiv(G, cfg.block_n)
     splits = num_splits or _pick_splits(m_tiles, hkv, key_tiles, dev)
     store_s = return_scores and n_rows <= LOGITS_MAX_ROWS
-    write_lse = return_scores
+    fused = FUSE_REDUCE_MASS and splits > 1 and store_s  # reduce + mass: one launch (below)
+    write_lse = return_scores and not fused  # the fused kernel derives it from the partials
 
     out = _alloc((t_len, hq, d), q.dtype, dev)
     f32 = (torch.float32, dev)
@@ -186,12 +191,13 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         FULL_TILES=cfg.full_tiles and m_tiles > 1 and splits == 1, WRITE_LSE=write_lse,
         STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **chain_args(dev))
-    if splits > 1:
-        p2 = triton.next_power_of_2(splits)
+    p2 = triton.next_power_of_2(splits)
+    reduce_warps = 8 if p2 * d >= 8192 else 4
+    if splits > 1 and not fused:
         _attn_reduce[(n_rows, hkv)](
             m_ws, l_ws, acc_ws, out, lse, t_len, splits, out.stride(0), out.stride(1),
             HKV=hkv, GRP=grp, D=d, SPLIT_P2=p2, WRITE_LSE=write_lse,
-            num_warps=8 if p2 * d >= 8192 else 4, **chain_args(dev))
+            num_warps=reduce_warps, **chain_args(dev))
     if not return_scores:
         return out, None, None
 
@@ -212,7 +218,16 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         g_seen, sb, so = key_mass, 0, 0
     common = dict(t_len=t_len, n_keys=n_keys, G=G, q_start=q_start,
                   sinks=sinks if windowed else 0, window=window if windowed else 0)
-    if store_s:
+    if fused:
+        bn = 128
+        _attn_reduce_mass[(n_rows + triton.cdiv(G + n_keys, bn), hkv)](
+            m_ws, l_ws, acc_ws, out, s_ws, block_ids, block_starts, gp, key_mass, g_mass,
+            g_seen, *common.values(), splits, out.stride(0), out.stride(1), s_ws.stride(0),
+            s_ws.stride(1), gp.stride(0) if has_g else 0, sb, so, qs_ptr,
+            HKV=hkv, GRP=grp, D=d, BS=bs, SPLIT_P2=p2, BLOCK_R=LOGITS_MAX_ROWS, BLOCK_N=bn,
+            WINDOWED=windowed, HAS_G=has_g, QS_PTR=qs_tensor, ACCUM=accum,
+            num_warps=reduce_warps, **chain_args(dev))
+    elif store_s:
         bn = 128
         _mass_from_logits[(triton.cdiv(G + n_keys, bn), hkv)](
             s_ws, lse, block_ids, block_starts, gp, key_mass, g_mass, g_seen,

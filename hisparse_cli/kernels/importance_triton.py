@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.pdl import enter as pdl_enter
-
+from hisparse_cli.kernels.attention_fwd_triton import _reduce_row, _split_lse
 from hisparse_cli.kernels.attention_ref import visibility_mask
+from hisparse_cli.kernels.pdl import enter as pdl_enter
 
 
 @triton.jit
@@ -82,6 +82,17 @@ def _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gs
             tl.store(gmass_ptr + kvh * G + cols, g_add, mask=gm)
 
 
+@triton.jit
+def _logits_mass(s_ptr, lse, rows, row_ok, cols, g_ok, in_list, kpos, kvh, q_start, sinks,
+                 window, stride_sh, stride_sr, GRP: tl.constexpr, WINDOWED: tl.constexpr):
+    """sum over the rows [BLOCK_R] of 2^(s2 - lse2) for the columns [BLOCK_N]: the stored
+    logits of the visible (row, column) pairs, lse [BLOCK_R] the rows' log-sum-exp."""
+    vis = _visible(g_ok, in_list, kpos, q_start + rows // GRP, row_ok, sinks, window, WINDOWED)
+    s = tl.load(s_ptr + kvh * stride_sh + rows[:, None] * stride_sr + cols[None, :],
+                mask=vis, other=float("-inf"))
+    return tl.sum(tl.math.exp2(s - lse[:, None]), 0)
+
+
 @triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window"])
 def _mass_from_logits(
     s_ptr, lse_ptr, bid_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr, gseen_ptr,
@@ -103,13 +114,49 @@ def _mass_from_logits(
     for r0 in range(0, n_rows, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
-        vis = _visible(g_ok, in_list, kpos, q_start + rows // GRP, row_ok, sinks, window, WINDOWED)
-        s = tl.load(s_ptr + kvh * stride_sh + rows[:, None] * stride_sr + cols[None, :],
-                    mask=vis, other=float("-inf"))
         lse = tl.load(lse_ptr + kvh * n_rows + rows, mask=row_ok, other=0.0)
-        mass += tl.sum(tl.math.exp2(s - lse[:, None]), 0)
+        mass += _logits_mass(s_ptr, lse, rows, row_ok, cols, g_ok, in_list, kpos, kvh, q_start,
+                             sinks, window, stride_sh, stride_sr, GRP, WINDOWED)
     _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gseen_ptr, kvh,
                 n_keys, G, T, stride_sb, stride_so, BS, HAS_G, ACCUM)
+
+
+@triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window", "n_split"])
+def _attn_reduce_mass(
+    m_ws, l_ws, acc_ws, out_ptr, s_ptr, bid_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr,
+    gseen_ptr, T, n_keys, G, q_start, sinks, window, n_split, stride_ot, stride_oh, stride_sh,
+    stride_sr, stride_ph, stride_sb, stride_so, qs_ptr,
+    HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr, HAS_G: tl.constexpr, QS_PTR: tl.constexpr, ACCUM: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+):
+    """The split reduce and `_mass_from_logits` of a decode step in one launch (T * GRP <=
+    BLOCK_R rows, split keys, stored logits): programs (r < T * GRP, kvh) combine row r's
+    partials into the output (attention_fwd_triton._reduce_row); programs (T * GRP + c, kvh)
+    compute the rows' log-sum-exp from the same partials themselves (_split_lse) and the mass
+    of column tile c. Neither kind waits for the other, and the chain has one kernel fewer a
+    layer: the o projection waited for the reduce, then for the mass kernel behind it."""
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)  # kernels/pdl.py
+    n_rows = T * GRP
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if pid < n_rows:
+        _reduce_row(m_ws, l_ws, acc_ws, out_ptr, out_ptr, pid, kvh, n_rows, n_split, stride_ot,
+                    stride_oh, HKV, GRP, D, SPLIT_P2, False)
+    else:
+        if QS_PTR:
+            q_start = tl.load(qs_ptr).to(tl.int32)
+        cols = (pid - n_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g_ok, in_list, kj, kpos = _column_info(cols, bstart_ptr, gpos_ptr, kvh, n_keys, G,
+                                               stride_ph, BS)
+        rows = tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        lse = _split_lse(m_ws, l_ws, rows, row_ok, kvh, n_rows, n_split, HKV, SPLIT_P2)
+        mass = _logits_mass(s_ptr, lse, rows, row_ok, cols, g_ok, in_list, kpos, kvh, q_start,
+                            sinks, window, stride_sh, stride_sr, GRP, WINDOWED)
+        _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gseen_ptr,
+                    kvh, n_keys, G, T, stride_sb, stride_so, BS, HAS_G, ACCUM)
 
 
 @triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window", "stride"])
