@@ -351,9 +351,9 @@ def test_scores_into_adds_like_the_reference(t, stride, g, pad, splits):
 @pytest.mark.parametrize("accum", [False, True])
 def test_fused_reduce_mass_equals_two_launches(monkeypatch, accum):
     """A decode step with split keys and stored logits: `_attn_reduce_mass` (the reduce and
-    the mass in one launch) against `_attn_reduce` + `_mass_from_logits`: the same output
-    bits (the same row code), the same masses up to the order of the lse's adds, and both
-    launch counts as claimed."""
+    the mass in one launch, the lse from the forward's last split program) against
+    `_attn_reduce` + `_mass_from_logits`: the same output bits (the same row code), the same
+    masses up to the order of the lse's adds, and both launch counts as claimed."""
     step = make_step(23, t=1, q_start=61, hq=8, hkv=2, d=32, bs=8, window=24, sinks=3, g=7,
                      dtype=torch.float16)
     launched: list[str] = []
@@ -385,6 +385,8 @@ def test_fused_reduce_mass_equals_two_launches(monkeypatch, accum):
             results[fuse] = tri.sparse_attention(**step, return_scores=True, num_splits=3)
         assert launched == (["_attn_reduce_mass"] if fuse
                             else ["_attn_reduce", "_mass_from_logits"]), launched
+    # the forward's lse tail left its split counters at zero for the next call / replay
+    assert not tri._counter_buffer(step["q"].device).any()
     assert torch.equal(results[True][0], results[False][0])
     for a, b in zip(results[True][1:], results[False][1:]):
         assert_close(a, b, (1e-6, 1e-5), "mass")

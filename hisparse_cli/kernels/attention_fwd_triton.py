@@ -131,6 +131,24 @@ def _list_tiles(acc, m_i, l_i, q, lt_lo, lt_hi, n_at, a_end, b_lo, b_hi, rows, r
     return acc, m_i, l_i
 
 
+@triton.jit
+def _split_lse(m_ws, l_ws, rows, row_ok, kvh, n_rows, n_split, HKV: tl.constexpr,
+               SPLIT_P2: tl.constexpr):
+    """The rows' log-sum-exp (log2 domain) from the split partials: [BLOCK_M] for rows
+    [BLOCK_M] (what _reduce_row writes with WRITE_LSE, computed as a [SPLIT_P2, BLOCK_M] tile).
+    Run by the forward's last split program (LSE_TAIL): the partials were written by other
+    SMs, so they are read past L1 (.cg)."""
+    sp = tl.arange(0, SPLIT_P2)
+    ok = (sp < n_split)[:, None] & row_ok[None, :]
+    ws = (sp[:, None] * HKV + kvh) * n_rows + rows[None, :]
+    m_s = tl.load(m_ws + ws, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    m_max = tl.max(m_s, 0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_s = tl.load(l_ws + ws, mask=ok, other=0.0, cache_modifier=".cg")
+    l_sum = tl.sum(tl.math.exp2(m_s - m_use[None, :]) * l_s, 0)
+    return m_use + tl.math.log2(tl.where(l_sum == 0.0, 1.0, l_sum))
+
+
 # runtime sizes/positions change every step: one compiled variant, not one per divisibility
 @triton.jit(do_not_specialize=["T", "nb", "G", "q_start", "sinks", "window", "n_split"])
 def _attn_fwd(
@@ -139,12 +157,13 @@ def _attn_fwd(
     T, nb, G, q_start, sinks, window, qk_scale, n_split,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_gh, stride_gg, stride_ph, stride_sh, stride_sr,
-    qs_ptr,
+    qs_ptr, cnt_ptr,
     HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CB: tl.constexpr, QS_PTR: tl.constexpr,
     WINDOWED: tl.constexpr, HAS_G: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr,
     FULL_TILES: tl.constexpr,
     WRITE_LSE: tl.constexpr, STORE_S: tl.constexpr, UPCAST: tl.constexpr,
+    LSE_TAIL: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1,
     PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     pdl_enter(PDL_WAIT, PDL_TRIGGER)  # kernels/pdl.py
@@ -232,6 +251,13 @@ def _attn_fwd(
         tl.store(m_ws + ws, m_i, mask=row_ok)
         tl.store(l_ws + ws, l_i, mask=row_ok)
         tl.store(acc_ws + ws[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+        if LSE_TAIL:  # the last split of (row tile, KV head) to finish writes the rows' lse
+            cnt = cnt_ptr + pid_m * HKV + kvh  # acq_rel: partials visible to whoever counts
+            done = tl.atomic_add(cnt, 1, sem="acq_rel")
+            if done == n_split - 1:
+                lse = _split_lse(m_ws, l_ws, rows, row_ok, kvh, n_rows, n_split, HKV, SPLIT_P2)
+                tl.store(lse_ptr + kvh * n_rows + rows, lse, mask=row_ok)
+                tl.atomic_xchg(cnt, 0, sem="relaxed")  # ready for the next call / replay
     else:
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :],
@@ -267,22 +293,6 @@ def _reduce_row(m_ws, l_ws, acc_ws, out_ptr, lse_ptr, row, kvh, n_rows, n_split,
     if WRITE_LSE:
         lse = m_use + tl.math.log2(tl.where(l_sum == 0.0, 1.0, l_sum))
         tl.store(lse_ptr + kvh * n_rows + row, lse)
-
-
-@triton.jit
-def _split_lse(m_ws, l_ws, rows, row_ok, kvh, n_rows, n_split, HKV: tl.constexpr,
-               SPLIT_P2: tl.constexpr):
-    """The rows' log-sum-exp (log2 domain) from the split partials: [BLOCK_R] for rows
-    [BLOCK_R] (what _reduce_row writes with WRITE_LSE, computed as a [SPLIT_P2, BLOCK_R] tile;
-    rows that no split saw get 0, as there)."""
-    sp = tl.arange(0, SPLIT_P2)
-    ok = (sp < n_split)[:, None] & row_ok[None, :]
-    ws = (sp[:, None] * HKV + kvh) * n_rows + rows[None, :]
-    m_s = tl.load(m_ws + ws, mask=ok, other=float("-inf"))
-    m_max = tl.max(m_s, 0)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_sum = tl.sum(tl.math.exp2(m_s - m_use[None, :]) * tl.load(l_ws + ws, mask=ok, other=0.0), 0)
-    return m_use + tl.math.log2(tl.where(l_sum == 0.0, 1.0, l_sum))
 
 
 @triton.jit(do_not_specialize=["T", "n_split"])

@@ -113,6 +113,21 @@ def default_score_stride(t_len: int, visible_keys: int, hq: int, head_dim: int) 
     return stride
 
 
+SPLIT_COUNTERS = 1 << 12  # (row tile, KV head) counters of the forward's lse tail
+
+
+@lru_cache(maxsize=8)
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    """Zeros, made once per device (at the first fused decode step: the graph decoder's eager
+    warm-up, before any capture); every call leaves them at zero again."""
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    assert n <= SPLIT_COUNTERS, f"{n} (row tile, KV head) pairs: more than {SPLIT_COUNTERS}"
+    return _counter_buffer(device)
+
+
 def _pick_splits(m_tiles: int, hkv: int, key_tiles: int, device: torch.device) -> int:
     progs = m_tiles * hkv
     target = 2 * _num_sms(device)
@@ -157,8 +172,10 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     key_tiles = triton.cdiv(visible_keys, cfg.block_n) + triton.cdiv(G, cfg.block_n)
     splits = num_splits or _pick_splits(m_tiles, hkv, key_tiles, dev)
     store_s = return_scores and n_rows <= LOGITS_MAX_ROWS
-    fused = FUSE_REDUCE_MASS and splits > 1 and store_s  # reduce + mass: one launch (below)
-    write_lse = return_scores and not fused  # the fused kernel derives it from the partials
+    # reduce + mass in one launch (below); the forward's last split program writes the lse
+    fused = FUSE_REDUCE_MASS and splits > 1 and store_s and m_tiles == 1
+    write_lse = return_scores
+    p2 = triton.next_power_of_2(splits)
 
     out = _alloc((t_len, hq, d), q.dtype, dev)
     f32 = (torch.float32, dev)
@@ -186,18 +203,18 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
         gk.stride(0) if has_g else 0, gk.stride(1) if has_g else 0,
         gp.stride(0) if has_g else 0,
         s_ws.stride(0) if store_s else 0, s_ws.stride(1) if store_s else 0, qs_ptr,
-        QS_PTR=qs_tensor, HKV=hkv, GRP=grp, D=d, BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
+        _split_counters(dev, m_tiles * hkv) if fused else qs_ptr,
+        LSE_TAIL=fused, SPLIT_P2=p2 if fused else 1, QS_PTR=qs_tensor, HKV=hkv, GRP=grp, D=d,
+        BS=bs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CB=256,
         WINDOWED=windowed, HAS_G=has_g, SPLIT=splits > 1, SCAN=m_tiles > 1,
         FULL_TILES=cfg.full_tiles and m_tiles > 1 and splits == 1, WRITE_LSE=write_lse,
         STORE_S=store_s, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **chain_args(dev))
-    p2 = triton.next_power_of_2(splits)
-    reduce_warps = 8 if p2 * d >= 8192 else 4
     if splits > 1 and not fused:
         _attn_reduce[(n_rows, hkv)](
             m_ws, l_ws, acc_ws, out, lse, t_len, splits, out.stride(0), out.stride(1),
             HKV=hkv, GRP=grp, D=d, SPLIT_P2=p2, WRITE_LSE=write_lse,
-            num_warps=reduce_warps, **chain_args(dev))
+            num_warps=8 if p2 * d >= 8192 else 4, **chain_args(dev))
     if not return_scores:
         return out, None, None
 
@@ -221,12 +238,12 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     if fused:
         bn = 128
         _attn_reduce_mass[(n_rows + triton.cdiv(G + n_keys, bn), hkv)](
-            m_ws, l_ws, acc_ws, out, s_ws, block_ids, block_starts, gp, key_mass, g_mass,
+            m_ws, l_ws, acc_ws, out, lse, s_ws, block_ids, block_starts, gp, key_mass, g_mass,
             g_seen, *common.values(), splits, out.stride(0), out.stride(1), s_ws.stride(0),
             s_ws.stride(1), gp.stride(0) if has_g else 0, sb, so, qs_ptr,
             HKV=hkv, GRP=grp, D=d, BS=bs, SPLIT_P2=p2, BLOCK_R=LOGITS_MAX_ROWS, BLOCK_N=bn,
             WINDOWED=windowed, HAS_G=has_g, QS_PTR=qs_tensor, ACCUM=accum,
-            num_warps=reduce_warps, **chain_args(dev))
+            num_warps=4, **chain_args(dev))  # 4: the mass programs' tiles (most programs)
     elif store_s:
         bn = 128
         _mass_from_logits[(triton.cdiv(G + n_keys, bn), hkv)](

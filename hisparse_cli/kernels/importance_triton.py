@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.attention_fwd_triton import _reduce_row, _split_lse
+from hisparse_cli.kernels.attention_fwd_triton import _reduce_row
 from hisparse_cli.kernels.attention_ref import visibility_mask
 from hisparse_cli.kernels.pdl import enter as pdl_enter
 
@@ -123,7 +123,7 @@ def _mass_from_logits(
 
 @triton.jit(do_not_specialize=["T", "n_keys", "G", "q_start", "sinks", "window", "n_split"])
 def _attn_reduce_mass(
-    m_ws, l_ws, acc_ws, out_ptr, s_ptr, bid_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr,
+    m_ws, l_ws, acc_ws, out_ptr, lse_ptr, s_ptr, bid_ptr, bstart_ptr, gpos_ptr, kmass_ptr, gmass_ptr,
     gseen_ptr, T, n_keys, G, q_start, sinks, window, n_split, stride_ot, stride_oh, stride_sh,
     stride_sr, stride_ph, stride_sb, stride_so, qs_ptr,
     HKV: tl.constexpr, GRP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -134,9 +134,11 @@ def _attn_reduce_mass(
     """The split reduce and `_mass_from_logits` of a decode step in one launch (T * GRP <=
     BLOCK_R rows, split keys, stored logits): programs (r < T * GRP, kvh) combine row r's
     partials into the output (attention_fwd_triton._reduce_row); programs (T * GRP + c, kvh)
-    compute the rows' log-sum-exp from the same partials themselves (_split_lse) and the mass
-    of column tile c. Neither kind waits for the other, and the chain has one kernel fewer a
-    layer: the o projection waited for the reduce, then for the mass kernel behind it."""
+    the mass of column tile c from the rows' log-sum-exp, which the forward's last split
+    program wrote (its LSE_TAIL). Neither kind waits for the other, and the chain has one
+    kernel fewer a layer: the o projection waited for the reduce, then for the mass kernel
+    behind it. (H200 run 52: computing the lse in every mass program from the partials
+    instead was slower than two launches: a [SPLIT_P2, BLOCK_R] reduction per program.)"""
     pdl_enter(PDL_WAIT, PDL_TRIGGER)  # kernels/pdl.py
     n_rows = T * GRP
     pid = tl.program_id(0)
@@ -152,7 +154,7 @@ def _attn_reduce_mass(
                                                stride_ph, BS)
         rows = tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
-        lse = _split_lse(m_ws, l_ws, rows, row_ok, kvh, n_rows, n_split, HKV, SPLIT_P2)
+        lse = tl.load(lse_ptr + kvh * n_rows + rows, mask=row_ok, other=0.0)
         mass = _logits_mass(s_ptr, lse, rows, row_ok, cols, g_ok, in_list, kpos, kvh, q_start,
                             sinks, window, stride_sh, stride_sr, GRP, WINDOWED)
         _store_mass(mass, cols, g_ok, in_list, kj, bid_ptr, kmass_ptr, gmass_ptr, gseen_ptr,
