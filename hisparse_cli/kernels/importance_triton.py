@@ -7,6 +7,8 @@ need the row log-sum-exp that the attention kernel writes (lse2, log2 domain, [H
 - `_mass_from_logits` (exact, small T): the attention kernel also stored every visited logit
   s2 into a [Hkv, T*GRP, G + nb*bs] fp32 workspace; mass = sum_rows 2^(s2 - lse2). Costs one
   pass over T*GRP*(G+N)*4 bytes, used when T*GRP <= 16 (decode), instead of re-reading K.
+  With split keys, `_attn_reduce_mass` runs it together with the split reduce (one launch;
+  the lse then comes from the forward's last split program, attention_fwd_triton LSE_TAIL).
 - `_mass_recompute` (prefill): one program per (key tile, KV head) loads its K tile once and
   recomputes q.k for a strided subset of the step's queries, t = T-1, T-1-r, T-1-2r, ...
   (r = score_stride; r = 1 is exact). Each key's sum is scaled by n_vis / n_sampled, where
