@@ -30,8 +30,8 @@ Split-K. With SPLIT, program (m, kvh, s) walks only its share of the virtual til
 to fp32 workspaces; `_attn_reduce` combines them. LSE_TAIL (decode with stored logits): each
 program then bumps a counter of its (row tile, KV head) and the last one combines the rows'
 lse from the partials (the GEMV's split-K tail pattern), so that importance_triton's
-`_attn_reduce_mass` can run the reduce and the mass side by side in one launch. All softmax math is fp32 in the log2
-domain: s2 = q.k * scale * log2(e), lse2 = m + log2(l).
+`_attn_reduce_mass` can run the reduce and the mass side by side in one launch.
+All softmax math is fp32 in the log2 domain: s2 = q.k * scale * log2(e), lse2 = m + log2(l).
 """
 
 from __future__ import annotations
