@@ -90,7 +90,8 @@ def compile_gemv(c: GemvConfig, m: int, partial: bool, group: int, dt: str):
                             SPLIT=4 if partial else 1, PREFETCH=c.prefetch,
                             STREAM=c.stream, PACKED=c.packed if dt == "*fp16" else 0,
                             ASM=True, ROWS2D=c.rows2d, PDL=bool(c.pdl),
-                            PDL_TRIGGER=bool(c.pdl)),
+                            PDL_TRIGGER=bool(c.pdl),
+                            PRMT=bool(c.packed) and dt == "*fp16" and ag.PAIR_PRMT),
                        c.num_warps, GEMV_ALIGNED, maxnreg=c.maxnreg)
 
 

@@ -30,6 +30,9 @@ ordinary way (kernels/pdl.CHAIN); the order rotated each round (gpu_awq_ab_chain
 --fuse-mass: only decode at --context, fp16 and INT4, with the decode attention's split
 reduce and importance mass in one kernel or two (attention_triton.FUSE_REDUCE_MASS); the
 order rotated each round (gpu_awq_ab_fuse_mass.json).
+--pair-prmt: only decode at --context, fp16 and INT4, with the packed GEMV's x pairs built by
+one PRMT each or by bit operations (awq_gemv.PAIR_PRMT; fp16's pair is the noise control);
+the order rotated each round (gpu_awq_ab_pair_prmt.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -96,6 +99,9 @@ def main() -> None:
     ap.add_argument("--fuse-mass", action="store_true",
                     help="only: decode, fp16 and INT4, with the attention's split reduce and "
                          "mass kernel in one launch or two, interleaved")
+    ap.add_argument("--pair-prmt", action="store_true",
+                    help="only: decode, fp16 and INT4, with the packed GEMV's x pairs built by "
+                         "PRMT or by bit operations, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -106,7 +112,7 @@ def main() -> None:
     run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev, **kw)  # JIT
     for flag, only in ((a.graphs, graphs_ab), (a.packed, packed_ab), (a.table_json, table_ab),
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
-                       (a.fuse_mass, fuse_mass_ab)):
+                       (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -251,6 +257,15 @@ def fuse_mass_ab(a, model, cfg, sparse, backend, dev) -> None:
     _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
                lambda on: setattr(attention_triton, "FUSE_REDUCE_MASS", on),
                "gpu_awq_ab_fuse_mass.json")
+
+
+def pair_prmt_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """awq_gemv.PAIR_PRMT on and off (gpu_awq_ab_pair_prmt.json); the fp16 model does not
+    use the GEMV, so its on/off pair measures the rounds' noise."""
+    from hisparse_cli.kernels import awq_gemv
+
+    _switch_ab(a, model, cfg, sparse, backend, dev, "prmt",
+               lambda on: setattr(awq_gemv, "PAIR_PRMT", on), "gpu_awq_ab_pair_prmt.json")
 
 
 def _switch_ab(a, model, cfg, sparse, backend, dev, what: str, switch, name: str) -> None:

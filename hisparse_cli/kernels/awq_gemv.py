@@ -38,6 +38,13 @@ Timed on the H200 (run 39, benchmarks/gpu_gemv_packed.py): at 1 token 1.02-1.20x
 path per Llama-3-8B shape (with its best tile), at 2-4 tokens 1.1-1.45x; GEMV_TABLE uses
 packed 2 for every shape class.
 
+The x pairs (x of nibbles p and p + 4 in one fp16x2 register) come from two 8-byte loads,
+each holding the x of 4 neighbouring words; PAIR_PRMT builds each pair with one PRMT, where
+the bit operations compile to LOP3 + LEA: the sm_90 loop of the table's tile at 1
+token 327 -> 311 instructions (2 tokens 465 -> 433, 4 tokens 741 -> 677), same bits. Off
+until the H200 has run it (tests/test_awq_triton.py's packed GPU cases, `gpu_awq_ab.py
+--pair-prmt`).
+
 Per-row zero points and scales: loaded as [BN] vectors, which the compiler converts to the
 word tile's layout through shared memory (6 barriers a step in the sm_90 SASS); rows2d 1
 loads them in the word tile's layout instead (no barrier), same bits, but slower on the H200
@@ -264,14 +271,21 @@ def _dot_lanes_emulated(v0, v1, v2, v3, p0, p1, p2, p3, lo, hi):
 
 
 @triton.jit
-def _x_pair(xp, off, STREAM: tl.constexpr):
-    """fp16x2 bits (x[xp + off], x[xp + off + 16]): the x of nibbles p and p + 4."""
+def _x_pair(xp, off, STREAM: tl.constexpr, PRMT: tl.constexpr):
+    """fp16x2 bits (x[xp + off], x[xp + off + 16]): the x of nibbles p and p + 4.
+    PRMT (CUDA): one PRMT a pair, straight from the two loads' registers (each holds the x
+    of two neighbouring words); the bit operations below cost two (LOP3 + LEA) in the sm_90
+    SASS. Same bits either way."""
     if STREAM == 2:
         lo = tl.load(xp + off, eviction_policy="evict_last")
         hi = tl.load(xp + off + 16, eviction_policy="evict_last")
     else:
         lo = tl.load(xp + off)
         hi = tl.load(xp + off + 16)
+    if PRMT:  # pack=2: $2 = (lo_e, lo_e+1), $3 = (hi_e, hi_e+1) -> $0 = pair e, $1 = pair e+1
+        return tl.inline_asm_elementwise(
+            asm="prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;",
+            constraints="=r,=r,r,r", args=[lo, hi], dtype=tl.int32, is_pure=True, pack=2)
     lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
     return lo | hi
@@ -290,13 +304,14 @@ def _halves1(t, BKW: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: tl.constexpr):
+def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: tl.constexpr,
+                       PRMT: tl.constexpr):
     """acc + s (q - z) x of one loop step for one token on the packed path (sc = 64 s,
     [BN, 1] or [BN, BKW])."""
-    p0 = _x_pair(xp, 0, STREAM)[None, :]
-    p1 = _x_pair(xp, 4, STREAM)[None, :]
-    p2 = _x_pair(xp, 8, STREAM)[None, :]
-    p3 = _x_pair(xp, 12, STREAM)[None, :]
+    p0 = _x_pair(xp, 0, STREAM, PRMT)[None, :]
+    p1 = _x_pair(xp, 4, STREAM, PRMT)[None, :]
+    p2 = _x_pair(xp, 8, STREAM, PRMT)[None, :]
+    p3 = _x_pair(xp, 12, STREAM, PRMT)[None, :]
     if ASM:
         d = _dot_pairs(v0, v1, v2, v3, p0, p1, p2, p3)
     else:
@@ -307,13 +322,13 @@ def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: t
 
 @triton.jit
 def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.constexpr,
-                        ASM: tl.constexpr):
+                        ASM: tl.constexpr, PRMT: tl.constexpr):
     """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s,
     [BN, 1] or [BN, BKW/2]; ve, vo: the codes of the even and odd words)."""
-    p0, r0 = _halves1(_x_pair(xp, 0, STREAM), BKW)
-    p1, r1 = _halves1(_x_pair(xp, 4, STREAM), BKW)
-    p2, r2 = _halves1(_x_pair(xp, 8, STREAM), BKW)
-    p3, r3 = _halves1(_x_pair(xp, 12, STREAM), BKW)
+    p0, r0 = _halves1(_x_pair(xp, 0, STREAM, PRMT), BKW)
+    p1, r1 = _halves1(_x_pair(xp, 4, STREAM, PRMT), BKW)
+    p2, r2 = _halves1(_x_pair(xp, 8, STREAM, PRMT), BKW)
+    p3, r3 = _halves1(_x_pair(xp, 12, STREAM, PRMT), BKW)
     if ASM:
         d = _dot_pairs2(ve[0], ve[1], ve[2], ve[3], vo[0], vo[1], vo[2], vo[3],
                         p0[None, :], p1[None, :], p2[None, :], p3[None, :],
@@ -389,7 +404,8 @@ def _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D: tl.constexpr):
 @triton.jit
 def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, stride_xm,
                M: tl.constexpr, STREAM: tl.constexpr, PACKED: tl.constexpr,
-               BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr, ROWS2D: tl.constexpr):
+               BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr, ROWS2D: tl.constexpr,
+               PRMT: tl.constexpr = False):
     """One loop step: the [BN, BKW] word tile at K word w0 (inside one group: zw, sv are its
     rows' zero-point words and scales, from _load_rows) added into the M tokens'
     accumulators."""
@@ -416,13 +432,16 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
             ve = _dequant_pairs_emulated(we, z1, z16, True)
             vo = _dequant_pairs_emulated(wo, z1, z16, True)
         sc = s * 128.0
-        acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM)
+        acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM, PRMT)
         if M > 1:
-            acc1 = _accumulate_packed2(acc1, ve, vo, xq + stride_xm, sc, STREAM, BKW, ASM)
+            acc1 = _accumulate_packed2(acc1, ve, vo, xq + stride_xm, sc, STREAM, BKW, ASM,
+                                        PRMT)
         if M > 2:
-            acc2 = _accumulate_packed2(acc2, ve, vo, xq + 2 * stride_xm, sc, STREAM, BKW, ASM)
+            acc2 = _accumulate_packed2(acc2, ve, vo, xq + 2 * stride_xm, sc, STREAM, BKW,
+                                        ASM, PRMT)
         if M > 3:
-            acc3 = _accumulate_packed2(acc3, ve, vo, xq + 3 * stride_xm, sc, STREAM, BKW, ASM)
+            acc3 = _accumulate_packed2(acc3, ve, vo, xq + 3 * stride_xm, sc, STREAM, BKW,
+                                        ASM, PRMT)
     elif PACKED == 1:
         h1 = zi + _Z1_64
         h16 = zi * 16 + _Z16_64
@@ -433,13 +452,16 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
         else:
             v0, v1, v2, v3 = _dequant_pairs_emulated(words, z1, z16, False)
         sc = s * 64.0
-        acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM)
+        acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM, PRMT)
         if M > 1:
-            acc1 = _accumulate_packed(acc1, v0, v1, v2, v3, xq + stride_xm, sc, STREAM, ASM)
+            acc1 = _accumulate_packed(acc1, v0, v1, v2, v3, xq + stride_xm, sc, STREAM, ASM,
+                                      PRMT)
         if M > 2:
-            acc2 = _accumulate_packed(acc2, v0, v1, v2, v3, xq + 2 * stride_xm, sc, STREAM, ASM)
+            acc2 = _accumulate_packed(acc2, v0, v1, v2, v3, xq + 2 * stride_xm, sc, STREAM,
+                                      ASM, PRMT)
         if M > 3:
-            acc3 = _accumulate_packed(acc3, v0, v1, v2, v3, xq + 3 * stride_xm, sc, STREAM, ASM)
+            acc3 = _accumulate_packed(acc3, v0, v1, v2, v3, xq + 3 * stride_xm, sc, STREAM,
+                                      ASM, PRMT)
     else:
         z = zi.to(tl.float32)
         s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
@@ -463,7 +485,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
                      ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
-                     PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+                     PRMT: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -507,7 +530,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D)
+                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
     else:
         w_first = w_start
         if PDL:  # the first step's weights, zero points and scales (no kernel writes them)
@@ -518,7 +541,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             pdl_enter(True, PDL_TRIGGER)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w_start,
                                                 x_ptr, x_off, zshift, stride_xm, M, STREAM,
-                                                PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D)
+                                                PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
             w_first = w_start + BLOCK_KW
         for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
             words = _load_words(w_row + (w0 + offs_w)[None, :], STREAM)  # [BN, BKW] int32
@@ -526,7 +549,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D)
+                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
     if SPLIT == 1:
         _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
                     HAS_BIAS, False)
@@ -569,6 +592,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
+                  PRMT=bool(packed) and asm and PAIR_PRMT,
                   PDL_TRIGGER=pdl and _pdl.TRIGGERS,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x
@@ -587,6 +611,11 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                                      kw // split, **common)
     return y
 
+
+# True: the packed path builds its x pairs with one PRMT each (_x_pair; fewer SASS
+# instructions a step, same bits). False until an H200 run has checked it against the
+# reference and timed it (`gpu_awq_ab.py --pair-prmt`; the CPU interpreter cannot run PTX)
+PAIR_PRMT = False
 
 COUNTERS = 1 << 14  # column-tile counters of the split-K GEMV (64 KiB per device)
 
