@@ -33,6 +33,9 @@ order rotated each round (gpu_awq_ab_fuse_mass.json).
 --pair-prmt: only decode at --context, fp16 and INT4, with the packed GEMV's x pairs built by
 one PRMT each or by bit operations (awq_gemv.PAIR_PRMT; fp16's pair is the noise control);
 the order rotated each round (gpu_awq_ab_pair_prmt.json).
+--fuse-residual: only decode at --context, fp16 and INT4, with each decoder layer's closing
+residual add run inside the next norm (llama.FUSE_RESIDUAL_NORM) or as its own op; the order
+rotated each round (gpu_awq_ab_fuse_residual.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -102,6 +105,9 @@ def main() -> None:
     ap.add_argument("--pair-prmt", action="store_true",
                     help="only: decode, fp16 and INT4, with the packed GEMV's x pairs built by "
                          "PRMT or by bit operations, interleaved")
+    ap.add_argument("--fuse-residual", action="store_true",
+                    help="only: decode, fp16 and INT4, with each layer's residual add inside "
+                         "the next norm or as its own op, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -112,7 +118,8 @@ def main() -> None:
     run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 8, backend, dev, **kw)  # JIT
     for flag, only in ((a.graphs, graphs_ab), (a.packed, packed_ab), (a.table_json, table_ab),
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
-                       (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab)):
+                       (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
+                       (a.fuse_residual, fuse_residual_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -265,12 +272,23 @@ def pair_prmt_ab(a, model, cfg, sparse, backend, dev) -> None:
     from hisparse_cli.kernels import awq_gemv
 
     _switch_ab(a, model, cfg, sparse, backend, dev, "prmt",
-               lambda on: setattr(awq_gemv, "PAIR_PRMT", on), "gpu_awq_ab_pair_prmt.json")
+               lambda on: setattr(awq_gemv, "PAIR_PRMT", on), "gpu_awq_ab_pair_prmt.json",
+               left_on=False)
 
 
-def _switch_ab(a, model, cfg, sparse, backend, dev, what: str, switch, name: str) -> None:
+def fuse_residual_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """llama.FUSE_RESIDUAL_NORM on and off (gpu_awq_ab_fuse_residual.json)."""
+    from hisparse_cli.model import llama
+
+    _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
+               lambda on: setattr(llama, "FUSE_RESIDUAL_NORM", on),
+               "gpu_awq_ab_fuse_residual.json", left_on=False)
+
+
+def _switch_ab(a, model, cfg, sparse, backend, dev, what: str, switch, name: str,
+               left_on: bool = True) -> None:
     """Decode tok/s at --context over --decode-tokens for fp16 and INT4, each with a module
-    switch on and off (switch(bool) sets it; it is left on), the order rotated each round;
+    switch on and off (switch(bool) sets it; left at left_on), the order rotated each round;
     per round the gain per format and INT4/fp16 with and without it."""
     fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
     long = prompt(a.context, cfg.vocab_size)
@@ -300,7 +318,7 @@ def _switch_ab(a, model, cfg, sparse, backend, dev, what: str, switch, name: str
                   flush=True)
             res.append(dict(round=r, decode_tok_s=row, gain=gain, ratio=ratio))
     finally:
-        switch(True)
+        switch(left_on)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / name).write_text(json.dumps(res, indent=1))
 

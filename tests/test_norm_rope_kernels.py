@@ -247,3 +247,51 @@ def test_model_logits_with_kernels_match_torch_backend_gpu(tmp_path, monkeypatch
     got = forward_full(model, ids)
     err = float((got - want).abs().max() / want.abs().max())
     assert err < 1e-2, err
+
+
+def _chain_logits(model, ids, all_logits, fuse, monkeypatch, hook=None):
+    from hisparse_cli.model import llama
+
+    monkeypatch.setattr(llama, "FUSE_RESIDUAL_NORM", fuse)
+    handle = model.model.layers[-1].register_forward_hook(hook) if hook else None
+    try:
+        with torch.no_grad():
+            return model(ids, torch.arange(ids.shape[0]), llama.DenseCausalContext(),
+                         all_logits=all_logits)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@pytest.mark.parametrize("all_logits", [False, True])
+def test_fused_residual_chain_equals_layer_by_layer(tiny_models, monkeypatch, all_logits):
+    """llama.FUSE_RESIDUAL_NORM: CausalLM.forward_hidden leaves each layer's closing residual
+    add to the next norm (add_rms_norm: the next layer's input norm, then the final norm).
+    On the CPU, with the backend's reference ops standing in for the Triton kernels (the
+    path is CUDA's), the logits equal the layer-by-layer path's bit for bit (the same adds
+    and norms in the same order) and the torch path's within fp32 rounding; with a hook on
+    a layer the chain is not taken, and the hook sees the whole layer output."""
+    from hisparse_cli.engine.engine import Engine
+    from hisparse_cli.model import llama
+
+    path, _ = tiny_models["llama"]
+    model = Engine.from_pretrained(path).model
+    ids = torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(3))
+    plain = _chain_logits(model, ids, all_logits, False, monkeypatch)  # CPU: the torch path
+    monkeypatch.setattr(llama.CausalLM, "_fused", lambda self, x: KernelBackend())
+    calls = []
+    monkeypatch.setattr(llama.DecoderLayer, "forward_unadded",
+                        lambda self, *a, _f=llama.DecoderLayer.forward_unadded: calls.append(1)
+                        or _f(self, *a))
+    by_layer = _chain_logits(model, ids, all_logits, False, monkeypatch)
+    assert len(calls) == len(model.model.layers)  # forward -> forward_unadded, one a layer
+    calls.clear()
+    chain = _chain_logits(model, ids, all_logits, True, monkeypatch)
+    assert len(calls) == len(model.model.layers)
+    assert torch.equal(chain, by_layer)
+    torch.testing.assert_close(chain, plain, rtol=1e-5, atol=1e-5)
+    seen = []
+    hooked = _chain_logits(model, ids, all_logits, True, monkeypatch,
+                           hook=lambda m, i, out: seen.append(out.shape))
+    assert seen == [(ids.shape[0] if all_logits else 1, model.cfg.hidden_size)]
+    assert torch.equal(hooked, by_layer)
