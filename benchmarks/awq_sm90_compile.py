@@ -40,6 +40,9 @@ OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3"
 
 def compile_one(fn, sig: dict, consts: dict, warps: int, aligned: tuple[str, ...],
                 stages: int = 3, maxnreg: int = 0):
+    # constexprs left out take their defaults, as a launch would (Triton's ASTSource does not)
+    consts = {**{p.name: p.default for p in fn.params
+                 if p.is_constexpr and p.has_default and p.name not in sig}, **consts}
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}},
