@@ -127,6 +127,14 @@ def graph_decode_enabled() -> bool:
     return os.environ.get("HISPARSE_CUDA_GRAPH") != "0"
 
 
+def residual_chain_enabled() -> bool:
+    """Whether a CUDA run with the Triton kernels chains its layers' residual adds into the
+    next norm (model/llama.py:FUSE_RESIDUAL_NORM)."""
+    from hisparse_cli.model import llama
+
+    return llama.FUSE_RESIDUAL_NORM
+
+
 def cpu_int4pack_enabled() -> bool:
     """Whether a CPU run's AWQ linears keep the packed decode copy (AWQLinear.packs_on): the
     CPU backend's INT4 choice, which HISPARSE_BACKEND=torch turns off."""
@@ -178,7 +186,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         C=sparse.recalibrate_topk if use_globals else 0,
         track_scores=track, score_tensor=track or (use_globals and imp == "probe"),
         score_stride=sparse.score_stride, min_distance=min_distance, importance=imp,
-        num_sms=num_sms, cpu_int4=cpu_int4)
+        num_sms=num_sms, cpu_int4=cpu_int4,
+        residual_chain=cuda and backend == "triton" and residual_chain_enabled())
     graph = cuda and backend == "triton" and graph_decode_enabled()  # Engine._use_graph
     run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens,
                        graph_workspace=CUBLAS_WORKSPACE_BYTES if graph else 0,

@@ -14,12 +14,13 @@ from hisparse_cli.planner_trace import (StepShape, SubPeak, Trace, add_rms_norm,
 
 
 # -- one decoder layer and the whole forward -------------------------------------------------
-def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool, last_only: bool = False) -> int:
-    """The engine's model has q|k|v stacked in one linear (model/llama.py:fuse_projections;
-    a mixed AWQ checkpoint that keeps some pieces apart is not modelled): q, k and v are
-    views of its output, which lives until the layer's attention ends."""
+def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool, last_only: bool,
+               h: int) -> int:
+    """Attention of the normed input h (freed here, with the attention's tensors) -> the o
+    projection's output. The engine's model has q|k|v stacked in one linear
+    (model/llama.py:fuse_projections; a mixed AWQ checkpoint that keeps some pieces apart is
+    not modelled): q, k and v are views of its output, which lives until the attention ends."""
     t, hs, qd, kd = a.t, s.hidden, s.hq * s.d, s.hkv * s.d
-    h = rms_norm(tr, s, "norm", t, hs)
     qkv = linear(tr, s, "attn.qkv", t, hs, qd + 2 * kd, s.awq, s.qkv_bias)
     if s.qk_norm:
         q2 = rms_norm(tr, s, "attn.q", t * s.hq, s.d)
@@ -51,18 +52,31 @@ def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool, last_only: boo
     return o
 
 
-def layer_peak(s: StepShape, a: AttnStep, first: bool = False, last_only: bool = False) -> SubPeak:
+def layer_peak(s: StepShape, a: AttnStep, first: bool = False, last_only: bool = False,
+               chained: bool = False, pair_in: bool = False) -> SubPeak:
     """One DecoderLayer.forward on top of its input x [t, hidden] (held by the caller).
     first: the step's first layer, which builds the reference's mask memo (left live).
     last_only: the model's last layer in a step that needs one logit row (model/llama.py):
-    attention over all t rows, then o_proj, residual and MLP of the last row only."""
+    attention over all t rows, then o_proj, residual and MLP of the last row only.
+    chained: DecoderLayer.forward_unadded in CausalLM.forward_hidden's residual chain
+    (llama.FUSE_RESIDUAL_NORM, Triton): the layer owns its input (here allocated first, not
+    held by the caller) - x, and with pair_in the previous layer's unadded output h_prev,
+    added inside the input norm - and leaves its own output unadded: (x', d) stay live."""
     tr = Trace(s.cuda)
-    hs, cb = s.hidden, s.cb
-    att = _attention(tr, s, a, first, last_only)
-    t = 1 if last_only else a.t
+    hs, cb, t0 = s.hidden, s.cb, a.t
+    x = tr.alloc("residual", t0 * hs * cb) if chained else -1
+    if chained and pair_in:  # x, n = add_rms_norm(x, h_prev): both inputs die at the add
+        h_prev = tr.alloc("residual", t0 * hs * cb)
+        x2, n = add_rms_norm(tr, s, "norm", t0, hs)
+        tr.free(x, h_prev)
+        x = x2
+    else:
+        n = rms_norm(tr, s, "norm", t0, hs)
+    att = _attention(tr, s, a, first, last_only, n)
+    t = 1 if last_only else t0
     if s.backend == "triton":  # the residual add fused into the norm; att dies after both
         x2, h2 = add_rms_norm(tr, s, "norm", t, hs)
-        tr.free(att)
+        tr.free(att, x)  # (chained: the layer's x dies at this add)
     else:
         x2 = tr.alloc("residual", t * hs * cb)
         tr.free(att)
@@ -72,8 +86,9 @@ def layer_peak(s: StepShape, a: AttnStep, first: bool = False, last_only: bool =
     g = linear(tr, s, "mlp.gate_up", t, hs, 2 * s.inter, s.awq, s.mlp_bias)
     d = linear(tr, s, "mlp.down", t, s.inter, hs, s.awq, s.mlp_bias)
     tr.free(g, h2)
-    tr.alloc("residual", t * hs * cb)
-    tr.free(d, x2)
+    if not chained:  # x2 + d: the layer's output (the caller's x from here)
+        tr.alloc("residual", t * hs * cb)
+        tr.free(d, x2)
     return SubPeak.of(tr)
 
 
@@ -85,6 +100,8 @@ def forward_peak(s: StepShape, a: AttnStep) -> tuple[SubPeak, list[int]]:
     cos, sin = cos_sin(tr, s, a.t)
     kept: list[int] = []
     n = s.layers
+    if s.residual_chain and s.backend == "triton":
+        return _chained_forward_peak(s, a, tr, x, cos, sin), kept
     if s.backend == "torch":
         tr.bump(layer_peak(s, a, first=True, last_only=n == 1), "layer")
         kept = [tr.size(b) for b in memo_bytes(s, a)]
@@ -103,6 +120,30 @@ def forward_peak(s: StepShape, a: AttnStep) -> tuple[SubPeak, list[int]]:
     if logits != y:
         tr.free(y)
     return SubPeak.of(tr), kept
+
+
+def _chained_forward_peak(s: StepShape, a: AttnStep, tr: Trace, x: int, cos: int,
+                          sin: int) -> SubPeak:
+    """forward_peak's rest with llama.FUSE_RESIDUAL_NORM (Triton): the embedding rows x
+    pass to the first layer (the chain holds each layer's input in its call alone), every
+    layer leaves its output unadded as (x', d), and the final norm adds the last pair."""
+    n = s.layers
+    tr.free(x)  # owned by the first layer's trace from here
+    tr.bump(layer_peak(s, a, last_only=n == 1, chained=True), "layer")
+    if n > 2:  # the middle layers: input (x, h_prev)
+        tr.bump(layer_peak(s, a, chained=True, pair_in=True), "layer")
+    if n > 1:
+        tr.bump(layer_peak(s, a, last_only=True, chained=True, pair_in=True), "layer")
+    x, d = (tr.alloc("residual", s.hidden * s.cb) for _ in range(2))  # the last row, unadded
+    s1, h = add_rms_norm(tr, s, "final_norm", 1, s.hidden)
+    tr.free(s1)  # only the normed half is kept: lm_head(add_rms_norm(x, d)[1])
+    y = linear(tr, s, "lm_head", 1, s.hidden, s.vocab, s.awq and s.awq_lm_head)
+    tr.free(h)  # the argument dies when lm_head returns, before .float()
+    logits = tr.alloc("logits", s.vocab * 4) if s.cb != 4 else y
+    tr.free(x, d, cos, sin)
+    if logits != y:
+        tr.free(y)
+    return SubPeak.of(tr)
 
 
 # -- KV cache work after the forward ---------------------------------------------------------

@@ -140,6 +140,8 @@ class StepShape:
     importance: str
     num_sms: int
     cpu_int4: bool = False  # CPU AWQ linears keep the packed decode copy (kernels/awq_cpu.py)
+    # CausalLM.forward_hidden's residual chain (model/llama.py:FUSE_RESIDUAL_NORM; Triton)
+    residual_chain: bool = False
 
     @property
     def grp(self) -> int:

@@ -279,6 +279,75 @@ def test_eviction_and_recalibration_traces_equal_recorded_allocations():
             assert rec.peak == recalibrate_peak(shape).peak, (importance, G, C)
 
 
+@pytest.mark.parametrize("layers", [1, 2, 4])
+@pytest.mark.parametrize("chain", [False, True])
+def test_triton_layer_order_equals_recorded_allocations(tmp_path, monkeypatch, chain, layers):
+    """planner_step.forward_peak's Triton layer order, with llama.FUSE_RESIDUAL_NORM's
+    residual chain (chain) and without, against every byte a CPU forward allocates. The path
+    is CUDA's; here its elementwise kernels are stand-ins that allocate what the Triton kernels
+    return (norm: the output; add + norm: the sum, then the output; silu * up: in place) and
+    the attention, on both sides, is one fresh [rows, hidden] output after which the normed
+    input dies (its own trace is checked by the recorded runs above and the GPU test)."""
+    from hisparse_cli.kernels.dispatch import KernelBackend
+    from hisparse_cli.model import llama
+    from hisparse_cli.planner_attn import AttnStep
+    from hisparse_cli.planner_step import forward_peak
+    from hisparse_cli.planner_trace import StepShape
+
+    class TritonAllocs(KernelBackend):
+        def rms_norm(self, x, weight, eps):
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+        def add_rms_norm(self, x, y, weight, eps):
+            s = x + y
+            return s, torch.empty_like(s)
+
+        def silu_mul_(self, gu, inter):
+            return gu[..., :inter]
+
+    def attn_model(self, x, cos, sin, ctx, last_only=False, fused=None):
+        return torch.ones(1 if last_only else x.shape[0], hidden)
+
+    def attn_plan(tr, s, a, first, last_only, h):
+        o = tr.alloc("attn.o", (1 if last_only else a.t) * s.hidden * s.cb)
+        tr.free(h)
+        return o
+
+    path, _ = save_tiny(tmp_path, "llama", num_hidden_layers=layers)
+    model = Engine.from_pretrained(path).model
+    cfg, hidden, t = model.cfg, model.cfg.hidden_size, 23
+    monkeypatch.setattr(llama, "FUSE_RESIDUAL_NORM", chain)
+    monkeypatch.setattr(llama.CausalLM, "_fused", lambda self, x: TritonAllocs())
+    monkeypatch.setattr(llama.Attention, "forward", attn_model)
+    monkeypatch.setattr("hisparse_cli.planner_step._attention", attn_plan)
+    ids, pos = torch.arange(1, t + 1), torch.arange(t)
+    calls = []
+    monkeypatch.setattr(llama.DecoderLayer, "forward_unadded",
+                        lambda self, *a, _f=llama.DecoderLayer.forward_unadded: calls.append(a[0])
+                        or _f(self, *a))
+    rec = AllocRecorder()
+    with torch.no_grad(), rec:
+        model(ids, pos, llama.DenseCausalContext())
+    assert len(calls) == layers
+    assert all(xh == [] for xh in calls)  # each layer emptied its input list
+    shape = StepShape(layers=layers, hidden=hidden, inter=cfg.intermediate_size,
+                      vocab=cfg.vocab_size, hq=cfg.num_attention_heads,
+                      hkv=cfg.num_key_value_heads, d=cfg.head_dim, cb=4, kvb=4, cuda=False,
+                      backend="triton", awq=False, group=128, awq_lm_head=False,
+                      qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, bs=16,
+                      sinks=4, window=64, G=0, C=0, track_scores=False, score_tensor=False,
+                      score_stride=1, min_distance=0, importance="attention", num_sms=1,
+                      residual_chain=chain)
+    peak, kept = forward_peak(shape, AttnStep(t=t, nb=2, ts=0, globals_full=True))
+    assert kept == [] and rec.peak == peak.peak, (rec.peak, peak)
+    # the chain holds one [t, hidden] less through the MLP (the layer's input dies at the
+    # post-attention add instead of living in the caller until the layer returns)
+    if layers == 4:
+        other = forward_peak(replace(shape, residual_chain=not chain),
+                             AttnStep(t=t, nb=2, ts=0, globals_full=True))[0].peak
+        assert (other - peak.peak) * (1 if chain else -1) == t * hidden * 4
+
+
 def test_8b_at_128k_on_h200_by_hand():
     """llama-3-8b fp16, the h200-141g sparse settings, 131008 + 512 tokens: the storage is
     allocated once at 1 sink block + cdiv(8192 + 2048 - 1, 16) = 640 + 1 = 642 blocks of
@@ -297,10 +366,11 @@ def test_8b_at_128k_on_h200_by_hand():
     assert items["kv.global_slots"] == items["kv.candidate_slots"] == lh * 512 * (
         2 * 128 * 2 + 8 + 4 + 4) == 66 * MiB
     # at down_proj: the stacked gate|up output [2048, 2 x 14336] fp16 (silu and product in
-    # place in its gate half) and down's output [2048, 4096], the layer's input and residual
-    # [2048, 4096] fp16, the normed input, RoPE cos/sin [2048, 128] fp16
+    # place in its gate half) and down's output [2048, 4096], the residual after the
+    # attention [2048, 4096] fp16 (the layer's input died at that add: the residual chain of
+    # llama.FUSE_RESIDUAL_NORM), the normed input, RoPE cos/sin [2048, 128] fp16
     assert "forward" in plan.peak_when
-    assert items["activations.at_peak"] == (2 * 56 + 16 + 2 * 16 + 16 + 1) * MiB
+    assert items["activations.at_peak"] == (2 * 56 + 16 + 16 + 16 + 1) * MiB
     shorter = plan_memory(shape_config("llama-3-8b"), context_tokens=32768, **base)
     ids = (131008 * 8 // 512) * 512, -(-32768 * 8 // 512) * 512
     assert plan.peak_allocated_bytes - shorter.peak_allocated_bytes == ids[0] - ids[1]

@@ -171,10 +171,11 @@ class DecoderLayer(nn.Module):
 # residual add runs inside the next norm (the next layer's input norm, or the final one) as one
 # add_rms_norm kernel: 32 torch add launches a Llama-3-8B token fewer, and no non-PDL kernel
 # breaking the programmatic-dependent-launch chain between the down projection and the next
-# norm. Off until an H200 run has timed it (`gpu_awq_ab.py --fuse-residual`); the memory
-# planner (planner_step.layer_peak) models the unfused order. Not taken while any hook is
-# registered on a layer (quality/capture.py, quantize): their callers see whole layer outputs.
-FUSE_RESIDUAL_NORM = False
+# norm (H200 run 57, `gpu_awq_ab.py --fuse-residual`: decode +2.0-3.0 % INT4, +1.3-1.8 %
+# fp16). The memory planner models the chain (planner_step.layer_peak, chained). Not taken
+# while any hook is registered on a layer (quality/capture.py, quantize): their callers see
+# whole layer outputs.
+FUSE_RESIDUAL_NORM = True
 
 
 def _hooked(layers: nn.ModuleList) -> bool:
