@@ -36,6 +36,10 @@ the order rotated each round (gpu_awq_ab_pair_prmt.json).
 --fuse-residual: only decode at --context, fp16 and INT4, with each decoder layer's closing
 residual add run inside the next norm (llama.FUSE_RESIDUAL_NORM) or as its own op; the order
 rotated each round (gpu_awq_ab_fuse_residual.json).
+--host-gather: only decode at --context, fp16 and INT4 with the embedding table in host memory,
+the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
+host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
+(gpu_awq_ab_host_gather.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -108,6 +112,9 @@ def main() -> None:
     ap.add_argument("--fuse-residual", action="store_true",
                     help="only: decode, fp16 and INT4, with each layer's residual add inside "
                          "the next norm or as its own op, interleaved")
+    ap.add_argument("--host-gather", action="store_true",
+                    help="only: decode, fp16 and INT4 with the embedding table in host memory, "
+                         "its row gathered by a kernel or read through the host, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
@@ -119,7 +126,7 @@ def main() -> None:
     for flag, only in ((a.graphs, graphs_ab), (a.packed, packed_ab), (a.table_json, table_ab),
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
-                       (a.fuse_residual, fuse_residual_ab)):
+                       (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -285,12 +292,26 @@ def fuse_residual_ab(a, model, cfg, sparse, backend, dev) -> None:
                "gpu_awq_ab_fuse_residual.json", left_on=False)
 
 
+def host_gather_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """engine/cuda_graph.HOST_GATHER on and off, both models with the embedding table in host
+    memory (registered for the device, as the loader does): the graph's row gathered by a
+    kernel (kernels/host_rows.py) or the token read on the host every step
+    (gpu_awq_ab_host_gather.json)."""
+    from hisparse_cli.engine import cuda_graph
+
+    int4 = build_ours(cfg, dev, awq=True, host_emb=True)
+    _switch_ab(a, int4, cfg, sparse, backend, dev, "gather",
+               lambda on: setattr(cuda_graph, "HOST_GATHER", on),
+               "gpu_awq_ab_host_gather.json", left_on=True, host_emb=True)
+
+
 def _switch_ab(a, model, cfg, sparse, backend, dev, what: str, switch, name: str,
-               left_on: bool = True) -> None:
+               left_on: bool = True, host_emb: bool = False) -> None:
     """Decode tok/s at --context over --decode-tokens for fp16 and INT4, each with a module
     switch on and off (switch(bool) sets it; left at left_on), the order rotated each round;
-    per round the gain per format and INT4/fp16 with and without it."""
-    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
+    per round the gain per format and INT4/fp16 with and without it. host_emb: the fp16
+    model's table in host memory too."""
+    fp16 = build_ours(cfg, dev, awq=False, host_emb=host_emb)
     long = prompt(a.context, cfg.vocab_size)
     variants = [(f"{fmt} {what} {'on' if on else 'off'}", m, fmt, on)
                 for fmt, m in (("fp16", fp16), ("awq-int4", model)) for on in (False, True)]

@@ -228,6 +228,9 @@ def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, s
                             generator=torch.Generator().manual_seed(seed))
         model.model.embed_tokens.weight = nn.Parameter(table * cfg.hidden_size ** -0.5,
                                                        requires_grad=False)
+        from hisparse_cli.kernels.host_rows import map_table
+
+        map_table(model.model.embed_tokens.weight)  # as the loader does (kernels/host_rows.py)
         model.lm_head.weight = rnd(cfg.vocab_size, cfg.hidden_size)  # loader: a device copy
     else:
         model.model.embed_tokens.weight = rnd(cfg.vocab_size, cfg.hidden_size)

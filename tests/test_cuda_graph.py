@@ -19,14 +19,14 @@ SPARSE = dict(sink_tokens=4, window_size=64, global_tokens=8, block_size=16, pre
               recalibrate_every=32, recalibrate_topk=8)
 
 
-def _engine(tmp_path, dtype):
+def _engine(tmp_path, dtype, embeddings_on_host=False):
     from conftest import save_tiny
 
     from hisparse_cli.engine import Engine, SparseConfig
 
     path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
     eng = Engine.from_pretrained(path, device="cuda", dtype=dtype, sparse=SparseConfig(**SPARSE),
-                                 backend="triton")
+                                 backend="triton", embeddings_on_host=embeddings_on_host)
     assert eng.backend.attention == "triton"
     return eng
 
@@ -44,12 +44,15 @@ def _both(eng, ids, monkeypatch, **gen):
     return graph, eager
 
 
-@pytest.mark.parametrize("prompt,new,host_table", [(5, 40, False), (150, 60, False),
-                                                   (150, 60, True)])
-def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new, host_table):
+@pytest.mark.parametrize("prompt,new,host_table,gather", [
+    (5, 40, False, False), (150, 60, False, False), (150, 60, True, False),
+    (150, 60, True, True)])
+def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new, host_table,
+                                              gather):
     """The decoder's static buffers (padded block list, q_start read from a tensor, pinned
-    copies; with host_table, the embedded row copied from the table into a static input)
-    run eagerly, without capture, through the Triton kernels under the interpreter: the same
+    copies; with host_table, the embedded row copied from the table into a static input, by
+    the host or (gather) by kernels/host_rows.py's kernel at the device-side token) run
+    eagerly, without capture, through the Triton kernels under the interpreter: the same
     tokens as the plain eager loop, across a block boundary inside the padding and a
     recalibration."""
     pytest.importorskip("triton")
@@ -71,14 +74,16 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     init = cuda_graph.GraphDecoder.__init__
     monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
                         lambda self, *a, **k: init(self, *a, **{**k, "capture": False,
-                                                                 "host_embeddings": host_table}))
+                                                                 "host_embeddings": host_table,
+                                                                 "host_gather": gather}))
     body = cuda_graph.GraphDecoder._body
     used = []
     monkeypatch.setattr(cuda_graph.GraphDecoder, "_body",
-                        lambda self: used.append(self.host_table) or body(self))
+                        lambda self: used.append((self.host_table, self.host_gather))
+                        or body(self))
     monkeypatch.setattr(eng, "_use_graph", lambda gen: True)
     static = eng.generate(ids, gen=g)
-    assert used and set(used) == {host_table}
+    assert used and set(used) == {(host_table, gather)}
     assert static.token_ids == eager.token_ids
     assert static.stats.recalibrations == eager.stats.recalibrations > 0
 
@@ -122,19 +127,24 @@ def test_device_sampler_suppresses_and_remembers_tokens():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gen", [dict(), dict(repetition_penalty=1.1, no_repeat_ngram_size=3),
-                                 dict(temperature=0.8, top_p=0.9, seed=0)])
-def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeypatch, gen):
+@pytest.mark.parametrize("gen,host", [
+    (dict(), False), (dict(repetition_penalty=1.1, no_repeat_ngram_size=3), False),
+    (dict(temperature=0.8, top_p=0.9, seed=0), False),
+    (dict(repetition_penalty=1.1, no_repeat_ngram_size=3), True)])
+def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeypatch, gen, host):
     """The decode loop reads tokens back every 16 steps and must not wait for the GPU anywhere
     else (an indexed scalar assignment in the sampler did, twice a token, found in H200 run 41):
     sync debug mode is on for the loop of a run that replays the kept graph, across evictions,
-    recalibrations, suppressed EOS, the penalty and n-gram ban, and top-p sampling."""
+    recalibrations, suppressed EOS, the penalty and n-gram ban, and top-p sampling; host: with
+    the embedding table in host memory, whose rows a kernel gathers at the device-side token
+    (kernels/host_rows.py; the host read the token every step before)."""
     import traceback
     import warnings
 
     from hisparse_cli.engine import Engine, GenerationConfig
 
-    eng = _engine(tmp_path, torch.float16)
+    eng = _engine(tmp_path, torch.float16, embeddings_on_host=host)
+    assert (eng.model.model.embed_tokens.weight.device.type == "cpu") == host
     ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(3))
     g = GenerationConfig(max_new_tokens=64, min_new_tokens=64, eos_token_ids=(5,), **gen)
     eng.generate(ids, gen=g)  # warms up and captures the graph
@@ -165,6 +175,7 @@ def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeyp
     assert res.extra["cuda_graph"] == "reused" and len(res.token_ids) == 64
     assert res.stats.recalibrations > 0
     assert len(syncs) == 64 // 16, syncs  # the read-backs, nothing else
+    assert eng._decode_state.decoder.host_gather == host
 
 
 @pytest.mark.gpu
@@ -207,11 +218,12 @@ def test_graph_sampling_is_seeded_and_fp16_runs(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_graph_with_host_embeddings_equals_eager(tmp_path, monkeypatch):
-    """Tight-VRAM option: the table stays in host memory; the graph starts after the lookup
-    (one token read-back a step) and must decode the same tokens as the eager loop."""
+    """Tight-VRAM option: the table stays in host memory, registered for the device, and a
+    kernel in the graph gathers the token's row from it; the graph must decode the same tokens
+    as the eager loop."""
     from conftest import save_tiny
 
-    from hisparse_cli.engine import Engine, SparseConfig
+    from hisparse_cli.engine import Engine, SparseConfig, cuda_graph
 
     path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
     eng = Engine.from_pretrained(path, device="cuda", dtype=torch.float32,
@@ -219,9 +231,13 @@ def test_graph_with_host_embeddings_equals_eager(tmp_path, monkeypatch):
                                  embeddings_on_host=True)
     assert eng.model.model.embed_tokens.weight.device.type == "cpu"
     ids = torch.randint(3, 256, (120,), generator=torch.Generator().manual_seed(5))
+    body, used = cuda_graph.GraphDecoder._body, set()
+    monkeypatch.setattr(cuda_graph.GraphDecoder, "_body",
+                        lambda self: used.add(self.host_gather) or body(self))
     graph, eager = _both(eng, ids, monkeypatch, max_new_tokens=100, eos_token_ids=(),
                          repetition_penalty=1.1, no_repeat_ngram_size=3)
     assert len(graph.token_ids) == 100 and graph.token_ids == eager.token_ids
+    assert used == {True}  # the row gathered on the device (kernels/host_rows.py)
 
 
 @pytest.mark.parametrize("window,sinks", [(64, 4), (48, 20), (None, 0)])

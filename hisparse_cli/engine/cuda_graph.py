@@ -10,7 +10,9 @@ engine/decode_state.py), whose first step then replays instead of capturing. Hos
 bookkeeping (block table, eviction, recalibration) runs between replays as plain Python plus
 eager tensor ops; per-step inputs travel in one pinned-memory copy. Sampling stays on the
 device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
-no host synchronisation per token.
+no host synchronisation per token. With the input embedding table in host memory (the
+tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/host_rows.py),
+where the loader could register the table for device access.
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ import torch
 from hisparse_cli.engine.config import GenerationConfig
 from hisparse_cli.engine.runner import KVRun, StepContext
 from hisparse_cli.engine.sparsity import cdiv
+
+# host-resident embedding tables registered for device access are read by a kernel in the
+# graph (kernels/host_rows.py), not through a host read of each token (benchmarks A/B it)
+HOST_GATHER = True
+
+
+def _mapped(table: torch.Tensor) -> bool:
+    from hisparse_cli.kernels.dispatch import triton_available
+
+    if not triton_available():
+        return False
+    from hisparse_cli.kernels.host_rows import is_mapped
+
+    return is_mapped(table)
+
 
 PAD_START = 1 << 30  # start position of padding blocks: later than any query, so masked (the
 # kernels compute key positions in int32, so the pad start + block offsets must stay < 2**31)
@@ -117,17 +134,23 @@ class GraphDecoder:
     """Decode steps of one run through a captured CUDA graph."""
 
     def __init__(self, model, run: KVRun, total_tokens: int, capture: bool | None = None,
-                 host_embeddings: bool | None = None) -> None:
+                 host_embeddings: bool | None = None, host_gather: bool | None = None) -> None:
         """capture=False runs the same static-buffer step eagerly every time (no graph): the
         CPU tests use it to check the padded block list and device q_start without CUDA.
         host_embeddings (default: the table is not on the run's device): the graph starts
-        from a static [1, hidden] input that each step fills from the host table; that reads
-        the sampled token on the host, one synchronisation a token."""
+        from a static [1, hidden] input, filled with the token's row of the host table.
+        host_gather (default: the loader registered the table for device access,
+        kernels/host_rows.py): a kernel in the graph reads the row from host memory at the
+        device-resident token; otherwise the host reads the sampled token (one
+        synchronisation a token) and copies its row."""
         self.model, self.run = model, run
         self.capture = run.device.type == "cuda" if capture is None else capture
         table = model.model.embed_tokens.weight
         self.host_table = (table.device.type != run.device.type if host_embeddings is None
                            else host_embeddings)
+        if host_gather is None:
+            host_gather = self.host_table and HOST_GATHER and _mapped(table)
+        self.host_gather = bool(host_gather) and self.host_table
         dev = run.device
         seq, bs = run.seq, run.sparse.block_size
         self.nb_max = self.padded_blocks(run, total_tokens)
@@ -147,7 +170,8 @@ class GraphDecoder:
         if self.host_table:  # the embedded token: host staging row -> static device input
             hidden, cdt = model.cfg.hidden_size, model.compute_dtype
             self.x = torch.zeros((1, hidden), dtype=cdt, device=dev)
-            self.x_host = torch.zeros((1, hidden), dtype=cdt, pin_memory=cuda)
+            if not self.host_gather:
+                self.x_host = torch.zeros((1, hidden), dtype=cdt, pin_memory=cuda)
         self.ctx = GraphStepContext(run, self.dev[0:1], self.dev[1:2], self.dev[2:2 + self.nb_max],
                                     self.dev[2 + self.nb_max:])
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -233,13 +257,17 @@ class GraphDecoder:
 
     def _body(self) -> torch.Tensor:
         if self.host_table:
+            if self.host_gather:  # the row read from host memory by a kernel in the graph
+                from hisparse_cli.kernels.host_rows import gather_rows
+
+                gather_rows(self.model.model.embed_tokens.weight, self.tok, self.x)
             return self.model.forward_hidden(self.x, self.dev[0:1], self.ctx)
         return self.model(self.tok, self.dev[0:1], self.ctx)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """token: [1] int64 on the device (the token at the next position) -> logits [1, V]."""
         self._prepare()
-        if self.host_table:
+        if self.host_table and not self.host_gather:
             # the token's row from the host table; .item() waits for the sampler, so the
             # previous step's copy out of x_host is done before it is overwritten
             table = self.model.model.embed_tokens.weight

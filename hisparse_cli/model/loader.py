@@ -174,6 +174,23 @@ def _load_fused(parent: nn.Module, attr: str, parts: tuple[str, ...], pre: str, 
     return True
 
 
+def _map_host_table(emb: nn.Embedding) -> None:
+    """A host-resident table for a CUDA run: copied into memory of its own (the checkpoint's
+    tensor may share a file mapping) and registered for the device to read
+    (kernels/host_rows.py: CUDA-graph decode then gathers the token's row on the device).
+    Left as it is, read on the host, where registration is not possible."""
+    from hisparse_cli.kernels.dispatch import triton_available
+
+    if not triton_available():  # the gather is a Triton kernel; graph decode needs Triton too
+        return
+    from hisparse_cli.kernels import host_rows
+
+    table = torch.empty(emb.weight.shape, dtype=emb.weight.dtype)
+    table.copy_(emb.weight)
+    _set_param(emb, "weight", table)
+    host_rows.map_table(emb.weight)
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False,
                decode_layout: bool = False, fuse: bool = False) -> tuple[CausalLM, ModelConfig]:
@@ -236,6 +253,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise ModelError(f"checkpoint did not provide {len(left)} tensor(s), e.g. {left[0]}")
+    if embeddings_on_host and device.type == "cuda":
+        _map_host_table(model.model.embed_tokens)
     model.init_rope(device)
     model.eval()
     return model, cfg
