@@ -184,6 +184,50 @@ def test_gemv_k_interpreter_stream_same_bits(stream, prefetch, split, m):
     check(y, x, qw, qz, s, b, 128)
 
 
+def test_tile_kmajor_puts_each_word_where_the_formula_says():
+    """awq_layout.tile_kmajor: word (n, w) at ((n // 64) KW/T + w // T) 64 T + (n % 64) T +
+    w % T (T = tile_words(group)); untile_kmajor inverts it."""
+    from hisparse_cli.kernels.awq_layout import tile_kmajor, tile_words, untile_kmajor
+
+    for group, (n, kw) in ((128, (128, 48)), (32, (192, 12)), (64, (64, 8))):
+        qt = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, kw), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(group))
+        tiled = tile_kmajor(qt, group)
+        t, flat = tile_words(group), tiled.reshape(-1)
+        assert tiled.shape == qt.shape
+        for r, w in ((0, 0), (63, t - 1), (64 % n, 0), (n - 1, kw - 1), (5, t % kw),
+                     (70 % n, kw - t + 1)):
+            at = ((r // 64) * (kw // t) + w // t) * 64 * t + (r % 64) * t + w % t
+            assert flat[at] == qt[r, w], (group, r, w)
+        assert torch.equal(untile_kmajor(tiled, group), qt)
+
+
+@interp
+@pytest.mark.parametrize("group,block_n,split,m,packed,prefetch", [
+    (128, 64, 1, 1, 2, 0), (128, 128, 2, 4, 2, 0), (32, 64, 2, 3, 0, 0),
+    (64, 128, 1, 2, 1, 1), (128, 64, 4, 1, 0, 1)])
+def test_gemv_k_interpreter_tiled_same_bits(group, block_n, split, m, packed, prefetch):
+    """GemvConfig.tiled reads the words in tile_kmajor's order: the same words into the same
+    arithmetic, so the same bits as the plain K-major layout, for every path (packed 0/1/2,
+    the register prefetch, split-K, 128-row programs spanning two tiles, partial last tile of
+    columns masked by n)."""
+    from hisparse_cli.kernels.awq_layout import tile_kmajor
+
+    n = 192  # three 64-row tiles; block_n 128: the second program's upper half is masked
+    x, qw, qt, qz, s, b = case_k(m, 8 * group, n, group, torch.float16, "cpu", seed=m)
+    kw = dict(block_n=block_n, block_kw=min(16, group // 8), split=split, num_warps=2,
+              num_stages=1, prefetch=prefetch, packed=packed)
+    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=GemvConfig(**kw))
+    y = awq_gemv.awq_gemv_k(x, tile_kmajor(qt, group), qz, s, b, group,
+                            config=GemvConfig(**kw, tiled=1))
+    assert torch.equal(y, plain)
+    check(y, x, qw, qz, s, b, group)
+    if group > 32:  # a step must be one whole tile: block_kw = the group's tile width
+        with pytest.raises(AssertionError, match="tiled GEMV"):
+            awq_gemv.awq_gemv_k(x, qt, qz, s, b, group,
+                                config=GemvConfig(**{**kw, "block_kw": 4}, tiled=1))
+
+
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 2])

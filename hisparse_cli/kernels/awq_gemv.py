@@ -85,6 +85,16 @@ def _load_words(ptrs, STREAM: tl.constexpr):
 
 
 @triton.jit
+def _word_ptrs(w_row, w0, offs_w, BKW: tl.constexpr, TILED: tl.constexpr):
+    """[BN, BKW] pointers of the step's words at K word w0 (a multiple of BKW) from the rows'
+    bases w_row [BN, 1]: along the row (K-major), or (TILED) in the step's [64, BKW] block,
+    64 BKW words after the previous one."""
+    if TILED:
+        return w_row + ((w0 // BKW) * (64 * BKW) + offs_w)[None, :]
+    return w_row + (w0 + offs_w)[None, :]
+
+
+@triton.jit
 def _load_x(ptrs, STREAM: tl.constexpr):
     """x values in fp32; STREAM == 2 also marks them last to evict."""
     if STREAM == 2:
@@ -486,7 +496,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
                      ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
                      PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
-                     PRMT: tl.constexpr = False):
+                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -505,7 +515,11 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
     x_off = (offs_w // 4) * 32 + offs_w % 4  # K index of nibble 0 of each word (+ 4 i)
     jn = rows % 8
     zshift = (4 * (jn % 2) + jn // 2) * 4  # zero points stay in the AWQ nibble order
-    w_row = qt_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
+    if TILED:  # awq_layout.tile_kmajor: [64, BLOCK_KW] word blocks, each contiguous
+        r64 = rows.to(tl.int64)
+        w_row = qt_ptr + ((r64 // 64) * 64 * KW + (r64 % 64) * BLOCK_KW)[:, None]  # [BN, 1]
+    else:
+        w_row = qt_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
     w_start = pid_k * KW_PER_SPLIT
     ACC_KW: tl.constexpr = BLOCK_KW // 2 if PACKED == 2 else BLOCK_KW  # PACKED 2: word pairs
     acc0 = tl.zeros((BLOCK_N, ACC_KW), dtype=tl.float32)
@@ -516,7 +530,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         # loads are in flight while this step computes (the last step reloads itself)
         w_last = w_start + KW_PER_SPLIT - BLOCK_KW
         g = (w_start * 8) // GROUP
-        words_n = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
+        words_n = _load_words(_word_ptrs(w_row, w_start, offs_w, BLOCK_KW, TILED), STREAM)
         zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
         if PDL:  # the loads above read weights only; x is the previous kernel's output
             pdl_enter(True, PDL_TRIGGER)
@@ -526,7 +540,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             sv = s_n
             nxt = tl.minimum(w0 + BLOCK_KW, w_last)
             g = (nxt * 8) // GROUP
-            words_n = _load_words(w_row + (nxt + offs_w)[None, :], STREAM)
+            words_n = _load_words(_word_ptrs(w_row, nxt, offs_w, BLOCK_KW, TILED), STREAM)
             zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
@@ -535,7 +549,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         w_first = w_start
         if PDL:  # the first step's weights, zero points and scales (no kernel writes them)
             # are loaded while the previous kernel may still run; x (its output) after the wait
-            words = _load_words(w_row + (w_start + offs_w)[None, :], STREAM)
+            words = _load_words(_word_ptrs(w_row, w_start, offs_w, BLOCK_KW, TILED), STREAM)
             zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows, offs_w,
                                 ROWS2D)
             pdl_enter(True, PDL_TRIGGER)
@@ -544,7 +558,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                                                 PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
             w_first = w_start + BLOCK_KW
         for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
-            words = _load_words(w_row + (w0 + offs_w)[None, :], STREAM)  # [BN, BKW] int32
+            words = _load_words(_word_ptrs(w_row, w0, offs_w, BLOCK_KW, TILED),
+                                STREAM)  # [BN, BKW] int32
             g = (w0 * 8) // GROUP
             zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
@@ -582,6 +597,9 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     assert (group_size // 8) % bkw == 0 and bkw % 4 == 0, \
         f"block_kw {bkw}: a multiple of 4 words dividing the group's {group_size // 8}"
     assert kw % (bkw * split) == 0, f"{kw} words of K not a multiple of {bkw} x split {split}"
+    assert not cfg.tiled or (n % awq_layout.TILE_ROWS == 0
+                             and bkw == awq_layout.tile_words(group_size)), \
+        f"tiled GEMV: n {n} a multiple of 64 and block_kw {bkw} = the tile's words"
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     has_bias = bias is not None
     tiles = triton.cdiv(n, cfg.block_n)
@@ -592,7 +610,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
-                  PRMT=bool(packed) and asm and PAIR_PRMT,
+                  PRMT=bool(packed) and asm and PAIR_PRMT, TILED=bool(cfg.tiled),
                   PDL_TRIGGER=pdl and _pdl.TRIGGERS,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x

@@ -85,6 +85,39 @@ def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
     return pack_int4(unpack_kmajor(qweight_k))
 
 
+# -- tiled K-major (an experiment of the GEMV, GemvConfig.tiled; not the engine's layout yet) --
+# The K-major GEMV reads each loop step as BN rows x 16 words: 64 contiguous bytes from each
+# of BN rows 2 KB apart (K = 4096), i.e. short segments spread over many DRAM pages. The tiled
+# order keeps a [TILE_ROWS, T] block of words (T = tile_words(group) = the GEMV's block_kw)
+# contiguous: one step of a 64-row program is one 4 KiB run (two for 128 rows), as the weight
+# layouts of Marlin-style INT4 kernels do. Same [N, KW] shape, same words, other memory order:
+# word (n, w) sits at ((n // 64) * KW/T + w // T) * 64 T + (n % 64) T + w % T.
+TILE_ROWS = 64
+
+
+def tile_words(group_size: int) -> int:
+    """Words of K in one tile of the tiled layout: the GEMV's block_kw for the group."""
+    return min(group_size // PACK, 16)
+
+
+def tile_kmajor(qweight_k: torch.Tensor, group_size: int) -> torch.Tensor:
+    """K-major int32 [N, KW] -> the same words in tiled order (above), as an [N, KW] tensor
+    (only the tiled GEMV reads it that way). N must be a multiple of TILE_ROWS."""
+    n, kw = qweight_k.shape
+    t = tile_words(group_size)
+    assert n % TILE_ROWS == 0 and kw % t == 0, (n, kw, t)
+    tiles = qweight_k.reshape(n // TILE_ROWS, TILE_ROWS, kw // t, t).permute(0, 2, 1, 3)
+    return tiles.contiguous().view(n, kw)
+
+
+def untile_kmajor(tiled: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The inverse of tile_kmajor."""
+    n, kw = tiled.shape
+    t = tile_words(group_size)
+    tiles = tiled.reshape(n // TILE_ROWS, kw // t, TILE_ROWS, t).permute(0, 2, 1, 3)
+    return tiles.contiguous().view(n, kw)
+
+
 # -- argument checks of the K-major kernels (kernels/awq_gemv.py, awq_gemm_k.py, awq_triton.py)
 def check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size):
     """Assert the K-major GEMV/dequantize contract: x2 [M, K] unit stride in K, qweight_k
@@ -133,7 +166,8 @@ class GemvConfig:
     zero points and scales straight into the word tile's layout (no shared-memory layout
     conversion, no barrier in the loop), 0 as [BN] vectors; pdl: 1 launches with
     programmatic dependent launch where kernels/pdl.py enables it (sm_90+): the first
-    step's weights are loaded before waiting for the kernel that wrote x."""
+    step's weights are loaded before waiting for the kernel that wrote x; tiled: 1 reads
+    the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64)."""
 
     block_n: int
     block_kw: int
@@ -146,6 +180,7 @@ class GemvConfig:
     maxnreg: int = 0
     rows2d: int = 0
     pdl: int = 0
+    tiled: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -164,6 +199,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.rows2d = {self.rows2d}: 0 or 1")
         if self.pdl not in (0, 1):
             raise ValueError(f"GemvConfig.pdl = {self.pdl}: 0 or 1")
+        if self.tiled not in (0, 1):
+            raise ValueError(f"GemvConfig.tiled = {self.tiled}: 0 or 1")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"GemvConfig.maxnreg = {self.maxnreg}: 0 or 24..255")
 
