@@ -94,7 +94,8 @@ def compile_gemv(c: GemvConfig, m: int, partial: bool, group: int, dt: str):
                             STREAM=c.stream, PACKED=c.packed if dt == "*fp16" else 0,
                             ASM=True, ROWS2D=c.rows2d, PDL=bool(c.pdl),
                             PDL_TRIGGER=bool(c.pdl),
-                            PRMT=bool(c.packed) and dt == "*fp16" and ag.PAIR_PRMT),
+                            PRMT=bool(c.packed) and dt == "*fp16" and ag.PAIR_PRMT,
+                            TILED=bool(c.tiled)),
                        c.num_warps, GEMV_ALIGNED, maxnreg=c.maxnreg)
 
 

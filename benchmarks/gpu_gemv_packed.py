@@ -15,6 +15,10 @@ VARIANTS (tile, K split, pipelining, register cap); 1 token, then the table's ti
     PYTHONPATH=$PWD python3 benchmarks/gpu_gemv_packed.py [--out DIR] [--rows2d]
 Writes DIR/gpu_gemv_packed.json (DIR: --out, else $OUT, else ./out).
 
+--tiled: the table's tile reading the K-major layout and the tiled one (awq_layout.tile_kmajor:
+each step's [64, 16] word block contiguous), at 1, 2 and 4 tokens, then TILED_TILES on the
+tiled layout at 1 token (DIR/gpu_gemv_tiled.json).
+
 --rows2d: packed 2 only; the per-row zero points and scales loaded as [BN] vectors (rows2d 0:
 a layout conversion through shared memory with barriers every step) or in the word tile's
 layout (rows2d 1), with and without the register prefetch of the next step, over the table's
@@ -80,6 +84,22 @@ def rows2d_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
     return todo
 
 
+# (block_n, num_warps, programs_per_sm) tried with the tiled layout (besides the table's tile)
+TILED_TILES = ((32, 1, 32), (64, 2, 16), (64, 2, 32), (64, 2, 64), (128, 4, 16), (128, 4, 32),
+               (128, 2, 16), (256, 4, 16), (256, 8, 8))
+
+
+def tiled_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
+    """(tokens, config, programs_per_sm) of the --tiled sweep: the table's tile on both
+    layouts at 1, 2 and 4 tokens, then TILED_TILES on the tiled one at 1 token."""
+    pps0 = al.GEMV_TABLE[al.gemv_shape_class(n)].programs_per_sm
+    todo = [(m, replace(base, tiled=t), pps0) for m in (1, 2, 4) for t in (0, 1)]
+    for bn, w, pps in TILED_TILES:
+        c = config(k, n, sms, bn, w, pps, 1, 0, 2, base.stream)
+        todo.append((1, replace(c, pdl=base.pdl, tiled=1), pps))
+    return todo
+
+
 def packed_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
     todo = [(1, replace(base, packed=p)) for p in (0, 1, 2)]
     todo += [(1, config(k, n, sms, *v, 2, base.stream)) for v in VARIANTS]
@@ -92,7 +112,8 @@ def shape_rows(name: str, k: int, n: int, sms: int, make_todo=packed_todo) -> li
     mats = []
     for i in range(g.copies(nb4)):
         qw, qz, s, _ = g.make(k, n, GROUP, seed=i)
-        mats.append((al.repack_kmajor(qw), qz, s))
+        qt = al.repack_kmajor(qw)
+        mats.append((qt, qz, s, al.tile_kmajor(qt, GROUP) if make_todo is tiled_todo else None))
         if i == 0:
             w_ref = dequantize_weight(qw, qz, s, GROUP)
         del qw
@@ -114,9 +135,10 @@ def shape_rows(name: str, k: int, n: int, sms: int, make_todo=packed_todo) -> li
             t16[m] = g.graph_ms([lambda w=w: F.linear(x[:m], w) for w in w16] * 2) * 1e3
         rec = dict(shape=name, m=m, config=asdict(cfg), fp16_us=t16[m], pps=(pps or [None])[0])
         try:
-            y = awq_gemv_k(x[:m], mats[0][0], mats[0][1], mats[0][2], None, GROUP, config=cfg)
+            qi = 3 if cfg.tiled else 0  # the weights in the layout the config reads
+            y = awq_gemv_k(x[:m], mats[0][qi], mats[0][1], mats[0][2], None, GROUP, config=cfg)
             rec["err"] = g.rel(y, ref[:m])
-            rec["us"] = g.graph_ms([lambda w=w: awq_gemv_k(x[:m], w[0], w[1], w[2], None, GROUP,
+            rec["us"] = g.graph_ms([lambda w=w: awq_gemv_k(x[:m], w[qi], w[1], w[2], None, GROUP,
                                                            config=cfg) for w in mats] * 2) * 1e3
             rec["GBs"] = g.int4_bytes(m, k, n, GROUP) / rec["us"] / 1e3
         except Exception as exc:  # noqa: BLE001 - one bad config must not end the run
@@ -125,7 +147,7 @@ def shape_rows(name: str, k: int, n: int, sms: int, make_todo=packed_todo) -> li
         c = rec["config"]
         tag = (f"bn{c['block_n']:<3} w{c['num_warps']} split{c['split']} st{c['num_stages']} "
                f"sm{c['stream']} reg{c['maxnreg']} packed{c['packed']} pf{c['prefetch']} "
-               f"r2d{c['rows2d']}")
+               f"r2d{c['rows2d']} t{c['tiled']}")
         if "us" in rec:
             bad = "" if rec["err"] <= g.TOL[torch.float16] else "  ERR"
             g.log(f"{name:<20} m={m} {tag:<32} {rec['us']:7.1f} us  {rec['GBs']:5.0f} GB/s  "
@@ -170,9 +192,29 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--rows2d", action="store_true",
                     help="only: rows2d 0/1 x prefetch 0/1 over tiles (packed 2); suggest a table")
+    ap.add_argument("--tiled", action="store_true",
+                    help="only: the K-major vs the tiled weight layout (awq_layout.tile_kmajor)")
     a = ap.parse_args()
     sms = _sm_count(torch.device("cuda"))
     rows = []
+    if a.tiled:
+        for name, (k, n) in SHAPES.items():
+            rows += shape_rows(name, k, n, sms, tiled_todo)
+        g.log("\nper shape, 1 token: the table's tile K-major -> tiled -> best tiled tile")
+        for name in SHAPES:
+            mine = [r for r in rows if r["shape"] == name and r["m"] == 1 and "us" in r
+                    and r["err"] <= g.TOL[torch.float16]]
+            t0 = [r for r in mine if not r["config"]["tiled"]]
+            t1 = [r for r in mine if r["config"]["tiled"]]
+            if t0 and t1:
+                best = min(t1, key=lambda r: r["us"])
+                c = best["config"]
+                g.log(f"{name:<20} {t0[0]['us']:7.1f} -> {t1[0]['us']:7.1f} -> {best['us']:7.1f} "
+                      f"us ({t0[0]['us'] / best['us']:.2f}x; bn{c['block_n']} "
+                      f"w{c['num_warps']} split{c['split']})")
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "gpu_gemv_tiled.json").write_text(json.dumps(rows, indent=1))
+        return
     if a.rows2d:
         for name, (k, n) in SHAPES.items():
             rows += shape_rows(name, k, n, sms, rows2d_todo)
