@@ -36,6 +36,9 @@ the order rotated each round (gpu_awq_ab_pair_prmt.json).
 --fuse-residual: only decode at --context, fp16 and INT4, with each decoder layer's closing
 residual add run inside the next norm (llama.FUSE_RESIDUAL_NORM) or as its own op; the order
 rotated each round (gpu_awq_ab_fuse_residual.json).
+--tiled: only decode at --context, fp16 and INT4, with the decode GEMV reading a tiled copy of
+the words (awq_layout.TILED_DECODE, tile_kmajor) or the K-major layout; the order rotated each
+round (gpu_awq_ab_tiled.json).
 --host-gather: only decode at --context, fp16 and INT4 with the embedding table in host memory,
 the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
 host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
@@ -112,6 +115,9 @@ def main() -> None:
     ap.add_argument("--fuse-residual", action="store_true",
                     help="only: decode, fp16 and INT4, with each layer's residual add inside "
                          "the next norm or as its own op, interleaved")
+    ap.add_argument("--tiled", action="store_true",
+                    help="only: decode, fp16 and INT4, with the decode GEMV reading the tiled "
+                         "weight layout or the K-major one, interleaved")
     ap.add_argument("--host-gather", action="store_true",
                     help="only: decode, fp16 and INT4 with the embedding table in host memory, "
                          "its row gathered by a kernel or read through the host, interleaved")
@@ -126,7 +132,8 @@ def main() -> None:
     for flag, only in ((a.graphs, graphs_ab), (a.packed, packed_ab), (a.table_json, table_ab),
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
-                       (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab)):
+                       (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab),
+                       (a.tiled, tiled_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -290,6 +297,18 @@ def fuse_residual_ab(a, model, cfg, sparse, backend, dev) -> None:
     _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
                lambda on: setattr(llama, "FUSE_RESIDUAL_NORM", on),
                "gpu_awq_ab_fuse_residual.json", left_on=False)
+
+
+def tiled_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """awq_layout.TILED_DECODE on and off: the decode GEMV reading a tiled copy of the words
+    (awq_layout.tile_kmajor) or the K-major ones (gpu_awq_ab_tiled.json); the fp16 pair
+    measures the rounds' noise."""
+    def switch(on: bool) -> None:
+        awq_layout.TILED_DECODE = on
+        unprepare(model)  # prepared again, with or without the tiled copy, on the next call
+
+    _switch_ab(a, model, cfg, sparse, backend, dev, "tiled", switch, "gpu_awq_ab_tiled.json",
+               left_on=False)
 
 
 def host_gather_ab(a, model, cfg, sparse, backend, dev) -> None:

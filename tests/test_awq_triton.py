@@ -296,6 +296,30 @@ def test_prepared_linear_k_equals_awq_linear_k(m, chunked, monkeypatch):
         awq_triton.PreparedLinearK(qw, qz, s, b, 32)
 
 
+@interp
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_prepared_linear_k_tiled_decode_same_bits(m, monkeypatch):
+    """awq_layout.TILED_DECODE (the layout experiment): decode calls read the prepared tiled
+    copy (GemvConfig.tiled), prefill calls the K-major words; the same bits either way. A
+    shape whose rows do not fill 64-row tiles keeps the K-major path."""
+    monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", 8)
+    x, qw, qt, qz, s, b = case_k(m, 256, 192, 128, torch.float16, "cpu", seed=m)
+    plain = awq_triton.PreparedLinearK(qt, qz, s, b, 128)
+    assert plain.qweight_t is None
+    monkeypatch.setattr(awq_layout, "TILED_DECODE", True)
+    tiled = awq_triton.PreparedLinearK(qt, qz, s, b, 128)
+    assert torch.equal(tiled.qweight_t, awq_layout.tile_kmajor(qt, 128))
+    want = plain(x)
+    calls = []
+    real = awq_triton.awq_gemv_k
+    monkeypatch.setattr(awq_triton, "awq_gemv_k",
+                        lambda *a, **k: calls.append(k.get("config")) or real(*a, **k))
+    assert torch.equal(tiled(x), want)
+    assert [c.tiled for c in calls] == ([1] if m <= 4 else [])
+    x2, _, qt2, qz2, s2, b2 = case_k(1, 256, 200, 128, torch.float16, "cpu")
+    assert awq_triton.PreparedLinearK(qt2, qz2, s2, b2, 128).qweight_t is None  # 200 rows
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(CPU, reason="needs CUDA")
 @pytest.mark.parametrize("chunked", [False, True])

@@ -93,6 +93,10 @@ def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
 # layouts of Marlin-style INT4 kernels do. Same [N, KW] shape, same words, other memory order:
 # word (n, w) sits at ((n // 64) * KW/T + w // T) * 64 T + (n % 64) T + w % T.
 TILE_ROWS = 64
+# True: AWQLinear's prepared launches (awq_triton.PreparedLinearK) keep a tiled copy of the
+# words for the decode GEMV (twice the INT4 weight memory, not in the planner): only for the
+# engine A/B of the layout (`gpu_awq_ab.py --tiled`) until the prefill kernels read it too
+TILED_DECODE = False
 
 
 def tile_words(group_size: int) -> int:

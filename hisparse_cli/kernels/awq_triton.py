@@ -402,7 +402,7 @@ class PreparedLinearK:
     its own (one kernel node writing the caller's workspace)."""
 
     __slots__ = ("qweight_k", "qzeros", "scales", "bias", "group_size", "n", "k", "chunk",
-                 "device", "graphs")
+                 "device", "graphs", "qweight_t")
 
     def __init__(self, qweight_k, qzeros, scales, bias, group_size):
         n, kw = qweight_k.shape
@@ -412,6 +412,11 @@ class PreparedLinearK:
         self.group_size, self.n, self.k, self.device = group_size, n, kw * 8, qweight_k.device
         self.chunk = awq_layout.dequant_chunk(self.k, n, DEQUANT_CHUNK_ELEMS_K)
         self.graphs: dict | None = {} if self.device.type == "cuda" else None
+        # awq_layout.TILED_DECODE (an experiment, off): a second copy of the words in the tiled
+        # order, which the decode GEMV reads (GemvConfig.tiled); prefill keeps the K-major one
+        tiled = (awq_layout.TILED_DECODE and n % awq_layout.TILE_ROWS == 0
+                 and kw % awq_layout.tile_words(group_size) == 0)
+        self.qweight_t = awq_layout.tile_kmajor(qweight_k, group_size) if tiled else None
 
     def _launch(self, w, n0, n1):
         """Dequantize W^T rows [n0, n1) into w: a graph replay where one is (or can be) kept."""
@@ -452,7 +457,14 @@ class PreparedLinearK:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         m = x2.shape[0]
-        if m <= GEMV_MAX_TOKENS or awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
+        if m <= GEMV_MAX_TOKENS and self.qweight_t is not None:
+            from dataclasses import replace
+
+            cfg = replace(awq_layout.gemv_config(m, k, n, self.group_size, _sm_count(x2.device)),
+                          tiled=1)
+            y = awq_gemv_k(x2, self.qweight_t, self.qzeros, self.scales, self.bias,
+                           self.group_size, config=cfg, checked=True)
+        elif m <= GEMV_MAX_TOKENS or awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
             y = awq_linear_k(x2, self.qweight_k, self.qzeros, self.scales, self.bias,
                              self.group_size, checked=True)
         else:
