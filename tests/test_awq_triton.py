@@ -542,6 +542,27 @@ def test_packed_gemv_cuda(packed, group, k, n, m, split, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096), (4096, 28672)])
+@pytest.mark.parametrize("m", [1, 4])
+def test_tiled_gemv_cuda_same_bits(group, k, n, m):
+    """GemvConfig.tiled on sm_90 (16-byte loads of the tiled words): the same bits as the
+    K-major layout with the table's tile and split, and with a 128-row and a 32-row tile."""
+    from hisparse_cli.kernels.awq_layout import gemv_config, tile_kmajor
+
+    x, qw, qt, qz, s, b = case_k(m, k, n, group, torch.float16, "cuda", seed=m)
+    tiled = tile_kmajor(qt, group)
+    base = gemv_config(m, k, n, group, awq_gemv._sm_count(x.device))
+    for cfg in (base, replace(base, block_n=128, num_warps=4),
+                replace(base, block_n=32, num_warps=1)):
+        y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
+        yt = awq_gemv.awq_gemv_k(x, tiled, qz, s, b, group, config=replace(cfg, tiled=1))
+        assert torch.equal(yt, y), cfg
+    check(yt, x, qw, qz, s, b, group)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
 @pytest.mark.parametrize("packed", [1, 2])
 def test_packed_gemv_cuda_extreme_x(packed):
     """fp16 products within a word: no overflow for any finite fp16 x (a lane's terms are
