@@ -36,9 +36,9 @@ the order rotated each round (gpu_awq_ab_pair_prmt.json).
 --fuse-residual: only decode at --context, fp16 and INT4, with each decoder layer's closing
 residual add run inside the next norm (llama.FUSE_RESIDUAL_NORM) or as its own op; the order
 rotated each round (gpu_awq_ab_fuse_residual.json).
---tiled: only decode at --context, fp16 and INT4, with the decode GEMV reading a tiled copy of
-the words (awq_layout.TILED_DECODE, tile_kmajor) or the K-major layout; the order rotated each
-round (gpu_awq_ab_tiled.json).
+--tiled: only decode at --context, fp16 and INT4, with the INT4 words stored tiled
+(AWQLinear.set_tiled, awq_layout.tile_kmajor; what awq_layout.TILED_WEIGHTS loads) or K-major;
+the order rotated each round (gpu_awq_ab_tiled.json).
 --host-gather: only decode at --context, fp16 and INT4 with the embedding table in host memory,
 the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
 host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
@@ -300,12 +300,13 @@ def fuse_residual_ab(a, model, cfg, sparse, backend, dev) -> None:
 
 
 def tiled_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """awq_layout.TILED_DECODE on and off: the decode GEMV reading a tiled copy of the words
-    (awq_layout.tile_kmajor) or the K-major ones (gpu_awq_ab_tiled.json); the fp16 pair
-    measures the rounds' noise."""
+    """The INT4 model's words stored tiled (AWQLinear.set_tiled, awq_layout.tile_kmajor: what
+    awq_layout.TILED_WEIGHTS makes at load) or K-major, every kernel reading them so
+    (gpu_awq_ab_tiled.json); the fp16 pair measures the rounds' noise."""
     def switch(on: bool) -> None:
-        awq_layout.TILED_DECODE = on
-        unprepare(model)  # prepared again, with or without the tiled copy, on the next call
+        for m in model.modules():
+            if isinstance(m, AWQLinear):
+                m.set_tiled(on)  # a copy per linear; prepared again on the next call
 
     _switch_ab(a, model, cfg, sparse, backend, dev, "tiled", switch, "gpu_awq_ab_tiled.json",
                left_on=False)

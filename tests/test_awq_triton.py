@@ -297,27 +297,31 @@ def test_prepared_linear_k_equals_awq_linear_k(m, chunked, monkeypatch):
 
 
 @interp
-@pytest.mark.parametrize("m", [1, 4, 5])
-def test_prepared_linear_k_tiled_decode_same_bits(m, monkeypatch):
-    """awq_layout.TILED_DECODE (the layout experiment): decode calls read the prepared tiled
-    copy (GemvConfig.tiled), prefill calls the K-major words; the same bits either way. A
-    shape whose rows do not fill 64-row tiles keeps the K-major path."""
+@pytest.mark.parametrize("m,group", [(1, 128), (4, 32), (5, 64), (70, 128), (70, 32)])
+def test_prepared_linear_k_tiled_same_bits(m, group, monkeypatch):
+    """Tiled words (awq_layout.tile_kmajor) through PreparedLinearK(tiled=True): the bits of
+    the K-major layout on every path - the GEMV (1, 4 tokens), the fused GEMM (5: its block_k
+    64 reads half a tile's width a step, block_kw 8 of 16) and dequantize + matmul (70)."""
     monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", 8)
-    x, qw, qt, qz, s, b = case_k(m, 256, 192, 128, torch.float16, "cpu", seed=m)
-    plain = awq_triton.PreparedLinearK(qt, qz, s, b, 128)
-    assert plain.qweight_t is None
-    monkeypatch.setattr(awq_layout, "TILED_DECODE", True)
-    tiled = awq_triton.PreparedLinearK(qt, qz, s, b, 128)
-    assert torch.equal(tiled.qweight_t, awq_layout.tile_kmajor(qt, 128))
-    want = plain(x)
-    calls = []
-    real = awq_triton.awq_gemv_k
-    monkeypatch.setattr(awq_triton, "awq_gemv_k",
-                        lambda *a, **k: calls.append(k.get("config")) or real(*a, **k))
-    assert torch.equal(tiled(x), want)
-    assert [c.tiled for c in calls] == ([1] if m <= 4 else [])
-    x2, _, qt2, qz2, s2, b2 = case_k(1, 256, 200, 128, torch.float16, "cpu")
-    assert awq_triton.PreparedLinearK(qt2, qz2, s2, b2, 128).qweight_t is None  # 200 rows
+    x, qw, qt, qz, s, b = case_k(m, 2 * 128, 192, group, torch.float16, "cpu", seed=m)
+    plain = awq_triton.PreparedLinearK(qt, qz, s, b, group)
+    tiled = awq_triton.PreparedLinearK(awq_layout.tile_kmajor(qt, group), qz, s, b, group,
+                                       tiled=True)
+    assert torch.equal(tiled(x), plain(x))
+    gemm = awq_triton.awq_gemm_k(x, awq_layout.tile_kmajor(qt, group), qz, s, b, group,
+                                 config=awq_layout.GemmConfig(block_m=16, block_n=64,
+                                                              block_k=64, num_warps=4,
+                                                              num_stages=1), tiled=True)
+    assert torch.equal(gemm, awq_triton.awq_gemm_k(
+        x, qt, qz, s, b, group, config=awq_layout.GemmConfig(block_m=16, block_n=64, block_k=64,
+                                                            num_warps=4, num_stages=1)))
+    w = awq_triton.awq_dequantize_k(awq_layout.tile_kmajor(qt, group), qz, s, group,
+                                    torch.float16, n0=64, n1=192, tiled=True)
+    assert torch.equal(w, awq_triton.awq_dequantize_k(qt, qz, s, group, torch.float16, n0=64,
+                                                      n1=192))
+    with pytest.raises(AssertionError, match="64-row tiles"):  # rows must fill whole tiles
+        awq_triton.PreparedLinearK(qt[:136], qz[:, :17].contiguous(),
+                                   s[:, :136].contiguous(), None, group, tiled=True)
 
 
 @pytest.mark.gpu
@@ -538,6 +542,57 @@ def test_packed_gemv_cuda(packed, group, k, n, m, split, monkeypatch):
         yo = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=other)
         assert torch.equal(yo, y) or float((yo.float() - y.float()).abs().max()) <= \
             1e-3 * float(y.float().abs().max()), other  # fp32 sums may be ordered otherwise
+
+
+@interp
+def test_awq_linear_tiled_layout_and_stacking(monkeypatch):
+    """AWQLinear.set_tiled: the K-major words in tiled order and back (same checkpoint
+    qweight), its forward the K-major one's bits through the Triton kernels (interpreter) and
+    through the reference (which reads an untiled copy); q|k stacked from tiled pieces
+    (llama._stack_linears, whole 64-row tiles) equals the pieces' outputs side by side; a
+    shape whose rows do not fill tiles stays K-major."""
+    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.dispatch import KernelBackend
+    from hisparse_cli.model import awq as awq_mod
+    from hisparse_cli.model.awq import AWQLinear
+    from hisparse_cli.model.llama import _stack_linears
+
+    def lin_of(out_f, seed):
+        p = quantize_weight(torch.randn(out_f, 256, generator=torch.Generator().manual_seed(seed)),
+                            32)
+        lin = AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, None, 32,
+                                        dtype=torch.float16)
+        lin.qweight, lin.layout = awq_layout.repack_kmajor(lin.qweight), "kmajor"
+        return lin, p
+
+    tri = KernelBackend(attention="triton", int4_linear="triton", elementwise="triton")
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)).half()
+    q, p = lin_of(128, 0)
+    k, _ = lin_of(64, 1)
+    ref_y = q(x)  # the reference backend, K-major
+    monkeypatch.setattr(awq_mod, "select_backend", lambda device_type: tri)
+    want = q(x)
+    assert q.set_tiled(True) and q.layout == "tiled" and q._prepared is None
+    assert torch.equal(q.qweight, awq_layout.tile_kmajor(awq_layout.repack_kmajor(p.qweight), 32))
+    assert torch.equal(q.checkpoint_qweight(), p.qweight)
+    assert torch.equal(q(x), want) and q._prepared.tiled
+    monkeypatch.undo()
+    assert torch.equal(q(x), ref_y)  # the reference on an untiled copy
+    monkeypatch.setattr(awq_mod, "select_backend", lambda device_type: tri)
+    want_k = k(x)
+    assert k.set_tiled(True)
+    qk = _stack_linears([q, k])
+    assert qk is not None and qk.layout == "tiled"
+    assert torch.equal(qk(x), torch.cat([want, want_k], dim=1))
+    assert q.set_tiled(False) and q.layout == "kmajor" and torch.equal(q(x), want)
+    odd, _ = lin_of(72, 2)  # 72 rows: not whole 64-row tiles
+    assert not odd.set_tiled(True) and odd.layout == "kmajor"
+    # awq_layout.TILED_WEIGHTS: what from_checkpoint stores on CUDA + Triton
+    monkeypatch.setattr(AWQLinear, "repacks_on", staticmethod(lambda device: True))
+    monkeypatch.setattr(awq_layout, "TILED_WEIGHTS", True)
+    loaded = AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, None, 32,
+                                       dtype=torch.float16)
+    assert loaded.layout == "tiled" and torch.equal(loaded.qweight, q.set_tiled(True) and q.qweight)
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_gemv import check_gemv_args, check_x
+from hisparse_cli.kernels.awq_gemv import _row_bases, _word_ptrs, check_gemv_args, check_x
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def _dequant_words_k(words, s2, sz, dt: tl.constexpr, BLOCK_N: tl.constexpr,
 def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
                        stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, TILED: tl.constexpr = False, T: tl.constexpr = 16):
     """y[m, n] = sum_k x[m, k] w[k, n] (+ b[n]) for one [BLOCK_M tokens, BLOCK_N columns]
     tile; BLOCK_KW words (8 BLOCK_KW K rows, inside one group) per loop step."""
     pid = tl.program_id(0)
@@ -84,12 +84,12 @@ def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
     offs_k = tl.arange(0, BLOCK_KW * 8)
     jn = rows % 8
     zshift = (4 * (jn % 2) + jn // 2) * 4  # zero points stay in the AWQ nibble order
-    w_row = qt_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
+    w_row = _row_bases(qt_ptr, rows, KW, TILED, T)  # [BN, 1]
     x_tok = x_ptr + toks[None, :] * stride_xm  # [1, BM]
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for w0 in range(0, KW, BLOCK_KW):
-        words = tl.load(w_row + (w0 + offs_w)[None, :])  # [BN, BKW] int32
+        words = tl.load(_word_ptrs(w_row, w0, offs_w, TILED, T))  # [BN, BKW] int32
         g = (w0 * 8) // GROUP
         z = ((tl.load(qz_ptr + g * W8 + rows // 8) >> zshift) & 0xF).to(tl.float32)  # [BN]
         s = tl.load(s_ptr + g * N + rows).to(tl.float32)  # [BN]
@@ -106,12 +106,13 @@ def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
 
 
 def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
-               checked: bool = False):
+               checked: bool = False, tiled: bool = False):
     """Fused dequant-GEMM on the K-major layout: x2 [M, K] -> y [M, N] in x2's dtype
     (fp16/bf16 on tensor cores; fp32 with IEEE products). Allocates only y.
 
     config: awq_layout.GemmConfig; default awq_layout.gemm_config (the table). Its block_k
     is capped at the group size (one z and s per column and step). checked: as awq_gemv_k.
+    tiled: the words are in awq_layout.tile_kmajor's order.
     """
     if checked:
         check_x(x2, qweight_k)
@@ -130,5 +131,6 @@ def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
         x2, qweight_k, qzeros, scales, bias if bias is not None else scales, y, m, n, kw,
         n // 8, x2.stride(0), y.stride(0), GROUP=group_size, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_KW=bk // 8, HAS_BIAS=bias is not None,
-        IEEE=x2.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=x2.dtype == torch.float32, TILED=tiled, T=awq_layout.tile_words(group_size),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

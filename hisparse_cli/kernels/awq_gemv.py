@@ -60,6 +60,7 @@ benchmarks/awq_sm90_compile.py compiles it for sm_90 without a GPU.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
@@ -85,12 +86,25 @@ def _load_words(ptrs, STREAM: tl.constexpr):
 
 
 @triton.jit
-def _word_ptrs(w_row, w0, offs_w, BKW: tl.constexpr, TILED: tl.constexpr):
-    """[BN, BKW] pointers of the step's words at K word w0 (a multiple of BKW) from the rows'
-    bases w_row [BN, 1]: along the row (K-major), or (TILED) in the step's [64, BKW] block,
-    64 BKW words after the previous one."""
+def _row_bases(qt_ptr, rows, KW, TILED: tl.constexpr, T: tl.constexpr):
+    """[BN, 1] word pointers of the rows' K word 0: K-major rows of KW words, or (TILED,
+    awq_layout.tile_kmajor) the rows' first [64, T] block, row r at (r // 64) 64 KW + (r % 64) T."""
+    r = rows.to(tl.int64)
     if TILED:
-        return w_row + ((w0 // BKW) * (64 * BKW) + offs_w)[None, :]
+        return qt_ptr + ((r // 64) * 64 * KW + (r % 64) * T)[:, None]
+    return qt_ptr + (r * KW)[:, None]
+
+
+@triton.jit
+def _word_ptrs(w_row, w0, offs_w, TILED: tl.constexpr, T: tl.constexpr):
+    """[BN, BKW] pointers of a step's words at K word w0 (a multiple of the step's BKW, which
+    divides T) from the rows' bases w_row [BN, 1] (_row_bases): along the row, or (TILED) in
+    the [64, T] block that holds them, each block 64 T words after the previous one."""
+    if TILED:
+        if T == offs_w.shape[0]:  # a step is a whole block
+            return w_row + ((w0 // T) * (64 * T) + offs_w)[None, :]
+        inner = tl.multiple_of(w0 % T, offs_w.shape[0])
+        return w_row + ((w0 // T) * (64 * T) + inner + offs_w)[None, :]
     return w_row + (w0 + offs_w)[None, :]
 
 
@@ -515,11 +529,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
     x_off = (offs_w // 4) * 32 + offs_w % 4  # K index of nibble 0 of each word (+ 4 i)
     jn = rows % 8
     zshift = (4 * (jn % 2) + jn // 2) * 4  # zero points stay in the AWQ nibble order
-    if TILED:  # awq_layout.tile_kmajor: [64, BLOCK_KW] word blocks, each contiguous
-        r64 = rows.to(tl.int64)
-        w_row = qt_ptr + ((r64 // 64) * 64 * KW + (r64 % 64) * BLOCK_KW)[:, None]  # [BN, 1]
-    else:
-        w_row = qt_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
+    w_row = _row_bases(qt_ptr, rows, KW, TILED, BLOCK_KW)  # [BN, 1] (tiled: T = BLOCK_KW)
     w_start = pid_k * KW_PER_SPLIT
     ACC_KW: tl.constexpr = BLOCK_KW // 2 if PACKED == 2 else BLOCK_KW  # PACKED 2: word pairs
     acc0 = tl.zeros((BLOCK_N, ACC_KW), dtype=tl.float32)
@@ -530,7 +540,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         # loads are in flight while this step computes (the last step reloads itself)
         w_last = w_start + KW_PER_SPLIT - BLOCK_KW
         g = (w_start * 8) // GROUP
-        words_n = _load_words(_word_ptrs(w_row, w_start, offs_w, BLOCK_KW, TILED), STREAM)
+        words_n = _load_words(_word_ptrs(w_row, w_start, offs_w, TILED, BLOCK_KW), STREAM)
         zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
         if PDL:  # the loads above read weights only; x is the previous kernel's output
             pdl_enter(True, PDL_TRIGGER)
@@ -540,7 +550,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             sv = s_n
             nxt = tl.minimum(w0 + BLOCK_KW, w_last)
             g = (nxt * 8) // GROUP
-            words_n = _load_words(_word_ptrs(w_row, nxt, offs_w, BLOCK_KW, TILED), STREAM)
+            words_n = _load_words(_word_ptrs(w_row, nxt, offs_w, TILED, BLOCK_KW), STREAM)
             zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
@@ -549,7 +559,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         w_first = w_start
         if PDL:  # the first step's weights, zero points and scales (no kernel writes them)
             # are loaded while the previous kernel may still run; x (its output) after the wait
-            words = _load_words(_word_ptrs(w_row, w_start, offs_w, BLOCK_KW, TILED), STREAM)
+            words = _load_words(_word_ptrs(w_row, w_start, offs_w, TILED, BLOCK_KW), STREAM)
             zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows, offs_w,
                                 ROWS2D)
             pdl_enter(True, PDL_TRIGGER)
@@ -558,7 +568,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                                                 PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
             w_first = w_start + BLOCK_KW
         for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
-            words = _load_words(_word_ptrs(w_row, w0, offs_w, BLOCK_KW, TILED),
+            words = _load_words(_word_ptrs(w_row, w0, offs_w, TILED, BLOCK_KW),
                                 STREAM)  # [BN, BKW] int32
             g = (w0 * 8) // GROUP
             zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
@@ -579,12 +589,13 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
 
 
 def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
-               checked: bool = False):
+               checked: bool = False, tiled: bool = False):
     """Fused dequant GEMV on the K-major layout: x2 [M, K] (M <= 4) -> y [M, N] in x2's dtype.
 
     config: awq_layout.GemvConfig; default awq_layout.gemv_config (the H200 table).
     split > 1: fp32 partials [split, M, N], summed by each column tile's last program.
     checked: the weights already passed check_gemv_args (only x is checked here).
+    tiled: the words are in awq_layout.tile_kmajor's order (as a config with tiled 1 says).
     """
     if checked:
         check_x(x2, qweight_k)
@@ -593,6 +604,8 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     (m, k), (n, kw) = x2.shape, qweight_k.shape
     assert 1 <= m <= awq_layout.GEMV_MAX_TOKENS, f"{m} tokens: the GEMV takes 1..4"
     cfg = config or awq_layout.gemv_config(m, k, n, group_size, _sm_count(x2.device))
+    if tiled and not cfg.tiled:
+        cfg = replace(cfg, tiled=1)
     bkw, split = cfg.block_kw, cfg.split
     assert (group_size // 8) % bkw == 0 and bkw % 4 == 0, \
         f"block_kw {bkw}: a multiple of 4 words dividing the group's {group_size // 8}"

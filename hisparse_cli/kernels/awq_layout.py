@@ -93,10 +93,16 @@ def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
 # layouts of Marlin-style INT4 kernels do. Same [N, KW] shape, same words, other memory order:
 # word (n, w) sits at ((n // 64) * KW/T + w // T) * 64 T + (n % 64) T + w % T.
 TILE_ROWS = 64
-# True: AWQLinear's prepared launches (awq_triton.PreparedLinearK) keep a tiled copy of the
-# words for the decode GEMV (twice the INT4 weight memory, not in the planner): only for the
-# engine A/B of the layout (`gpu_awq_ab.py --tiled`) until the prefill kernels read it too
-TILED_DECODE = False
+# True: AWQLinear.from_checkpoint stores the K-major words of a CUDA + Triton run in the tiled
+# order (layout "tiled", where the rows fill 64-row tiles), which every K-major kernel reads
+# (awq_gemv / awq_gemm_k / the dequantize: TILED). Same bytes. Off until an H200 run has timed
+# it (`gpu_gemv_packed.py --tiled`, `gpu_awq_ab.py --tiled`)
+TILED_WEIGHTS = False
+
+
+def tileable(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether a K-major weight of this shape can be stored tiled (whole 64-row tiles)."""
+    return out_features % TILE_ROWS == 0 and (in_features // PACK) % tile_words(group_size) == 0
 
 
 def tile_words(group_size: int) -> int:

@@ -39,7 +39,8 @@ import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
 from hisparse_cli.kernels.awq_gemm_k import _dequant_nibble, awq_gemm_k
-from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k, check_gemv_args, check_x
+from hisparse_cli.kernels.awq_gemv import (_row_bases, _sm_count, _word_ptrs, awq_gemv_k,
+                                           check_gemv_args, check_x)
 from hisparse_cli.kernels.awq_ref import check_awq_tensors
 
 GEMV_MAX_TOKENS = awq_layout.GEMV_MAX_TOKENS
@@ -275,7 +276,8 @@ def awq_linear(x, qweight, qzeros, scales, bias, group_size):
 
 @triton.jit
 def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, stride_wn,
-                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                          TILED: tl.constexpr = False, T: tl.constexpr = 16):
     """W^T rows [n0 + ...] of the K-major weight: w[n - n0, k] = (q[k, n] - z) * s, written as
     contiguous runs of 8 * BLOCK_KW values per row (16-byte stores). One group per tile."""
     pid_w = tl.program_id(0)
@@ -285,7 +287,8 @@ def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, strid
     mask_n = offs_n < n1  # rows past the chunk belong to no one (w_ptr holds n1 - n0 rows)
     rows = tl.where(mask_n, offs_n, 0).to(tl.int64)
     w0 = pid_w * BLOCK_KW
-    words = tl.load(qt_ptr + rows[:, None] * KW + (w0 + tl.arange(0, BLOCK_KW))[None, :])
+    words = tl.load(_word_ptrs(_row_bases(qt_ptr, rows, KW, TILED, T), w0,
+                               tl.arange(0, BLOCK_KW), TILED, T))
     g = (w0 * 8) // GROUP
     jn = offs_n % 8
     zshift = (4 * (jn % 2) + jn // 2) * 4
@@ -315,9 +318,9 @@ def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, strid
 
 
 def awq_dequantize_k(qweight_k, qzeros, scales, group_size, dtype, *, n0=0, n1=None, out=None,
-                     block_n=16, block_kw=None, num_warps=1):
+                     block_n=16, block_kw=None, num_warps=1, tiled: bool = False):
     """Dequantized W^T rows [n0, n1) of the K-major weight: [n1 - n0, K] in dtype (nn.Linear
-    layout; written into out if given)."""
+    layout; written into out if given). tiled: the words in awq_layout.tile_kmajor's order."""
     n, kw = qweight_k.shape
     k = kw * 8
     n1 = n if n1 is None else n1
@@ -329,12 +332,12 @@ def awq_dequantize_k(qweight_k, qzeros, scales, group_size, dtype, *, n0=0, n1=N
                                                 dtype=dtype)
     assert w.shape == (n1 - n0, k) and w.stride(1) == 1
     _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1, block_n, block_kw,
-                      num_warps)
+                      num_warps, tiled)
     return w
 
 
 def _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1, block_n=16,
-                      block_kw=None, num_warps=1):
+                      block_kw=None, num_warps=1, tiled: bool = False):
     """The launch of awq_dequantize_k without its checks (the prefill path's arguments are
     checked once per call of awq_dequant_matmul_k, or once per module)."""
     n, kw = qweight_k.shape
@@ -342,11 +345,12 @@ def _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1, block_n=
     grid = (kw // block_kw, triton.cdiv(n1 - n0, block_n))
     _awq_dequant_k_kernel[grid](qweight_k, qzeros, scales, w, n, kw, n // 8, n0, n1, w.stride(0),
                                 GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw,
+                                TILED=tiled, T=awq_layout.tile_words(group_size),
                                 num_warps=num_warps)
 
 
 def awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size, *,
-                         checked: bool = False):
+                         checked: bool = False, tiled: bool = False):
     """Dequantize W^T (in row chunks of at most DEQUANT_CHUNK_ELEMS) then cuBLAS x @ W^T.T.
     checked: as awq_gemv_k (the weights passed check_gemv_args before)."""
     if checked:
@@ -355,15 +359,16 @@ def awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size, *,
         check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
     n, k = qweight_k.shape[0], x2.shape[1]
     return _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k,
-                           awq_layout.dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS_K))
+                           awq_layout.dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS_K), tiled=tiled)
 
 
-def _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k, chunk, launch=None):
+def _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k, chunk, launch=None,
+                    tiled: bool = False):
     """awq_dequant_matmul_k after its checks (n, k: the weight's; chunk: W^T rows a step).
     launch(w, n0, n1): dequantize W^T rows [n0, n1) into w (default: the Triton launch)."""
     if launch is None:
         def launch(w, n0, n1):
-            _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1)
+            _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1, tiled=tiled)
     if chunk >= n:
         w = torch.empty((n, k), device=x2.device, dtype=x2.dtype)
         launch(w, 0, n)
@@ -402,9 +407,9 @@ class PreparedLinearK:
     its own (one kernel node writing the caller's workspace)."""
 
     __slots__ = ("qweight_k", "qzeros", "scales", "bias", "group_size", "n", "k", "chunk",
-                 "device", "graphs", "qweight_t")
+                 "device", "graphs", "tiled")
 
-    def __init__(self, qweight_k, qzeros, scales, bias, group_size):
+    def __init__(self, qweight_k, qzeros, scales, bias, group_size, tiled: bool = False):
         n, kw = qweight_k.shape
         check_gemv_args(qweight_k.new_empty((0, kw * 8), dtype=scales.dtype), qweight_k, qzeros,
                         scales, bias, group_size)
@@ -412,11 +417,8 @@ class PreparedLinearK:
         self.group_size, self.n, self.k, self.device = group_size, n, kw * 8, qweight_k.device
         self.chunk = awq_layout.dequant_chunk(self.k, n, DEQUANT_CHUNK_ELEMS_K)
         self.graphs: dict | None = {} if self.device.type == "cuda" else None
-        # awq_layout.TILED_DECODE (an experiment, off): a second copy of the words in the tiled
-        # order, which the decode GEMV reads (GemvConfig.tiled); prefill keeps the K-major one
-        tiled = (awq_layout.TILED_DECODE and n % awq_layout.TILE_ROWS == 0
-                 and kw % awq_layout.tile_words(group_size) == 0)
-        self.qweight_t = awq_layout.tile_kmajor(qweight_k, group_size) if tiled else None
+        self.tiled = tiled  # the words in awq_layout.tile_kmajor's order (AWQLinear "tiled")
+        assert not tiled or n % awq_layout.TILE_ROWS == 0, f"{n} rows: not in 64-row tiles"
 
     def _launch(self, w, n0, n1):
         """Dequantize W^T rows [n0, n1) into w: a graph replay where one is (or can be) kept."""
@@ -427,7 +429,7 @@ class PreparedLinearK:
         if g is None or capturing:  # replay (nor capture) inside it, the launch is captured
             if capturing or len(graphs) >= GRAPHS_PER_LINEAR:
                 _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w,
-                                  n0, n1)
+                                  n0, n1, tiled=self.tiled)
             else:
                 graphs[key] = self._capture(w, n0, n1)  # runs this call's launch eagerly too
             return
@@ -437,7 +439,8 @@ class PreparedLinearK:
         """A CUDA graph of the dequantize launch into w (captured on a side stream, without
         torch.cuda.graph's synchronize / empty_cache: this runs in the middle of a prefill)."""
         _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w, n0,
-                          n1)  # compiled (JIT) outside the capture; and it does this call's work
+                          n1, tiled=self.tiled)  # compiled (JIT) outside the capture; and it
+        # does this call's work
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(device=w.device)
         side.wait_stream(torch.cuda.current_stream(w.device))
@@ -445,7 +448,7 @@ class PreparedLinearK:
             g.capture_begin(capture_error_mode="thread_local")
             try:
                 _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w,
-                                  n0, n1)
+                                  n0, n1, tiled=self.tiled)
             finally:
                 g.capture_end()
         torch.cuda.current_stream(w.device).wait_stream(side)
@@ -457,40 +460,37 @@ class PreparedLinearK:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         m = x2.shape[0]
-        if m <= GEMV_MAX_TOKENS and self.qweight_t is not None:
-            from dataclasses import replace
-
-            cfg = replace(awq_layout.gemv_config(m, k, n, self.group_size, _sm_count(x2.device)),
-                          tiled=1)
-            y = awq_gemv_k(x2, self.qweight_t, self.qzeros, self.scales, self.bias,
-                           self.group_size, config=cfg, checked=True)
-        elif m <= GEMV_MAX_TOKENS or awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
+        if m <= GEMV_MAX_TOKENS or awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
             y = awq_linear_k(x2, self.qweight_k, self.qzeros, self.scales, self.bias,
-                             self.group_size, checked=True)
+                             self.group_size, checked=True, tiled=self.tiled)
         else:
             assert x2.shape[1] == k and x2.device == self.device, \
                 f"x must be [M, {k}] on {self.device}"
             y = _dequant_matmul(x2, self.qweight_k, self.qzeros, self.scales, self.bias,
                                 self.group_size, n, k, self.chunk,
-                                None if self.graphs is None else self._launch)
+                                None if self.graphs is None else self._launch, tiled=self.tiled)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
-def awq_linear_k(x, qweight_k, qzeros, scales, bias, group_size, *, checked: bool = False):
+def awq_linear_k(x, qweight_k, qzeros, scales, bias, group_size, *, checked: bool = False,
+                 tiled: bool = False):
     """y [..., out] = x [..., in] @ dequant(W) + bias with qweight in the K-major layout
     (kernels/awq_layout.py); any float dtype (fp32 too). Contract otherwise as awq_linear.
     checked: the weights passed check_gemv_args before (AWQLinear checks them once): only x
-    is checked per call (the host time of a prefill linear is what bounds INT4 prefill)."""
+    is checked per call (the host time of a prefill linear is what bounds INT4 prefill).
+    tiled: the words in awq_layout.tile_kmajor's order (every path reads them so)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], qweight_k.shape[0]
     if m <= GEMV_MAX_TOKENS:
-        y = awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, checked=checked)
+        y = awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, checked=checked,
+                       tiled=tiled)
     elif awq_layout.prefill_path(m, n, x2.element_size()) == "fused":
-        y = awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, checked=checked)
+        y = awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, checked=checked,
+                       tiled=tiled)
     else:
         y = awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size,
-                                 checked=checked)
+                                 checked=checked, tiled=tiled)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

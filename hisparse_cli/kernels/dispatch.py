@@ -105,16 +105,23 @@ class KernelBackend:
             from hisparse_cli.kernels.awq_ref import awq_linear_k
         return awq_linear_k(*args, **kwargs)
 
-    def prepare_awq_linear_k(self, qweight_k, qzeros, scales, bias, group_size):
+    def prepare_awq_linear_k(self, qweight_k, qzeros, scales, bias, group_size,
+                             tiled: bool = False):
         """x -> awq_linear_k(x, qweight_k, ...) with the weights' checks and launch constants
-        done once (what AWQLinear calls per forward)."""
+        done once (what AWQLinear calls per forward). tiled: the words are in
+        awq_layout.tile_kmajor's order (the reference reads a K-major copy of them)."""
         if self.int4_linear == "triton":
             from hisparse_cli.kernels.awq_triton import PreparedLinearK
 
-            return PreparedLinearK(qweight_k, qzeros, scales, bias, group_size)
+            return PreparedLinearK(qweight_k, qzeros, scales, bias, group_size, tiled=tiled)
         from functools import partial
 
         from hisparse_cli.kernels.awq_ref import awq_linear_k
+
+        if tiled:
+            from hisparse_cli.kernels.awq_layout import untile_kmajor
+
+            qweight_k = untile_kmajor(qweight_k, group_size)
 
         return partial(_ref_linear_k, awq_linear_k, qweight_k, qzeros, scales, bias, group_size)
 

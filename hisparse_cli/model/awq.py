@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hisparse_cli.errors import ModelError
+from hisparse_cli.kernels import awq_layout
 from hisparse_cli.kernels.awq_layout import kmajor_to_awq, repack_kmajor
 from hisparse_cli.kernels.dispatch import select_backend
 
@@ -96,15 +97,18 @@ class AWQLinear(nn.Module):
     (fp16 as stored), bias [out] or None (in the compute dtype).
 
     On CUDA with the Triton backend, `from_checkpoint` repacks qweight once into the K-major
-    run-time layout int32 [out, in/8] (kernels/awq_layout.py; `layout` == "kmajor"): same
-    bytes, the checkpoint-layout tensor is dropped. `checkpoint_qweight()` gives the AutoAWQ
+    run-time layout int32 [out, in/8] (kernels/awq_layout.py; `layout` == "kmajor"; with
+    awq_layout.TILED_WEIGHTS its words in tiled order, "tiled"): same bytes, the
+    checkpoint-layout tensor is dropped. `checkpoint_qweight()` gives the AutoAWQ
     layout back. On the CPU (backend "int4pack", the default there) it also keeps a packed
     copy for decode-sized calls, non-persistent buffers `int4pack` uint8 [out, in/2] and
     `int4pack_sz` bf16 [in/group, out, 2] (kernels/awq_cpu.py: ~25x faster one-token calls,
     bf16 activations); prefill-sized calls keep the fp32 reference.
     """
 
-    layout = "awq"  # "awq": qweight [in, out/8] (AutoAWQ GEMM); "kmajor": [out, in/8]
+    # "awq": qweight [in, out/8] (AutoAWQ GEMM); "kmajor": [out, in/8]; "tiled": the K-major
+    # words in awq_layout.tile_kmajor's order (awq_layout.TILED_WEIGHTS)
+    layout = "awq"
     _prepared_key: tuple | None = None  # forward: what `_prepared` was made for
     _prepared = None  # the backend's awq_linear_k bound to these buffers
 
@@ -169,6 +173,8 @@ class AWQLinear(nn.Module):
         if cls.repacks_on(mod.qweight.device):
             mod.qweight = repack_kmajor(mod.qweight)  # the AWQ-layout tensor is freed here
             mod.layout = "kmajor"
+            if awq_layout.TILED_WEIGHTS:
+                mod.set_tiled(True)
         mod.qzeros = qzeros.to(device).contiguous()
         mod.scales = scales.to(device=device, dtype=torch.float16).contiguous()
         mod.bias = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
@@ -200,7 +206,26 @@ class AWQLinear(nn.Module):
 
     def checkpoint_qweight(self) -> torch.Tensor:
         """qweight in the AutoAWQ GEMM layout [in, out/8], whatever the run-time layout."""
+        if self.layout == "tiled":
+            return kmajor_to_awq(awq_layout.untile_kmajor(self.qweight, self.group_size))
         return kmajor_to_awq(self.qweight) if self.layout == "kmajor" else self.qweight
+
+    def set_tiled(self, on: bool) -> bool:
+        """Store the K-major words in tiled order (on) or back in K-major order; True when the
+        layout is then the one asked for (a shape whose rows do not fill 64-row tiles stays
+        K-major). The same bytes: a copy per call, then the old tensor is freed."""
+        if self.layout not in ("kmajor", "tiled"):
+            return False
+        if on and self.layout == "kmajor":
+            if not awq_layout.tileable(self.out_features, self.in_features, self.group_size):
+                return False
+            self.qweight, self.layout = awq_layout.tile_kmajor(self.qweight,
+                                                               self.group_size), "tiled"
+        elif not on and self.layout == "tiled":
+            self.qweight = awq_layout.untile_kmajor(self.qweight, self.group_size)
+            self.layout = "kmajor"
+        self._prepared = self._prepared_key = None
+        return True
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
@@ -215,7 +240,7 @@ class AWQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         backend = select_backend(x.device.type)
-        if self.layout != "kmajor":
+        if self.layout not in ("kmajor", "tiled"):
             pack = self.int4pack
             return backend.awq_linear(x, self.qweight, self.qzeros, self.scales, self.bias,
                                       self.group_size,
@@ -228,7 +253,8 @@ class AWQLinear(nn.Module):
         qw, qz, sc, bias = b["qweight"], b["qzeros"], b["scales"], b["bias"]
         if (key is None or key[0] is not backend or key[1] is not qw or key[2] is not qz
                 or key[3] is not sc or key[4] is not bias):
-            self._prepared = backend.prepare_awq_linear_k(qw, qz, sc, bias, self.group_size)
+            self._prepared = backend.prepare_awq_linear_k(qw, qz, sc, bias, self.group_size,
+                                                          tiled=self.layout == "tiled")
             self._prepared_key = (backend, qw, qz, sc, bias)
         return self._prepared(x)
 

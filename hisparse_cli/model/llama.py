@@ -311,9 +311,10 @@ def _stack_linears(lins: list[nn.Module]) -> nn.Module | None:
         fused.in_features, fused.group_size = lins[0].in_features, lins[0].group_size
         fused.out_features = sum(m.out_features for m in lins)
         fused.layout = lins[0].layout
-        # AWQ layout qweight [in, out/8]: outputs along dim 1; K-major [out, in/8]: dim 0
-        fused.register_buffer("qweight", torch.cat([m.qweight for m in lins],
-                                                   dim=0 if fused.layout == "kmajor" else 1))
+        # AWQ layout qweight [in, out/8]: outputs along dim 1; K-major [out, in/8]: dim 0 (and
+        # tiled: whole 64-row tiles, so the pieces' tiles follow one another)
+        fused.register_buffer("qweight", torch.cat(
+            [m.qweight for m in lins], dim=0 if fused.layout in ("kmajor", "tiled") else 1))
         fused.register_buffer("qzeros", torch.cat([m.qzeros for m in lins], dim=1))
         fused.register_buffer("scales", torch.cat([m.scales for m in lins], dim=1))
         fused.register_buffer("bias", bias)
