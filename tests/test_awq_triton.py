@@ -618,6 +618,20 @@ def test_tiled_gemv_cuda_same_bits(group, k, n, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 3, 16, 200, 1500])
+def test_tiled_linear_cuda_same_bits(m):
+    """The tiled layout on every CUDA path of PreparedLinearK (GEMV, fused GEMM, dequantize +
+    cuBLAS, as prefill_path picks by m): the K-major layout's bits."""
+    x, qw, qt, qz, s, b = case_k(m, 4096, 6144, 128, torch.float16, "cuda", seed=m)
+    plain = awq_triton.PreparedLinearK(qt, qz, s, b, 128)(x)
+    tiled = awq_triton.PreparedLinearK(awq_layout.tile_kmajor(qt, 128), qz, s, b, 128,
+                                       tiled=True)(x)
+    assert torch.equal(tiled, plain)
+    check(tiled, x, qw, qz, s, b, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
 @pytest.mark.parametrize("packed", [1, 2])
 def test_packed_gemv_cuda_extreme_x(packed):
     """fp16 products within a word: no overflow for any finite fp16 x (a lane's terms are
