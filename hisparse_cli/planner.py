@@ -213,6 +213,10 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     if graph:
         notes += (_REUSE_NOTE.format(logits=model_cfg.vocab_size * 4,
                                      inputs=run.resident_end.get("cuda_graph", 0)),)
+    if host_emb and graph:
+        notes += ("the host embedding table is page-locked (cudaHostRegister) so that the "
+                  "decode graph reads each token's row itself; where the driver refuses, the host "
+                  "reads each token instead",)
     settings = dict(weight_format=weight_format, group_size=group_size if awq else None,
                     awq_lm_head=awq_lm_head, embeddings_on_host=embeddings_on_host,
                     context_tokens=context_tokens, max_new_tokens=max_new_tokens,
