@@ -103,24 +103,16 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true",
                     help="only: decode with the GEMVs launched with PDL (with / without the "
                          "producers' early trigger) vs without, and fp16, interleaved")
-    ap.add_argument("--pdl-chain", action="store_true",
-                    help="only: decode, fp16 and INT4, with the chain's kernels launched with "
-                         "PDL or not, interleaved")
-    ap.add_argument("--fuse-mass", action="store_true",
-                    help="only: decode, fp16 and INT4, with the attention's split reduce and "
-                         "mass kernel in one launch or two, interleaved")
-    ap.add_argument("--pair-prmt", action="store_true",
-                    help="only: decode, fp16 and INT4, with the packed GEMV's x pairs built by "
-                         "PRMT or by bit operations, interleaved")
-    ap.add_argument("--fuse-residual", action="store_true",
-                    help="only: decode, fp16 and INT4, with each layer's residual add inside "
-                         "the next norm or as its own op, interleaved")
-    ap.add_argument("--tiled", action="store_true",
-                    help="only: decode, fp16 and INT4, with the decode GEMV reading the tiled "
-                         "weight layout or the K-major one, interleaved")
-    ap.add_argument("--host-gather", action="store_true",
-                    help="only: decode, fp16 and INT4 with the embedding table in host memory, "
-                         "its row gathered by a kernel or read through the host, interleaved")
+    for flag, what in (  # decode, fp16 and INT4, with each switch on and off, interleaved
+            ("--pdl-chain", "the chain's kernels launched with PDL or not"),
+            ("--fuse-mass", "the attention's split reduce and mass kernel in one launch or two"),
+            ("--pair-prmt", "the packed GEMV's x pairs built by PRMT or by bit operations"),
+            ("--fuse-residual", "each layer's residual add inside the next norm or as its own op"),
+            ("--tiled", "the INT4 words stored in the tiled layout or K-major"),
+            ("--host-gather", "the embedding table in host memory, its row gathered by a kernel "
+                              "or read through the host")):
+        ap.add_argument(flag, action="store_true",
+                        help=f"only: decode, fp16 and INT4, with {what}, interleaved")
     a = ap.parse_args()
     dev = torch.device("cuda")
     backend = pick_backend(dev)[0]
