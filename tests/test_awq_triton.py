@@ -184,6 +184,17 @@ def test_gemv_k_interpreter_stream_same_bits(stream, prefetch, split, m):
     check(y, x, qw, qz, s, b, 128)
 
 
+def test_repack_straight_into_tiles(monkeypatch):
+    """repack_kmajor(tiled_group=...) writes tile_kmajor's order chunk by chunk (chunks of
+    whole 64-row tiles, here several of them): the same tensor as tiling the K-major one."""
+    from hisparse_cli.kernels.awq_layout import repack_kmajor, tile_kmajor
+    from hisparse_cli.kernels.awq_pack import quantize_weight
+
+    p = quantize_weight(torch.randn(320, 256, generator=torch.Generator().manual_seed(1)), 64)
+    monkeypatch.setattr(awq_layout, "REPACK_CHUNK_ELEMS", 8 * 256 * 3)  # 3 words: rounded up
+    assert torch.equal(repack_kmajor(p.qweight, 64), tile_kmajor(repack_kmajor(p.qweight), 64))
+
+
 def test_tile_kmajor_puts_each_word_where_the_formula_says():
     """awq_layout.tile_kmajor: word (n, w) at ((n // 64) KW/T + w // T) 64 T + (n % 64) T +
     w % T (T = tile_words(group)); untile_kmajor inverts it."""

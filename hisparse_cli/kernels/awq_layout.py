@@ -55,18 +55,29 @@ def _deinterleave(codes_w: torch.Tensor) -> torch.Tensor:
     return codes_w.reshape(r, k // RUN, RUN_WORDS, PACK).transpose(-1, -2).reshape(r, k)
 
 
-def repack_kmajor(qweight: torch.Tensor) -> torch.Tensor:
-    """AWQ GEMM qweight int32 [in, out/8] -> K-major int32 [out, in/8] (module doc)."""
+def repack_kmajor(qweight: torch.Tensor, tiled_group: int | None = None) -> torch.Tensor:
+    """AWQ GEMM qweight int32 [in, out/8] -> K-major int32 [out, in/8] (module doc);
+    tiled_group: in tile_kmajor's order for that group size, written chunk by chunk (whole
+    64-row tiles: a chunk's tiles are one contiguous stretch), no second full-size copy."""
     assert qweight.dtype == torch.int32 and qweight.dim() == 2
     k, words = qweight.shape
     assert k % RUN == 0, f"in_features {k} must be a multiple of {RUN}"
     n = words * PACK
     out = torch.empty((n, k // PACK), dtype=torch.int32, device=qweight.device)
     step = max(1, REPACK_CHUNK_ELEMS // max(1, 8 * k))  # words of qweight per chunk
+    if tiled_group is not None:
+        assert tileable(n, k, tiled_group), (n, k, tiled_group)
+        step = -(-step // (TILE_ROWS // PACK)) * (TILE_ROWS // PACK)  # whole tiles a chunk
+    flat = out.view(-1)
     for w0 in range(0, words, step):
         w1 = min(words, w0 + step)
         codes = unpack_int4(qweight[:, w0:w1].contiguous())  # uint8 [k, 8 (w1 - w0)]
-        out[8 * w0: 8 * w1] = _pack_rows(_interleave(codes.t()))
+        rows = _pack_rows(_interleave(codes.t()))
+        if tiled_group is None:
+            out[8 * w0: 8 * w1] = rows
+        else:
+            flat[8 * w0 * (k // PACK): 8 * w1 * (k // PACK)] = \
+                tile_kmajor(rows, tiled_group).view(-1)
     return out
 
 

@@ -171,10 +171,10 @@ class AWQLinear(nn.Module):
             mod = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype)
         mod.qweight = qweight.to(device).contiguous()
         if cls.repacks_on(mod.qweight.device):
-            mod.qweight = repack_kmajor(mod.qweight)  # the AWQ-layout tensor is freed here
-            mod.layout = "kmajor"
-            if awq_layout.TILED_WEIGHTS:
-                mod.set_tiled(True)
+            tiled = awq_layout.TILED_WEIGHTS and awq_layout.tileable(out_f, in_f, group_size)
+            # the AWQ-layout tensor is freed here
+            mod.qweight = repack_kmajor(mod.qweight, group_size if tiled else None)
+            mod.layout = "tiled" if tiled else "kmajor"
         mod.qzeros = qzeros.to(device).contiguous()
         mod.scales = scales.to(device=device, dtype=torch.float16).contiguous()
         mod.bias = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
