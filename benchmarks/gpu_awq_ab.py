@@ -17,10 +17,10 @@ since run 39), the same tiles with packed 0 (the fp32 path), and the table of ru
 --silu: only the gated MLP's silu(gate) * up as one Triton kernel (KernelBackend.silu_mul_)
 vs torch's two in-place ops, for fp16 and INT4: decode and prefill tok/s at --context, the
 order alternating each round (gpu_awq_ab_silu.json).
---table-json FILE: only decode at --context: fp16, INT4 with GEMV_TABLE as it is, with its
-tiles at rows2d 1 (zero points / scales loaded in the word tile's layout), and with the table
-FILE suggests (`gpu_gemv_packed.py --rows2d` writes it: gpu_gemv_rows2d.json); order rotated
-each round (gpu_awq_ab_table.json).
+--table-json FILE: only decode at --context: fp16, INT4 with GEMV_TABLE as it is and with the
+table FILE suggests (`gpu_gemv_packed.py --rows2d` / `--tma` write it: gpu_gemv_rows2d.json,
+gpu_gemv_tma.json), with --with-rows2d also GEMV_TABLE's tiles at rows2d 1 (zero points /
+scales loaded in the word tile's layout); order rotated each round (gpu_awq_ab_table.json).
 --pdl: only decode at --context: fp16, INT4 with GEMV_TABLE's launches at pdl 0, with the
 GEMVs launched with programmatic dependent launch (pdl 1, kernels/pdl.py) but the producers
 of x not triggering early, and with both; order rotated each round (gpu_awq_ab_pdl.json).
@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--table-json", type=Path,
                     help="only: decode with GEMV_TABLE vs its tiles at rows2d 1 vs the table "
                          "this gpu_gemv_rows2d.json suggests, and fp16, interleaved")
+    ap.add_argument("--with-rows2d", action="store_true",
+                    help="with --table-json: also GEMV_TABLE's tiles at rows2d 1")
     ap.add_argument("--pdl", action="store_true",
                     help="only: decode with the GEMVs launched with PDL (with / without the "
                          "producers' early trigger) vs without, and fp16, interleaved")
@@ -235,9 +237,9 @@ RUN31_TABLE = {
 
 
 def table_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """Decode tok/s at --context over --decode-tokens: fp16, INT4 with GEMV_TABLE, with its
-    tiles at rows2d 1, and with the table --table-json suggests (classes it lacks keep
-    GEMV_TABLE's row); the order rotated each round."""
+    """Decode tok/s at --context over --decode-tokens: fp16, INT4 with GEMV_TABLE, with the
+    table --table-json suggests (classes it lacks keep GEMV_TABLE's row), and (--with-rows2d)
+    with GEMV_TABLE's tiles at rows2d 1; the order rotated each round."""
     from dataclasses import replace
 
     table = dict(awq_layout.GEMV_TABLE)
@@ -247,9 +249,9 @@ def table_ab(a, model, cfg, sparse, backend, dev) -> None:
                                                          if k in fields})
                                for c, t in sugg.items()})
     print("suggested table:", suggested, flush=True)
-    tables = {"int4 table": table,
-              "int4 table rows2d": {k: replace(t, rows2d=1) for k, t in table.items()},
-              "int4 suggested": suggested}
+    tables = {"int4 table": table, "int4 suggested": suggested}
+    if a.with_rows2d:
+        tables["int4 table rows2d"] = {k: replace(t, rows2d=1) for k, t in table.items()}
     _decode_ab(a, model, cfg, sparse, backend, dev, tables, "gpu_awq_ab_table.json",
                extra=dict(suggested={k: str(v) for k, v in suggested.items()}))
 

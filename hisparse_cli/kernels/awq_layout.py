@@ -188,7 +188,11 @@ class GemvConfig:
     conversion, no barrier in the loop), 0 as [BN] vectors; pdl: 1 launches with
     programmatic dependent launch where kernels/pdl.py enables it (sm_90+): the first
     step's weights are loaded before waiting for the kernel that wrote x; tiled: 1 reads
-    the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64)."""
+    the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64);
+    tma: 1 reads the K-major word tiles through a tensor-memory-accelerator descriptor
+    (Triton's TensorDescriptor; on sm_90+ one bulk copy a tile into shared memory, pipelined
+    num_stages deep, no per-thread address arithmetic; the interpreter emulates it), 0 with
+    per-thread loads; not with tiled."""
 
     block_n: int
     block_kw: int
@@ -202,6 +206,7 @@ class GemvConfig:
     rows2d: int = 0
     pdl: int = 0
     tiled: int = 0
+    tma: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -222,6 +227,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.pdl = {self.pdl}: 0 or 1")
         if self.tiled not in (0, 1):
             raise ValueError(f"GemvConfig.tiled = {self.tiled}: 0 or 1")
+        if self.tma not in (0, 1) or (self.tma and self.tiled):
+            raise ValueError(f"GemvConfig.tma = {self.tma}: 0 or 1 (1 only with tiled 0)")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"GemvConfig.maxnreg = {self.maxnreg}: 0 or 24..255")
 
@@ -241,6 +248,7 @@ class GemvTile:
     maxnreg: int = 0
     rows2d: int = 0
     pdl: int = 0
+    tma: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens; `benchmarks/gpu_awq.py --gemv-sweep` times
@@ -305,7 +313,8 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
                       prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed,
-                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl)
+                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl,
+                      tma=tile.tma)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:
