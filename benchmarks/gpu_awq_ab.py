@@ -18,9 +18,9 @@ since run 39), the same tiles with packed 0 (the fp32 path), and the table of ru
 vs torch's two in-place ops, for fp16 and INT4: decode and prefill tok/s at --context, the
 order alternating each round (gpu_awq_ab_silu.json).
 --table-json FILE: only decode at --context: fp16, INT4 with GEMV_TABLE as it is and with the
-table FILE suggests (`gpu_gemv_packed.py --rows2d` / `--tma` write it: gpu_gemv_rows2d.json,
-gpu_gemv_tma.json), with --with-rows2d also GEMV_TABLE's tiles at rows2d 1 (zero points /
-scales loaded in the word tile's layout); order rotated each round (gpu_awq_ab_table.json).
+table FILE suggests (`gpu_gemv_packed.py --rows2d` writes it: gpu_gemv_rows2d.json), with
+--with-rows2d also GEMV_TABLE's tiles at rows2d 1 (zero points / scales loaded in the word
+tile's layout); order rotated each round (gpu_awq_ab_table.json).
 --pdl: only decode at --context: fp16, INT4 with GEMV_TABLE's launches at pdl 0, with the
 GEMVs launched with programmatic dependent launch (pdl 1, kernels/pdl.py) but the producers
 of x not triggering early, and with both; order rotated each round (gpu_awq_ab_pdl.json).
@@ -36,9 +36,10 @@ the order rotated each round (gpu_awq_ab_pair_prmt.json).
 --fuse-residual: only decode at --context, fp16 and INT4, with each decoder layer's closing
 residual add run inside the next norm (llama.FUSE_RESIDUAL_NORM) or as its own op; the order
 rotated each round (gpu_awq_ab_fuse_residual.json).
---tiled: only decode at --context, fp16 and INT4, with the INT4 words stored tiled
-(AWQLinear.set_tiled, awq_layout.tile_kmajor; what awq_layout.TILED_WEIGHTS loads) or K-major;
-the order rotated each round (gpu_awq_ab_tiled.json).
+--tiled: only decode at --context, fp16 and INT4, with the INT4 words stored tiled under
+GEMV_TABLE (AWQLinear.set_tiled, awq_layout.tile_kmajor; what awq_layout.TILED_WEIGHTS loads)
+or K-major under KMAJOR_TABLE (the K-major tiles of runs 46-64); the order rotated each round
+(gpu_awq_ab_tiled.json).
 --host-gather: only decode at --context, fp16 and INT4 with the embedding table in host memory,
 the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
 host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
@@ -73,6 +74,12 @@ OLD_TABLE = dict(awq_layout.GEMV_TABLE,
                  large_n=awq_layout.GemvTile(block_n=32, num_warps=1, num_stages=1,
                                              programs_per_sm=16))
 NEW_TABLE = dict(awq_layout.GEMV_TABLE)
+# the table of runs 46-64, tuned on the K-major words (--tiled's "off" side)
+KMAJOR_TABLE = dict(awq_layout.GEMV_TABLE,
+                    large_n=awq_layout.GemvTile(block_n=64, num_warps=2, num_stages=1,
+                                                programs_per_sm=32, stream=2, packed=2, pdl=1),
+                    huge_n=awq_layout.GemvTile(block_n=64, num_warps=2, num_stages=3,
+                                               programs_per_sm=4, packed=2, pdl=1))
 
 
 def unprepare(model) -> None:
@@ -294,16 +301,21 @@ def fuse_residual_ab(a, model, cfg, sparse, backend, dev) -> None:
 
 
 def tiled_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """The INT4 model's words stored tiled (AWQLinear.set_tiled, awq_layout.tile_kmajor: what
-    awq_layout.TILED_WEIGHTS makes at load) or K-major, every kernel reading them so
+    """The INT4 model's words stored tiled with GEMV_TABLE (AWQLinear.set_tiled,
+    awq_layout.tile_kmajor: what awq_layout.TILED_WEIGHTS makes at load) or K-major with
+    KMAJOR_TABLE (its tiles before run 65), every kernel reading them so
     (gpu_awq_ab_tiled.json); the fp16 pair measures the rounds' noise."""
+    table = dict(awq_layout.GEMV_TABLE)
+
     def switch(on: bool) -> None:
+        awq_layout.GEMV_TABLE.clear()
+        awq_layout.GEMV_TABLE.update(table if on else KMAJOR_TABLE)
         for m in model.modules():
             if isinstance(m, AWQLinear):
                 m.set_tiled(on)  # a copy per linear; prepared again on the next call
 
     _switch_ab(a, model, cfg, sparse, backend, dev, "tiled", switch, "gpu_awq_ab_tiled.json",
-               left_on=False)
+               left_on=awq_layout.TILED_WEIGHTS)
 
 
 def host_gather_ab(a, model, cfg, sparse, backend, dev) -> None:

@@ -19,12 +19,6 @@ Writes DIR/gpu_gemv_packed.json (DIR: --out, else $OUT, else ./out).
 each step's [64, 16] word block contiguous), at 1, 2 and 4 tokens, then TILED_TILES on the
 tiled layout at 1 token (DIR/gpu_gemv_tiled.json).
 
---tma: the word tiles read through a TMA descriptor (GemvConfig.tma) against per-thread loads:
-the table's tile both ways at 1, 2 and 4 tokens (and tiled, the K-major words' alternative),
-then TMA_TILES (tile, programs per SM, pipeline depth) with TMA at 1 token; the fastest tile
-per shape class as GemvTile rows in DIR/gpu_gemv_tma.json ("table"), which `gpu_awq_ab.py
---table-json` A/Bs in the engine.
-
 --rows2d: packed 2 only; the per-row zero points and scales loaded as [BN] vectors (rows2d 0:
 a layout conversion through shared memory with barriers every step) or in the word tile's
 layout (rows2d 1), with and without the register prefetch of the next step, over the table's
@@ -106,25 +100,6 @@ def tiled_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
     return todo
 
 
-# (block_n, num_warps, programs_per_sm, num_stages) tried with TMA (packed 2, the table's stream)
-TMA_TILES = ((64, 2, 32, 1), (64, 2, 32, 2), (64, 2, 32, 3), (64, 2, 32, 4), (64, 2, 16, 3),
-             (64, 2, 16, 4), (128, 4, 16, 2), (128, 4, 16, 3), (128, 4, 16, 4), (128, 4, 8, 4),
-             (32, 1, 32, 3), (128, 2, 16, 3), (256, 4, 8, 3), (256, 8, 8, 4))
-
-
-def tma_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
-    """(tokens, config, programs_per_sm) of the --tma sweep: the table's tile with per-thread
-    loads, tiled and TMA (its own depth and 3) at 1, 2 and 4 tokens, then TMA_TILES at 1."""
-    pps0 = al.GEMV_TABLE[al.gemv_shape_class(n)].programs_per_sm
-    todo = [(m, c, pps0) for m in (1, 2, 4)
-            for c in (base, replace(base, tiled=1), replace(base, tma=1),
-                      replace(base, tma=1, num_stages=3))]
-    for bn, w, pps, st in TMA_TILES:
-        c = config(k, n, sms, bn, w, pps, st, 0, 2, base.stream)
-        todo.append((1, replace(c, pdl=base.pdl, tma=1), pps))
-    return todo
-
-
 def packed_todo(k: int, n: int, sms: int, base: al.GemvConfig) -> list:
     todo = [(1, replace(base, packed=p)) for p in (0, 1, 2)]
     todo += [(1, config(k, n, sms, *v, 2, base.stream)) for v in VARIANTS]
@@ -138,8 +113,7 @@ def shape_rows(name: str, k: int, n: int, sms: int, make_todo=packed_todo) -> li
     for i in range(g.copies(nb4)):
         qw, qz, s, _ = g.make(k, n, GROUP, seed=i)
         qt = al.repack_kmajor(qw)
-        tiled = al.tile_kmajor(qt, GROUP) if make_todo in (tiled_todo, tma_todo) else None
-        mats.append((qt, qz, s, tiled))
+        mats.append((qt, qz, s, al.tile_kmajor(qt, GROUP) if make_todo is tiled_todo else None))
         if i == 0:
             w_ref = dequantize_weight(qw, qz, s, GROUP)
         del qw
@@ -173,7 +147,7 @@ def shape_rows(name: str, k: int, n: int, sms: int, make_todo=packed_todo) -> li
         c = rec["config"]
         tag = (f"bn{c['block_n']:<3} w{c['num_warps']} split{c['split']} st{c['num_stages']} "
                f"sm{c['stream']} reg{c['maxnreg']} packed{c['packed']} pf{c['prefetch']} "
-               f"r2d{c['rows2d']} t{c['tiled']} tma{c['tma']}")
+               f"r2d{c['rows2d']} t{c['tiled']}")
         if "us" in rec:
             bad = "" if rec["err"] <= g.TOL[torch.float16] else "  ERR"
             g.log(f"{name:<20} m={m} {tag:<32} {rec['us']:7.1f} us  {rec['GBs']:5.0f} GB/s  "
@@ -198,20 +172,18 @@ def suggest_table(rows: list[dict]) -> dict:
                     or r["err"] > g.TOL[torch.float16]:
                 continue
             c = r["config"]
-            if c["tiled"]:  # the engine's words are K-major (awq_layout.TILED_WEIGHTS off)
-                continue
             key = (c["block_n"], c["num_warps"], c["num_stages"], r["pps"],
                    c["prefetch"], c["stream"], c["packed"], c["maxnreg"], c["rows2d"],
-                   c["pdl"], c["tma"])
+                   c["pdl"])
             tot.setdefault(key, {})[r["shape"]] = r["us"]
         full = {key: sum(v.values()) for key, v in tot.items() if len(v) == len(names)}
         if not full:
             continue
         best = min(full, key=full.get)
-        bn, w, st, pps, pf, sm, pk, reg, r2, pdl, tma = best
+        bn, w, st, pps, pf, sm, pk, reg, r2, pdl = best
         table[cls] = dict(block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps,
                           prefetch=pf, stream=sm, packed=pk, maxnreg=reg, rows2d=r2, pdl=pdl,
-                          tma=tma, us=full[best])
+                          us=full[best])
         g.log(f"suggest {cls:<8} {table[cls]}")
     return table
 
@@ -232,7 +204,7 @@ def _log_best(rows: list[dict], title: str, is_base, is_cand, first: bool = Fals
         mid = f" -> {cand[0]['us']:7.1f}" if first else ""
         g.log(f"{name:<20} {t0:7.1f}{mid} -> {best['us']:7.1f} us ({t0 / best['us']:.2f}x; "
               f"bn{c['block_n']} w{c['num_warps']} split{c['split']} packed{c['packed']} "
-              f"st{c['num_stages']} tiled{c['tiled']} tma{c['tma']})")
+              f"tiled{c['tiled']})")
 
 
 def main() -> None:
@@ -242,23 +214,9 @@ def main() -> None:
                     help="only: rows2d 0/1 x prefetch 0/1 over tiles (packed 2); suggest a table")
     ap.add_argument("--tiled", action="store_true",
                     help="only: the K-major vs the tiled weight layout (awq_layout.tile_kmajor)")
-    ap.add_argument("--tma", action="store_true",
-                    help="only: the word tiles by TMA descriptor vs per-thread loads; "
-                         "suggest a table")
     a = ap.parse_args()
     sms = _sm_count(torch.device("cuda"))
     rows = []
-    if a.tma:
-        for name, (k, n) in SHAPES.items():
-            rows += shape_rows(name, k, n, sms, tma_todo)
-        _log_best(rows, "the table's tile -> TMA at its depth -> best TMA tile",
-                  lambda c: not c["tma"] and not c["tiled"], lambda c: c["tma"], first=True)
-        _log_best(rows, "the table's tile -> tiled", lambda c: not c["tma"] and not c["tiled"],
-                  lambda c: c["tiled"])
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "gpu_gemv_tma.json").write_text(json.dumps(
-            dict(rows=rows, table=suggest_table(rows)), indent=1))
-        return
     if a.tiled:
         for name, (k, n) in SHAPES.items():
             rows += shape_rows(name, k, n, sms, tiled_todo)

@@ -240,37 +240,6 @@ def test_gemv_k_interpreter_tiled_same_bits(group, block_n, split, m, packed, pr
 
 
 @interp
-@pytest.mark.parametrize("group,block_n,split,m,packed,prefetch,stages", [
-    (128, 64, 1, 1, 2, 0, 1), (128, 128, 2, 4, 2, 0, 3), (32, 64, 2, 3, 0, 0, 2),
-    (64, 128, 1, 2, 1, 1, 1), (128, 64, 4, 1, 0, 1, 1)])
-def test_gemv_k_interpreter_tma_same_bits(group, block_n, split, m, packed, prefetch, stages):
-    """GemvConfig.tma reads each step's word tile through a tensor descriptor instead of
-    per-thread pointers: the same words into the same arithmetic, so the same bits, on every
-    path (packed 0/1/2, prefetch, split-K, pipelined stages, and a last column tile half past
-    n, whose rows the descriptor reads as zeros and whose outputs are masked)."""
-    n = 192
-    x, qw, qt, qz, s, b = case_k(m, 8 * group, n, group, torch.float16, "cpu", seed=m)
-    kw = dict(block_n=block_n, block_kw=min(16, group // 8), split=split, num_warps=2,
-              num_stages=stages, prefetch=prefetch, packed=packed)
-    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=GemvConfig(**kw))
-    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=GemvConfig(**kw, tma=1))
-    assert torch.equal(y, plain)
-    check(y, x, qw, qz, s, b, group)
-
-
-def test_gemv_tma_descriptor_rules():
-    """A descriptor only for 16-byte aligned words (else the pointer path runs), and
-    GemvConfig refuses tma with tiled."""
-    words = torch.zeros(64, 33, dtype=torch.int32)  # row stride 132 bytes
-    assert awq_gemv._descriptor(words, 64, 16) is None
-    assert awq_gemv._descriptor(torch.zeros(64 * 32 + 1, dtype=torch.int32)[1:].view(64, 32),
-                                64, 16) is None  # base 4 bytes past an aligned one
-    assert awq_gemv._descriptor(torch.zeros(64, 32, dtype=torch.int32), 64, 16) is not None
-    with pytest.raises(ValueError, match="tma"):
-        GemvConfig(block_n=64, block_kw=16, split=1, num_warps=2, num_stages=1, tiled=1, tma=1)
-
-
-@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 2])
 def test_gemv_k_interpreter_dtypes(dtype, split):
@@ -655,29 +624,6 @@ def test_tiled_gemv_cuda_same_bits(group, k, n, m):
         y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
         yt = awq_gemv.awq_gemv_k(x, tiled, qz, s, b, group, config=replace(cfg, tiled=1))
         assert torch.equal(yt, y), cfg
-    check(yt, x, qw, qz, s, b, group)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(CPU, reason="needs CUDA")
-@pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096), (4096, 28672), (4096, 4000)])
-@pytest.mark.parametrize("m", [1, 4])
-def test_tma_gemv_cuda_same_bits(group, k, n, m):
-    """GemvConfig.tma on sm_90 (the word tiles by TMA bulk copies into shared memory,
-    pipelined 1-4 deep): the bits of the per-thread loads, for the table's tile and split and
-    128- and 32-row tiles; n 4000 leaves a partial last tile."""
-    from hisparse_cli.kernels.awq_layout import gemv_config
-
-    x, qw, qt, qz, s, b = case_k(m, k, n, group, torch.float16, "cuda", seed=m)
-    base = gemv_config(m, k, n, group, awq_gemv._sm_count(x.device))
-    for cfg in (base, replace(base, block_n=128, num_warps=4),
-                replace(base, block_n=32, num_warps=1)):
-        y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
-        for stages in (1, 2, 4):
-            yt = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group,
-                                     config=replace(cfg, tma=1, num_stages=stages))
-            assert torch.equal(yt, y), (cfg, stages)
     check(yt, x, qw, qz, s, b, group)
 
 

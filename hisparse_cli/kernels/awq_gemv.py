@@ -109,19 +109,6 @@ def _word_ptrs(w_row, w0, offs_w, TILED: tl.constexpr, T: tl.constexpr):
 
 
 @triton.jit
-def _step_words(qt, w_row, row0, w0, offs_w, STREAM: tl.constexpr, TILED: tl.constexpr,
-                T: tl.constexpr, TMA: tl.constexpr):
-    """The [BN, BKW] word tile of a step at K word w0: through the tensor descriptor qt at
-    rows row0.. (TMA; rows past N read as zeros, their outputs are not stored), else by
-    pointers from the rows' bases w_row (_row_bases)."""
-    if TMA:  # (an if/else: code after a constexpr-if's return is still compiled)
-        words = qt.load([row0, w0])
-    else:
-        words = _load_words(_word_ptrs(w_row, w0, offs_w, TILED, T), STREAM)
-    return words
-
-
-@triton.jit
 def _load_x(ptrs, STREAM: tl.constexpr):
     """x values in fp32; STREAM == 2 also marks them last to evict."""
     if STREAM == 2:
@@ -523,8 +510,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
                      ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
                      PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
-                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False,
-                     TMA: tl.constexpr = False):
+                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -543,11 +529,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
     x_off = (offs_w // 4) * 32 + offs_w % 4  # K index of nibble 0 of each word (+ 4 i)
     jn = rows % 8
     zshift = (4 * (jn % 2) + jn // 2) * 4  # zero points stay in the AWQ nibble order
-    row0 = pid_n * BLOCK_N
-    if TMA:  # qt_ptr is a tensor descriptor of the [N, KW] words, block [BLOCK_N, BLOCK_KW]
-        w_row = row0
-    else:
-        w_row = _row_bases(qt_ptr, rows, KW, TILED, BLOCK_KW)  # [BN, 1] (tiled: T = BLOCK_KW)
+    w_row = _row_bases(qt_ptr, rows, KW, TILED, BLOCK_KW)  # [BN, 1] (tiled: T = BLOCK_KW)
     w_start = pid_k * KW_PER_SPLIT
     ACC_KW: tl.constexpr = BLOCK_KW // 2 if PACKED == 2 else BLOCK_KW  # PACKED 2: word pairs
     acc0 = tl.zeros((BLOCK_N, ACC_KW), dtype=tl.float32)
@@ -558,8 +540,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         # loads are in flight while this step computes (the last step reloads itself)
         w_last = w_start + KW_PER_SPLIT - BLOCK_KW
         g = (w_start * 8) // GROUP
-        words_n = _step_words(qt_ptr, w_row, row0, w_start, offs_w, STREAM, TILED, BLOCK_KW,
-                              TMA)
+        words_n = _load_words(_word_ptrs(w_row, w_start, offs_w, TILED, BLOCK_KW), STREAM)
         zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
         if PDL:  # the loads above read weights only; x is the previous kernel's output
             pdl_enter(True, PDL_TRIGGER)
@@ -569,8 +550,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             sv = s_n
             nxt = tl.minimum(w0 + BLOCK_KW, w_last)
             g = (nxt * 8) // GROUP
-            words_n = _step_words(qt_ptr, w_row, row0, nxt, offs_w, STREAM, TILED, BLOCK_KW,
-                                  TMA)
+            words_n = _load_words(_word_ptrs(w_row, nxt, offs_w, TILED, BLOCK_KW), STREAM)
             zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
@@ -579,8 +559,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         w_first = w_start
         if PDL:  # the first step's weights, zero points and scales (no kernel writes them)
             # are loaded while the previous kernel may still run; x (its output) after the wait
-            words = _step_words(qt_ptr, w_row, row0, w_start, offs_w, STREAM, TILED, BLOCK_KW,
-                                TMA)
+            words = _load_words(_word_ptrs(w_row, w_start, offs_w, TILED, BLOCK_KW), STREAM)
             zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows, offs_w,
                                 ROWS2D)
             pdl_enter(True, PDL_TRIGGER)
@@ -589,8 +568,8 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                                                 PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
             w_first = w_start + BLOCK_KW
         for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
-            words = _step_words(qt_ptr, w_row, row0, w0, offs_w, STREAM, TILED, BLOCK_KW,
-                                TMA)  # [BN, BKW] int32
+            words = _load_words(_word_ptrs(w_row, w0, offs_w, TILED, BLOCK_KW),
+                                STREAM)  # [BN, BKW] int32
             g = (w0 * 8) // GROUP
             zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
@@ -626,7 +605,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     assert 1 <= m <= awq_layout.GEMV_MAX_TOKENS, f"{m} tokens: the GEMV takes 1..4"
     cfg = config or awq_layout.gemv_config(m, k, n, group_size, _sm_count(x2.device))
     if tiled and not cfg.tiled:
-        cfg = replace(cfg, tiled=1, tma=0)  # the tiled order is read by pointers only
+        cfg = replace(cfg, tiled=1)
     bkw, split = cfg.block_kw, cfg.split
     assert (group_size // 8) % bkw == 0 and bkw % 4 == 0, \
         f"block_kw {bkw}: a multiple of 4 words dividing the group's {group_size // 8}"
@@ -634,12 +613,6 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     assert not cfg.tiled or (n % awq_layout.TILE_ROWS == 0
                              and bkw == awq_layout.tile_words(group_size)), \
         f"tiled GEMV: n {n} a multiple of 64 and block_kw {bkw} = the tile's words"
-    words = qweight_k
-    if cfg.tma:
-        words = _descriptor(qweight_k, cfg.block_n, bkw)
-        if words is None:  # not a descriptor's operand (alignment, or no Triton support)
-            cfg = replace(cfg, tma=0)
-            words = qweight_k
     y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     has_bias = bias is not None
     tiles = triton.cdiv(n, cfg.block_n)
@@ -651,7 +624,6 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
                   PRMT=bool(packed) and asm and PAIR_PRMT, TILED=bool(cfg.tiled),
-                  TMA=bool(cfg.tma),
                   PDL_TRIGGER=pdl and _pdl.TRIGGERS,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x
@@ -660,32 +632,15 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
         common["maxnreg"] = cfg.maxnreg
     b = bias if has_bias else scales
     if split == 1:
-        _awq_gemv_kernel[(tiles, 1)](x2, words, qzeros, scales, b, y, y, qzeros, n, kw,
+        _awq_gemv_kernel[(tiles, 1)](x2, qweight_k, qzeros, scales, b, y, y, qzeros, n, kw,
                                      n // 8, x2.stride(0), y.stride(0), 0, 0, kw, **common)
         return y
     part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
-    _awq_gemv_kernel[(tiles, split)](x2, words, qzeros, scales, b, y, part,
+    _awq_gemv_kernel[(tiles, split)](x2, qweight_k, qzeros, scales, b, y, part,
                                      _tile_counters(x2.device, tiles), n, kw, n // 8,
                                      x2.stride(0), y.stride(0), part.stride(0), part.stride(1),
                                      kw // split, **common)
     return y
-
-
-def _descriptor(words: torch.Tensor, block_n: int, block_kw: int):
-    """A Triton TensorDescriptor of the K-major words [N, KW] with block [block_n, block_kw],
-    or None where one cannot be made: Triton without host descriptors, or a base or row
-    stride that is not a multiple of 16 bytes (a bulk copy's alignment). Made per call: a
-    few microseconds of host time, nothing on the device (inside a CUDA graph the launch
-    parameters, the encoded descriptor among them, are recorded once)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # Triton < 3.4
-        return None
-    n, kw = words.shape
-    if (words.stride(1) != 1 or (words.stride(0) * 4) % 16 or words.data_ptr() % 16
-            or block_n > 256):
-        return None
-    return TensorDescriptor(words, [n, kw], [words.stride(0), 1], [block_n, block_kw])
 
 
 # True: the packed path builds its x pairs with one PRMT each (_x_pair; fewer SASS

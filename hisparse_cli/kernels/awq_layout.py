@@ -96,19 +96,21 @@ def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
     return pack_int4(unpack_kmajor(qweight_k))
 
 
-# -- tiled K-major (an experiment of the GEMV, GemvConfig.tiled; not the engine's layout yet) --
+# -- tiled K-major (the engine's layout on CUDA since H200 run 65: TILED_WEIGHTS) -------------
 # The K-major GEMV reads each loop step as BN rows x 16 words: 64 contiguous bytes from each
 # of BN rows 2 KB apart (K = 4096), i.e. short segments spread over many DRAM pages. The tiled
 # order keeps a [TILE_ROWS, T] block of words (T = tile_words(group) = the GEMV's block_kw)
 # contiguous: one step of a 64-row program is one 4 KiB run (two for 128 rows), as the weight
 # layouts of Marlin-style INT4 kernels do. Same [N, KW] shape, same words, other memory order:
 # word (n, w) sits at ((n // 64) * KW/T + w // T) * 64 T + (n % 64) T + w % T.
+# H200 run 65 (`gpu_gemv_packed.py --tiled`, 1 token, group 128, best tile each): qkv 8.5 ->
+# 7.0 us, o 5.6 -> 5.3, gate|up 25.9 -> 21.1, down 14.1 -> 12.3, lm_head 135.5 -> 81.7 (3.3
+# TB/s): -8.4 us a Llama-3-8B layer.
 TILE_ROWS = 64
 # True: AWQLinear.from_checkpoint stores the K-major words of a CUDA + Triton run in the tiled
-# order (layout "tiled", where the rows fill 64-row tiles), which every K-major kernel reads
-# (awq_gemv / awq_gemm_k / the dequantize: TILED). Same bytes. Off until an H200 run has timed
-# it (`gpu_gemv_packed.py --tiled`, `gpu_awq_ab.py --tiled`)
-TILED_WEIGHTS = False
+# order (layout "tiled", where the rows fill 64-row tiles; other shapes stay K-major), which
+# every K-major kernel reads (awq_gemv / awq_gemm_k / the dequantize: TILED). Same bytes.
+TILED_WEIGHTS = True
 
 
 def tileable(out_features: int, in_features: int, group_size: int) -> bool:
@@ -188,11 +190,7 @@ class GemvConfig:
     conversion, no barrier in the loop), 0 as [BN] vectors; pdl: 1 launches with
     programmatic dependent launch where kernels/pdl.py enables it (sm_90+): the first
     step's weights are loaded before waiting for the kernel that wrote x; tiled: 1 reads
-    the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64);
-    tma: 1 reads the K-major word tiles through a tensor-memory-accelerator descriptor
-    (Triton's TensorDescriptor; on sm_90+ one bulk copy a tile into shared memory, pipelined
-    num_stages deep, no per-thread address arithmetic; the interpreter emulates it), 0 with
-    per-thread loads; not with tiled."""
+    the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64)."""
 
     block_n: int
     block_kw: int
@@ -206,7 +204,6 @@ class GemvConfig:
     rows2d: int = 0
     pdl: int = 0
     tiled: int = 0
-    tma: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -227,8 +224,6 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.pdl = {self.pdl}: 0 or 1")
         if self.tiled not in (0, 1):
             raise ValueError(f"GemvConfig.tiled = {self.tiled}: 0 or 1")
-        if self.tma not in (0, 1) or (self.tma and self.tiled):
-            raise ValueError(f"GemvConfig.tma = {self.tma}: 0 or 1 (1 only with tiled 0)")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"GemvConfig.maxnreg = {self.maxnreg}: 0 or 24..255")
 
@@ -248,7 +243,6 @@ class GemvTile:
     maxnreg: int = 0
     rows2d: int = 0
     pdl: int = 0
-    tma: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens; `benchmarks/gpu_awq.py --gemv-sweep` times
@@ -263,11 +257,14 @@ GEMV_TABLE = {
     # pdl 1 (kernels/pdl.py, H200 run 46, gpu_awq_ab.py --pdl, 3 rounds at 32K): INT4 decode
     # +5.9 % with the producers' early trigger (+1.7 % without it); rows2d 1 lost on every
     # shape (run 44: 9.0 -> 9.5 us qkv, 14.4 -> 19.9 us down), so it stays 0
+    # large_n / huge_n: the fastest tiles on the tiled layout (H200 run 65, `gpu_gemv_packed.py
+    # --tiled`): gate|up 21.8 -> 21.1 us with bn 128 / 2 warps, lm_head 95.5 -> 81.7 us with
+    # 32 programs an SM and no pipelining; small_n's tile is within 0.3 us of the best there
     "small_n": GemvTile(block_n=128, num_warps=4, num_stages=1, programs_per_sm=16,
                         stream=2, packed=2, pdl=1),  # < 8192
-    "large_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=32,
+    "large_n": GemvTile(block_n=128, num_warps=2, num_stages=1, programs_per_sm=16,
                         stream=2, packed=2, pdl=1),  # < 65536
-    "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4,
+    "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=32,
                        packed=2, pdl=1),  # lm_head
 }
 # packed 2 applies to fp16 activations on NVIDIA CUDA; bf16/fp32 and ROCm take the fp32
@@ -313,8 +310,7 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
                       prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed,
-                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl,
-                      tma=tile.tma)
+                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:
