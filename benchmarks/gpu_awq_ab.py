@@ -40,6 +40,9 @@ rotated each round (gpu_awq_ab_fuse_residual.json).
 GEMV_TABLE (AWQLinear.set_tiled, awq_layout.tile_kmajor; what awq_layout.TILED_WEIGHTS loads)
 or K-major under KMAJOR_TABLE (the K-major tiles of runs 46-64); the order rotated each round
 (gpu_awq_ab_tiled.json).
+--pre2: only decode at --context: fp16, INT4 with GEMV_TABLE as it is (pre 1: the first K
+step's weights loaded before the PDL wait) and with pre 2 (two steps; GemvConfig.pre); order
+rotated each round (gpu_awq_ab_pre2.json).
 --host-gather: only decode at --context, fp16 and INT4 with the embedding table in host memory,
 the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
 host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
@@ -107,6 +110,9 @@ def main() -> None:
     ap.add_argument("--table-json", type=Path,
                     help="only: decode with GEMV_TABLE vs its tiles at rows2d 1 vs the table "
                          "this gpu_gemv_rows2d.json suggests, and fp16, interleaved")
+    ap.add_argument("--pre2", action="store_true",
+                    help="only: decode with the GEMVs loading two K steps before the PDL wait "
+                         "vs one, and fp16, interleaved")
     ap.add_argument("--with-rows2d", action="store_true",
                     help="with --table-json: also GEMV_TABLE's tiles at rows2d 1")
     ap.add_argument("--pdl", action="store_true",
@@ -134,7 +140,7 @@ def main() -> None:
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
                        (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab),
-                       (a.tiled, tiled_ab)):
+                       (a.tiled, tiled_ab), (a.pre2, pre2_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -384,6 +390,21 @@ def pdl_ab(a, model, cfg, sparse, backend, dev) -> None:
     _decode_ab(a, model, cfg, sparse, backend, dev,
                {"int4 no pdl": (off, False), "int4 pdl": (on, False),
                 "int4 pdl + triggers": (on, True)}, "gpu_awq_ab_pdl.json")
+
+
+def pre2_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Decode tok/s at --context over --decode-tokens: fp16, INT4 with GEMV_TABLE's tiles at
+    pre 1 and at pre 2 (two K steps' weights loaded before the PDL wait)."""
+    from dataclasses import replace
+
+    from hisparse_cli.kernels import pdl
+
+    assert pdl.pdl_enabled(dev), "PDL is off on this device / Triton (kernels/pdl.py)"
+    table = dict(awq_layout.GEMV_TABLE)
+    _decode_ab(a, model, cfg, sparse, backend, dev,
+               {"int4 pre 1": {k: replace(t, pre=1) for k, t in table.items()},
+                "int4 pre 2": {k: replace(t, pre=2) for k, t in table.items()}},
+               "gpu_awq_ab_pre2.json")
 
 
 def _decode_ab(a, model, cfg, sparse, backend, dev, tables: dict, name: str,

@@ -21,8 +21,16 @@ from hisparse_cli.kernels import awq_gemm_k, awq_gemv, awq_layout, awq_triton  #
 from hisparse_cli.kernels.awq_layout import GemmConfig, GemvConfig  # noqa: E402
 from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
 from test_awq_ref import random_awq  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402,F401 - the interpreter wants it in jit'd globals
 
 CPU = not torch.cuda.is_available()
+
+
+@triton.jit
+def _no_pdl_wait(WAIT, TRIGGER):
+    """kernels/pdl.enter without gdc_wait (the interpreter has none): PDL forced on in tests."""
+    pass
 interp = pytest.mark.skipif(not CPU, reason="interpreter tests run only without CUDA")
 
 # relative to max |y|: output rounding in the dtype + the dequantized weight rounded to it
@@ -237,6 +245,30 @@ def test_gemv_k_interpreter_tiled_same_bits(group, block_n, split, m, packed, pr
         with pytest.raises(AssertionError, match="tiled GEMV"):
             awq_gemv.awq_gemv_k(x, qt, qz, s, b, group,
                                 config=GemvConfig(**{**kw, "block_kw": 4}, tiled=1))
+
+
+@interp
+@pytest.mark.parametrize("group,split,m,packed,tiled", [
+    (128, 1, 1, 2, 0), (128, 2, 4, 2, 1), (32, 2, 3, 0, 0), (64, 1, 2, 1, 1), (128, 8, 1, 2, 0)])
+def test_gemv_k_interpreter_pdl_pre2_same_bits(group, split, m, packed, tiled, monkeypatch):
+    """GemvConfig.pre 2: with PDL, a program loads two K steps before the wait instead of
+    one, then runs them in order: the same words into the same arithmetic, so the bits of
+    pre 1 and of no PDL. The interpreter has no gdc_wait, so PDL is forced on with a no-op
+    wait (the interpreter ignores launch_pdl). Split 8 leaves a program one step: the launch
+    falls back to pre 1."""
+    monkeypatch.setattr(awq_gemv, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(awq_gemv, "pdl_enter", _no_pdl_wait)
+    x, qw, qt, qz, s, b = case_k(m, 8 * group, 192, group, torch.float16, "cpu", seed=m)
+    w = awq_layout.tile_kmajor(qt, group) if tiled else qt
+    kw = dict(block_n=64, block_kw=min(16, group // 8), split=split, num_warps=2, num_stages=1,
+              packed=packed, tiled=tiled)
+    plain = awq_gemv.awq_gemv_k(x, w, qz, s, b, group, config=GemvConfig(**kw))
+    one = awq_gemv.awq_gemv_k(x, w, qz, s, b, group, config=GemvConfig(**kw, pdl=1))
+    two = awq_gemv.awq_gemv_k(x, w, qz, s, b, group, config=GemvConfig(**kw, pdl=1, pre=2))
+    assert torch.equal(one, plain) and torch.equal(two, plain)
+    check(two, x, qw, qz, s, b, group)
+    with pytest.raises(ValueError, match="pre"):
+        GemvConfig(**kw, pre=3)
 
 
 @interp
