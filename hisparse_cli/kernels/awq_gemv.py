@@ -53,7 +53,7 @@ Programmatic dependent launch (pdl 1, GEMV_TABLE since H200 run 46; kernels/pdl.
 first step's weights are loaded before gdc_wait(), x and every store after it; the kernel
 then triggers its dependents. +5.9 % INT4 decode at 32K with the producers' early trigger.
 GemvConfig.pre 2 loads the second step's weights before the wait too (the decode shapes'
-programs run 2-8 steps of 16 words, so more of their weight read can overlap the producer);
+programs run 2-7 steps of 16 words, so more of their weight read can overlap the producer);
 same bits on the interpreter; not yet timed on the H200 (`gpu_awq_ab.py --pre2`), so
 GEMV_TABLE keeps pre 1.
 

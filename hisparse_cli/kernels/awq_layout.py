@@ -193,7 +193,7 @@ class GemvConfig:
     the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64);
     pre: with pdl, the K steps whose weights are loaded before the wait for x's producer
     (1, or 2 where a program has two steps; 2 hides more of a short program's weight read
-    under the previous kernel's tail: the decode shapes' programs run 2-8 steps)."""
+    under the previous kernel's tail: the decode shapes' programs run 2-7 steps)."""
 
     block_n: int
     block_kw: int
