@@ -7,6 +7,9 @@ use), each replayed from one CUDA graph (gpu_awq.graph_ms), microseconds per seq
   spin+gemv       the gap, then the GEMV on a cold copy
   pf+spin+gemv    the prefetch of `fraction` of the copy (awq_segments), the gap, the GEMV
   pf+gemv         the prefetch right before the GEMV (no gap to land in)
+  pf              the prefetch kernel alone (its own time in the chain)
+each with bulk prefetches (cp.async.bulk.prefetch.L2) and line prefetches (prefetch.global.L2,
+LINES), the latter also marked evict-last.
 gemv = sequence - spin: what the GEMV costs after the gap, with and without the prefetch.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_l2_prefetch.py [--out DIR] [--spin-us 20]
@@ -88,19 +91,20 @@ def main() -> None:
         print(f"{name:<20} {nbytes / 1e6:6.1f} MB  gemv alone {alone:6.1f} us  "
               f"spin+gemv {base:6.1f} (gemv {base - spin_us:5.1f})", flush=True)
         for f in (0.25, 0.5, 1.0):
-            for last in (False, True):
-                pfs = [lp.Prefetcher(lp.awq_segments(_Lin(*c, k), f, sms), evict_last=last)
-                       for c in copies]
+            for last, lines in ((False, False), (False, True), (True, True)):
+                pfs = [lp.Prefetcher(lp.awq_segments(_Lin(*c, k), f, sms), evict_last=last,
+                                     lines=lines) for c in copies]
+                t_pf = g.graph_ms([lambda p=p: p() for p in pfs] * 2) * 1e3
                 t_gap = g.graph_ms([lambda c=c, p=p: (p(), spin(), gemv(c))
                                     for c, p in zip(copies, pfs)] * 2) * 1e3
                 t_now = g.graph_ms([lambda c=c, p=p: (p(), gemv(c))
                                     for c, p in zip(copies, pfs)] * 2) * 1e3
-                key = f"f{f}{' last' if last else ''}"
+                key = f"f{f}{' lines' if lines else ' bulk'}{' last' if last else ''}"
                 row["by_fraction"][key] = dict(pf_spin_gemv_us=t_gap, pf_gemv_us=t_now,
-                                               mb=pfs[0].bytes / 1e6)
-                print(f"  prefetch {key:<9} {pfs[0].bytes / 1e6:6.1f} MB: pf+spin+gemv "
-                      f"{t_gap:6.1f} (gemv {t_gap - spin_us:5.1f})  pf+gemv {t_now:6.1f}",
-                      flush=True)
+                                               pf_us=t_pf, mb=pfs[0].bytes / 1e6)
+                print(f"  prefetch {key:<15} {pfs[0].bytes / 1e6:6.1f} MB: pf {t_pf:5.1f}  "
+                      f"pf+spin+gemv {t_gap:6.1f} (gemv {t_gap - spin_us:5.1f})  pf+gemv "
+                      f"{t_now:6.1f}", flush=True)
         rows.append(row)
         del copies
         torch.cuda.empty_cache()

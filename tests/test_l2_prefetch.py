@@ -169,8 +169,8 @@ def test_prefetch_then_gemv_same_bits_eager_and_in_a_graph():
     want = awq_gemv.awq_gemv_k(x, tiled, qz, s, b, 128, tiled=True)
     before = tiled.clone()
     for f in (0.25, 1.0):
-        for last in (False, True):
-            pf = lp.Prefetcher(lp.awq_segments(lin, f, sms), evict_last=last)
+        for last, lines in ((False, False), (True, False), (False, True), (True, True)):
+            pf = lp.Prefetcher(lp.awq_segments(lin, f, sms), evict_last=last, lines=lines)
             pf()
             assert torch.equal(awq_gemv.awq_gemv_k(x, tiled, qz, s, b, 128, tiled=True), want)
     assert torch.equal(tiled, before)  # a prefetch writes nothing
@@ -204,19 +204,22 @@ def test_engine_greedy_decode_same_tokens_with_prefetch(tmp_path):
     path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
     sparse = SparseConfig(sink_tokens=4, window_size=64, global_tokens=8, block_size=16,
                           prefill_chunk=32, recalibrate_every=32, recalibrate_topk=8)
-    eng = Engine.from_pretrained(path, device="cuda", dtype=torch.float16, sparse=sparse,
-                                 backend="triton")
+
+    def engine():  # a new engine: its decode graph is captured anew (graphs are kept)
+        return Engine.from_pretrained(path, device="cuda", dtype=torch.float16, sparse=sparse,
+                                      backend="triton")
+
     ids = torch.randint(0, 200, (150,), generator=torch.Generator().manual_seed(0))
     gen = GenerationConfig(max_new_tokens=40, min_new_tokens=40)
-    plain = eng.generate(ids, gen=gen).token_ids
-    assert lp.plan_model(eng.model, lp.Plan(o=1.0, gate_up=0.5, mlp_down=0.5)) > 0
-    try:
+    plain = engine().generate(ids, gen=gen).token_ids
+    for lines in (False, True):
+        eng = engine()
+        assert lp.plan_model(eng.model, lp.Plan(o=1.0, gate_up=0.5, mlp_down=0.5,
+                                                lines=lines)) > 0
         calls = []
         att = eng.model.model.layers[0].self_attn
         inner = att.l2_prefetch
-        att.l2_prefetch = lambda: (calls.append(1), inner())
+        att.l2_prefetch = lambda inner=inner: (calls.append(1), inner())
         got = eng.generate(ids, gen=gen).token_ids
-    finally:
-        lp.plan_model(eng.model, None)
-    assert calls  # the hook ran (at least while the decode graph was captured)
-    assert got == plain
+        assert calls  # the hook ran (at least while the decode graph was captured)
+        assert got == plain

@@ -58,9 +58,25 @@ mov.u32 $0, 0;
 }""")
 
 
+_LINE = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+@p prefetch.global.L2 [$1];
+mov.u32 $0, 0;
+}""")
+_LINE_LAST = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+@p prefetch.global.L2::evict_last [$1];
+mov.u32 $0, 0;
+}""")
+LINE = 128  # bytes of one line prefetch (LINES mode)
+
+
 @triton.jit
 def _l2_prefetch(seg_ptr, S, rec_ptr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr,
-                 RECORD: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+                 RECORD: tl.constexpr, LINES: tl.constexpr = False,
+                 LINE_BYTES: tl.constexpr = 128, PDL_WAIT: tl.constexpr = False,
                  PDL_TRIGGER: tl.constexpr = False):
     """Program p issues runs p * BLOCK + j (+ a multiple of programs * BLOCK) of each segment
     of seg_ptr [S, 4], then enters the chain (kernels/pdl.py). RECORD (the interpreter): run
@@ -84,6 +100,16 @@ def _l2_prefetch(seg_ptr, S, rec_ptr, BLOCK: tl.constexpr, EVICT_LAST: tl.conste
                 dst = rec_ptr + 2 * (first + i)
                 tl.store(dst, off, mask=ok)
                 tl.store(dst + 1, size.to(tl.int64), mask=ok)
+            elif LINES:  # one line prefetch per LINE_BYTES of the run, no bulk operation
+                for b in range(0, run, LINE_BYTES):
+                    q = addr + off + b
+                    on = (ok & (b < size)).to(tl.int32)
+                    if EVICT_LAST:
+                        tl.inline_asm_elementwise(_LINE_LAST, "=r,l,r", [q, on], dtype=tl.int32,
+                                                  is_pure=False, pack=1)
+                    else:
+                        tl.inline_asm_elementwise(_LINE, "=r,l,r", [q, on], dtype=tl.int32,
+                                                  is_pure=False, pack=1)
             else:
                 p = addr + off  # a global address, as the 64-bit operand the asm takes
                 if EVICT_LAST:
@@ -187,9 +213,11 @@ class Prefetcher:
     """One prefetch launch, planned once (its table is made on the first call, before any
     CUDA-graph capture: the engine's eager warm-up step): `__call__` issues it."""
 
-    def __init__(self, segments: list[Segment], evict_last: bool = False) -> None:
+    def __init__(self, segments: list[Segment], evict_last: bool = False,
+                 lines: bool = False) -> None:
         self.segments = segments
         self.evict_last = evict_last
+        self.lines = lines
         self._table: torch.Tensor | None = None
         self.bytes = sum(sum(sz for _, sz in s.runs()) for s in segments)
 
@@ -204,7 +232,8 @@ class Prefetcher:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         _l2_prefetch[(sms * PROGRAMS_PER_SM,)](
             self._table, self._table.shape[0], self._table, BLOCK=BLOCK,
-            EVICT_LAST=self.evict_last, RECORD=False, num_warps=BLOCK // 32,
+            EVICT_LAST=self.evict_last, RECORD=False, LINES=self.lines, LINE_BYTES=LINE,
+            num_warps=BLOCK // 32,
             **chain_args(dev))
 
 
@@ -246,6 +275,7 @@ class Plan:
     down: float = 0.0
     mlp_down: float = 0.0
     evict_last: bool = False
+    lines: bool = False
 
 
 def plan_model(model, plan: Plan | None) -> int:
@@ -266,10 +296,10 @@ def plan_model(model, plan: Plan | None) -> int:
                 + linear_segments(mlp.gate_up_proj, plan.gate_up, sms)
                 + linear_segments(mlp.down_proj, plan.down, sms))
         if segs:
-            att.l2_prefetch = Prefetcher(segs, plan.evict_last)
+            att.l2_prefetch = Prefetcher(segs, plan.evict_last, plan.lines)
             total += att.l2_prefetch.bytes
         segs = linear_segments(mlp.down_proj, plan.mlp_down, sms)
         if segs:
-            mlp.l2_prefetch = Prefetcher(segs, plan.evict_last)
+            mlp.l2_prefetch = Prefetcher(segs, plan.evict_last, plan.lines)
             total += mlp.l2_prefetch.bytes
     return total
