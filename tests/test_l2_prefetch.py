@@ -212,10 +212,10 @@ def test_engine_greedy_decode_same_tokens_with_prefetch(tmp_path):
     ids = torch.randint(0, 200, (150,), generator=torch.Generator().manual_seed(0))
     gen = GenerationConfig(max_new_tokens=40, min_new_tokens=40)
     plain = engine().generate(ids, gen=gen).token_ids
-    for lines in (False, True):
+    for lines, side in ((False, False), (True, False), (False, True)):
         eng = engine()
         assert lp.plan_model(eng.model, lp.Plan(o=1.0, gate_up=0.5, mlp_down=0.5,
-                                                lines=lines)) > 0
+                                                lines=lines, side=side)) > 0
         calls = []
         att = eng.model.model.layers[0].self_attn
         inner = att.l2_prefetch

@@ -214,10 +214,11 @@ class Prefetcher:
     CUDA-graph capture: the engine's eager warm-up step): `__call__` issues it."""
 
     def __init__(self, segments: list[Segment], evict_last: bool = False,
-                 lines: bool = False) -> None:
+                 lines: bool = False, side: bool = False) -> None:
         self.segments = segments
         self.evict_last = evict_last
         self.lines = lines
+        self.side = side
         self._table: torch.Tensor | None = None
         self.bytes = sum(sum(sz for _, sz in s.runs()) for s in segments)
 
@@ -230,11 +231,39 @@ class Prefetcher:
         if self._table is None:
             self._table = table(self.segments, dev)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        _l2_prefetch[(sms * PROGRAMS_PER_SM,)](
-            self._table, self._table.shape[0], self._table, BLOCK=BLOCK,
-            EVICT_LAST=self.evict_last, RECORD=False, LINES=self.lines, LINE_BYTES=LINE,
-            num_warps=BLOCK // 32,
-            **chain_args(dev))
+        if not self.side:  # in the chain: a PDL consumer that issues before its wait
+            _l2_prefetch[(sms * PROGRAMS_PER_SM,)](
+                self._table, self._table.shape[0], self._table, BLOCK=BLOCK,
+                EVICT_LAST=self.evict_last, RECORD=False, LINES=self.lines, LINE_BYTES=LINE,
+                num_warps=BLOCK // 32, **chain_args(dev))
+            return
+        # beside the chain: forked onto a side stream here (inside a CUDA-graph capture too),
+        # joined by `join` at the end of the forward, so no kernel of the chain waits for it
+        main = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _l2_prefetch[(sms * PROGRAMS_PER_SM,)](
+                self._table, self._table.shape[0], self._table, BLOCK=32,
+                EVICT_LAST=self.evict_last, RECORD=False, LINES=self.lines, LINE_BYTES=LINE,
+                num_warps=1)
+        _PENDING.add(dev)
+
+
+_PENDING: set = set()
+
+
+@lru_cache(maxsize=8)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def join(device: torch.device) -> None:
+    """Make the current stream wait for the side prefetches forked since the last join (the
+    forward's end: CausalLM.forward_hidden), so a captured graph has no unjoined work."""
+    if device in _PENDING:
+        _PENDING.discard(device)
+        torch.cuda.current_stream(device).wait_stream(_side_stream(device))
 
 
 def record(segments: list[Segment], programs: int = 3) -> list[tuple[int, int]]:
@@ -276,6 +305,7 @@ class Plan:
     mlp_down: float = 0.0
     evict_last: bool = False
     lines: bool = False
+    side: bool = False
 
 
 def plan_model(model, plan: Plan | None) -> int:
@@ -296,10 +326,10 @@ def plan_model(model, plan: Plan | None) -> int:
                 + linear_segments(mlp.gate_up_proj, plan.gate_up, sms)
                 + linear_segments(mlp.down_proj, plan.down, sms))
         if segs:
-            att.l2_prefetch = Prefetcher(segs, plan.evict_last, plan.lines)
+            att.l2_prefetch = Prefetcher(segs, plan.evict_last, plan.lines, plan.side)
             total += att.l2_prefetch.bytes
         segs = linear_segments(mlp.down_proj, plan.mlp_down, sms)
         if segs:
-            mlp.l2_prefetch = Prefetcher(segs, plan.evict_last, plan.lines)
+            mlp.l2_prefetch = Prefetcher(segs, plan.evict_last, plan.lines, plan.side)
             total += mlp.l2_prefetch.bytes
     return total

@@ -197,6 +197,14 @@ def _hooked(layers: nn.ModuleList) -> bool:
     return any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
 
 
+def _join_prefetch(x: torch.Tensor) -> None:
+    """Join the L2 prefetches a plan forked beside the decode chain (kernels/l2_prefetch)."""
+    if x.is_cuda:
+        from hisparse_cli.kernels.l2_prefetch import join
+
+        join(x.device)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -261,6 +269,7 @@ class CausalLM(nn.Module):
                     xh, cos, sin, ctx, not (all_logits or full_last_layer) and i == last, fused)
             if not all_logits:
                 x, h = x[-1:], h[-1:]
+            _join_prefetch(x)
             norm = self.model.norm
             return self.lm_head(fused.add_rms_norm(x, h, norm.weight, norm.eps)[1]).float()
         for i, layer in enumerate(layers):
@@ -268,6 +277,7 @@ class CausalLM(nn.Module):
                       fused=fused)
         if not all_logits:
             x = x[-1:]
+        _join_prefetch(x)
         return self.lm_head(self.model.norm(x, fused)).float()
 
     def _fused(self, x: torch.Tensor) -> KernelBackend | None:
