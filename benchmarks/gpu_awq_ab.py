@@ -40,16 +40,10 @@ rotated each round (gpu_awq_ab_fuse_residual.json).
 GEMV_TABLE (AWQLinear.set_tiled, awq_layout.tile_kmajor; what awq_layout.TILED_WEIGHTS loads)
 or K-major under KMAJOR_TABLE (the K-major tiles of runs 46-64); the order rotated each round
 (gpu_awq_ab_tiled.json).
---pre2: only decode at --context: fp16, INT4 with GEMV_TABLE as it is (pre 1: the first K
-step's weights loaded before the PDL wait) and with pre 2 (two steps; GemvConfig.pre); order
-rotated each round (gpu_awq_ab_pre2.json).
 --host-gather: only decode at --context, fp16 and INT4 with the embedding table in host memory,
 the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
 host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
 (gpu_awq_ab_host_gather.json).
---l2-prefetch: only decode at --context: fp16 and INT4 with the decode step's L2 prefetch of
-the next weights (kernels/l2_prefetch.py) off and under each plan of L2_PLANS (fp16: FP16_PLANS);
-order rotated each round (gpu_awq_ab_l2.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -113,12 +107,6 @@ def main() -> None:
     ap.add_argument("--table-json", type=Path,
                     help="only: decode with GEMV_TABLE vs its tiles at rows2d 1 vs the table "
                          "this gpu_gemv_rows2d.json suggests, and fp16, interleaved")
-    ap.add_argument("--pre2", action="store_true",
-                    help="only: decode with the GEMVs loading two K steps before the PDL wait "
-                         "vs one, and fp16, interleaved")
-    ap.add_argument("--l2-prefetch", action="store_true",
-                    help="only: decode with the L2 prefetch of the next weights under each "
-                         "plan of L2_PLANS, and off, fp16 and INT4, interleaved")
     ap.add_argument("--with-rows2d", action="store_true",
                     help="with --table-json: also GEMV_TABLE's tiles at rows2d 1")
     ap.add_argument("--pdl", action="store_true",
@@ -146,7 +134,7 @@ def main() -> None:
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
                        (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab),
-                       (a.tiled, tiled_ab), (a.pre2, pre2_ab), (a.l2_prefetch, l2_ab)):
+                       (a.tiled, tiled_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -396,81 +384,6 @@ def pdl_ab(a, model, cfg, sparse, backend, dev) -> None:
     _decode_ab(a, model, cfg, sparse, backend, dev,
                {"int4 no pdl": (off, False), "int4 pdl": (on, False),
                 "int4 pdl + triggers": (on, True)}, "gpu_awq_ab_pdl.json")
-
-
-def pre2_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """Decode tok/s at --context over --decode-tokens: fp16, INT4 with GEMV_TABLE's tiles at
-    pre 1 and at pre 2 (two K steps' weights loaded before the PDL wait)."""
-    from dataclasses import replace
-
-    from hisparse_cli.kernels import pdl
-
-    assert pdl.pdl_enabled(dev), "PDL is off on this device / Triton (kernels/pdl.py)"
-    table = dict(awq_layout.GEMV_TABLE)
-    _decode_ab(a, model, cfg, sparse, backend, dev,
-               {"int4 pre 1": {k: replace(t, pre=1) for k, t in table.items()},
-                "int4 pre 2": {k: replace(t, pre=2) for k, t in table.items()}},
-               "gpu_awq_ab_pre2.json")
-
-
-def _l2_plans():
-    from hisparse_cli.kernels.l2_prefetch import Plan
-
-    # H200 runs 73-74: a prefetch kernel in the chain lasts until its copies land (bulk) or
-    # issues slowly (lines): 0.52-0.87x. These plans fork it onto a side stream (Plan.side)
-    int4 = {"o": Plan(o=1.0, gate_up=0.0, side=True),
-            "o gu.25": Plan(o=1.0, gate_up=0.25, side=True),
-            "o gu.5": Plan(o=1.0, gate_up=0.5, side=True),
-            "o gu.25 md.5": Plan(o=1.0, gate_up=0.25, mlp_down=0.5, side=True),
-            "gu.25": Plan(o=0.0, gate_up=0.25, side=True),
-            "o gu.25 lines": Plan(o=1.0, gate_up=0.25, side=True, lines=True)}
-    fp16 = {"o": Plan(o=1.0, gate_up=0.0, side=True),
-            "o gu.1": Plan(o=1.0, gate_up=0.1, side=True)}
-    return int4, fp16
-
-
-def l2_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """Decode tok/s at --context over --decode-tokens, fp16 and INT4, with the L2 prefetch
-    (kernels/l2_prefetch.plan_model) off and under each plan; the order rotated each round;
-    per round each variant's gain over its format's "off" (gpu_awq_ab_l2.json)."""
-    from hisparse_cli.kernels import l2_prefetch as lp
-
-    assert lp.supported(dev), "the bulk L2 prefetch needs sm_90+"
-    int4_plans, fp16_plans = _l2_plans()
-    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
-    long = prompt(a.context, cfg.vocab_size)
-    variants = ([("fp16 off", fp16, "fp16", None)]
-                + [(f"fp16 {k}", fp16, "fp16", p) for k, p in fp16_plans.items()]
-                + [("int4 off", model, "awq-int4", None)]
-                + [(f"int4 {k}", model, "awq-int4", p) for k, p in int4_plans.items()])
-    mb = {}
-    for label, m, fmt, plan in variants:  # compile at the timed shapes, outside the timing
-        mb[label] = lp.plan_model(m, plan) / 2**20
-        print(f"{label:<18} prefetches {mb[label]:8.1f} MiB a step", flush=True)
-        run_ours(m, cfg, sparse, long, 8, backend, dev, weight_format=fmt)
-    res: list = []
-    try:
-        for r in range(a.rounds):
-            row = {}
-            k = r % len(variants)
-            for label, m, fmt, plan in variants[k:] + variants[:k]:
-                lp.plan_model(m, plan)
-                out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev,
-                               weight_format=fmt)
-                row[label] = out["decode_tok_s"]
-                print(f"round {r} {label:<18} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
-                      f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
-            gain = {k: v / row[("fp16" if k.startswith("fp16") else "int4") + " off"]
-                    for k, v in row.items()}
-            print(f"round {r} gain: " + ", ".join(f"{k} {v:.3f}" for k, v in gain.items())
-                  + f"; INT4/fp16 off {row['int4 off'] / row['fp16 off']:.3f}", flush=True)
-            res.append(dict(round=r, decode_tok_s=row, gain=gain))
-    finally:
-        lp.plan_model(model, None)
-        lp.plan_model(fp16, None)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "gpu_awq_ab_l2.json").write_text(json.dumps(dict(rounds=res, mib=mb),
-                                                               indent=1))
 
 
 def _decode_ab(a, model, cfg, sparse, backend, dev, tables: dict, name: str,

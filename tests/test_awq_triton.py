@@ -250,12 +250,11 @@ def test_gemv_k_interpreter_tiled_same_bits(group, block_n, split, m, packed, pr
 @interp
 @pytest.mark.parametrize("group,split,m,packed,tiled", [
     (128, 1, 1, 2, 0), (128, 2, 4, 2, 1), (32, 2, 3, 0, 0), (64, 1, 2, 1, 1), (128, 8, 1, 2, 0)])
-def test_gemv_k_interpreter_pdl_pre2_same_bits(group, split, m, packed, tiled, monkeypatch):
-    """GemvConfig.pre 2: with PDL, a program loads two K steps before the wait instead of
-    one, then runs them in order: the same words into the same arithmetic, so the bits of
-    pre 1 and of no PDL. The interpreter has no gdc_wait, so PDL is forced on with a no-op
-    wait (the interpreter ignores launch_pdl). Split 8 leaves a program one step: the launch
-    falls back to pre 1."""
+def test_gemv_k_interpreter_pdl_same_bits(group, split, m, packed, tiled, monkeypatch):
+    """With PDL a program loads its first K step before the wait and runs it peeled from the
+    loop: the same words into the same arithmetic, so the bits of no PDL. The interpreter
+    has no gdc_wait, so PDL is forced on with a no-op wait (the interpreter ignores
+    launch_pdl). Split 8 leaves a program one step (the peeled step alone)."""
     monkeypatch.setattr(awq_gemv, "pdl_enabled", lambda device: True)
     monkeypatch.setattr(awq_gemv, "pdl_enter", _no_pdl_wait)
     x, qw, qt, qz, s, b = case_k(m, 8 * group, 192, group, torch.float16, "cpu", seed=m)
@@ -264,11 +263,8 @@ def test_gemv_k_interpreter_pdl_pre2_same_bits(group, split, m, packed, tiled, m
               packed=packed, tiled=tiled)
     plain = awq_gemv.awq_gemv_k(x, w, qz, s, b, group, config=GemvConfig(**kw))
     one = awq_gemv.awq_gemv_k(x, w, qz, s, b, group, config=GemvConfig(**kw, pdl=1))
-    two = awq_gemv.awq_gemv_k(x, w, qz, s, b, group, config=GemvConfig(**kw, pdl=1, pre=2))
-    assert torch.equal(one, plain) and torch.equal(two, plain)
-    check(two, x, qw, qz, s, b, group)
-    with pytest.raises(ValueError, match="pre"):
-        GemvConfig(**kw, pre=3)
+    assert torch.equal(one, plain)
+    check(one, x, qw, qz, s, b, group)
 
 
 @interp

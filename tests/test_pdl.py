@@ -153,13 +153,13 @@ def _late_writer(src_ptr, dst_ptr, n, spin, BLOCK: tl.constexpr):
 
 @pytest.mark.gpu
 @needs_pdl
-@pytest.mark.parametrize("prefetch,pre", [(0, 1), (1, 1), (0, 2)])
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (1, 4096, 28672), (4, 14336, 4096)])
-def test_pdl_gemv_waits_for_its_producer(prefetch, pre, m, k, n):
-    """pre 2: two K steps' weights loaded before the wait; x still only after it."""
+def test_pdl_gemv_waits_for_its_producer(prefetch, m, k, n):
+    """The first K step's weights are loaded before the wait; x only after it."""
     x, qw, qt, qz, s, b = case_k(m, k, n, 128, torch.float16, "cuda", seed=k + n)
     sms = awq_gemv._sm_count(x.device)
-    cfg = replace(awq_layout.gemv_config(m, k, n, 128, sms), prefetch=prefetch, pre=pre)
+    cfg = replace(awq_layout.gemv_config(m, k, n, 128, sms), prefetch=prefetch)
     want = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=replace(cfg, pdl=0))
     check(want, x, qw, qz, s, b, 128)
     buf = torch.full_like(x, float("nan"))

@@ -52,10 +52,8 @@ on every shape (run 44: gate|up 25.9 -> 34.7 us), so GEMV_TABLE keeps rows2d 0.
 Programmatic dependent launch (pdl 1, GEMV_TABLE since H200 run 46; kernels/pdl.py): the
 first step's weights are loaded before gdc_wait(), x and every store after it; the kernel
 then triggers its dependents. +5.9 % INT4 decode at 32K with the producers' early trigger.
-GemvConfig.pre 2 loads the second step's weights before the wait too (the decode shapes'
-programs run 2-7 steps of 16 words, so more of their weight read can overlap the producer);
-same bits on the interpreter; not yet timed on the H200 (`gpu_awq_ab.py --pre2`), so
-GEMV_TABLE keeps pre 1.
+Loading a second step's weights before the wait too (GemvConfig.pre 2, commit 3b72b0d) was
+slower in the engine (H200 run 73: INT4 decode -4.7 / -3.3 %) and is gone.
 
 Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); PTX
 inline assembly only on the packed path; no descriptors or autotuning.
@@ -514,8 +512,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
                      ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
                      PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
-                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False,
-                     PRE2: tl.constexpr = False):
+                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -567,22 +564,11 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             words = _load_words(_word_ptrs(w_row, w_start, offs_w, TILED, BLOCK_KW), STREAM)
             zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows, offs_w,
                                 ROWS2D)
-            if PRE2:  # the second step's too (the program has >= 2: the launch checks)
-                w_b = w_start + BLOCK_KW
-                words_b = _load_words(_word_ptrs(w_row, w_b, offs_w, TILED, BLOCK_KW), STREAM)
-                zw_b, sv_b = _load_rows(qz_ptr, s_ptr, (w_b * 8) // GROUP, W8, N, rows, offs_w,
-                                        ROWS2D)
             pdl_enter(True, PDL_TRIGGER)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w_start,
                                                 x_ptr, x_off, zshift, stride_xm, M, STREAM,
                                                 PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
             w_first = w_start + BLOCK_KW
-            if PRE2:
-                acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words_b, zw_b, sv_b,
-                                                    w_b, x_ptr, x_off, zshift, stride_xm, M,
-                                                    STREAM, PACKED, BLOCK_N, BLOCK_KW, ASM,
-                                                    ROWS2D, PRMT)
-                w_first = w_start + 2 * BLOCK_KW
         for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
             words = _load_words(_word_ptrs(w_row, w0, offs_w, TILED, BLOCK_KW),
                                 STREAM)  # [BN, BKW] int32
@@ -635,13 +621,11 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     asm = x2.is_cuda and torch.version.hip is None  # the packed path's PTX: NVIDIA only
     packed = cfg.packed if x2.dtype == torch.float16 and (asm or not x2.is_cuda) else 0
     pdl = bool(cfg.pdl) and pdl_enabled(x2.device)
-    # pre 2: two steps loaded before the PDL wait, where the program has two (and no prefetch)
-    pre2 = pdl and cfg.pre == 2 and not cfg.prefetch and kw // split >= 2 * bkw
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
-                  PRMT=bool(packed) and asm and PAIR_PRMT, TILED=bool(cfg.tiled), PRE2=pre2,
+                  PRMT=bool(packed) and asm and PAIR_PRMT, TILED=bool(cfg.tiled),
                   PDL_TRIGGER=pdl and _pdl.TRIGGERS,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x

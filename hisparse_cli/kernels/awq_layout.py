@@ -190,10 +190,7 @@ class GemvConfig:
     conversion, no barrier in the loop), 0 as [BN] vectors; pdl: 1 launches with
     programmatic dependent launch where kernels/pdl.py enables it (sm_90+): the first
     step's weights are loaded before waiting for the kernel that wrote x; tiled: 1 reads
-    the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64);
-    pre: with pdl, the K steps whose weights are loaded before the wait for x's producer
-    (1, or 2 where a program has two steps; 2 hides more of a short program's weight read
-    under the previous kernel's tail: the decode shapes' programs run 2-7 steps)."""
+    the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64)."""
 
     block_n: int
     block_kw: int
@@ -207,7 +204,6 @@ class GemvConfig:
     rows2d: int = 0
     pdl: int = 0
     tiled: int = 0
-    pre: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_kw", "split", "num_warps", "num_stages"):
@@ -228,8 +224,6 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.pdl = {self.pdl}: 0 or 1")
         if self.tiled not in (0, 1):
             raise ValueError(f"GemvConfig.tiled = {self.tiled}: 0 or 1")
-        if self.pre not in (1, 2):
-            raise ValueError(f"GemvConfig.pre = {self.pre}: 1 or 2")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"GemvConfig.maxnreg = {self.maxnreg}: 0 or 24..255")
 
@@ -249,7 +243,6 @@ class GemvTile:
     maxnreg: int = 0
     rows2d: int = 0
     pdl: int = 0
-    pre: int = 1
 
 
 # Shape classes by output columns n at 1..4 tokens; `benchmarks/gpu_awq.py --gemv-sweep` times
@@ -317,8 +310,7 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
                       prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed,
-                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl,
-                      pre=tile.pre)
+                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hisparse_cli.kernels.awq_layout import GEMV_MAX_TOKENS
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
 from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope_tabled, rope_tables, silu_mul_
 from hisparse_cli.model.config import ModelConfig
@@ -66,9 +65,6 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # set by the loader when it fuses the projections (then q/k/v_proj are None)
         self.qkv_proj: nn.Module | None = None
-        # kernels/l2_prefetch.plan_model: called between the q|k|v projection (and RoPE) and
-        # the attention of a decode step on CUDA, to prefetch the weights read next into L2
-        self.l2_prefetch = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              fused: KernelBackend | None):
@@ -98,8 +94,6 @@ class Attention(nn.Module):
         if getattr(ctx, "wants_hidden", False):  # learned importance probe reads hidden states
             ctx.observe(self.layer, x)
         q, k, v = self._qkv(x, cos, sin, fused)
-        if self.l2_prefetch is not None and fused is not None and t <= GEMV_MAX_TOKENS:
-            self.l2_prefetch()
         out = ctx.attend(self.layer, q, k, v)  # [T, Hq, D]
         if last_only:  # every K/V is stored; only the last position's output is used
             out, t = out[-1:], 1
@@ -116,14 +110,11 @@ class MLP(nn.Module):
         self.im = im
         # set by the loader when it fuses gate and up (then gate_proj/up_proj are None)
         self.gate_up_proj: nn.Module | None = None
-        self.l2_prefetch = None  # as Attention's, between gate|up and silu * up (decode)
 
     def forward(self, x: torch.Tensor, fused: KernelBackend | None = None) -> torch.Tensor:
         # silu and the product in place: two [T, intermediate] temporaries at a time, not three
         if self.gate_up_proj is not None:  # one matmul; the product lands in its gate half
             gu = self.gate_up_proj(x)
-            if self.l2_prefetch is not None and fused is not None and x.shape[0] <= GEMV_MAX_TOKENS:
-                self.l2_prefetch()
             # one Triton kernel for silu and the product with `fused`, else torch's two ops
             h = fused.silu_mul_(gu, self.im) if fused is not None else silu_mul_(gu, self.im)
             return self.down_proj(h)
@@ -197,14 +188,6 @@ def _hooked(layers: nn.ModuleList) -> bool:
     return any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
 
 
-def _join_prefetch(x: torch.Tensor) -> None:
-    """Join the L2 prefetches a plan forked beside the decode chain (kernels/l2_prefetch)."""
-    if x.is_cuda:
-        from hisparse_cli.kernels.l2_prefetch import join
-
-        join(x.device)
-
-
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -269,7 +252,6 @@ class CausalLM(nn.Module):
                     xh, cos, sin, ctx, not (all_logits or full_last_layer) and i == last, fused)
             if not all_logits:
                 x, h = x[-1:], h[-1:]
-            _join_prefetch(x)
             norm = self.model.norm
             return self.lm_head(fused.add_rms_norm(x, h, norm.weight, norm.eps)[1]).float()
         for i, layer in enumerate(layers):
@@ -277,7 +259,6 @@ class CausalLM(nn.Module):
                       fused=fused)
         if not all_logits:
             x = x[-1:]
-        _join_prefetch(x)
         return self.lm_head(self.model.norm(x, fused)).float()
 
     def _fused(self, x: torch.Tensor) -> KernelBackend | None:
