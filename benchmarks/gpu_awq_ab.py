@@ -44,9 +44,6 @@ or K-major under KMAJOR_TABLE (the K-major tiles of runs 46-64); the order rotat
 the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
 host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
 (gpu_awq_ab_host_gather.json).
---shape-tiles: only decode at --context, fp16 and INT4, with the exact-shape GEMV tiles
-(awq_layout.GEMV_SHAPES) or only the class tiles of GEMV_TABLE; the order rotated each round
-(gpu_awq_ab_shape_tiles.json).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -121,7 +118,6 @@ def main() -> None:
             ("--pair-prmt", "the packed GEMV's x pairs built by PRMT or by bit operations"),
             ("--fuse-residual", "each layer's residual add inside the next norm or as its own op"),
             ("--tiled", "the INT4 words stored in the tiled layout or K-major"),
-            ("--shape-tiles", "the exact-shape GEMV tiles (GEMV_SHAPES) or the class tiles"),
             ("--host-gather", "the embedding table in host memory, its row gathered by a kernel "
                               "or read through the host")):
         ap.add_argument(flag, action="store_true",
@@ -138,7 +134,7 @@ def main() -> None:
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
                        (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab),
-                       (a.tiled, tiled_ab), (a.shape_tiles, shape_tiles_ab)):
+                       (a.tiled, tiled_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -320,20 +316,6 @@ def tiled_ab(a, model, cfg, sparse, backend, dev) -> None:
 
     _switch_ab(a, model, cfg, sparse, backend, dev, "tiled", switch, "gpu_awq_ab_tiled.json",
                left_on=awq_layout.TILED_WEIGHTS)
-
-
-def shape_tiles_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """awq_layout.GEMV_SHAPES as it is, or empty (every GEMV on its class's tile)
-    (gpu_awq_ab_shape_tiles.json); the fp16 pair measures the rounds' noise."""
-    shapes = dict(awq_layout.GEMV_SHAPES)
-
-    def switch(on: bool) -> None:
-        awq_layout.GEMV_SHAPES.clear()
-        awq_layout.GEMV_SHAPES.update(shapes if on else {})
-        unprepare(model)  # the launches are made again with the table now in force
-
-    _switch_ab(a, model, cfg, sparse, backend, dev, "shapes", switch,
-               "gpu_awq_ab_shape_tiles.json")
 
 
 def host_gather_ab(a, model, cfg, sparse, backend, dev) -> None:

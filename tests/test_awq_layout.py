@@ -67,7 +67,6 @@ def test_awq_linear_module_kmajor_layout():
 def test_gemv_config_llama_shapes(k, n, split, monkeypatch):
     flat = awq_layout.GemvTile(block_n=32, num_warps=2, num_stages=3, programs_per_sm=16)
     monkeypatch.setattr(awq_layout, "GEMV_TABLE", dict.fromkeys(awq_layout.GEMV_TABLE, flat))
-    monkeypatch.setattr(awq_layout, "GEMV_SHAPES", {})
     cfg = gemv_config(1, k, n, 128, 132)  # H200: 132 SMs
     assert cfg == GemvConfig(block_n=32, block_kw=16, split=split, num_warps=2, num_stages=3)
     assert gemv_config(4, k, n, 128, 132) == cfg  # all tokens in one program: same grid
@@ -83,16 +82,6 @@ def test_gemv_config_valid_for_every_shape(k, n, group):
             steps = (k // 8) // c.block_kw
             assert c.block_kw == min(group // 8, 16) and steps % c.split == 0
             assert c.split == 1 or steps // c.split >= 2
-
-
-def test_gemv_config_takes_an_exact_shape_tile_first(monkeypatch):
-    tile = awq_layout.GemvTile(block_n=256, num_warps=8, num_stages=1, programs_per_sm=8)
-    monkeypatch.setattr(awq_layout, "GEMV_SHAPES", {(14336, 4096): tile})
-    cfg = gemv_config(1, 14336, 4096, 128, 132)
-    assert (cfg.block_n, cfg.num_warps, cfg.split) == (256, 8, 16)  # 16 tiles x 16 <= 8 x 132
-    other = gemv_config(1, 4096, 4096, 128, 132)  # the same class, another shape: the class's
-    small = awq_layout.GEMV_TABLE["small_n"]
-    assert (other.block_n, other.num_warps) == (small.block_n, small.num_warps)
 
 
 def test_gemv_config_rejects_bad_fields():

@@ -267,17 +267,6 @@ GEMV_TABLE = {
     "huge_n": GemvTile(block_n=64, num_warps=2, num_stages=1, programs_per_sm=32,
                        packed=2, pdl=1),  # lm_head
 }
-# Exact (k, n) shapes whose fastest tile differs from their class's (H200 run 65, `gpu_gemv_
-# packed.py --tiled`, 1 token, group 128, tiled layout): the Llama-3-8B (and Mistral-7B) q|k|v
-# 7.85 -> 6.96 us with 2 warps, down 13.07 -> 12.33 us with 256 columns and 8 warps (o, also
-# small_n, is within 0.1 us of its best with the class's tile): -1.6 us a layer.
-# gemv_config takes these before GEMV_TABLE.
-GEMV_SHAPES = {
-    (4096, 6144): GemvTile(block_n=128, num_warps=2, num_stages=1, programs_per_sm=16,
-                           stream=2, packed=2, pdl=1),
-    (14336, 4096): GemvTile(block_n=256, num_warps=8, num_stages=1, programs_per_sm=8,
-                            stream=2, packed=2, pdl=1),
-}
 # packed 2 applies to fp16 activations on NVIDIA CUDA; bf16/fp32 and ROCm take the fp32
 # path (packed 0) with the same tile
 # (block_n, num_warps, num_stages, prefetch, stream) the sweep tries (the K split comes from
@@ -311,12 +300,11 @@ def gemv_split(k: int, n: int, block_n: int, block_kw: int, programs_per_sm: int
 
 def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     """Launch of the K-major GEMV for x [m, k] @ W [k, n] (m <= GEMV_MAX_TOKENS, all tokens in
-    one program) on a GPU with sms multiprocessors: GEMV_SHAPES' tile for (k, n), else
-    GEMV_TABLE's tile for n's class, 16 words of K
+    one program) on a GPU with sms multiprocessors: GEMV_TABLE's tile for n, 16 words of K
     per step (fewer when the group is smaller), and the K split of gemv_split. A pure
     function of its arguments: nothing is tuned at run time (CUDA-graph capture safe)."""
     assert 1 <= m <= GEMV_MAX_TOKENS, f"{m} tokens: the GEMV takes 1..{GEMV_MAX_TOKENS}"
-    tile = GEMV_SHAPES.get((k, n)) or GEMV_TABLE[gemv_shape_class(n)]
+    tile = GEMV_TABLE[gemv_shape_class(n)]
     block_kw = min(group // PACK, 16)
     split = gemv_split(k, n, tile.block_n, block_kw, tile.programs_per_sm, sms)
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
