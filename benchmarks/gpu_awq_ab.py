@@ -44,9 +44,6 @@ or K-major under KMAJOR_TABLE (the K-major tiles of runs 46-64); the order rotat
 the token's row gathered in the graph by a kernel (kernels/host_rows.py) or read through the
 host each step (engine/cuda_graph.HOST_GATHER); the order rotated each round
 (gpu_awq_ab_host_gather.json).
---fuse-silu-down: only decode at --context, fp16 and INT4, with silu(gate) * up computed in
-the INT4 down projection's GEMV (llama.FUSE_SILU_DOWN) or by its own kernel; the order
-rotated each round (gpu_awq_ab_fuse_silu_down.json; fp16's pair is the noise control).
 Writes DIR/gpu_awq_ab.json (DIR: --out, else $OUT, else ./out).
 """
 
@@ -121,7 +118,6 @@ def main() -> None:
             ("--pair-prmt", "the packed GEMV's x pairs built by PRMT or by bit operations"),
             ("--fuse-residual", "each layer's residual add inside the next norm or as its own op"),
             ("--tiled", "the INT4 words stored in the tiled layout or K-major"),
-            ("--fuse-silu-down", "silu * up inside the INT4 down GEMV or as its own kernel"),
             ("--host-gather", "the embedding table in host memory, its row gathered by a kernel "
                               "or read through the host")):
         ap.add_argument(flag, action="store_true",
@@ -138,7 +134,7 @@ def main() -> None:
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
                        (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab),
-                       (a.tiled, tiled_ab), (a.fuse_silu_down, fuse_silu_down_ab)):
+                       (a.tiled, tiled_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
             return
@@ -302,15 +298,6 @@ def fuse_residual_ab(a, model, cfg, sparse, backend, dev) -> None:
     _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
                lambda on: setattr(llama, "FUSE_RESIDUAL_NORM", on),
                "gpu_awq_ab_fuse_residual.json", left_on=False)
-
-
-def fuse_silu_down_ab(a, model, cfg, sparse, backend, dev) -> None:
-    """llama.FUSE_SILU_DOWN on and off (gpu_awq_ab_fuse_silu_down.json)."""
-    from hisparse_cli.model import llama
-
-    _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
-               lambda on: setattr(llama, "FUSE_SILU_DOWN", on),
-               "gpu_awq_ab_fuse_silu_down.json", left_on=llama.FUSE_SILU_DOWN)
 
 
 def tiled_ab(a, model, cfg, sparse, backend, dev) -> None:

@@ -247,56 +247,6 @@ def test_gemv_k_interpreter_tiled_same_bits(group, block_n, split, m, packed, pr
                                 config=GemvConfig(**{**kw, "block_kw": 4}, tiled=1))
 
 
-def _silu_up_case(m, k, n, group, dtype, device, seed):
-    """A GEMV case whose x is silu(gate) * up of gate|up rows [m, 2k] (kept in range:
-    |gate| <= 6, as a decoder's are)."""
-    x, qw, qt, qz, s, b = case_k(m, k, n, group, dtype, device, seed=seed)
-    gu = torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(seed + 7)) * 2
-    return gu.clamp(-6, 6).to(device=device, dtype=dtype), qw, qt, qz, s, b
-
-
-@interp
-@pytest.mark.parametrize("packed", [0, 1, 2])
-@pytest.mark.parametrize("m,split,tiled,group", [(1, 1, 0, 128), (3, 2, 1, 64), (4, 2, 0, 32)])
-def test_gemv_k_interpreter_silu_up_same_bits(packed, m, split, tiled, group):
-    """silu_up: the down projection's GEMV computing silu(gate) * up as it loads x gives the
-    bits of the silu * up kernel (kernels/norm_rope_triton.silu_mul_) followed by the GEMV,
-    on every path (fp32, packed 1 and 2; split-K; tiled words), and leaves gate|up as it was."""
-    from hisparse_cli.kernels.norm_rope_triton import silu_mul_
-
-    gu, qw, qt, qz, s, b = _silu_up_case(m, 4 * group, 192, group, torch.float16, "cpu", m)
-    w = awq_layout.tile_kmajor(qt, group) if tiled else qt
-    cfg = GemvConfig(block_n=64, block_kw=min(16, group // 8), split=split, num_warps=2,
-                     num_stages=1, packed=packed, tiled=tiled)
-    before = gu.clone()
-    want = awq_gemv.awq_gemv_k(silu_mul_(gu.clone(), 4 * group).contiguous(), w, qz, s, b,
-                               group, config=cfg)
-    got = awq_gemv.awq_gemv_k(gu[:, :4 * group], w, qz, s, b, group, config=cfg,
-                              silu_up=4 * group)
-    assert torch.equal(got, want) and torch.equal(gu, before)
-    with pytest.raises(AssertionError, match="silu_up"):  # up past the end of x's storage
-        awq_gemv.awq_gemv_k(gu[:, 4 * group:], w, qz, s, b, group, config=cfg,
-                            silu_up=4 * group)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(CPU, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tiled", [0, 1])
-@pytest.mark.parametrize("m", [1, 2, 4])
-def test_gemv_k_cuda_silu_up_same_bits(dtype, tiled, m):
-    """silu_up on sm_90, Llama-3-8B's down projection shape with the table's launch."""
-    from hisparse_cli.kernels.norm_rope_triton import silu_mul_
-
-    k, n = 14336, 4096
-    gu, qw, qt, qz, s, b = _silu_up_case(m, k, n, 128, dtype, "cuda", m)
-    w = awq_layout.tile_kmajor(qt, 128) if tiled else qt
-    want = awq_gemv.awq_gemv_k(silu_mul_(gu.clone(), k).contiguous(), w, qz, s, b, 128,
-                               tiled=bool(tiled))
-    got = awq_gemv.awq_gemv_k(gu[:, :k], w, qz, s, b, 128, tiled=bool(tiled), silu_up=k)
-    assert torch.equal(got, want)
-
-
 @interp
 @pytest.mark.parametrize("group,split,m,packed,tiled", [
     (128, 1, 1, 2, 0), (128, 2, 4, 2, 1), (32, 2, 3, 0, 0), (64, 1, 2, 1, 1), (128, 8, 1, 2, 0)])

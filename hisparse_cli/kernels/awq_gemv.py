@@ -111,49 +111,26 @@ def _word_ptrs(w_row, w0, offs_w, TILED: tl.constexpr, T: tl.constexpr):
 
 
 @triton.jit
-def _silu_up(g, u):
-    """rnd(rnd(silu(g)) * u) in g's dtype: kernels/norm_rope_triton._silu_mul's arithmetic."""
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    return (s * u.to(tl.float32)).to(g.dtype)
-
-
-@triton.jit
-def _load_xv(ptrs, STREAM: tl.constexpr, UP: tl.constexpr):
-    """x values in x's dtype; STREAM == 2 also marks them last to evict. UP > 0: ptrs point
-    at the gate half of a gated MLP's gate|up row and x is silu(gate) * up, up read UP
-    elements further (the silu * up kernel folded into the down projection's x loads)."""
+def _load_x(ptrs, STREAM: tl.constexpr):
+    """x values in fp32; STREAM == 2 also marks them last to evict."""
     if STREAM == 2:
-        v = tl.load(ptrs, eviction_policy="evict_last")
-    else:
-        v = tl.load(ptrs)
-    if UP > 0:
-        if STREAM == 2:
-            v = _silu_up(v, tl.load(ptrs + UP, eviction_policy="evict_last"))
-        else:
-            v = _silu_up(v, tl.load(ptrs + UP))
-    return v
+        return tl.load(ptrs, eviction_policy="evict_last").to(tl.float32)
+    return tl.load(ptrs).to(tl.float32)
 
 
 @triton.jit
-def _load_x(ptrs, STREAM: tl.constexpr, UP: tl.constexpr = 0):
-    """x values in fp32 (_load_xv)."""
-    return _load_xv(ptrs, STREAM, UP).to(tl.float32)
-
-
-@triton.jit
-def _token_term(words, hi, xp, STREAM: tl.constexpr, UP: tl.constexpr = 0):
+def _token_term(words, hi, xp, STREAM: tl.constexpr):
     """(t [BN, BKW] = q x 2^-49 summed over each word's nibbles, xs [BKW] = the sum of each
     word's 8 x) of one loop step for one token: xp [BKW] points at the x of nibble 0 of
     each word (nibble i: + 4 i)."""
-    x0 = _load_x(xp, STREAM, UP)
-    x1 = _load_x(xp + 4, STREAM, UP)
-    x2 = _load_x(xp + 8, STREAM, UP)
-    x3 = _load_x(xp + 12, STREAM, UP)
-    x4 = _load_x(xp + 16, STREAM, UP)
-    x5 = _load_x(xp + 20, STREAM, UP)
-    x6 = _load_x(xp + 24, STREAM, UP)
-    x7 = _load_x(xp + 28, STREAM, UP)
+    x0 = _load_x(xp, STREAM)
+    x1 = _load_x(xp + 4, STREAM)
+    x2 = _load_x(xp + 8, STREAM)
+    x3 = _load_x(xp + 12, STREAM)
+    x4 = _load_x(xp + 16, STREAM)
+    x5 = _load_x(xp + 20, STREAM)
+    x6 = _load_x(xp + 24, STREAM)
+    x7 = _load_x(xp + 28, STREAM)
     # nibble j of a half-word masked in place reads as the fp32 subnormal q 16^j 2^-149; x is
     # scaled by 2^100 16^-j (literals: no float constexpr arithmetic), so t = q x 2^-49
     t = (words & 0xF).to(tl.float32, bitcast=True) * (x0 * 1.2676506002282294e30)[None, :]
@@ -169,10 +146,10 @@ def _token_term(words, hi, xp, STREAM: tl.constexpr, UP: tl.constexpr = 0):
 
 
 @triton.jit
-def _accumulate(acc, words, hi, xp, s49, sz, STREAM: tl.constexpr, UP: tl.constexpr = 0):
+def _accumulate(acc, words, hi, xp, s49, sz, STREAM: tl.constexpr):
     """acc + s (q - z) x of one loop step for one token, as two fused multiply-adds per
     element (acc + s t, then - s z xs); s49, sz: [BN, 1] or [BN, BKW]."""
-    t, xs = _token_term(words, hi, xp, STREAM, UP)
+    t, xs = _token_term(words, hi, xp, STREAM)
     acc = acc + s49 * t
     return acc - sz * xs[None, :]
 
@@ -320,13 +297,17 @@ def _dot_lanes_emulated(v0, v1, v2, v3, p0, p1, p2, p3, lo, hi):
 
 
 @triton.jit
-def _x_pair(xp, off, STREAM: tl.constexpr, PRMT: tl.constexpr, UP: tl.constexpr = 0):
+def _x_pair(xp, off, STREAM: tl.constexpr, PRMT: tl.constexpr):
     """fp16x2 bits (x[xp + off], x[xp + off + 16]): the x of nibbles p and p + 4.
     PRMT (CUDA): one PRMT a pair, straight from the two loads' registers (each holds the x
     of two neighbouring words); the bit operations below cost two (LOP3 + LEA) in the sm_90
     SASS. Same bits either way."""
-    lo = _load_xv(xp + off, STREAM, UP)
-    hi = _load_xv(xp + off + 16, STREAM, UP)
+    if STREAM == 2:
+        lo = tl.load(xp + off, eviction_policy="evict_last")
+        hi = tl.load(xp + off + 16, eviction_policy="evict_last")
+    else:
+        lo = tl.load(xp + off)
+        hi = tl.load(xp + off + 16)
     if PRMT:  # pack=2: $2 = (lo_e, lo_e+1), $3 = (hi_e, hi_e+1) -> $0 = pair e, $1 = pair e+1
         return tl.inline_asm_elementwise(
             asm="prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;",
@@ -350,13 +331,13 @@ def _halves1(t, BKW: tl.constexpr):
 
 @triton.jit
 def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: tl.constexpr,
-                       PRMT: tl.constexpr, UP: tl.constexpr = 0):
+                       PRMT: tl.constexpr):
     """acc + s (q - z) x of one loop step for one token on the packed path (sc = 64 s,
     [BN, 1] or [BN, BKW])."""
-    p0 = _x_pair(xp, 0, STREAM, PRMT, UP)[None, :]
-    p1 = _x_pair(xp, 4, STREAM, PRMT, UP)[None, :]
-    p2 = _x_pair(xp, 8, STREAM, PRMT, UP)[None, :]
-    p3 = _x_pair(xp, 12, STREAM, PRMT, UP)[None, :]
+    p0 = _x_pair(xp, 0, STREAM, PRMT)[None, :]
+    p1 = _x_pair(xp, 4, STREAM, PRMT)[None, :]
+    p2 = _x_pair(xp, 8, STREAM, PRMT)[None, :]
+    p3 = _x_pair(xp, 12, STREAM, PRMT)[None, :]
     if ASM:
         d = _dot_pairs(v0, v1, v2, v3, p0, p1, p2, p3)
     else:
@@ -367,13 +348,13 @@ def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: t
 
 @triton.jit
 def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.constexpr,
-                        ASM: tl.constexpr, PRMT: tl.constexpr, UP: tl.constexpr = 0):
+                        ASM: tl.constexpr, PRMT: tl.constexpr):
     """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s,
     [BN, 1] or [BN, BKW/2]; ve, vo: the codes of the even and odd words)."""
-    p0, r0 = _halves1(_x_pair(xp, 0, STREAM, PRMT, UP), BKW)
-    p1, r1 = _halves1(_x_pair(xp, 4, STREAM, PRMT, UP), BKW)
-    p2, r2 = _halves1(_x_pair(xp, 8, STREAM, PRMT, UP), BKW)
-    p3, r3 = _halves1(_x_pair(xp, 12, STREAM, PRMT, UP), BKW)
+    p0, r0 = _halves1(_x_pair(xp, 0, STREAM, PRMT), BKW)
+    p1, r1 = _halves1(_x_pair(xp, 4, STREAM, PRMT), BKW)
+    p2, r2 = _halves1(_x_pair(xp, 8, STREAM, PRMT), BKW)
+    p3, r3 = _halves1(_x_pair(xp, 12, STREAM, PRMT), BKW)
     if ASM:
         d = _dot_pairs2(ve[0], ve[1], ve[2], ve[3], vo[0], vo[1], vo[2], vo[3],
                         p0[None, :], p1[None, :], p2[None, :], p3[None, :],
@@ -450,7 +431,7 @@ def _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D: tl.constexpr):
 def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, stride_xm,
                M: tl.constexpr, STREAM: tl.constexpr, PACKED: tl.constexpr,
                BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr, ROWS2D: tl.constexpr,
-               PRMT: tl.constexpr = False, UP: tl.constexpr = 0):
+               PRMT: tl.constexpr = False):
     """One loop step: the [BN, BKW] word tile at K word w0 (inside one group: zw, sv are its
     rows' zero-point words and scales, from _load_rows) added into the M tokens'
     accumulators."""
@@ -477,16 +458,16 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
             ve = _dequant_pairs_emulated(we, z1, z16, True)
             vo = _dequant_pairs_emulated(wo, z1, z16, True)
         sc = s * 128.0
-        acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM, PRMT, UP)
+        acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM, PRMT)
         if M > 1:
             acc1 = _accumulate_packed2(acc1, ve, vo, xq + stride_xm, sc, STREAM, BKW, ASM,
-                                        PRMT, UP)
+                                        PRMT)
         if M > 2:
             acc2 = _accumulate_packed2(acc2, ve, vo, xq + 2 * stride_xm, sc, STREAM, BKW,
-                                        ASM, PRMT, UP)
+                                        ASM, PRMT)
         if M > 3:
             acc3 = _accumulate_packed2(acc3, ve, vo, xq + 3 * stride_xm, sc, STREAM, BKW,
-                                        ASM, PRMT, UP)
+                                        ASM, PRMT)
     elif PACKED == 1:
         h1 = zi + _Z1_64
         h16 = zi * 16 + _Z16_64
@@ -497,28 +478,28 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
         else:
             v0, v1, v2, v3 = _dequant_pairs_emulated(words, z1, z16, False)
         sc = s * 64.0
-        acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM, PRMT, UP)
+        acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM, PRMT)
         if M > 1:
             acc1 = _accumulate_packed(acc1, v0, v1, v2, v3, xq + stride_xm, sc, STREAM, ASM,
-                                      PRMT, UP)
+                                      PRMT)
         if M > 2:
             acc2 = _accumulate_packed(acc2, v0, v1, v2, v3, xq + 2 * stride_xm, sc, STREAM,
-                                      ASM, PRMT, UP)
+                                      ASM, PRMT)
         if M > 3:
             acc3 = _accumulate_packed(acc3, v0, v1, v2, v3, xq + 3 * stride_xm, sc, STREAM,
-                                      ASM, PRMT, UP)
+                                      ASM, PRMT)
     else:
         z = zi.to(tl.float32)
         s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
         sz = s * z
         hi = words >> 16
-        acc0 = _accumulate(acc0, words, hi, xq, s49, sz, STREAM, UP)
+        acc0 = _accumulate(acc0, words, hi, xq, s49, sz, STREAM)
         if M > 1:
-            acc1 = _accumulate(acc1, words, hi, xq + stride_xm, s49, sz, STREAM, UP)
+            acc1 = _accumulate(acc1, words, hi, xq + stride_xm, s49, sz, STREAM)
         if M > 2:
-            acc2 = _accumulate(acc2, words, hi, xq + 2 * stride_xm, s49, sz, STREAM, UP)
+            acc2 = _accumulate(acc2, words, hi, xq + 2 * stride_xm, s49, sz, STREAM)
         if M > 3:
-            acc3 = _accumulate(acc3, words, hi, xq + 3 * stride_xm, s49, sz, STREAM, UP)
+            acc3 = _accumulate(acc3, words, hi, xq + 3 * stride_xm, s49, sz, STREAM)
     return acc0, acc1, acc2, acc3
 
 
@@ -531,8 +512,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
                      ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
                      PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
-                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False,
-                     SILU_UP: tl.constexpr = 0):
+                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -576,8 +556,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT,
-                                                SILU_UP)
+                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
     else:
         w_first = w_start
         if PDL:  # the first step's weights, zero points and scales (no kernel writes them)
@@ -588,8 +567,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             pdl_enter(True, PDL_TRIGGER)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w_start,
                                                 x_ptr, x_off, zshift, stride_xm, M, STREAM,
-                                                PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT,
-                                                SILU_UP)
+                                                PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
             w_first = w_start + BLOCK_KW
         for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
             words = _load_words(_word_ptrs(w_row, w0, offs_w, TILED, BLOCK_KW),
@@ -598,8 +576,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT,
-                                                SILU_UP)
+                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
     if SPLIT == 1:
         _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
                     HAS_BIAS, False)
@@ -614,17 +591,13 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
 
 
 def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
-               checked: bool = False, tiled: bool = False, silu_up: int = 0):
+               checked: bool = False, tiled: bool = False):
     """Fused dequant GEMV on the K-major layout: x2 [M, K] (M <= 4) -> y [M, N] in x2's dtype.
 
     config: awq_layout.GemvConfig; default awq_layout.gemv_config (the H200 table).
     split > 1: fp32 partials [split, M, N], summed by each column tile's last program.
     checked: the weights already passed check_gemv_args (only x is checked here).
     tiled: the words are in awq_layout.tile_kmajor's order (as a config with tiled 1 says).
-    silu_up > 0: x2 is the gate half [M, K] of a gated MLP's gate|up rows (a view) and the
-    GEMV's x is silu(gate) * up, rounded as kernels/norm_rope_triton.silu_mul_ rounds it, up
-    read silu_up elements after gate in the same row: the silu * up kernel folded into the
-    down projection (nothing is written back into gate|up).
     """
     if checked:
         check_x(x2, qweight_k)
@@ -632,10 +605,6 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
         check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size)
     (m, k), (n, kw) = x2.shape, qweight_k.shape
     assert 1 <= m <= awq_layout.GEMV_MAX_TOKENS, f"{m} tokens: the GEMV takes 1..4"
-    if silu_up:
-        last = x2.storage_offset() + (m - 1) * x2.stride(0) + silu_up + k  # up's end, last row
-        assert silu_up >= k and last * x2.element_size() <= x2.untyped_storage().nbytes(), \
-            f"silu_up {silu_up}: the up half must follow the gate half inside x's storage"
     cfg = config or awq_layout.gemv_config(m, k, n, group_size, _sm_count(x2.device))
     if tiled and not cfg.tiled:
         cfg = replace(cfg, tiled=1)
@@ -657,7 +626,6 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
                   PRMT=bool(packed) and asm and PAIR_PRMT, TILED=bool(cfg.tiled),
-                  SILU_UP=int(silu_up),
                   PDL_TRIGGER=pdl and _pdl.TRIGGERS,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x

@@ -258,22 +258,6 @@ class AWQLinear(nn.Module):
             self._prepared_key = (backend, qw, qz, sc, bias)
         return self._prepared(x)
 
-    def forward_silu_up(self, gu: torch.Tensor, inter: int) -> torch.Tensor | None:
-        """This linear of silu(gate) * up for a gated MLP's gate|up rows gu [T, 2 inter] as
-        one decode GEMV that computes silu * up as it loads x (kernels/awq_gemv.py,
-        silu_up; the same bits as kernels/norm_rope_triton.silu_mul_ then this linear, and
-        gu is left as it was), or None where that path does not apply (not the K-major /
-        tiled words of a CUDA + Triton run, more than GEMV_MAX_TOKENS rows): the caller then
-        runs silu * up and this linear."""
-        if (self.layout not in ("kmajor", "tiled") or gu.dim() != 2 or inter != self.in_features
-                or gu.shape != (gu.shape[0], 2 * inter) or gu.stride(1) != 1
-                or not 1 <= gu.shape[0] <= awq_layout.GEMV_MAX_TOKENS):
-            return None
-        from hisparse_cli.kernels.awq_gemv import awq_gemv_k
-
-        return awq_gemv_k(gu[:, :inter], self.qweight, self.qzeros, self.scales, self.bias,
-                          self.group_size, tiled=self.layout == "tiled", silu_up=inter)
-
     def _apply(self, fn, recurse=True):  # .to() / .half() / .cuda(): new buffers, prepare again
         self._prepared = self._prepared_key = None  # (and do not keep the old ones alive)
         out = super()._apply(fn, recurse)

@@ -115,11 +115,6 @@ class MLP(nn.Module):
         # silu and the product in place: two [T, intermediate] temporaries at a time, not three
         if self.gate_up_proj is not None:  # one matmul; the product lands in its gate half
             gu = self.gate_up_proj(x)
-            if fused is not None and FUSE_SILU_DOWN:  # an INT4 decode step: silu * up inside
-                folded = getattr(self.down_proj, "forward_silu_up", None)  # the down GEMV
-                y = folded(gu, self.im) if folded is not None else None
-                if y is not None:
-                    return y
             # one Triton kernel for silu and the product with `fused`, else torch's two ops
             h = fused.silu_mul_(gu, self.im) if fused is not None else silu_mul_(gu, self.im)
             return self.down_proj(h)
@@ -181,13 +176,6 @@ class DecoderLayer(nn.Module):
 # while any hook is registered on a layer (quality/capture.py, quantize): their callers see
 # whole layer outputs.
 FUSE_RESIDUAL_NORM = True
-
-
-# True: an INT4 decode step (AWQLinear down projection, <= GEMV_MAX_TOKENS rows, CUDA + Triton)
-# computes silu(gate) * up inside the down projection's GEMV as it loads x (AWQLinear.
-# forward_silu_up): one kernel a layer fewer in the decode chain, the same bits. Not yet
-# timed on the H200 (`gpu_awq_ab.py --fuse-silu-down`), so off.
-FUSE_SILU_DOWN = False
 
 
 def _hooked(layers: nn.ModuleList) -> bool:
