@@ -13,6 +13,7 @@ settings. Reports:
      torch.add, a Triton RMSNorm, and the sparse_attention wrapper (attention + scoring); with
      --awq also the INT4 dequantize kernel and a whole INT4 prefill linear (dequantize +
      cuBLAS) of a 1,024-token chunk, and parts 1-2 run the AWQ INT4 model (g128).
+--part1: only part 1, with the top GPU kernels and (--awq) a census of the dequantize graphs.
 --graph-probe: only part 3's launches and the INT4 prefill linear eager against CUDA-graph
 replays of its dequantize (and of the whole linear), writing gpu_prefill_host_graph.json.
 Writes DIR/gpu_prefill_host.json (DIR: --out, else $OUT, else ./out).
@@ -57,13 +58,30 @@ def prefill(eng, ids) -> tuple[float, float]:
     return issue, wall
 
 
-def gpu_kernel_ms(eng, ids) -> float:
+def gpu_kernels(eng, ids) -> tuple[float, list]:
+    """GPU kernel ms of one prefill under torch.profiler, and the top kernels [(name, calls,
+    ms)] by time (to compare a fast and a slow process kernel by kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         prefill(eng, ids)
-    return sum(e.device_time_total for e in prof.key_averages()
-               if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")) / 1e3
+    ev = [e for e in prof.key_averages()
+          if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")]
+    top = sorted(((e.key[:60], e.count, e.device_time_total / 1e3) for e in ev),
+                 key=lambda r: -r[2])[:8]
+    return sum(e.device_time_total for e in ev) / 1e3, top
+
+
+def graph_census(model) -> dict:
+    """The INT4 prefill linears' dequantize graphs (awq_triton.PreparedLinearK): how many
+    linears, graphs kept, and linears whose cache is full (their further addresses launch
+    eagerly)."""
+    from hisparse_cli.kernels.awq_triton import GRAPHS_PER_LINEAR
+
+    preps = [m._prepared for m in model.modules() if getattr(m, "_prepared", None) is not None]
+    sizes = [len(p.graphs) for p in preps if getattr(p, "graphs", None) is not None]
+    return {"linears": len(preps), "graphs": sum(sizes),
+            "full": sum(s >= GRAPHS_PER_LINEAR for s in sizes)}
 
 
 def host_us(fn, n: int = 300) -> float:
@@ -205,6 +223,8 @@ def main() -> None:
     ap.add_argument("--awq", action="store_true", help="the AWQ INT4 model (see the docstring)")
     ap.add_argument("--graph-probe", action="store_true",
                     help="only: host us of an INT4 prefill linear eager vs replayed from CUDA graphs")
+    ap.add_argument("--part1", action="store_true",
+                    help="only part 1 (wall / host issue / GPU kernels of a prefill)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,12 +251,19 @@ def main() -> None:
         eng.sparse = sparse.with_overrides(importance=imp)
         prefill(eng, ids[: 6 * sparse.prefill_chunk])
         runs = [prefill(eng, ids) for _ in range(2)]
+        ms, top = gpu_kernels(eng, ids)
         res[imp] = {"issue_s": [r[0] for r in runs], "wall_s": [r[1] for r in runs],
-                    "gpu_kernel_ms": gpu_kernel_ms(eng, ids)}
-        print(f"{imp:>9}: wall {min(r[1] for r in runs):.3f} s, host issue "
-              f"{min(r[0] for r in runs):.3f} s, GPU kernels {res[imp]['gpu_kernel_ms']:.0f} ms",
-              flush=True)
+                    "gpu_kernel_ms": ms, "top_kernels": top}
+        print(f"{imp:>9}: wall {' '.join(f'{r[1]:.3f}' for r in runs)} s, host issue "
+              f"{' '.join(f'{r[0]:.3f}' for r in runs)} s, GPU kernels {ms:.0f} ms", flush=True)
+        print("   top kernels (calls, ms): " + "; ".join(f"{n} {c} {t:.0f}" for n, c, t in top))
+    if a.awq:
+        res["graph_census"] = graph_census(eng.model)
+        print("   dequantize graphs:", res["graph_census"], flush=True)
     eng.sparse = sparse
+    if a.part1:
+        (out / "gpu_prefill_host.json").write_text(json.dumps(res, indent=1, default=str))
+        return
     gen = [eng.generate(ids, max_new_tokens=1).stats.prefill_seconds for _ in range(2)]
     res["generate_prefill_s"] = gen  # the same prefill through Engine.generate (gpu_engine.py)
     print(f"Engine.generate prefill: {min(gen):.3f} s", flush=True)
