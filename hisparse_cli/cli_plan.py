@@ -111,8 +111,9 @@ def plan(
         "Exit with code 5 when the plan does not fit the budget."))] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
-    """Predict the GPU (or host) memory of a summarize run, line by line, and what to change
-    when it does not fit."""
+    """Predict the GPU (or host) memory of a summarize run, line by line.
+
+    When the run does not fit, the plan also says what to change."""
     from hisparse_cli.console import print_table, write_result
     from hisparse_cli.planner import GIB
     from hisparse_cli.planner_profile import plan_for_profile
