@@ -41,8 +41,10 @@ def quantize(
     calib: Annotated[Optional[List[Path]], typer.Option(
         "--calib", help="Calibration document (PDF, text, folder); repeat for more.  "
                         "[default: samples/]")] = None,
-    group_size: Annotated[int, typer.Option("--group-size", min=1,
-                                            help="Weights per quantization group.")] = 128,
+    group_size: Annotated[Optional[int], typer.Option(
+        "--group-size", min=1, help="Weights per quantization group: 32, 64 or 128.  [default: "
+                                    "128, or the largest of 64 / 32 that divides the model]",
+        show_default=False)] = None,
     samples: Annotated[int, typer.Option("--samples", min=1,
                                          help="Calibration blocks at most.")] = 128,
     seq_len: Annotated[int, typer.Option("--seq-len", min=2,

@@ -274,10 +274,35 @@ def test_refusals(quantized, tmp_path):
     calib = [text(400, 3)]
     with pytest.raises(ConfigError, match="does not divide") as exc:
         quantize_model(root / "fp", tmp_path / "a", calib_texts=calib, group_size=128)
-    assert "32 or 64" in exc.value.hint
+    assert "32 or 64" in exc.value.hint and "leave it out" in exc.value.hint
     with pytest.raises(ConfigError, match="not empty"):
         quantize_model(root / "fp", root / "awq", calib_texts=calib, group_size=32)
     with pytest.raises(ModelError, match="already quantized"):
         quantize_model(root / "awq", tmp_path / "b", calib_texts=calib, group_size=32)
     with pytest.raises(ConfigError):
         quantize_model(root / "fp", tmp_path / "c", calib_texts=calib, group_size=48)
+
+
+def test_group_size_default_is_the_largest_that_divides():
+    """No group size given: 128 where it divides every linear's input width (the published
+    checkpoints' size), else 64, else 32; none: a clear refusal. Output widths not a multiple
+    of 8 are refused whatever the group size (INT4 packs 8 columns a word)."""
+    from types import SimpleNamespace
+
+    from hisparse_cli.quantize.api import _check_group_size
+
+    def cfg(hidden, inter, heads=8, head_dim=64, kv=2, vocab=256):
+        return SimpleNamespace(hidden_size=hidden, intermediate_size=inter,
+                               num_attention_heads=heads, head_dim=head_dim,
+                               num_key_value_heads=kv, vocab_size=vocab)
+
+    assert _check_group_size(cfg(4096, 14336, 32, 128, 8), None, False) == 128  # Llama-3-8B
+    assert _check_group_size(cfg(576, 1536, 9, 64, 3), None, False) == 64  # SmolLM2-135M
+    assert _check_group_size(cfg(96, 160, 3, 32), None, False) == 32
+    assert _check_group_size(cfg(4096, 14336, 32, 128, 8), 32, False) == 32  # as asked
+    with pytest.raises(ConfigError, match="no supported group size"):
+        _check_group_size(cfg(80, 160, 5, 16), None, False)
+    with pytest.raises(ConfigError, match="vocab_size 250 is not a multiple of 8") as exc:
+        _check_group_size(cfg(4096, 14336, vocab=250), None, True)
+    assert "--quantize-lm-head" in exc.value.hint
+    assert _check_group_size(cfg(4096, 14336, vocab=250), None, False) == 128  # head kept fp16

@@ -300,16 +300,20 @@ def test_models_commands_without_network(tmp_path, monkeypatch):
 
 def test_quantize_then_summarize_with_the_int4_model(tiny, doc, tmp_path):
     out = tmp_path / "int4"
-    result = run("quantize", tiny, "--out", out, "--group-size", "32", "--samples", "2",
-                 "--seq-len", "32", "--device", "cpu", "--calib", doc, "--method", "rtn", "-q")
+    # no --group-size: 128 does not divide the tiny model's hidden size 64, so 64 is used
+    result = run("quantize", tiny, "--out", out, "--samples", "2", "--seq-len", "32",
+                 "--device", "cpu", "--calib", doc, "--method", "rtn", "-q")
     assert result.exit_code == 0, show(result)
     assert result.stdout == f"{out}\n" and result.stderr == ""
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "awq"
+    assert config["quantization_config"]["group_size"] == 64
     used = run("summarize", doc, "--model", out, "--json", *TINY_FLAGS)
     assert used.exit_code == 0, show(used)
     assert json.loads(used.stdout)["settings"]["model"]["quantization"] == "awq"
     assert_error(run("quantize", tiny, "--out", out, "--calib", doc), 2, "not empty")
+    assert_error(run("quantize", tiny, "--out", tmp_path / "g128", "--calib", doc,
+                     "--group-size", "128"), 2, "does not divide")
 
 
 # --- slow: the real embedded model on the samples ------------------------------------------------

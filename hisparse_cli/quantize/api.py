@@ -42,32 +42,55 @@ class QuantizeReport:
         return math.exp(sum(map(math.log, r)) / len(r)) if r else None
 
 
-def _check_group_size(cfg, group_size: int, quantize_lm_head: bool) -> None:
+def _group_inputs(cfg) -> dict[str, int]:
+    """The input widths a quantization group must divide (every decoder linear's K)."""
+    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "attention width": cfg.num_attention_heads * cfg.head_dim}
+
+
+def _check_group_size(cfg, group_size: int | None, quantize_lm_head: bool) -> int:
+    """The group size to use, or a
+    ConfigError naming the widths that do not fit and what would."""
     from hisparse_cli.model.awq import SUPPORTED_GROUP_SIZES
 
-    if group_size not in SUPPORTED_GROUP_SIZES:
+    if group_size is not None and group_size not in SUPPORTED_GROUP_SIZES:
         raise ConfigError(f"--group-size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
-    ins = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-           "attention width": cfg.num_attention_heads * cfg.head_dim}
     outs = {"kv width": cfg.num_key_value_heads * cfg.head_dim}
     if quantize_lm_head:
         outs["vocab_size"] = cfg.vocab_size
+    bad_out = [f"{k} {v}" for k, v in outs.items() if v % 8]
+    if bad_out:
+        raise ConfigError(f"INT4 packs 8 output columns a word: this model's "
+                          f"{', '.join(bad_out)} is not a multiple of 8",
+                          hint="leave the output head in fp16 (no --quantize-lm-head)"
+                          if bad_out == [f"vocab_size {cfg.vocab_size}"] else None)
+    ins = _group_inputs(cfg)
+    ok = [g for g in SUPPORTED_GROUP_SIZES if all(v % g == 0 for v in ins.values())]
+    if not ok:
+        raise ConfigError("no supported group size ("
+                          + ", ".join(map(str, SUPPORTED_GROUP_SIZES))
+                          + ") divides this model's "
+                          + ", ".join(f"{k} {v}" for k, v in ins.items()))
+    if group_size is None:
+        return max(ok)
     bad = [f"{k} {v}" for k, v in ins.items() if v % group_size]
-    bad += [f"{k} {v}" for k, v in outs.items() if v % 8]
     if bad:
-        ok = [g for g in SUPPORTED_GROUP_SIZES if all(v % g == 0 for v in ins.values())]
         raise ConfigError(f"group size {group_size} does not divide this model's "
-                          f"{', '.join(bad)} (or an output width is not a multiple of 8)",
-                          hint=f"use --group-size {' or '.join(map(str, ok))}" if ok else None)
+                          f"{', '.join(bad)}",
+                          hint=f"use --group-size {' or '.join(map(str, ok))}, or leave it out "
+                               f"(the largest that fits)")
+    return group_size
 
 
 def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: list[str],
-                   group_size: int = 128, n_samples: int = 128, seq_len: int = 512,
+                   group_size: int | None = None, n_samples: int = 128, seq_len: int = 512,
                    progress: Progress | None = None, quantize_lm_head: bool = False,
                    method: str = "awq", device: str | None = None,
                    search_tokens: int = 4096) -> QuantizeReport:
     """Quantize every decoder linear (and lm_head when asked) to INT4 with AWQ; write out_dir.
 
+    group_size None: the largest supported size that divides every linear's input width (128,
+    the published checkpoints' size, where it fits, else 64 or 32); the report has it.
     method "rtn" skips the searches (plain round-to-nearest, same grid and layout): the baseline.
     device: where each layer is calibrated (default cuda when available, else cpu).
     """
@@ -96,7 +119,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: l
         raise ModelError(f"{src} is already quantized "
                          f"({cfg.quantization_config.get('quant_method', '?')})",
                          hint="quantize the original fp16/bf16 model")
-    _check_group_size(cfg, group_size, quantize_lm_head)
+    group_size = _check_group_size(cfg, group_size, quantize_lm_head)
 
     from safetensors import safe_open
     from transformers import AutoTokenizer
