@@ -37,7 +37,8 @@ def score(
     from hisparse_cli.job import read_reference
     from hisparse_cli.scoring import rouge_scores
 
-    scores = rouge_scores(read_reference(summary), read_reference(reference))
+    scores = rouge_scores(read_reference(summary, "summary", "SUMMARY"),
+                          read_reference(reference, "reference", "REFERENCE"))
     if as_json:
         _print_json(scores)
     else:

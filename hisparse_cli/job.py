@@ -33,19 +33,21 @@ def document_info(doc: Document) -> dict:
             "skipped_items": [{"item": item, "reason": why} for item, why in doc.skipped]}
 
 
-def read_reference(path: str | Path) -> str:
-    """A reference summary file as text (InputError when missing/unreadable/empty)."""
+def read_reference(path: str | Path, role: str = "reference",
+                   given: str = "--reference") -> str:
+    """A reference summary file as text (InputError when missing/unreadable/empty). role and
+    given name the file in the messages (`hisparse score` reads its SUMMARY through this too)."""
     path = Path(path).expanduser()
     try:
         text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise InputError(f"reference {path}: no such file",
-                         hint="check the path given to --reference") from None
+        raise InputError(f"{role} {path}: no such file",
+                         hint=f"check the path given as {given}") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read reference {path} as UTF-8 text: {exc}",
-                         hint="give a plain-text (UTF-8) reference summary") from None
+        raise InputError(f"cannot read {role} {path} as UTF-8 text: {exc}",
+                         hint=f"give a plain-text (UTF-8) {role}") from None
     if not text.strip():
-        raise InputError(f"reference {path} is empty", hint="give a non-empty reference summary")
+        raise InputError(f"{role} {path} is empty", hint=f"give a non-empty {role}")
     return text
 
 

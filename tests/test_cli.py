@@ -267,7 +267,10 @@ def test_score(tmp_path):
     assert json.loads(result.stdout) == pytest.approx(rouge_scores(a.read_text(), b.read_text()))
     plain = run("score", a, b)
     assert plain.exit_code == 0 and plain.stdout.splitlines()[0].startswith("rouge1\t"), show(plain)
-    assert_error(run("score", a, tmp_path / "missing.txt"), 3, "no such file")
+    assert_error(run("score", a, tmp_path / "missing.txt"), 3,
+                 f"reference {tmp_path / 'missing.txt'}: no such file", "as REFERENCE")
+    assert_error(run("score", tmp_path / "missing.txt", b), 3,  # the summary named as such
+                 f"summary {tmp_path / 'missing.txt'}: no such file", "as SUMMARY")
 
 
 def test_profiles_list_and_show():
