@@ -483,8 +483,9 @@ def phase_hf(a, hf, cfg, dev, contexts) -> list[dict]:
 
 def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
     """(e) the same 8B shape with fp16 and with AWQ INT4 (g128) weights, same sparse settings
-    (h200-141g), same prompts: prefill and decode tok/s and the INT4/fp16 ratios."""
-    base = load_profile("h200-141g").sparse_config()
+    (h200-141g, or --awq-profile's), same prompts: prefill and decode tok/s and the INT4/fp16
+    ratios."""
+    base = load_profile(a.awq_profile).sparse_config()  # the sparse settings (not the budget)
     chunks = [int(c) for c in a.awq_chunks.split(",")] if a.awq_chunks else [base.prefill_chunk]
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     rows = []
@@ -615,6 +616,8 @@ def main() -> None:
     ap.add_argument("--awq-chunks", default=None,
                     help="with --awq-vs-fp16: prefill chunks to run (default: the profile's), "
                          "e.g. 1024,2048")
+    ap.add_argument("--awq-profile", default="h200-141g",
+                    help="(e): the profile whose sparse settings both rows use")
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")
