@@ -4,7 +4,11 @@ Calibration: the first 75% of every samples/ document; held out: the remaining 2
 a line break). Both INT4 folders are written by `quantize_model` (method rtn / awq) and loaded
 back through our loader, so the numbers include packing, export and the INT4 linear.
 
-    python benchmarks/awq_perplexity.py [--model DIR] [--group-size 64] [--json out.json]
+    python benchmarks/awq_perplexity.py [--model DIR] [--group-size 64] [--head] [--json out.json]
+
+--head adds the output head's rows: AWQ with `quantize_lm_head` (the activation-aware head of
+`hisparse quantize --quantize-lm-head`), and the AWQ body with its head rounded to nearest
+(awq_pack.fake_quantize, at the group size and at 32) in place of the fp head.
 
 Default model: the embedded SmolLM2-135M (resolve_model(None)), falling back to /tmp/smollm2.
 """
@@ -29,7 +33,8 @@ def default_model() -> Path:
         return Path("/tmp/smollm2")
 
 
-def run(model_dir: Path, group_size: int, seq_len: int, samples: int, work: Path) -> dict:
+def run(model_dir: Path, group_size: int, seq_len: int, samples: int, work: Path,
+        head: bool = False) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -47,18 +52,28 @@ def run(model_dir: Path, group_size: int, seq_len: int, samples: int, work: Path
     rows["fp32"] = perplexity(fp, windows)
     del fp
     reports = {}
-    for method in ("rtn", "awq"):
-        def progress(stage, done, total, m=method):
+    runs = [("rtn", "rtn", False), ("awq", "awq", False)]
+    if head:
+        runs.append(("awq+head", "awq", True))
+    for name, method, qhead in runs:
+        def progress(stage, done, total, m=name):
             if stage == "layer":
                 print(f"\r{m}: layer {done}/{total}", end="", file=sys.stderr, flush=True)
         t = time.perf_counter()
-        rep = quantize_model(model_dir, work / method, calib_texts=calib, group_size=group_size,
+        rep = quantize_model(model_dir, work / name, calib_texts=calib, group_size=group_size,
                              n_samples=samples, seq_len=seq_len, method=method,
-                             progress=progress)
+                             progress=progress, quantize_lm_head=qhead)
         print(f" ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
-        reports[method] = rep
-        q, _ = load_model(work / method, "cpu", torch.float32)
-        rows[f"int4-{method}"] = perplexity(q, windows)
+        reports[name] = rep
+        q, _ = load_model(work / name, "cpu", torch.float32)
+        rows[f"int4-{name}"] = perplexity(q, windows)
+        if head and name == "awq":  # the same body with its fp head rounded to nearest
+            from hisparse_cli.kernels.awq_pack import fake_quantize
+
+            w = q.lm_head.weight.detach().clone()
+            for g in sorted({group_size, 32}, reverse=True):
+                q.lm_head.weight = torch.nn.Parameter(fake_quantize(w, g), requires_grad=False)
+                rows[f"int4-awq+rtn-head-g{g}"] = perplexity(q, windows)
     base = rows["fp32"][0]
     result = {
         "model": str(model_dir), "group_size": group_size, "seq_len": seq_len,
@@ -79,16 +94,17 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--head", action="store_true", help="also the INT4 output head rows")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model_dir = args.model or default_model()
     with tempfile.TemporaryDirectory() as tmp:
-        res = run(model_dir, args.group_size, args.seq_len, args.samples, Path(tmp))
+        res = run(model_dir, args.group_size, args.seq_len, args.samples, Path(tmp), args.head)
     print(f"model {res['model']}  group {res['group_size']}  calib {res['calib_tokens']} tokens "
           f"({res['calib_blocks']} blocks)  held-out {res['heldout_tokens']} tokens")
-    print(f"{'weights':<10} {'perplexity':>10} {'vs fp32':>9}")
+    print(f"{'weights':<22} {'perplexity':>10} {'vs fp32':>9}")
     for k, v in res["perplexity"].items():
-        print(f"{k:<10} {v:>10.3f} {res['increase_over_fp_pct'][k]:>+8.2f}%")
+        print(f"{k:<22} {v:>10.3f} {res['increase_over_fp_pct'][k]:>+8.2f}%")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 
