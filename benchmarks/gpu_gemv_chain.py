@@ -15,8 +15,8 @@ words + fp16 scales + zero-point words; fp16: the weights):
   one-launch  one K 4096 GEMV holding all the decoder's bytes (the huge_n class: what a
               persistent kernel streaming the whole step's weights could reach);
   fp16 chain  the 128 shapes as fp16 cuBLAS matmuls of one row (what fp16 decode streams).
-Random words: the timing does not depend on the values. Self-contained (torch + triton +
-hisparse_cli's kernels); writes DIR/gpu_gemv_chain.json (DIR: --out, else $OUT, else ./out).
+Random words: the timing does not depend on the values. Needs torch, triton,
+hisparse_cli's kernels and gpu_awq.py; writes DIR/gpu_gemv_chain.json (DIR: --out, else $OUT, else ./out).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_awq import graph_ms  # noqa: E402
 from hisparse_cli.kernels import awq_layout  # noqa: E402
 from hisparse_cli.kernels.awq_gemv import awq_gemv_k  # noqa: E402
 
@@ -52,27 +54,8 @@ def int4_weight(k: int, n: int, dev) -> tuple:
 
 
 def replay_ms(calls: list, reps: int) -> float:
-    """Milliseconds of one pass of `calls` replayed from a CUDA graph (after a warm pass)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    """Milliseconds of one pass of `calls` replayed from a CUDA graph (gpu_awq.graph_ms)."""
+    return graph_ms(calls, reps) * len(calls)
 
 
 def gemv_call(x, w):
