@@ -46,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hisparse_cli.kernels import awq_layout  # noqa: E402
 from hisparse_cli.kernels.awq_gemv import _gemv_step, _load_rows, _load_words, _row_bases  # noqa: E402
 from hisparse_cli.kernels.awq_gemv import _word_ptrs, awq_gemv_k  # noqa: E402
+from hisparse_cli.kernels.awq_gemv import (_Z1_128, _Z16_128, _bits2, _dequant_pairs,  # noqa: E402
+                                           _dequant_pairs_emulated, _dot_lanes_emulated,
+                                           _dot_pairs2, _halves, _halves1)
 
 GROUP = 128
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]
@@ -158,6 +161,203 @@ def _chain_kernel(tab_ptr, qw_base, qz_base, s_base, act_ptr, p_ptr, cnt_ptr, ba
             _grid_sync(bar_ptr, err_ptr, (i + 1) * nprog, ASM)
 
 
+
+@triton.jit
+def _x_pair32(xp, off):
+    """fp16x2 bits (fp16(x[xp + off]), fp16(x[xp + off + 16])) from fp32 activations."""
+    return _bits2(tl.load(xp + off).to(tl.float16), tl.load(xp + off + 16).to(tl.float16))
+
+
+@triton.jit
+def _stream_step(acc, words, zw, sv, xq, zshift, BN: tl.constexpr, BKW: tl.constexpr,
+                 ASM: tl.constexpr):
+    """acc [BN, BKW/2] + one 4 KiB block's (q - z) s x on the packed-2 path of _gemv_step
+    (two words per fp32 conversion), x in fp32 rounded to fp16 as it is read."""
+    zi = ((zw >> zshift) & 0xF)[:, None]
+    sc = sv.to(tl.float32)[:, None] * 128.0
+    h1 = zi + _Z1_128
+    h16 = zi * 16 + _Z16_128
+    z1 = (h1 << 16) | h1
+    z16 = (h16 << 16) | h16
+    we, wo = _halves(words, BN, BKW)
+    p0, r0 = _halves1(_x_pair32(xq, 0), BKW)
+    p1, r1 = _halves1(_x_pair32(xq, 4), BKW)
+    p2, r2 = _halves1(_x_pair32(xq, 8), BKW)
+    p3, r3 = _halves1(_x_pair32(xq, 12), BKW)
+    if ASM:
+        ve = _dequant_pairs(we, z1, z16, True)
+        vo = _dequant_pairs(wo, z1, z16, True)
+        d = _dot_pairs2(ve[0], ve[1], ve[2], ve[3], vo[0], vo[1], vo[2], vo[3],
+                        p0[None, :], p1[None, :], p2[None, :], p3[None, :],
+                        r0[None, :], r1[None, :], r2[None, :], r3[None, :])
+    else:
+        ve = _dequant_pairs_emulated(we, z1, z16, True)
+        vo = _dequant_pairs_emulated(wo, z1, z16, True)
+        lo, hi = _dot_lanes_emulated(ve[0], ve[1], ve[2], ve[3], p0[None, :], p1[None, :],
+                                     p2[None, :], p3[None, :], None, None)
+        lo, hi = _dot_lanes_emulated(vo[0], vo[1], vo[2], vo[3], r0[None, :], r1[None, :],
+                                     r2[None, :], r3[None, :], lo, hi)
+        d = lo.to(tl.float32) + hi.to(tl.float32)
+    return acc + sc * d
+
+
+@triton.jit
+def _sparams(tab_ptr, i):
+    """Stream table row i: steps S, steps a tile (K words / 16), N, and the offsets."""
+    row = tab_ptr + i * 8
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2) * 64, tl.load(row + 3) * 16,
+            tl.load(row + 4) * 8, tl.load(row + 5) * 64, tl.load(row + 6) * 16,
+            tl.load(row + 7) * 16)
+
+
+@triton.jit
+def _range(S, pid, nprog):
+    """This program's steps [lo, hi) of a GEMV of S steps: S / nprog each, in order."""
+    return (pid * S) // nprog, ((pid + 1) * S) // nprog
+
+
+@triton.jit
+def _advance(tab_ptr, i, s, hi, G, pid, nprog):
+    """The next step of the program's stream: s + 1, or the first of its range in the next
+    GEMV (past the last GEMV the cursor stays on its last step: a harmless reload)."""
+    s = s + 1
+    if s >= hi:
+        if i + 1 < G:
+            i = i + 1
+            lo, hi = _range(tl.load(tab_ptr + i * 8), pid, nprog)
+            s = lo
+        else:
+            s = hi - 1
+    return i, s, hi
+
+
+@triton.jit
+def _fetch(tab_ptr, qw_base, qz_base, s_base, i, s, blk, offs_r, STREAM: tl.constexpr):
+    """The 4 KiB word block of step s of GEMV i (64 rows x 16 words, contiguous in the tiled
+    layout: block s of the GEMV), and its rows' zero-point words and scales."""
+    S, spt, N, qw_off, qz_off, s_off, x_off, y_off = _sparams(tab_ptr, i)
+    tile = s // spt
+    g = s % spt  # group 128 = one step's 16 words
+    words = _load_words(qw_base + qw_off + s.to(tl.int64) * 1024 + blk, STREAM)
+    zw = tl.load(qz_base + qz_off + g * (N // 8) + tile * 8 + offs_r // 8)
+    sv = tl.load(s_base + s_off + g * N + tile * 64 + offs_r)
+    return words, zw, sv
+
+
+@triton.jit
+def _arrive_wait(bar_ptr, err_ptr, pid, ng, i, WAIT_ONLY: tl.constexpr, ASM: tl.constexpr,
+                 SLEEP: tl.constexpr):
+    """Arrive after GEMV i (WAIT_ONLY false) or wait for every program's arrival after GEMV
+    i. Arrivals go to one of ng group counters (a 128-byte line each); the group's last
+    arrival bumps the top counter, which the waiters read."""
+    if WAIT_ONLY:
+        target = (i + 1) * ng
+        n = _spin_load(bar_ptr, ASM)
+        e = tl.load(err_ptr, volatile=True)
+        spins = 0
+        while (n < target) & (spins < 1048576) & (e == 0):
+            if SLEEP > 0:
+                _nanosleep(SLEEP)
+            n = _spin_load(bar_ptr, ASM)
+            e = tl.load(err_ptr, volatile=True)
+            spins += 1
+        if n < target:
+            tl.atomic_xchg(err_ptr, 1)
+    else:
+        tl.debug_barrier()
+        grp = pid % ng
+        members = (tl.num_programs(0) - grp + ng - 1) // ng
+        old = tl.atomic_add(bar_ptr + 32 * (1 + grp), 1, sem="acq_rel", scope="gpu")
+        if old == (i + 1) * members - 1:
+            tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _nanosleep(ns: tl.constexpr):
+    tl.inline_asm_elementwise(asm="nanosleep.u32 $1;\nmov.u32 $0, 0;", constraints="=r,r",
+                              args=[tl.full([1], ns, tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _stream_kernel(tab_ptr, qw_base, qz_base, s_base, act_ptr, bar_ptr, err_ptr, G, ng,
+                   DEPTH: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr,
+                   SYNC: tl.constexpr, SLEEP: tl.constexpr):
+    """The whole chain as one stream of 4 KiB steps per program: its slice (S / nprog
+    consecutive blocks) of each GEMV in turn. The word blocks, zero points and scales of the
+    next DEPTH - 1 steps are loaded into registers before the current step computes, so the
+    weight reads run on across tile ends, GEMV ends and the barrier waits (weights do not
+    depend on x). Partial sums go to the fp32 outputs by atomic adds at each tile end; a
+    program arrives after its last step of GEMV i and waits, before its first step of GEMV
+    i + 1 reads x, until every program has arrived (SYNC)."""
+    BN: tl.constexpr = 64
+    BKW: tl.constexpr = 16
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_r = tl.arange(0, BN)
+    offs_w = tl.arange(0, BKW)
+    blk = offs_r[:, None] * BKW + offs_w[None, :]
+    x_lane = (offs_w // 4) * 32 + offs_w % 4
+    jn = offs_r % 8
+    zshift = (4 * (jn % 2) + jn // 2) * 4
+    # prefetch cursor (fi, fs, fhi) and compute cursor (ci, cs, chi)
+    lo, chi = _range(tl.load(tab_ptr), pid, nprog)
+    ci = 0
+    cs = lo
+    fi = ci
+    fs = cs
+    fhi = chi
+    b0w, b0z, b0s = _fetch(tab_ptr, qw_base, qz_base, s_base, fi, fs, blk, offs_r, STREAM)
+    b1w, b1z, b1s = b0w, b0z, b0s
+    b2w, b2z, b2s = b0w, b0z, b0s
+    if DEPTH >= 2:
+        fi, fs, fhi = _advance(tab_ptr, fi, fs, fhi, G, pid, nprog)
+        b1w, b1z, b1s = _fetch(tab_ptr, qw_base, qz_base, s_base, fi, fs, blk, offs_r, STREAM)
+    if DEPTH >= 3:
+        fi, fs, fhi = _advance(tab_ptr, fi, fs, fhi, G, pid, nprog)
+        b2w, b2z, b2s = _fetch(tab_ptr, qw_base, qz_base, s_base, fi, fs, blk, offs_r, STREAM)
+    acc = tl.zeros((BN, BKW // 2), dtype=tl.float32)
+    waited = 0  # the last GEMV whose inputs this program has waited for
+    while ci < G:
+        words, zw, sv = b0w, b0z, b0s
+        if DEPTH == 3:
+            b0w, b0z, b0s = b1w, b1z, b1s
+            b1w, b1z, b1s = b2w, b2z, b2s
+        elif DEPTH == 2:
+            b0w, b0z, b0s = b1w, b1z, b1s
+        fi, fs, fhi = _advance(tab_ptr, fi, fs, fhi, G, pid, nprog)
+        nw, nz, ns = _fetch(tab_ptr, qw_base, qz_base, s_base, fi, fs, blk, offs_r, STREAM)
+        if DEPTH == 3:
+            b2w, b2z, b2s = nw, nz, ns
+        elif DEPTH == 2:
+            b1w, b1z, b1s = nw, nz, ns
+        else:
+            b0w, b0z, b0s = nw, nz, ns
+        S, spt, N, qw_off, qz_off, s_off, x_off, y_off = _sparams(tab_ptr, ci)
+        if SYNC:
+            if ci > waited:
+                _arrive_wait(bar_ptr, err_ptr, pid, ng, ci - 1, True, ASM, SLEEP)
+                waited = ci
+        kstep = cs % spt
+        acc = _stream_step(acc, words, zw, sv, act_ptr + x_off + kstep * 128 + x_lane,
+                           zshift, BN, BKW, ASM)
+        last = cs + 1 >= chi
+        if last | ((cs + 1) % spt == 0):  # a tile (or the range) ends: add the rows out
+            tile = cs // spt
+            tl.atomic_add(act_ptr + y_off + tile * BN + offs_r, tl.sum(acc, axis=1),
+                          sem="relaxed")
+            acc = tl.zeros((BN, BKW // 2), dtype=tl.float32)
+        if last:
+            if SYNC:
+                _arrive_wait(bar_ptr, err_ptr, pid, ng, ci, False, ASM, SLEEP)
+            ci = ci + 1
+            if ci < G:
+                lo, chi = _range(tl.load(tab_ptr + ci * 8), pid, nprog)
+                cs = lo
+        else:
+            cs = cs + 1
+
+
 class Chain:
     """The weights of a GEMV chain in flat buffers, the activations (GEMV i reads the first
     K_i values of GEMV i-1's output; GEMV 0 a fixed input) and the table of module doc."""
@@ -232,6 +432,61 @@ class Chain:
         return (self.tab, self.qw, self.qz, self.s, self.act, self.part, self.cnt, self.bar,
                 self.err, len(self.rows))
 
+    def stream_setup(self) -> None:
+        """The stream kernel's table (S steps, steps a tile, N / 64, qweight / 16, qzeros / 8,
+        scales / 64, x / 16, y / 16) and fp32 activations: the input, then each GEMV's
+        output (GEMV i + 1 reads the first K values of GEMV i's)."""
+        k0 = self.gemvs[0][1]
+        rows, off, prev = [], k0, 0
+        for r in self.rows:
+            n, kw, _split, qo, zo, so = r[:6]
+            spt = kw // 16
+            rows.append([(n // 64) * spt, spt, n // 64, qo // 16, zo // 8, so // 64,
+                         prev // 16, off // 16])
+            assert qo % 16 == 0 and zo % 8 == 0 and so % 64 == 0 and off % 16 == 0
+            prev = off
+            off += n
+        dev = self.qw.device
+        self.srows = rows
+        self.stab = torch.tensor(rows, dtype=torch.int64, device=dev)
+        self.act32 = torch.zeros(off, dtype=torch.float32, device=dev)
+        self.x32 = self.act[:k0].float()
+        self.sbar = torch.zeros(32 * 65, dtype=torch.int32, device=dev)
+
+    def stream_run(self, programs: int, groups: int, depth: int, sync: bool, sleep: int,
+                   asm: bool, gemvs: int = 0):
+        gemvs = gemvs or len(self.srows)
+        assert all(r[0] >= programs for r in self.srows), "a GEMV with fewer steps than programs"
+        ng = min(groups, programs, 64)
+        k0 = self.gemvs[0][1]
+        meta = dict(DEPTH=depth, STREAM=2, ASM=asm, SYNC=sync, SLEEP=sleep, num_warps=2,
+                    num_stages=1)
+
+        def run():
+            self.act32.zero_()
+            self.act32[:k0] = self.x32
+            self.sbar.zero_()
+            _stream_kernel[(programs,)](self.stab, self.qw, self.qz, self.s, self.act32,
+                                        self.sbar, self.err, gemvs, ng, **meta)
+        return run, meta
+
+    def stream_check(self, gemvs: int = 0) -> float:
+        """Largest error of any GEMV's output, relative to its largest value, against fp32
+        matmuls of its input (as the kernel read it: rounded to fp16) with the dequantized
+        weight (awq_ref, through the AWQ layout: an independent unpacking)."""
+        from hisparse_cli.kernels.awq_ref import dequantize_weight
+        worst = 0.0
+        for i, r in enumerate(self.srows[:gemvs or len(self.srows)]):
+            n, k = r[2] * 64, r[1] * 128
+            x = self.act32[r[6] * 16: r[6] * 16 + k].half().float()
+            y = self.act32[r[7] * 16: r[7] * 16 + n]
+            _x, qw, qz, sc, _y = self.views(i)
+            w = dequantize_weight(awq_layout.kmajor_to_awq(awq_layout.untile_kmajor(qw, GROUP)),
+                                  qz, sc, GROUP)
+            ref = x @ w
+            worst = max(worst, ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item())
+        return worst
+
     def final(self) -> torch.Tensor:
         n, *_rest, yo = self.rows[-1]
         return self.act[yo: yo + n].clone()
@@ -295,6 +550,74 @@ def smoke() -> None:
     print(f"smoke: {len(chain.rows)} GEMVs (splits {splits}), max |persistent - launched| = "
           f"{diff}")
     assert diff == 0.0, diff
+    chain.stream_setup()
+    for depth in (1, 2, 3):
+        run, _meta = chain.stream_run(1, 4, depth, True, 0, asm=False)
+        run()
+        assert int(chain.err) == 0
+        worst = chain.stream_check()
+        print(f"smoke stream depth {depth}: worst GEMV error {worst:.2e} of its largest output")
+        assert worst < 2e-3, worst
+    # several programs (ranges that end inside tiles, atomic adds from each): one GEMV at a
+    # time, since the interpreter runs programs one after another (no barrier can pass)
+    for programs in (3, 5):
+        run, _meta = chain.stream_run(programs, 2, 2, False, 0, asm=False, gemvs=1)
+        run()
+        worst = chain.stream_check(gemvs=1)
+        print(f"smoke stream {programs} programs, GEMV 0: worst error {worst:.2e}")
+        assert worst < 2e-3, worst
+
+
+def stream_occupancy(chain: Chain, meta: dict, dev) -> dict:
+    k = _stream_kernel.warmup(chain.stab, chain.qw, chain.qz, chain.s, chain.act32, chain.sbar,
+                              chain.err, len(chain.srows), 1, grid=(1,), **meta)
+    k._init_handles()
+    threads = meta["num_warps"] * 32
+    by_regs = 65536 // max(k.n_regs * threads, 1)
+    smem = k.metadata.shared
+    by_smem = (228 * 1024) // smem if smem else 32
+    return dict(n_regs=k.n_regs, shared=smem, per_sm=min(by_regs, by_smem, 2048 // threads, 32))
+
+
+def stream_main(a, dev, sms: int, results: list, save, graph_ms, t_start: float) -> None:
+    """The stream kernel against the engine's launches on the same weights."""
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    chain = Chain(SHAPES, a.layers, dev, 16, sms)
+    chain.stream_setup()
+    calls = chain.launched()
+    ms = graph_ms(calls, a.reps) * len(calls)
+    print(f"launches: {len(calls)} GEMVs (+ a copy each) in a CUDA graph: {ms:.3f} ms "
+          f"{chain.nbytes / ms / 1e9:.2f} TB/s", flush=True)
+    results.append(dict(kind="launches", ms=ms, tb_s=chain.nbytes / ms / 1e9))
+    barriers = [tuple(int(v) for v in b.split(":")) for b in a.barriers.split(",")]
+    for depth in ints(a.depth):
+        _run, meta = chain.stream_run(1, 1, depth, True, 0, True)
+        occ = stream_occupancy(chain, meta, dev)
+        print(f"stream depth {depth}: {occ['n_regs']} registers, {occ['shared']} B shared: "
+              f"{occ['per_sm']} programs an SM fit", flush=True)
+        for per_sm in sorted({occ["per_sm"], max(1, occ["per_sm"] // 2)}, reverse=True):
+            programs = per_sm * sms
+            run, _m = chain.stream_run(programs, 1, depth, False, 0, True)
+            free_ms = time_ms(run, a.reps)
+            for ng, sleep in barriers:
+                if time.time() - t_start > a.budget_s:
+                    print("budget spent: stopping", flush=True)
+                    return
+                run, _m = chain.stream_run(programs, ng, depth, True, sleep, True)
+                chain.err.zero_()
+                run()
+                torch.cuda.synchronize()
+                err = int(chain.err)
+                worst = chain.stream_check() if (ng, sleep) == barriers[0] else float("nan")
+                pms = time_ms(run, a.reps)
+                row = dict(kind="stream", depth=depth, per_sm=per_sm, groups=ng, sleep=sleep,
+                           ms=pms, tb_s=chain.nbytes / pms / 1e9, ms_nosync=free_ms,
+                           err=err, worst_rel_err=worst, n_regs=occ["n_regs"])
+                results.append(row)
+                save()
+                print(f"  P {per_sm:>2} groups {ng:>2} sleep {sleep:>3}: {pms:.3f} ms "
+                      f"{row['tb_s']:.2f} TB/s (no barrier {free_ms:.3f} ms)  err {err}  "
+                      f"worst GEMV rel. error {worst:.2e}", flush=True)
 
 
 def main() -> None:
@@ -308,6 +631,10 @@ def main() -> None:
     ap.add_argument("--warps", default="4,2")
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--mode", default="stream", help="units, stream or both")
+    ap.add_argument("--depth", default="1,2,3", help="stream: steps loaded ahead")
+    ap.add_argument("--barriers", default="1:0,32:0,32:200",
+                    help="stream: group counters:nanosleep ns between spins")
     ap.add_argument("--smoke-cpu", action="store_true")
     a = ap.parse_args()
     if a.smoke_cpu:
@@ -327,6 +654,10 @@ def main() -> None:
             {"rows": results, "gpu": torch.cuda.get_device_name(), "group": GROUP,
              "layers": a.layers}, indent=1))
 
+    if a.mode in ("stream", "both"):
+        stream_main(a, dev, sms, results, save, graph_ms, t_start)
+        if a.mode == "stream":
+            return
     for split_sm in ints(a.split_sm):
         t0 = time.time()
         chain = Chain(SHAPES, a.layers, dev, split_sm, sms)
