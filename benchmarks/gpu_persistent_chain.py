@@ -1,26 +1,32 @@
 """Can a persistent kernel stream a decode step's INT4 weights faster than 128 launches? The
 8B decoder's GEMV chain (q|k|v, o, gate|up, down x 32 layers, each GEMV's input the previous
-one's output) run two ways in one process, on the same weights:
+one's output) run in one process on the same weights:
 
   launches     awq_gemv_k once per GEMV (the engine's kernel, table config, tiled layout, PDL)
-               replayed from one CUDA graph: what the engine's decode does today;
-  persistent   one launch of a resident grid (P programs an SM) that runs the GEMVs in order,
-               each program taking the GEMV's (column tile, K slice) units in turn with the
-               engine's own step code (awq_gemv._gemv_step, same tile, K split, packed path
-               and split-K reduction), and a grid barrier (an atomic counter: arrive with
-               release, spin on an acquire load) between GEMVs instead of a kernel boundary.
-
-Same tiles and splits, so the same bits: the script checks the persistent chain's final output
-against the launched chain's (and every GEMV's output against the reference in the smoke run).
-Run 83 (gpu_gemv_chain.py) put the 128 launches at 1.546 ms a token and the same bytes in one
-launch at 0.895 ms; this measures how much of that gap a device-side barrier recovers while the
-data dependencies stay. A benchmark, not an engine path: the barrier needs every program
-resident at once (the grid is sized from the compiled kernel's occupancy, and a spin limit
-turns a hang into an error flag).
+               plus a copy into the next input, replayed from one CUDA graph: the engine's way;
+  units        (--mode units) one launch of a resident grid (P programs an SM) that runs the
+               GEMVs in order, each program taking the GEMV's (column tile, K slice) units in
+               turn with the engine's own step code (awq_gemv._gemv_step, same tile, K split,
+               packed path and split-K reduction: at the engine's splits the same bits), and a
+               grid barrier (an atomic counter: arrive with release, spin on an acquire load)
+               between GEMVs instead of a kernel boundary;
+  stream       (--mode stream, the default) one resident launch where each program streams its
+               contiguous 1/P share of every GEMV's 4 KiB tiled blocks in turn, loading the
+               weights 1-3 steps ahead (--depth) across tile, GEMV and barrier ends, partial
+               sums added atomically in fp32, arrivals on one counter or on group counters
+               with nanosleep spins (--barriers groups:ns,...).
+Each persistent row is also timed without its barriers (wrong values: the streaming floor).
+Checks: units against the launched chain's output (bit-equal at the engine's splits); stream,
+every GEMV against an fp32 matmul of its dequantized weight (awq_ref through the AWQ layout).
+A benchmark, not an engine path: a grid barrier needs every program resident at once (the grid
+is sized from the compiled kernel's occupancy, and ~1 s of spinning sets an error flag instead
+of hanging). H200 runs 84-85 (BENCHMARKS "Runs 84-85"): a dependency costs 3.5-6 us on the
+device, as at a kernel boundary; neither kernel beats the launches (1.99 / 2.31 ms vs 1.75).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_persistent_chain.py [--out DIR] [--reps 20]
-        [--per-sm 1,2,4,8,16] [--split-sm 16,4] [--layers 32]
-    python benchmarks/gpu_persistent_chain.py --smoke-cpu   # interpreter, tiny shapes, 1 program
+        [--mode stream|units|both] [--depth 1,2,3] [--barriers 1:0,32:0,32:200]
+        [--per-sm 1,2,4,8,16] [--split-sm 16,4] [--warps 4,2] [--stages 1,2] [--layers 32]
+    python benchmarks/gpu_persistent_chain.py --smoke-cpu   # interpreter, tiny shapes
 
 Writes DIR/gpu_persistent_chain.json (DIR: --out, else $OUT, else ./out).
 """
