@@ -52,9 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hisparse_cli.kernels import awq_layout  # noqa: E402
 from hisparse_cli.kernels.awq_gemv import _gemv_step, _load_rows, _load_words, _row_bases  # noqa: E402
 from hisparse_cli.kernels.awq_gemv import _word_ptrs, awq_gemv_k  # noqa: E402
-from hisparse_cli.kernels.awq_gemv import (_Z1_128, _Z16_128, _bits2, _dequant_pairs,  # noqa: E402
-                                           _dequant_pairs_emulated, _dot_lanes_emulated,
-                                           _dot_pairs2, _halves, _halves1)
+from hisparse_cli.kernels.awq_gemv import _bits2, _codes_packed2, _dot_packed2  # noqa: E402
+from hisparse_cli.kernels.awq_gemv import _halves1  # noqa: E402
 
 GROUP = 128
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]
@@ -181,30 +180,12 @@ def _stream_step(acc, words, zw, sv, xq, zshift, BN: tl.constexpr, BKW: tl.const
     (two words per fp32 conversion), x in fp32 rounded to fp16 as it is read."""
     zi = ((zw >> zshift) & 0xF)[:, None]
     sc = sv.to(tl.float32)[:, None] * 128.0
-    h1 = zi + _Z1_128
-    h16 = zi * 16 + _Z16_128
-    z1 = (h1 << 16) | h1
-    z16 = (h16 << 16) | h16
-    we, wo = _halves(words, BN, BKW)
+    ve, vo = _codes_packed2(words, zi, BN, BKW, ASM)
     p0, r0 = _halves1(_x_pair32(xq, 0), BKW)
     p1, r1 = _halves1(_x_pair32(xq, 4), BKW)
     p2, r2 = _halves1(_x_pair32(xq, 8), BKW)
     p3, r3 = _halves1(_x_pair32(xq, 12), BKW)
-    if ASM:
-        ve = _dequant_pairs(we, z1, z16, True)
-        vo = _dequant_pairs(wo, z1, z16, True)
-        d = _dot_pairs2(ve[0], ve[1], ve[2], ve[3], vo[0], vo[1], vo[2], vo[3],
-                        p0[None, :], p1[None, :], p2[None, :], p3[None, :],
-                        r0[None, :], r1[None, :], r2[None, :], r3[None, :])
-    else:
-        ve = _dequant_pairs_emulated(we, z1, z16, True)
-        vo = _dequant_pairs_emulated(wo, z1, z16, True)
-        lo, hi = _dot_lanes_emulated(ve[0], ve[1], ve[2], ve[3], p0[None, :], p1[None, :],
-                                     p2[None, :], p3[None, :], None, None)
-        lo, hi = _dot_lanes_emulated(vo[0], vo[1], vo[2], vo[3], r0[None, :], r1[None, :],
-                                     r2[None, :], r3[None, :], lo, hi)
-        d = lo.to(tl.float32) + hi.to(tl.float32)
-    return acc + sc * d
+    return _dot_packed2(acc, ve, vo, p0, r0, p1, r1, p2, r2, p3, r3, sc, ASM)
 
 
 @triton.jit

@@ -347,14 +347,24 @@ def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: t
 
 
 @triton.jit
-def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.constexpr,
-                        ASM: tl.constexpr, PRMT: tl.constexpr):
-    """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s,
-    [BN, 1] or [BN, BKW/2]; ve, vo: the codes of the even and odd words)."""
-    p0, r0 = _halves1(_x_pair(xp, 0, STREAM, PRMT), BKW)
-    p1, r1 = _halves1(_x_pair(xp, 4, STREAM, PRMT), BKW)
-    p2, r2 = _halves1(_x_pair(xp, 8, STREAM, PRMT), BKW)
-    p3, r3 = _halves1(_x_pair(xp, 12, STREAM, PRMT), BKW)
+def _codes_packed2(words, zi, BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr):
+    """PACKED 2: the codes (q - z) / 128 of the even and odd words of a [BN, BKW] word tile
+    (zi: the rows' zero points, [BN, 1] or [BN, BKW / 2]), as _dequant_pairs's fp16x2 tuples."""
+    h1 = zi + _Z1_128
+    h16 = zi * 16 + _Z16_128
+    z1 = (h1 << 16) | h1
+    z16 = (h16 << 16) | h16
+    we, wo = _halves(words, BN, BKW)
+    if ASM:
+        return _dequant_pairs(we, z1, z16, True), _dequant_pairs(wo, z1, z16, True)
+    return (_dequant_pairs_emulated(we, z1, z16, True),
+            _dequant_pairs_emulated(wo, z1, z16, True))
+
+
+@triton.jit
+def _dot_packed2(acc, ve, vo, p0, r0, p1, r1, p2, r2, p3, r3, sc, ASM: tl.constexpr):
+    """acc + sc * the packed-2 dot of the codes ve, vo (even and odd words) with the x pairs
+    p (even words) and r (odd words), each [BKW/2] (the fp16x2 bits of _x_pair)."""
     if ASM:
         d = _dot_pairs2(ve[0], ve[1], ve[2], ve[3], vo[0], vo[1], vo[2], vo[3],
                         p0[None, :], p1[None, :], p2[None, :], p3[None, :],
@@ -366,6 +376,18 @@ def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.const
                                      r2[None, :], r3[None, :], lo, hi)
         d = lo.to(tl.float32) + hi.to(tl.float32)
     return acc + sc * d
+
+
+@triton.jit
+def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.constexpr,
+                        ASM: tl.constexpr, PRMT: tl.constexpr):
+    """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s,
+    [BN, 1] or [BN, BKW/2]; ve, vo: the codes of the even and odd words)."""
+    p0, r0 = _halves1(_x_pair(xp, 0, STREAM, PRMT), BKW)
+    p1, r1 = _halves1(_x_pair(xp, 4, STREAM, PRMT), BKW)
+    p2, r2 = _halves1(_x_pair(xp, 8, STREAM, PRMT), BKW)
+    p3, r3 = _halves1(_x_pair(xp, 12, STREAM, PRMT), BKW)
+    return _dot_packed2(acc, ve, vo, p0, r0, p1, r1, p2, r2, p3, r3, sc, ASM)
 
 
 @triton.jit
@@ -446,17 +468,7 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
         s = sv.to(tl.float32)[:, None]
     xq = x_ptr + w0 * 8 + x_off  # [BKW]: the x of nibble 0 of each word
     if PACKED == 2:  # two words per fp32 conversion, codes / 128
-        h1 = zi + _Z1_128
-        h16 = zi * 16 + _Z16_128
-        z1 = (h1 << 16) | h1
-        z16 = (h16 << 16) | h16
-        we, wo = _halves(words, BN, BKW)
-        if ASM:
-            ve = _dequant_pairs(we, z1, z16, True)
-            vo = _dequant_pairs(wo, z1, z16, True)
-        else:
-            ve = _dequant_pairs_emulated(we, z1, z16, True)
-            vo = _dequant_pairs_emulated(wo, z1, z16, True)
+        ve, vo = _codes_packed2(words, zi, BN, BKW, ASM)
         sc = s * 128.0
         acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM, PRMT)
         if M > 1:
