@@ -36,6 +36,9 @@ the order rotated each round (gpu_awq_ab_pair_prmt.json).
 --fuse-residual: only decode at --context, fp16 and INT4, with each decoder layer's closing
 residual add run inside the next norm (llama.FUSE_RESIDUAL_NORM) or as its own op; the order
 rotated each round (gpu_awq_ab_fuse_residual.json).
+--fuse-rope-store: only decode at --context, fp16 and INT4, with each layer's RoPE and K/V
+store in one kernel (norm_rope_triton.rope_store_kv, dispatch.FUSE_ROPE_STORE) or two; the
+order rotated each round (gpu_awq_ab_fuse_rope_store.json).
 --tiled: only decode at --context, fp16 and INT4, with the INT4 words stored tiled under
 GEMV_TABLE (AWQLinear.set_tiled, awq_layout.tile_kmajor; what awq_layout.TILED_WEIGHTS loads)
 or K-major under KMAJOR_TABLE (the K-major tiles of runs 46-64); the order rotated each round
@@ -117,6 +120,7 @@ def main() -> None:
             ("--fuse-mass", "the attention's split reduce and mass kernel in one launch or two"),
             ("--pair-prmt", "the packed GEMV's x pairs built by PRMT or by bit operations"),
             ("--fuse-residual", "each layer's residual add inside the next norm or as its own op"),
+            ("--fuse-rope-store", "each layer's RoPE and K/V store in one kernel or two"),
             ("--tiled", "the INT4 words stored in the tiled layout or K-major"),
             ("--host-gather", "the embedding table in host memory, its row gathered by a kernel "
                               "or read through the host")):
@@ -134,6 +138,7 @@ def main() -> None:
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
                        (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab),
+                       (a.fuse_rope_store, fuse_rope_store_ab),
                        (a.tiled, tiled_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
@@ -298,6 +303,15 @@ def fuse_residual_ab(a, model, cfg, sparse, backend, dev) -> None:
     _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
                lambda on: setattr(llama, "FUSE_RESIDUAL_NORM", on),
                "gpu_awq_ab_fuse_residual.json", left_on=False)
+
+
+def fuse_rope_store_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """dispatch.FUSE_ROPE_STORE on and off (gpu_awq_ab_fuse_rope_store.json)."""
+    from hisparse_cli.kernels import dispatch
+
+    _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
+               lambda on: setattr(dispatch, "FUSE_ROPE_STORE", on),
+               "gpu_awq_ab_fuse_rope_store.json", left_on=dispatch.FUSE_ROPE_STORE)
 
 
 def tiled_ab(a, model, cfg, sparse, backend, dev) -> None:

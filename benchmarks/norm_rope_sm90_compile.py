@@ -1,4 +1,4 @@
-"""Compile the RMSNorm / residual-add + RMSNorm / RoPE kernels for sm_90 without a GPU
+"""Compile the RMSNorm / residual-add + RMSNorm / RoPE (+ K/V store) kernels for sm_90 without a GPU
 (Triton's bundled ptxas) at the configurations the launchers pick for Llama-family shapes,
 and print registers, spills and 16-byte loads/stores of each.
 
@@ -77,6 +77,14 @@ def cases(quick: bool = False):
                    "sxt": "i32", "sxh": "i32", "sct": "i32", "sst": "i32"}
             yield (f"rope {dt} heads={heads} D={d}", nt._rope, sig,
                    dict(HALF=d // 2, BLOCK_H=bh, BLOCK_D=bd, **PDL), warps)
+        for hq, hkv, d in ((32, 8, 128), (28, 4, 128), (9, 3, 64)):  # Llama-3-8B, Qwen2, SmolLM2
+            bh, bd, warps = nt.rope_config(hq + 2 * hkv, d // 2)
+            sig = {"qkv_ptr": p, "cos_ptr": p, "sin_ptr": p, "q_ptr": p, "kc_ptr": p,
+                   "vc_ptr": p, "slot_ptr": "*i64", "sxt": "i32", "sct": "i32", "sst": "i32",
+                   "stride_cb": "i32", "stride_cs": "i32", "stride_ch": "i32"}
+            yield (f"rope_store_kv {dt} {hq}/{hkv} D={d}", nt._rope_store_kv, sig,
+                   dict(HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_H=bh, BLOCK_D=bd, BS=16, **PDL),
+                   warps)
         sig = {"gu_ptr": p, "INTER": "i32", "stride_t": "i32"}
         yield (f"silu_mul {dt}", nt._silu_mul, sig, dict(BLOCK=nt.SILU_BLOCK, **PDL), 4)
 

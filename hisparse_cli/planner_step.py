@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hisparse_cli.kernels import dispatch
 from hisparse_cli.planner_attn import AttnStep, attn_ref, attn_triton, memo_bytes
 from hisparse_cli.planner_trace import (StepShape, SubPeak, Trace, add_rms_norm, cos_sin, linear,
                                        rms_norm, rope)
@@ -28,6 +29,9 @@ def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool, last_only: boo
         q = rope(tr, s, "attn.q", t, s.hq)
         k = rope(tr, s, "attn.k", t, s.hkv)
         tr.free(q2, k2)
+    elif s.backend == "triton" and dispatch.FUSE_ROPE_STORE:
+        # KernelBackend.rope_store_kv: q rotated into its own tensor, k and v into the cache
+        q, k = rope(tr, s, "attn.q", t, s.hq), -1
     else:  # one RoPE over the q and k heads; q and k are views of its output
         q, k = rope(tr, s, "attn.qk", t, s.hq + s.hkv), -1
     v = qkv

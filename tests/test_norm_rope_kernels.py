@@ -103,6 +103,137 @@ def test_rope_on_the_strided_qk_view_interpreter(dtype, t, hq, hkv, d):
         close(out, want)
 
 
+def kv_caches(nb, bs, hkv, d, dtype, head_major, seed=7):
+    """A layer's K and V storage [nb, bs, hkv, d] with random contents, interleaved in memory
+    or head-major (engine/kv_cache.py's CPU layout: a permuted view)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (hkv, nb, bs, d) if head_major else (nb, bs, hkv, d)
+    k, v = (torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype) for _ in range(2))
+    return (k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)) if head_major else (k, v)
+
+
+def rope_store_case(t, hq, hkv, d, dtype, cache_dtype, head_major, pad_slot):
+    """(qkv as a row-strided view of the stacked projection, cos, sin, slots, k/v caches);
+    pad_slot: the last token's slot is -1 (padding: nothing stored)."""
+    nb, bs = 5, 4
+    qkv = rnd(t, (hq + 2 * hkv) * d + 8, dtype=dtype)[:, :(hq + 2 * hkv) * d]
+    cos, sin = rnd(t, d, dtype=dtype, seed=4), rnd(t, d, dtype=dtype, seed=5)
+    slots = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(t))[:t].to(DEV)
+    if pad_slot:
+        slots[-1] = -1
+    return qkv, cos, sin, slots, kv_caches(nb, bs, hkv, d, cache_dtype, head_major)
+
+
+@interp
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float16)])
+@pytest.mark.parametrize("t,hq,hkv,d,pad_slot", [(1, 4, 2, 16, False), (3, 5, 1, 32, True),
+                                                 (2, 3, 3, 8, False)])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_rope_store_kv_interpreter(dtype, cache_dtype, t, hq, hkv, d, pad_slot, head_major):
+    """One launch = rope() then store_kv() of the Triton kernels, bit for bit (q, and every
+    cache entry, the untouched ones included), and the torch reference (fp16: bit-exact; other
+    dtypes within the interpreter's casts); a padding slot stores nothing."""
+    from hisparse_cli.kernels.attention_triton import store_kv
+
+    qkv, cos, sin, slots, (kc, vc) = rope_store_case(t, hq, hkv, d, dtype, cache_dtype,
+                                                     head_major, pad_slot)
+    kc2, vc2, kc_r, vc_r = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    q = tri.rope_store_kv(qkv, hq, hkv, cos, sin, kc, vc, slots)
+    assert q.shape == (t, hq, d) and q.is_contiguous()
+    # the two Triton kernels the fused one replaces
+    qk = tri.rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    store_kv(kc2, vc2, qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d), slots)
+    assert torch.equal(q, qk[:, :hq])
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # the reference (which takes no padding slot: the stored rows only)
+    keep = slots >= 0
+    q_ref = ref.rope_store_kv(qkv[keep], hq, hkv, cos[keep], sin[keep], kc_r, vc_r, slots[keep])
+    close(q[keep].contiguous(), q_ref.contiguous())
+    if dtype == torch.float16:
+        assert torch.equal(q[keep], q_ref) and torch.equal(kc, kc_r) and torch.equal(vc, vc_r)
+    for got, want in ((kc, kc_r), (vc, vc_r)):
+        close(got.contiguous(), want.contiguous())
+    if pad_slot:  # the padded token's k/v went nowhere: every entry not stored is unchanged
+        written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=DEV)
+        written[slots[keep]] = True
+        mask = written.view(kc.shape[0], kc.shape[1])
+        assert torch.equal(kc2[~mask], kc[~mask])
+
+
+@interp
+def test_dispatch_rope_store_kv(monkeypatch):
+    """KernelBackend.rope_store_kv: the fused kernel with Triton attention and elementwise
+    kernels; off (FUSE_ROPE_STORE) or with any torch family, rope then store_kv: same values."""
+    from hisparse_cli.kernels import dispatch
+
+    t, hq, hkv, d = 3, 4, 2, 16
+    qkv, cos, sin, slots, (kc, vc) = rope_store_case(t, hq, hkv, d, torch.float16,
+                                                     torch.float16, False, False)
+    outs = []
+    for backend, fuse in ((KernelBackend(attention="triton", elementwise="triton"), True),
+                          (KernelBackend(attention="triton", elementwise="triton"), False),
+                          (KernelBackend(attention="triton"), True), (KernelBackend(), True)):
+        monkeypatch.setattr(dispatch, "FUSE_ROPE_STORE", fuse)
+        k2, v2 = kc.clone(), vc.clone()
+        calls = []
+        monkeypatch.setattr(tri, "rope_store_kv",
+                            lambda *a, _f=tri.rope_store_kv: calls.append(1) or _f(*a))
+        q = backend.rope_store_kv(qkv, hq, hkv, cos, sin, k2, v2, slots)
+        assert bool(calls) == (fuse and backend.elementwise == "triton"), (backend, fuse)
+        outs.append((q.contiguous(), k2, v2))
+    for q, k2, v2 in outs[1:]:
+        assert torch.equal(q, outs[0][0]) and torch.equal(k2, outs[0][1])
+        assert torch.equal(v2, outs[0][2])
+
+
+def _engine_tokens_fused_vs_not(tmp_path, monkeypatch, new_tokens):
+    """The model's fused path (Attention.forward -> StepContext.attend_qkv ->
+    rope_store_kv): the same tokens as the same Triton path with RoPE and store_kv as two
+    kernels (FUSE_ROPE_STORE off), and the fused kernel actually ran. On the CPU the Triton
+    elementwise kernels are forced (CausalLM._fused picks them on CUDA only) and run in the
+    interpreter; on CUDA the decode runs from a captured graph."""
+    from conftest import save_tiny
+
+    from hisparse_cli.engine import Engine, GenerationConfig, SparseConfig
+    from hisparse_cli.kernels import dispatch
+    from hisparse_cli.model import llama
+
+    path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
+    backend = KernelBackend(attention="triton", elementwise="triton")
+    if CPU:
+        monkeypatch.setattr(llama.CausalLM, "_fused", lambda self, x: backend)
+
+    def engine():  # a new engine per setting: no decode graph kept from the other
+        eng = Engine.from_pretrained(path, device=DEV, sparse=SparseConfig(
+            sink_tokens=4, window_size=32, global_tokens=4, block_size=8, prefill_chunk=16,
+            recalibrate_every=16, recalibrate_topk=4))
+        if CPU:
+            eng.backend = backend
+        return eng
+
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(3))
+    g = GenerationConfig(max_new_tokens=new_tokens, eos_token_ids=())
+    calls = []
+    monkeypatch.setattr(tri, "rope_store_kv",
+                        lambda *a, _f=tri.rope_store_kv: calls.append(1) or _f(*a))
+    fused = engine().generate(ids, gen=g)
+    assert calls, "the fused kernel did not run"
+    monkeypatch.setattr(dispatch, "FUSE_ROPE_STORE", False)
+    n = len(calls)
+    unfused = engine().generate(ids, gen=g)
+    assert len(calls) == n
+    assert fused.token_ids == unfused.token_ids and len(fused.token_ids) == new_tokens
+    return fused
+
+
+@interp
+def test_engine_tokens_with_fused_rope_store(tmp_path, monkeypatch):
+    _engine_tokens_fused_vs_not(tmp_path, monkeypatch, 6)
+
+
 def silu_case(t, inter, dtype, pad=0, seed=0):
     """A stacked gate|up output [t, 2 inter], as a view with row stride 2 inter + pad."""
     return rnd(t, 2 * inter + pad, dtype=dtype, seed=seed)[:, :2 * inter]
@@ -160,6 +291,37 @@ def test_planner_counts_only_the_kernel_outputs():
     add_rms_norm(tr, s, "n", 3, s.hidden)
     row = cuda_block_bytes(3 * s.hidden * 2)
     assert tr.peak == max(row + cuda_block_bytes(3 * (s.hq + s.hkv) * s.d * 2), 2 * row)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_planner_models_the_fused_rope_store(monkeypatch, fuse):
+    """planner_step._attention: with the fused RoPE + K/V store the step allocates q [t, hq, D]
+    (no q|k RoPE output); off, the q|k output [t, hq + hkv, D], as the engine does."""
+    from hisparse_cli import planner_step
+    from hisparse_cli.kernels import dispatch
+    from hisparse_cli.planner_attn import AttnStep
+    from hisparse_cli.planner_trace import StepShape, Trace
+
+    monkeypatch.setattr(dispatch, "FUSE_ROPE_STORE", fuse)
+    s = StepShape(layers=2, hidden=4096, inter=14336, vocab=128256, hq=32, hkv=8, d=128, cb=2,
+                  kvb=2, cuda=True, backend="triton", awq=False, group=128, awq_lm_head=False,
+                  qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, bs=16, sinks=4,
+                  window=64, G=0, C=0, track_scores=False, score_tensor=False, score_stride=1,
+                  min_distance=0, importance="attention", num_sms=132)
+    seen = []
+
+    class Rec(Trace):
+        def alloc(self, name, nbytes):
+            seen.append((name, nbytes))
+            return super().alloc(name, nbytes)
+
+    tr = Rec(cuda=True)
+    t = 5
+    h = tr.alloc("h", t * s.hidden * 2)
+    planner_step._attention(tr, s, AttnStep(t=t, nb=4, ts=t, globals_full=False), True, False, h)
+    rope_allocs = [(n, b) for n, b in seen if n in ("attn.q", "attn.qk")]
+    heads = s.hq if fuse else s.hq + s.hkv
+    assert rope_allocs == [("attn.q" if fuse else "attn.qk", t * heads * s.d * 2)]
 
 
 def test_kernels_compile_for_sm90():
@@ -247,6 +409,38 @@ def test_model_logits_with_kernels_match_torch_backend_gpu(tmp_path, monkeypatch
     got = forward_full(model, ids)
     err = float((got - want).abs().max() / want.abs().max())
     assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 7, 1024])
+def test_rope_store_kv_llama_shapes_gpu(dtype, t):
+    """Llama-3-8B heads: the fused kernel equals rope() then store_kv() bit for bit (the same
+    rotation code), and the reference within its tolerance."""
+    from hisparse_cli.kernels.attention_triton import store_kv
+
+    hq, hkv, d, nb, bs = 32, 8, 128, 80, 16
+    qkv = rnd(t, (hq + 2 * hkv) * d, dtype=dtype)
+    cos, sin = rnd(t, d, dtype=dtype, seed=4), rnd(t, d, dtype=dtype, seed=5)
+    slots = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(t))[:t].to(DEV)
+    kc, vc = kv_caches(nb, bs, hkv, d, dtype, False)
+    kc2, vc2, kc_r, vc_r = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    q = tri.rope_store_kv(qkv, hq, hkv, cos, sin, kc, vc, slots)
+    qk = tri.rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    store_kv(kc2, vc2, qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d), slots)
+    assert torch.equal(q, qk[:, :hq]) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    q_ref = ref.rope_store_kv(qkv, hq, hkv, cos, sin, kc_r, vc_r, slots)
+    close(q, q_ref.contiguous())
+    close(kc, kc_r)
+    assert torch.equal(vc, vc_r)  # v is stored as it is
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+def test_engine_tokens_with_fused_rope_store_gpu(tmp_path, monkeypatch):
+    res = _engine_tokens_fused_vs_not(tmp_path, monkeypatch, 24)
+    assert res.extra.get("cuda_graph") == "new", res.extra  # the decode ran from a graph
 
 
 def _chain_logits(model, ids, all_logits, fuse, monkeypatch, hook=None):

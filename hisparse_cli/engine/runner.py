@@ -41,9 +41,25 @@ class StepContext:
         self.run.cache.set_token_scores(layer, self.slots, self.run.token_scorer(layer, x))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        run = self.run
+        k_l, v_l = run.cache.layer_views[layer][:2]
+        run.backend.store_kv(k_l, v_l, k, v, self.slots)
+        return self._attention(layer, q)
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, hq: int, hkv: int, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        """attend() from the stacked projection's output qkv [T, (hq + 2 hkv) D] before RoPE
+        (cos, sin [T, D]): RoPE of q and k and the K/V store in one backend call
+        (KernelBackend.rope_store_kv: one Triton launch instead of two), then the attention."""
+        run = self.run
+        k_l, v_l = run.cache.layer_views[layer][:2]
+        q = run.backend.rope_store_kv(qkv, hq, hkv, cos, sin, k_l, v_l, self.slots)
+        return self._attention(layer, q)
+
+    def _attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The layer's sparse attention of q over its stored keys (the step's included)."""
         run, cache = self.run, self.run.cache
         k_l, v_l, gk, gv, gpos, gmass, gseen, score = cache.layer_views[layer]
-        run.backend.store_kv(k_l, v_l, k, v, self.slots)
         glob = cache.G > 0
         # masses go straight into the layer's score / global_mass / global_seen
         out, _, _ = run.backend.sparse_attention(

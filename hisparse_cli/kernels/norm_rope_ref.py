@@ -53,3 +53,18 @@ def rope_tabled(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> to
     rotate_half(x) * sin = roll(x, D/2) * sin_rot, element by element the same products
     (only signs move), so bit-identical to x * cos + rotate_half(x) * sin."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_rot
+
+
+def rope_store_kv(qkv: torch.Tensor, hq: int, hkv: int, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The stacked projection's output qkv [T, (hq + 2 hkv) D] -> rope of its q heads [T, hq,
+    D]; rope of its k heads and its v heads are stored into the paged cache at slot_mapping
+    (attention_ref.store_kv). The oracle of norm_rope_triton.rope_store_kv (and the op the
+    engine runs without Triton)."""
+    from hisparse_cli.kernels.attention_ref import store_kv
+
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    qk = rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    store_kv(k_cache, v_cache, qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d), slot_mapping)
+    return qk[:, :hq]

@@ -72,12 +72,66 @@ def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, NH, sxt, sxh, sct, sst,
     s1 = tl.load(sin_ptr + t * sst + d, mask=dm, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + t * sst + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
     dt = out_ptr.dtype.element_ty
-    # each product rounded to the dtype, then their sum (the reference's three roundings)
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, dt)
+    dst = out_ptr + (t * NH + h[:, None]) * (2 * HALF) + d[None, :]
+    tl.store(dst, o1, mask=mask)
+    tl.store(dst + HALF, o2, mask=mask)
+
+
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
+    """Rotate-half RoPE of the halves x1, x2 (fp32) in dtype dt: each product rounded to dt,
+    then their sum (the reference's three roundings)."""
     o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
     o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    dst = out_ptr + (t * NH + h[:, None]) * (2 * HALF) + d[None, :]
-    tl.store(dst, o1.to(dt), mask=mask)
-    tl.store(dst + HALF, o2.to(dt), mask=mask)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
+def _rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, sxt, sct, sst,
+                   stride_cb, stride_cs, stride_ch, HQ: tl.constexpr, HKV: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BS: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+                   PDL_TRIGGER: tl.constexpr = False):
+    """Heads h of token t's stacked projection row (q | k | v heads of 2 HALF values): q heads
+    rotated into q [T, HQ, D]; k heads rotated and v heads as they are, into the paged cache
+    at slot_mapping[t] (converted to the cache dtype; a negative slot writes nothing). The
+    rotation is _rope's, so q and the stored k are bit-identical to rope() then store_kv()."""
+    pdl_enter(PDL_WAIT, PDL_TRIGGER)
+    t = tl.program_id(0).to(tl.int64)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = (d < HALF)[None, :]
+    mask = (h < HQ + 2 * HKV)[:, None] & dm
+    src = qkv_ptr + t * sxt + h[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    cm = d < HALF
+    c1 = tl.load(cos_ptr + t * sct + d, mask=cm, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * sct + HALF + d, mask=cm, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * sst + d, mask=cm, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * sst + HALF + d, mask=cm, other=0.0).to(tl.float32)[None, :]
+    dt = q_ptr.dtype.element_ty
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, dt)
+    qd = q_ptr + (t * HQ + h[:, None]) * (2 * HALF) + d[None, :]
+    qm = (h < HQ)[:, None] & dm
+    tl.store(qd, o1, mask=qm)
+    tl.store(qd + HALF, o2, mask=qm)
+    slot = tl.load(slot_ptr + t)
+    base = (slot // BS) * stride_cb + (slot % BS) * stride_cs + d[None, :]
+    is_v = (h >= HQ + HKV)[:, None]
+    kv_h = tl.where(is_v, h[:, None] - HQ - HKV, h[:, None] - HQ)
+    cdt = kc_ptr.dtype.element_ty
+    lo = tl.where(is_v, x1.to(dt), o1).to(cdt)  # v: the projection's values (dtype dt)
+    hi = tl.where(is_v, x2.to(dt), o2).to(cdt)
+    dst = base + kv_h * stride_ch
+    n_kv = tl.where(slot >= 0, HKV, 0)  # a padding slot stores no head
+    km = ((h >= HQ) & (h < HQ + n_kv))[:, None] & dm
+    vm = ((h >= HQ + HKV) & (h < HQ + HKV + n_kv))[:, None] & dm
+    tl.store(kc_ptr + dst, lo, mask=km)
+    tl.store(kc_ptr + dst + HALF, hi, mask=km)
+    tl.store(vc_ptr + dst, lo, mask=vm)
+    tl.store(vc_ptr + dst + HALF, hi, mask=vm)
 
 
 def _warps(elems: int) -> int:
@@ -189,3 +243,32 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
                                     cos.stride(0), sin.stride(0), HALF=d // 2, BLOCK_H=bh,
                                     BLOCK_D=bd, num_warps=warps, **chain_args(x.device))
     return out
+
+
+def rope_store_kv(qkv: torch.Tensor, hq: int, hkv: int, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The stacked projection's output qkv [T, (hq + 2 hkv) D] (unit stride along columns) ->
+    q = rope(q heads), a new contiguous [T, hq, D]; rope(k heads) and the v heads are written
+    into k_cache / v_cache [num_blocks, block_size, hkv, D] at slot_mapping[t] (negative:
+    skipped). One launch for what rope() and store_kv() do in two (norm_rope_ref.rope_store_kv)."""
+    t = qkv.shape[0]
+    nb, bs, hkv_c, d = k_cache.shape
+    assert qkv.dim() == 2 and qkv.shape[1] == (hq + 2 * hkv) * d and qkv.stride(1) == 1, \
+        (qkv.shape, qkv.stride(), hq, hkv, d)
+    assert hkv_c == hkv and v_cache.shape == k_cache.shape and \
+        v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, "cache layout"
+    assert d % 2 == 0 and cos.shape == (t, d) and sin.shape == (t, d), (cos.shape, d)
+    assert cos.dtype == sin.dtype == qkv.dtype and cos.stride(1) == 1 and sin.stride(1) == 1
+    assert slot_mapping.shape == (t,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    slots = slot_mapping if slot_mapping.is_contiguous() else slot_mapping.contiguous()
+    heads = hq + 2 * hkv
+    bh, bd, warps = rope_config(heads, d // 2)
+    _rope_store_kv[(t, triton.cdiv(heads, bh))](
+        qkv, cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ=hq, HKV=hkv, HALF=d // 2,
+        BLOCK_H=bh, BLOCK_D=bd, BS=bs, num_warps=warps, **chain_args(qkv.device))
+    return q

@@ -24,6 +24,10 @@ class AttentionContext(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (after RoPE) -> out [T, Hq, D]."""
 
+    # optional (engine/runner.py:StepContext): attend_qkv(layer, qkv, hq, hkv, cos, sin), the
+    # same from the stacked projection's output before RoPE; used with `fused` when q|k|v are
+    # stacked and there is no q/k norm
+
 
 # `fused` below: the backend whose Triton kernels replace the elementwise chains (RMSNorm,
 # the residual add before the second norm, RoPE), chosen once per forward by
@@ -93,8 +97,13 @@ class Attention(nn.Module):
         t = x.shape[0]
         if getattr(ctx, "wants_hidden", False):  # learned importance probe reads hidden states
             ctx.observe(self.layer, x)
-        q, k, v = self._qkv(x, cos, sin, fused)
-        out = ctx.attend(self.layer, q, k, v)  # [T, Hq, D]
+        attend_qkv = getattr(ctx, "attend_qkv", None)
+        if (fused is not None and attend_qkv is not None and self.qkv_proj is not None
+                and self.q_norm is None):  # RoPE and the K/V store in one call (the engine's)
+            out = attend_qkv(self.layer, self.qkv_proj(x), self.hq, self.hkv, cos, sin)
+        else:
+            q, k, v = self._qkv(x, cos, sin, fused)
+            out = ctx.attend(self.layer, q, k, v)  # [T, Hq, D]
         if last_only:  # every K/V is stored; only the last position's output is used
             out, t = out[-1:], 1
         return self.o_proj(out.reshape(t, self.hq * self.d))
