@@ -1,5 +1,6 @@
-"""Triton RMSNorm (optionally fused with the residual add before it), rotate-half RoPE, and the
-gated MLP's silu(gate) * up in place.
+"""Triton RMSNorm (optionally fused with the residual add before it), rotate-half RoPE (alone,
+or with the step's K/V store into the paged cache: rope_store_kv), and the gated MLP's
+silu(gate) * up in place.
 
 Torch references: kernels/norm_rope_ref.py. One launch replaces the ~8 elementwise kernels of
 an fp16 RMSNorm and the ~5 of RoPE. Rounding follows the references step by step: the
@@ -13,6 +14,9 @@ v1: one program per ROWS rows of x [R, H] (ROWS > 1 for short rows such as q/k h
     RoPE: one program per (token, block of heads) over both halves of D; silu * up: one
     program per (token, SILU_BLOCK columns), one launch instead of torch's two (silu in
     place, then the product), reading gate and up once.
+rope_store_kv (H200 run 86): RoPE's programs over all q|k|v heads of the stacked projection,
+    q heads to q, k (rotated) and v heads to their cache slot: one launch a layer instead of
+    rope + store_kv (attention_triton), the same bits; decode neutral (+0.1-0.2 % INT4).
 """
 
 from __future__ import annotations
