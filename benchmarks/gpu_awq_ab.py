@@ -39,6 +39,10 @@ rotated each round (gpu_awq_ab_fuse_residual.json).
 --fuse-rope-store: only decode at --context, fp16 and INT4, with each layer's RoPE and K/V
 store in one kernel (norm_rope_triton.rope_store_kv, dispatch.FUSE_ROPE_STORE) or two; the
 order rotated each round (gpu_awq_ab_fuse_rope_store.json).
+--compact: only decode at --context: the INT4 model as built (twice: the spread between two
+builds in one process), and a third build with every AWQ linear's words, zero points and
+scales copied into one allocation in layer order (compact_awq_buffers), and fp16 as the
+noise control; the order rotated each round (gpu_awq_ab_compact.json).
 --tiled: only decode at --context, fp16 and INT4, with the INT4 words stored tiled under
 GEMV_TABLE (AWQLinear.set_tiled, awq_layout.tile_kmajor; what awq_layout.TILED_WEIGHTS loads)
 or K-major under KMAJOR_TABLE (the K-major tiles of runs 46-64); the order rotated each round
@@ -121,6 +125,7 @@ def main() -> None:
             ("--pair-prmt", "the packed GEMV's x pairs built by PRMT or by bit operations"),
             ("--fuse-residual", "each layer's residual add inside the next norm or as its own op"),
             ("--fuse-rope-store", "each layer's RoPE and K/V store in one kernel or two"),
+            ("--compact", "the INT4 buffers as built (two builds) or in one allocation"),
             ("--tiled", "the INT4 words stored in the tiled layout or K-major"),
             ("--host-gather", "the embedding table in host memory, its row gathered by a kernel "
                               "or read through the host")):
@@ -138,7 +143,7 @@ def main() -> None:
                        (a.pdl, pdl_ab), (a.pdl_chain, chain_ab), (a.silu, silu_ab),
                        (a.fuse_mass, fuse_mass_ab), (a.pair_prmt, pair_prmt_ab),
                        (a.fuse_residual, fuse_residual_ab), (a.host_gather, host_gather_ab),
-                       (a.fuse_rope_store, fuse_rope_store_ab),
+                       (a.fuse_rope_store, fuse_rope_store_ab), (a.compact, compact_ab),
                        (a.tiled, tiled_ab)):
         if flag:  # the --flag modes: one A/B each, then done
             only(a, model, cfg, sparse, backend, dev)
@@ -312,6 +317,59 @@ def fuse_rope_store_ab(a, model, cfg, sparse, backend, dev) -> None:
     _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
                lambda on: setattr(dispatch, "FUSE_ROPE_STORE", on),
                "gpu_awq_ab_fuse_rope_store.json", left_on=dispatch.FUSE_ROPE_STORE)
+
+
+def compact_awq_buffers(model, align: int = 512) -> int:
+    """Copy every AWQLinear's qweight, qzeros and scales, in module order, into one device
+    allocation (each at a multiple of `align` bytes) and rebind the buffers to views of it;
+    the old tensors are freed. Returns the allocation's bytes."""
+    mods = [m for m in model.modules() if isinstance(m, AWQLinear)]
+    names = ("qweight", "qzeros", "scales")
+    size = lambda t: -(-t.numel() * t.element_size() // align) * align  # noqa: E731
+    total = sum(size(getattr(m, n)) for m in mods for n in names)
+    buf = torch.empty(total, dtype=torch.uint8, device=mods[0].qweight.device)
+    off = 0
+    for m in mods:
+        for n in names:
+            t = getattr(m, n)
+            nb = t.numel() * t.element_size()
+            view = buf[off:off + nb].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            setattr(m, n, view)  # a registered buffer: rebinds it (prepared again on use)
+            off += size(t)
+    torch.cuda.empty_cache()
+    return total
+
+
+def compact_ab(a, model, cfg, sparse, backend, dev) -> None:
+    """Decode tok/s at --context over --decode-tokens: INT4 as built (this model and a second
+    build), INT4 with its buffers in one allocation (a third build, compacted), and fp16; the
+    order rotated each round (gpu_awq_ab_compact.json)."""
+    fp16 = build_ours(cfg, dev, awq=False, host_emb=False)
+    second = build_ours(cfg, dev, awq=True, host_emb=False)
+    compact = build_ours(cfg, dev, awq=True, host_emb=False)
+    nbytes = compact_awq_buffers(compact)
+    print(f"compacted: {nbytes / 2 ** 30:.2f} GiB in one allocation", flush=True)
+    long = prompt(a.context, cfg.vocab_size)
+    variants = [("fp16", fp16, "fp16"), ("int4 built", model, "awq-int4"),
+                ("int4 built again", second, "awq-int4"), ("int4 compacted", compact, "awq-int4")]
+    for _, m, fmt in variants:  # compile at the timed shapes, outside the timing
+        run_ours(m, cfg, sparse, long, 8, backend, dev, weight_format=fmt)
+    res = []
+    for r in range(a.rounds):
+        row = {}
+        k = r % len(variants)
+        for label, m, fmt in variants[k:] + variants[:k]:
+            out = run_ours(m, cfg, sparse, long, a.decode_tokens, backend, dev, weight_format=fmt)
+            row[label] = out["decode_tok_s"]
+            print(f"round {r} {label:<18} decode {out['decode_tok_s']:7.1f} tok/s  prefill "
+                  f"{out['prefill_tok_s']:9,.0f} tok/s", flush=True)
+        print(f"round {r}: compacted / built {row['int4 compacted'] / row['int4 built']:.3f}, "
+              f"/ built again {row['int4 compacted'] / row['int4 built again']:.3f}; built again"
+              f" / built {row['int4 built again'] / row['int4 built']:.3f}", flush=True)
+        res.append(dict(round=r, decode_tok_s=row))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "gpu_awq_ab_compact.json").write_text(json.dumps(res, indent=1))
 
 
 def tiled_ab(a, model, cfg, sparse, backend, dev) -> None:
