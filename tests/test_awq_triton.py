@@ -426,6 +426,38 @@ def test_gemm_k_interpreter(group, m, block_m):
     check(awq_gemm_k.awq_gemm_k(x, qt, qz, s, b, group, config=cfg), x, qw, qz, s, b, group)
 
 
+def _gemm_packed_same_bits(group, tiled, monkeypatch):
+    """awq_gemm_k.GEMM_PACKED: fp16 x through the packed dequantization (PTX on CUDA, its fp32
+    emulation in the interpreter) gives the bits of the fp32-path dequantization: the same
+    fp16 (q - z) s values into the same dot."""
+    dev = "cpu" if CPU else "cuda"
+    x, qw, qt, qz, s, b = case_k(37, 2 * group, 192, group, torch.float16, dev, seed=3)
+    s = s * torch.linspace(0.5, 3.0, s.numel(), device=dev).view(s.shape).to(s.dtype)
+    words = awq_layout.tile_kmajor(qt, group) if tiled else qt
+    cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2)
+    ys = []
+    for packed in (True, False):
+        monkeypatch.setattr(awq_gemm_k, "GEMM_PACKED", packed)
+        ys.append(awq_gemm_k.awq_gemm_k(x, words, qz, s, b, group, config=cfg, tiled=tiled))
+    assert torch.equal(ys[0], ys[1])
+    check(ys[0], x, qw, qz, s, b, group)
+
+
+@interp
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gemm_k_packed_dequant_same_bits_interpreter(group, tiled, monkeypatch):
+    _gemm_packed_same_bits(group, tiled, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gemm_k_packed_dequant_same_bits_cuda(group, tiled, monkeypatch):
+    _gemm_packed_same_bits(group, tiled, monkeypatch)
+
+
 @interp
 def test_gemm_k_interpreter_fp32_strided_x_no_bias():
     # fp32 activations (IEEE products); rows of x with a stride > K, as a column half of a

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_gemv import _row_bases, _word_ptrs, check_gemv_args, check_x
+from hisparse_cli.kernels.awq_gemv import _bits2, _row_bases, _word_ptrs, check_gemv_args, check_x
 
 
 @triton.jit
@@ -43,18 +43,74 @@ def _dequant_nibble(words, SHIFT: tl.constexpr, s2, sz, dt: tl.constexpr):
     return (q * s2 - sz).to(dt)
 
 
+_DEQUANT8 = tl.constexpr("""{
+    .reg .b32 t0, t1, t2, t3, w8;
+    lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 t1, $8, 0x00F000F0, 0x64006400, 0xEA;
+    shr.u32 w8, $8, 8;
+    lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
+    add.rn.f16x2 t0, t0, $9;
+    fma.rn.f16x2 t1, t1, $11, $10;
+    add.rn.f16x2 t2, t2, $9;
+    fma.rn.f16x2 t3, t3, $11, $10;
+    mul.rn.f16x2 t0, t0, $12;
+    mul.rn.f16x2 t1, t1, $12;
+    mul.rn.f16x2 t2, t2, $12;
+    mul.rn.f16x2 t3, t3, $12;
+    mov.b32 {$0, $4}, t0;
+    mov.b32 {$1, $5}, t1;
+    mov.b32 {$2, $6}, t2;
+    mov.b32 {$3, $7}, t3;
+    }""")
+
+
+@triton.jit
+def _dequant8_packed(words, zw, zshift, sv, ASM: tl.constexpr):
+    """The 8 nibbles of each word [BN, BKW] as fp16 (q - z) s, bit-identical to
+    _dequant_nibble's (q s - z s is exact in fp32, then one rounding): per nibble pair one
+    LOP3 into the fp16 magic 1024 + q (1024 + 16 q for a byte's upper nibble), one HADD2 /
+    HFMA2 to the exact integer q - z, one HMUL2 by s (rounding once); zw [BN] zero-point
+    words, sv [BN] fp16 scales. ASM false (the CPU interpreter): the same values in fp32."""
+    zi = ((zw >> zshift) & 0xF)[:, None]  # [BN, 1]
+    if ASM:
+        z1 = (-(1024 + zi)).to(tl.float16)  # exact: integers below 2048
+        z16 = (-(64 + zi)).to(tl.float16)
+        s1 = sv.to(tl.float16)[:, None]
+        return tl.inline_asm_elementwise(
+            asm=_DEQUANT8, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+            args=[words, _bits2(z1, z1), _bits2(z16, z16),
+                  tl.full(words.shape, 0x2C002C00, tl.int32), _bits2(s1, s1)],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    s = sv.to(tl.float32)[:, None]
+    z = zi.to(tl.float32)
+    return (_code(words, 0, z, s), _code(words, 4, z, s), _code(words, 8, z, s),
+            _code(words, 12, z, s), _code(words, 16, z, s), _code(words, 20, z, s),
+            _code(words, 24, z, s), _code(words, 28, z, s))
+
+
+@triton.jit
+def _code(words, SHIFT: tl.constexpr, z, s):
+    return ((((words >> SHIFT) & 0xF).to(tl.float32) - z) * s).to(tl.float16)
+
+
 @triton.jit
 def _dequant_words_k(words, s2, sz, dt: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_KW: tl.constexpr):
-    """K-major words [BN, BKW] -> W^T tile [BN, 8 BKW] in K order, in dt."""
-    v0 = _dequant_nibble(words, 0, s2, sz, dt)
-    v1 = _dequant_nibble(words, 4, s2, sz, dt)
-    v2 = _dequant_nibble(words, 8, s2, sz, dt)
-    v3 = _dequant_nibble(words, 12, s2, sz, dt)
-    v4 = _dequant_nibble(words, 16, s2, sz, dt)
-    v5 = _dequant_nibble(words, 20, s2, sz, dt)
-    v6 = _dequant_nibble(words, 24, s2, sz, dt)
-    v7 = _dequant_nibble(words, 28, s2, sz, dt)
+                     BLOCK_KW: tl.constexpr, PACKED: tl.constexpr = False, zw=None,
+                     zshift=None, sv=None, ASM: tl.constexpr = False):
+    """K-major words [BN, BKW] -> W^T tile [BN, 8 BKW] in K order, in dt (PACKED: fp16 by
+    _dequant8_packed from the zero-point words zw and scales sv; the same values)."""
+    if PACKED:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _dequant8_packed(words, zw, zshift, sv, ASM)
+    else:
+        v0 = _dequant_nibble(words, 0, s2, sz, dt)
+        v1 = _dequant_nibble(words, 4, s2, sz, dt)
+        v2 = _dequant_nibble(words, 8, s2, sz, dt)
+        v3 = _dequant_nibble(words, 12, s2, sz, dt)
+        v4 = _dequant_nibble(words, 16, s2, sz, dt)
+        v5 = _dequant_nibble(words, 20, s2, sz, dt)
+        v6 = _dequant_nibble(words, 24, s2, sz, dt)
+        v7 = _dequant_nibble(words, 28, s2, sz, dt)
     # [BN, BKW, 2, 2, 2] with element (a, b, c) at flat position 4a + 2b + c = nibble index i
     v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
                 tl.join(tl.join(v1, v5), tl.join(v3, v7)))
@@ -67,7 +123,8 @@ def _dequant_words_k(words, s2, sz, dt: tl.constexpr, BLOCK_N: tl.constexpr,
 def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
                        stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       IEEE: tl.constexpr, TILED: tl.constexpr = False, T: tl.constexpr = 16):
+                       IEEE: tl.constexpr, TILED: tl.constexpr = False, T: tl.constexpr = 16,
+                       PACKED: tl.constexpr = False, ASM: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] (+ b[n]) for one [BLOCK_M tokens, BLOCK_N columns]
     tile; BLOCK_KW words (8 BLOCK_KW K rows, inside one group) per loop step."""
     pid = tl.program_id(0)
@@ -91,9 +148,14 @@ def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
     for w0 in range(0, KW, BLOCK_KW):
         words = tl.load(_word_ptrs(w_row, w0, offs_w, TILED, T))  # [BN, BKW] int32
         g = (w0 * 8) // GROUP
-        z = ((tl.load(qz_ptr + g * W8 + rows // 8) >> zshift) & 0xF).to(tl.float32)  # [BN]
-        s = tl.load(s_ptr + g * N + rows).to(tl.float32)  # [BN]
-        w = _dequant_words_k(words, s[:, None], (s * z)[:, None], dt, BLOCK_N, BLOCK_KW)
+        if PACKED:  # fp16 x: the packed dequantization (same values)
+            w = _dequant_words_k(words, None, None, dt, BLOCK_N, BLOCK_KW, True,
+                                 tl.load(qz_ptr + g * W8 + rows // 8), zshift,
+                                 tl.load(s_ptr + g * N + rows), ASM)
+        else:
+            z = ((tl.load(qz_ptr + g * W8 + rows // 8) >> zshift) & 0xF).to(tl.float32)  # [BN]
+            s = tl.load(s_ptr + g * N + rows).to(tl.float32)  # [BN]
+            w = _dequant_words_k(words, s[:, None], (s * z)[:, None], dt, BLOCK_N, BLOCK_KW)
         xt = tl.load(x_tok + (w0 * 8 + offs_k)[:, None])  # [BK, BM]
         if IEEE:
             acc = tl.dot(w, xt, acc, input_precision="ieee")
@@ -127,10 +189,17 @@ def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     if m == 0:
         return y
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    asm = x2.is_cuda and torch.version.hip is None  # the packed path's PTX: NVIDIA only
+    packed = GEMM_PACKED and x2.dtype == torch.float16 and (asm or not x2.is_cuda)
     _awq_gemm_k_kernel[grid](
         x2, qweight_k, qzeros, scales, bias if bias is not None else scales, y, m, n, kw,
         n // 8, x2.stride(0), y.stride(0), GROUP=group_size, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_KW=bk // 8, HAS_BIAS=bias is not None,
         IEEE=x2.dtype == torch.float32, TILED=tiled, T=awq_layout.tile_words(group_size),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PACKED=packed, ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
+
+# True: fp16 activations take the packed dequantization (_dequant8_packed: the same weight
+# values in ~30 % fewer sm_90 loop instructions); `benchmarks/gpu_gemm_packed.py` times it
+GEMM_PACKED = True
