@@ -215,10 +215,13 @@ def main() -> None:
              ((16,) + tiles[0][1:], "*fp16", 128, True)]  # block_m cut for 5..16 tokens
     for (bm, bn, bk, warps, stages), dt, group, bias in gemm:
         bk = min(bk, group)
+        packed = agk.GEMM_PACKED and dt == "*fp16"  # as awq_gemm_k launches it on CUDA
         k = compile_one(agk._awq_gemm_k_kernel, dict(gemm_sig, x_ptr=dt, b_ptr=dt, y_ptr=dt),
                         dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bk // 8,
-                             HAS_BIAS=bias, IEEE=dt == "*fp32"), warps, gemm_aligned, stages)
-        report(f"gemm {dt[1:]} g{group} bm{bm} bn{bn} bk{bk} w{warps} st{stages}", k, a.sass_dir)
+                             HAS_BIAS=bias, IEEE=dt == "*fp32", PACKED=packed, ASM=True,
+                             TILED=True, T=16), warps, gemm_aligned, stages)
+        report(f"gemm {dt[1:]} g{group} bm{bm} bn{bn} bk{bk} w{warps} st{stages}"
+               f"{' packed' if packed else ''}: loop {loop_length(k)}", k, a.sass_dir)
 
 
 if __name__ == "__main__":
