@@ -17,6 +17,12 @@ register operand. Per K step (BLOCK_K inside one group, so one z and s per outpu
 - x^T [BLOCK_K, BLOCK_M] loaded from rows of x (unit stride in K, any row stride; padding
   tokens read row 0 and are masked at the store);
 - tl.dot with fp32 accumulation (fp32 x: IEEE products, no TF32).
+Packed dequantization (GEMM_PACKED, fp16 x on NVIDIA; the interpreter runs an fp32
+emulation): per word, one LOP3 a nibble pair into the fp16 magic 1024 + q (1024 + 16 q for a
+byte's upper nibble), one HADD2 / HFMA2 to the exact integer q - z, one HMUL2 by s: fp16
+(q - z) s rounded once, the same bits as the fp32 path above (whose q s - z s is exact in
+fp32 before its one rounding). sm_90 loop of the table's 1,024-token tile: 312 -> 221
+instructions (`awq_sm90_compile.py`); timed by `benchmarks/gpu_prefill_packed.sh`.
 Epilogue: + bias in fp32, one rounding to x's dtype. Program order: all token tiles of one
 column tile are consecutive, so a weight tile comes from DRAM once and from L2 after.
 
