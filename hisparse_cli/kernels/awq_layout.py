@@ -356,14 +356,20 @@ def gemm_m_bucket(m: int) -> str:
     raise AssertionError("unreachable")
 
 
-# (token bucket, N class of gemv_shape_class) -> tile. NOT YET MEASURED on a GPU: common
-# Hopper Triton GEMM tiles; `benchmarks/gpu_awq.py --prefill-sweep` times GEMM_CANDIDATES
-# per Llama-3-8B shape and prints the rows to adopt.
-_T64 = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
-_T256 = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-_TBIG = GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-GEMM_TABLE = {(b, c): t for c in ("small_n", "large_n", "huge_n")
-              for b, t in (("m64", _T64), ("m256", _T256), ("m1024", _TBIG), ("m_large", _TBIG))}
+# (token bucket, N class of gemv_shape_class) -> tile: the fastest candidate per bucket and
+# class in the H200 prefill sweep with the packed dequantization (run 89,
+# `benchmarks/gpu_prefill_packed.sh`, benchmarks/results/h200-run89/packed). Only the rows
+# FUSED_MAX_TOKENS reaches are used (gate|up at 5-64 tokens: 87.7 -> 65.7 us at 64 tokens,
+# 1.05x fp16 cuBLAS); the others launch (run 10's m1024 tile did not) and are what the fused
+# GEMM would run if the threshold moved.
+_TILES = {("m64", "small_n"): (32, 64, 128, 4, 4), ("m64", "large_n"): (64, 128, 128, 8, 3),
+          ("m256", "small_n"): (64, 64, 128, 4, 3), ("m256", "large_n"): (128, 128, 64, 8, 3),
+          ("m1024", "small_n"): (128, 128, 64, 8, 3), ("m1024", "large_n"): (256, 128, 64, 8, 3),
+          ("m_large", "small_n"): (128, 128, 64, 8, 3),
+          ("m_large", "large_n"): (128, 128, 64, 8, 3)}
+GEMM_TABLE = {(b, c): GemmConfig(*_TILES[(b, "large_n" if c == "huge_n" else c)])
+              for b in ("m64", "m256", "m1024", "m_large")
+              for c in ("small_n", "large_n", "huge_n")}  # huge_n (lm_head): not swept
 # what --prefill-sweep tries: (block_m, block_n, block_k, num_warps, num_stages)
 GEMM_CANDIDATES = ((64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (32, 64, 128, 4, 4),
                    (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
@@ -375,6 +381,9 @@ GEMM_CANDIDATES = ((64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (32, 64, 128, 4, 4
 # `gpu_awq.py --prefill-sweep` of run 10 (benchmarks/results/h200-run10): the fused kernel
 # wins only on the stacked gate|up at 64 tokens (78 vs 146 us); on the small-N layers, and
 # at 256+ tokens everywhere, dequantize + cuBLAS is faster. lm_head (huge_n) not swept.
+# Run 89 (packed dequantization, the table above) confirms it: gate|up at 64 tokens 65.7 vs
+# 146.8 us, at 256 170.4 vs 162.2; q|k|v, o, down lose at 64 already (35.8 / 34.3 / 117.3 vs
+# 32.1 / 21.0 / 77.7 us).
 FUSED_MAX_TOKENS = {"small_n": GEMV_MAX_TOKENS, "large_n": 64, "huge_n": GEMV_MAX_TOKENS}
 
 
