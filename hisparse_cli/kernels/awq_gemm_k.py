@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_gemv import _bits2, _row_bases, _word_ptrs, check_gemv_args, check_x
+from hisparse_cli.kernels.awq_gemv import (_bits2, _row_bases, _word_ptrs, check_gemv_args,
+                                           check_x, nibble_pairs_ptx)
 
 
 @triton.jit
@@ -49,13 +50,7 @@ def _dequant_nibble(words, SHIFT: tl.constexpr, s2, sz, dt: tl.constexpr):
     return (q * s2 - sz).to(dt)
 
 
-_DEQUANT8 = tl.constexpr("""{
-    .reg .b32 t0, t1, t2, t3, w8;
-    lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
-    lop3.b32 t1, $8, 0x00F000F0, 0x64006400, 0xEA;
-    shr.u32 w8, $8, 8;
-    lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
-    lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
+_DEQUANT8 = tl.constexpr("{\n.reg .b32 t0, t1, t2, t3, w8;\n" + nibble_pairs_ptx("$8") + """
     add.rn.f16x2 t0, t0, $9;
     fma.rn.f16x2 t1, t1, $11, $10;
     add.rn.f16x2 t2, t2, $9;

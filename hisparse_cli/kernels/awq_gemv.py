@@ -161,6 +161,23 @@ _Z1_64, _Z16_64 = tl.constexpr(0xCC00), tl.constexpr(0xBC00)
 _Z1_128, _Z16_128 = tl.constexpr(0xC800), tl.constexpr(0xB800)
 
 
+def nibble_pairs_ptx(word: str) -> str:
+    """PTX putting the nibble pairs (p, p + 4) of the 32-bit operand `word` into the fp16x2
+    registers t0..t3 as 1024 + q (t1, t3: 1024 + 16 q, a byte's upper nibble), one LOP3 each
+    (the caller declares .reg .b32 t0, t1, t2, t3, w8)."""
+    return "\n".join((f"lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xEA;",
+                      f"lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xEA;",
+                      f"shr.u32 w8, {word}, 8;",
+                      "lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;",
+                      "lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;"))
+
+
+_DEQUANT_PAIRS = tl.constexpr("\n".join((
+    "{", ".reg .b32 t0, t1, t2, t3, w8;", nibble_pairs_ptx("$4"),
+    "fma.rn.f16x2 $0, t0, $7, $5;", "fma.rn.f16x2 $1, t1, $8, $6;",
+    "fma.rn.f16x2 $2, t2, $7, $5;", "fma.rn.f16x2 $3, t3, $8, $6;", "}")))
+
+
 @triton.jit
 def _dequant_pairs(words, z1, z16, WIDE: tl.constexpr):
     """Packed fp16 dequantization (PACKED): the 8 nibbles of each word as 4 fp16x2 pairs
@@ -176,18 +193,7 @@ def _dequant_pairs(words, z1, z16, WIDE: tl.constexpr):
         c1 = 0x24002400  # fp16x2 1/64
         c16 = 0x14001400  # fp16x2 1/1024
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, t2, t3, w8;
-        lop3.b32 t0, $4, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 t1, $4, 0x00F000F0, 0x64006400, 0xEA;
-        shr.u32 w8, $4, 8;
-        lop3.b32 t2, w8, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 t3, w8, 0x00F000F0, 0x64006400, 0xEA;
-        fma.rn.f16x2 $0, t0, $7, $5;
-        fma.rn.f16x2 $1, t1, $8, $6;
-        fma.rn.f16x2 $2, t2, $7, $5;
-        fma.rn.f16x2 $3, t3, $8, $6;
-        }""",
+        asm=_DEQUANT_PAIRS,
         constraints="=r,=r,=r,=r,r,r,r,r,r",
         args=[words, z1, z16, tl.full(words.shape, c1, tl.int32),
               tl.full(words.shape, c16, tl.int32)],

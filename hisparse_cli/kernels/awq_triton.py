@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_gemm_k import _dequant_nibble, awq_gemm_k
+from hisparse_cli.kernels.awq_gemm_k import _dequant_words_k, awq_gemm_k
 from hisparse_cli.kernels.awq_gemv import (_row_bases, _sm_count, _word_ptrs, awq_gemv_k,
                                            check_gemv_args, check_x)
 from hisparse_cli.kernels.awq_ref import check_awq_tensors
@@ -296,22 +296,7 @@ def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, strid
     s = tl.load(s_ptr + g * N + rows).to(tl.float32)
     s2 = s[:, None]
     sz = (s * z)[:, None]  # (q - z) s = q s - z s, exact in fp32 (both exact products)
-    dt = w_ptr.dtype.element_ty
-    v0 = _dequant_nibble(words, 0, s2, sz, dt)
-    v1 = _dequant_nibble(words, 4, s2, sz, dt)
-    v2 = _dequant_nibble(words, 8, s2, sz, dt)
-    v3 = _dequant_nibble(words, 12, s2, sz, dt)
-    v4 = _dequant_nibble(words, 16, s2, sz, dt)
-    v5 = _dequant_nibble(words, 20, s2, sz, dt)
-    v6 = _dequant_nibble(words, 24, s2, sz, dt)
-    v7 = _dequant_nibble(words, 28, s2, sz, dt)
-    # [BN, BKW, 2, 2, 2] with element (a, b, c) at flat position 4a + 2b + c = nibble index i
-    v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
-                tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-    # word w = 4 r + j, nibble i is K row 32 r + 4 i + j (kernels/awq_layout.py): [BN, r, j, i]
-    # -> [BN, r, i, j] puts every run of 32 K rows in order (a permutation inside a thread)
-    v = tl.permute(tl.reshape(v, (BLOCK_N, BLOCK_KW // 4, 4, 8)), (0, 1, 3, 2))
-    v = tl.reshape(v, (BLOCK_N, BLOCK_KW * 8))
+    v = _dequant_words_k(words, s2, sz, w_ptr.dtype.element_ty, BLOCK_N, BLOCK_KW)
     cols = w0 * 8 + tl.arange(0, BLOCK_KW * 8)
     tl.store(w_ptr + offs_out.to(tl.int64)[:, None] * stride_wn + cols[None, :], v,
              mask=mask_n[:, None])

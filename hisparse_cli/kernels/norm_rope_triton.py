@@ -69,17 +69,26 @@ def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, NH, sxt, sxh, sct, sst,
     dm = d < HALF
     mask = (h < NH)[:, None] & dm[None, :]
     src = x_ptr + t * sxt + h[:, None] * sxh + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(cos_ptr + t * sct + d, mask=dm, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * sct + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * sst + d, mask=dm, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * sst + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
     dt = out_ptr.dtype.element_ty
-    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, dt)
+    x1, x2, o1, o2 = _rope_rows(src, mask, cos_ptr + t * sct, sin_ptr + t * sst, d, dm, dt,
+                                HALF)
     dst = out_ptr + (t * NH + h[:, None]) * (2 * HALF) + d[None, :]
     tl.store(dst, o1, mask=mask)
     tl.store(dst + HALF, o2, mask=mask)
+
+
+@triton.jit
+def _rope_rows(src, mask, cos_row, sin_row, d, dm, dt: tl.constexpr, HALF: tl.constexpr):
+    """(x1, x2, o1, o2): the two halves [rows, BLOCK_D] at src / src + HALF (fp32) and their
+    rotation in dt by one token's cos / sin rows (dm: d < HALF)."""
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_row + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, dt)
+    return x1, x2, o1, o2
 
 
 @triton.jit
@@ -108,15 +117,9 @@ def _rope_store_kv(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, s
     dm = (d < HALF)[None, :]
     mask = (h < HQ + 2 * HKV)[:, None] & dm
     src = qkv_ptr + t * sxt + h[:, None] * (2 * HALF) + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    cm = d < HALF
-    c1 = tl.load(cos_ptr + t * sct + d, mask=cm, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + t * sct + HALF + d, mask=cm, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + t * sst + d, mask=cm, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + t * sst + HALF + d, mask=cm, other=0.0).to(tl.float32)[None, :]
     dt = q_ptr.dtype.element_ty
-    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, dt)
+    x1, x2, o1, o2 = _rope_rows(src, mask, cos_ptr + t * sct, sin_ptr + t * sst, d, d < HALF,
+                                dt, HALF)
     qd = q_ptr + (t * HQ + h[:, None]) * (2 * HALF) + d[None, :]
     qm = (h < HQ)[:, None] & dm
     tl.store(qd, o1, mask=qm)
