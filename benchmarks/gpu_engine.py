@@ -291,10 +291,14 @@ def plan_for(cfg, sparse, ctx, new, backend, dev, **kw):
                        backend=backend if dev.type == "cuda" else "torch", num_sms=sms, **kw)
 
 
-def run_ours(model, cfg, sparse, ids, new, backend, dev, **plan_kw) -> dict:
+def run_ours(model, cfg, sparse, ids, new, backend, dev, engine=None, **plan_kw) -> dict:
+    """One Engine.generate. engine: a kept Engine (its sparse settings must be `sparse`), as a
+    batch keeps one: a run of the same shapes after the first replays the kept CUDA graph
+    (no warm-up step, no capture); default a new Engine, whose first decode step captures."""
     from hisparse_cli.engine.engine import Engine
 
-    eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16, backend=backend)
+    eng = engine or Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                           backend=backend)
     plan = plan_for(cfg, sparse, len(ids), new, backend, dev, **plan_kw)
     free_all(dev)
     base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
@@ -310,7 +314,8 @@ def run_ours(model, cfg, sparse, ids, new, backend, dev, **plan_kw) -> dict:
            "reserved_peak_bytes": torch.cuda.max_memory_reserved(dev) if measured else None,
            "kv_blocks_peak": s.kv_blocks_peak, "predicted_kv_blocks_peak":
            plan.kv.peak_live_blocks, "kv_bytes_peak": s.kv_bytes_peak, "peak_when": plan.peak_when,
-           "backend": s.backend, "plan": plan}
+           "backend": s.backend, "plan": plan,
+           "cuda_graph": res.extra.get("cuda_graph") if res.extra else None}
     out["error_pct"] = (100.0 * (plan.peak_allocated_bytes - measured) / measured
                         if measured else None)
     return out
@@ -485,6 +490,8 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
     """(e) the same 8B shape with fp16 and with AWQ INT4 (g128) weights, same sparse settings
     (h200-141g, or --awq-profile's), same prompts: prefill and decode tok/s and the INT4/fp16
     ratios."""
+    from hisparse_cli.engine.engine import Engine
+
     base = load_profile(a.awq_profile).sparse_config()  # the sparse settings (not the budget)
     chunks = [int(c) for c in a.awq_chunks.split(",")] if a.awq_chunks else [base.prefill_chunk]
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
@@ -502,19 +509,28 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                 if left(a.time_budget) < 20 + ctx / 5000:
                     SKIPPED.append(f"(e) {label} at {ctx}, chunk {chunk}: out of time")
                     continue
-                seen = []
+                seen, dec_seen, graphs = [], [], []
+                # --reuse-engine: one Engine for the repeats, as `hisparse batch` keeps one:
+                # the repeats after the first replay the kept decode graph
+                eng = (Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                              backend=backend) if a.reuse_engine else None)
                 for _ in range(a.repeat):  # the last repeat is kept (the first graph decode
                     # of a context size in a process has run slow: specializations compile)
                     r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
-                                 a.decode_tokens, backend, dev, **kw)
+                                 a.decode_tokens, backend, dev, engine=eng, **kw)
                     seen.append(r["prefill_tok_s"])
+                    dec_seen.append(r["decode_tok_s"])
+                    graphs.append(r["cuda_graph"])
+                del eng
                 r.update(system=label, weights_bytes=r["plan"].weights_bytes, repeats=a.repeat,
-                         prefill_chunk=chunk, prefill_tok_s_repeats=seen)
+                         prefill_chunk=chunk, prefill_tok_s_repeats=seen,
+                         decode_tok_s_repeats=dec_seen, cuda_graph_repeats=graphs)
                 r.pop("plan")
                 rows.append(r)
                 log(f"(e) {label} ctx {ctx} chunk {chunk}: prefill {r['prefill_tok_s']:,.0f} "
                     f"tok/s, decode {r['decode_tok_s']:.1f} tok/s, peak {gib(r['peak_bytes'])} "
-                    f"GiB, weights {gib(r['weights_bytes'])} GiB")
+                    f"GiB, weights {gib(r['weights_bytes'])} GiB; decode by repeat "
+                    f"{', '.join(f'{d:.1f} ({g})' for d, g in zip(dec_seen, graphs))}")
         del model
         free_all(dev)
     for r in rows:
@@ -618,6 +634,9 @@ def main() -> None:
                          "e.g. 1024,2048")
     ap.add_argument("--awq-profile", default="h200-141g",
                     help="(e): the profile whose sparse settings both rows use")
+    ap.add_argument("--reuse-engine", action="store_true",
+                    help="(e): one Engine per model and context for the --repeat runs (the "
+                         "repeats after the first replay the kept decode graph, as in a batch)")
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")
