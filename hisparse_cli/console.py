@@ -73,7 +73,12 @@ class _RateColumn(ProgressColumn):
 class TokenProgress:
     """Pipeline progress (step, phase, done, total) → Rich bars on a terminal; otherwise one
     short log line per finished generation (prefill and decode rates). Use as a context
-    manager; pass the object as the pipeline's `progress`."""
+    manager; pass the object as the pipeline's `progress`.
+
+    A phase's time runs from its start: the callback that reports it with done == 0 (the
+    pipeline reports every prefill so), else the callback before it (the end of the previous
+    phase) or entering the context. Never from the phase's own first report, which for a
+    one-chunk prefill is also its last (that gave rates of millions of tok/s)."""
 
     def __init__(self, quiet: bool = False, prefix: str = "") -> None:
         self.console = stderr_console()
@@ -82,10 +87,11 @@ class TokenProgress:
         self._progress: Progress | None = None
         self._task = None
         self._key: tuple[str, str] | None = None
-        self._started = 0.0
+        self._started = self._last = time.perf_counter()
         self._phases: dict[str, tuple[int, float, int]] = {}  # phase -> (done, s, total)
 
     def __enter__(self) -> "TokenProgress":
+        self._last = time.perf_counter()
         if self.live:
             self._progress = Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -106,7 +112,8 @@ class TokenProgress:
         for phase, (n, sec, total) in self._phases.items():
             if phase in ("prefill", "decode"):
                 noun = "prompt" if phase == "prefill" else "new"
-                parts.append(f"{n:,} {noun} tokens ({n / sec if sec > 0 else 0.0:,.1f} tok/s)")
+                rate = f" ({n / sec:,.1f} tok/s)" if sec > 0 else ""  # 0: not measurable
+                parts.append(f"{n:,} {noun} tokens{rate}")
             else:
                 parts.append(f"{phase} {n:,}/{total:,} ({sec:.1f} s)")
         note(f"{self.prefix}{self._key[0]}: " + ", ".join(parts))
@@ -117,14 +124,16 @@ class TokenProgress:
             return
         if self._key is None or self._key[0] != step:
             self._log_step()
-        if (step, phase) != self._key:
-            self._key, self._started = (step, phase), time.perf_counter()
+        now = time.perf_counter()
+        if (step, phase) != self._key:  # a new phase: it started now, or at the last report
+            self._key, self._started = (step, phase), now if done == 0 else self._last
             if self._progress is not None:
                 if self._task is not None:
                     self._progress.remove_task(self._task)
                 self._task = self._progress.add_task(f"{self.prefix}{step} · {phase}",
                                                      total=total)
-        self._phases[phase] = (done, time.perf_counter() - self._started, total)
+        self._phases[phase] = (done, now - self._started, total)
+        self._last = now
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=done, total=total)
 

@@ -15,7 +15,7 @@ Strategy (`SummarySettings.strategy`):
   * "auto":        stream when it fits, else map-reduce.
 `progress(step, phase, done, total)` is called during every generation: step names the
 generation ("summary", "part 2/5 (pages 3–5)", "combine 1/2", "final summary"), phase is
-the engine's "prefill" | "decode".
+the engine's "prefill" | "decode"; ("prefill", 0, n) first marks the generation's start.
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ class _Run:
         if self.progress is not None:
             def report(phase: str, done: int, total: int) -> None:
                 self.progress(step, phase, done, total)  # type: ignore[misc]
+            report("prefill", 0, len(ids))  # the start: rates are measured from here
         res = self.engine.generate(ids, gen=self.gen, max_new_tokens=max_new, progress=report)
         self.runs.append({"step": step, "finish_reason": res.finish_reason,
                           "stats": res.stats.to_dict()})

@@ -257,6 +257,25 @@ def test_gpu_profile_without_cuda_warns_and_runs_on_cpu(tiny, doc):
     assert json.loads(result.stdout)["settings"]["device"]["device"] == "cpu"
 
 
+# --- progress lines ------------------------------------------------------------------------------
+def test_progress_rates_are_measured_from_the_phase_start(monkeypatch, capsys):
+    import hisparse_cli.console as console
+
+    clock = iter([10.0, 10.0, 10.0, 10.5, 10.5, 10.9, 11.0, 11.0, 11.2])
+    monkeypatch.setattr(console.time, "perf_counter", lambda: next(clock))
+    with console.TokenProgress(prefix="[1/4] ") as progress:  # 10.0 (init), 10.0 (enter)
+        progress("summary", "prefill", 0, 222)  # 10.0: the generation starts
+        progress("summary", "prefill", 222, 222)  # 10.5: one chunk, its only report
+        progress("summary", "decode", 1, 8)  # 10.5
+        progress("summary", "decode", 8, 8)  # 10.9: decode ran 10.5 → 10.9
+        progress("final", "prefill", 100, 100)  # 11.0: no start report: from the last one
+        progress("final", "decode", 0, 8)  # 11.0
+        progress("final", "decode", 0, 8)  # 11.2: no token: no rate
+    err = capsys.readouterr().err
+    assert "[1/4] summary: 222 prompt tokens (444.0 tok/s), 8 new tokens (20.0 tok/s)" in err
+    assert "final: 100 prompt tokens (1,000.0 tok/s), 0 new tokens (0.0 tok/s)" in err
+
+
 # --- score, profiles, models ---------------------------------------------------------------------
 def test_score(tmp_path):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"

@@ -274,6 +274,7 @@ def test_tiny_engine_stream_and_map_reduce_end_to_end(tiny_engine):
                              progress=lambda *a: calls.append(a))
     assert res.strategy == "stream" and res.new_tokens <= 6
     assert {c[1] for c in calls} <= {"prefill", "decode"} and calls[0][0] == "summary"
+    assert calls[0][1:3] == ("prefill", 0)  # the start is reported (progress rates need it)
     assert res.runs[0]["stats"]["prompt_tokens"] == res.prompt_tokens
     json.dumps(res.to_dict())  # JSON-ready
 
