@@ -35,17 +35,27 @@ def document_info(doc: Document) -> dict:
 
 def read_reference(path: str | Path, role: str = "reference",
                    given: str = "--reference") -> str:
-    """A reference summary file as text (InputError when missing/unreadable/empty). role and
-    given name the file in the messages (`hisparse score` reads its SUMMARY through this too)."""
+    """A reference summary file as text, decoded like a text document (`decode_bytes`: a BOM,
+    else UTF-8, else cp1252); InputError when missing/unreadable/binary/empty. role and given
+    name the file in the messages (`hisparse score` reads its SUMMARY through this too)."""
+    from hisparse_cli.documents.text import SNIFF_BYTES, decode_bytes, looks_binary
+
     path = Path(path).expanduser()
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{role} {path}: no such file",
                          hint=f"check the path given as {given}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read {role} {path} as UTF-8 text: {exc}",
-                         hint=f"give a plain-text (UTF-8) {role}") from None
+    except OSError as exc:
+        raise InputError(f"cannot read {role} {path}: {exc.strerror or exc}",
+                         hint=f"give a readable plain-text {role}") from None
+    if looks_binary(data[:SNIFF_BYTES]):
+        raise InputError(f"{role} {path} looks like a binary file, not text",
+                         hint=f"give a plain-text {role}")
+    try:
+        text = decode_bytes(data)[0]
+    except InputError as exc:
+        raise InputError(f"cannot read {role} {path}: {exc.message}", hint=exc.hint) from None
     if not text.strip():
         raise InputError(f"{role} {path} is empty", hint=f"give a non-empty {role}")
     return text

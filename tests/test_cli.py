@@ -292,6 +292,18 @@ def test_score(tmp_path):
                  f"summary {tmp_path / 'missing.txt'}: no such file", "as SUMMARY")
 
 
+def test_references_are_decoded_like_documents(tmp_path):
+    summary, ref = tmp_path / "s.txt", tmp_path / "r.txt"
+    summary.write_text("le café est servi")
+    ref.write_bytes("le café est servi chaud".encode("cp1252"))  # not UTF-8
+    result = run("score", summary, ref, "--json")
+    assert result.exit_code == 0, show(result)
+    assert json.loads(result.stdout) == pytest.approx(
+        rouge_scores("le café est servi", "le café est servi chaud"))
+    ref.write_bytes(b"\x00\x01\x02binary")
+    assert_error(run("score", summary, ref), 3, "looks like a binary file")
+
+
 def test_profiles_list_and_show():
     result = run("profiles", "list", "--json")
     assert result.exit_code == 0, show(result)
