@@ -5,24 +5,39 @@ Inputs (`expand_inputs`):
   * a folder                its document files (DOCUMENT_SUFFIXES, not hidden, not `*.ref.*`);
                             only the folder itself unless `recursive`. To summarize a folder
                             *as a code repository*, name it in a list file instead;
-  * `@list.txt`             one path per line (blank lines and `#` comments skipped; relative
-                            paths are relative to the current directory); a folder named
-                            there is one document (a repository).
+  * `@list.txt`             one path per line (blank lines and comments skipped: `#` at the
+                            start of a line, or after a space or tab, starts one, so `a#1.txt`
+                            is a name and `a.txt  # note` is `a.txt`; relative paths are
+                            relative to the current directory; the bytes of a name are kept
+                            as they are, as os.fsdecode does); a folder named there is one
+                            document (a repository).
 References (`find_reference`): `<stem>.ref.txt`, `<stem>.txt`, `<stem>.md` in the references
 folder, then `<stem>.ref.txt` beside the input (a repository folder `x/` → `x.ref.txt`).
 
 Results file (`ResultsFile`): each finished document is appended as one line, written with a
-single write + flush + fsync; the file is never rewritten. A line cut short by a kill has no
-final newline or is not JSON: `--resume` truncates it away (everything before it is intact).
+single write + fsync (a write that fails half-way is cut back); the file is never rewritten.
+Strings are written as `printable` text: a file-name byte that is not UTF-8 (os.fsdecode's
+surrogate escape) is written as `\\xNN`, the same way every time, so a record still matches
+its document on --resume. `scan` (for --resume) reads every line and changes nothing it
+cannot prove is a torn write:
+  * blank lines are skipped;
+  * only the LAST line may be cut, and only when it is not JSON (or has no final newline)
+    and looks like the start of a record (`{"input": …`) or is NUL bytes (a crash): that is
+    a line a kill cut short. A complete record without its final newline gets the newline;
+  * any other line that is not a record (`{"input": str, "status": "ok" | "error", …}`) —
+    in the middle, or a file that is not a results file at all (a user's notes) — is an
+    InputError naming the line, and the file is left as it is.
 A document is identified by its resolved path plus the sha256 of its content (for a folder:
 of every file's relative path and bytes), so an edited document is summarized again.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +46,8 @@ from hisparse_cli.errors import ConfigError, InputError
 DOCUMENT_SUFFIXES = frozenset({".pdf", ".txt", ".md", ".markdown", ".rst", ".text", ".tex",
                                ".org", ".adoc", ".html", ".htm"})
 REFERENCE_NAMES = ("{stem}.ref.txt", "{stem}.txt", "{stem}.md")
+RECORD_START = b'{"input": '  # how every record line starts (run_batch puts "input" first)
+_LIST_COMMENT = re.compile(r"(^|\s)#.*$")
 
 
 @dataclass(frozen=True)
@@ -59,11 +76,13 @@ def _folder_files(folder: Path, recursive: bool) -> list[Path]:
 def _read_list(spec: str) -> list[str]:
     list_path = Path(spec[1:]).expanduser()
     try:
-        lines = list_path.read_text(encoding="utf-8-sig").splitlines()
+        data = list_path.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read input list {list_path}: {exc.strerror or exc}",
                          hint="give @FILE with one document path per line") from None
-    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    lines = os.fsdecode(data.removeprefix(codecs.BOM_UTF8)).splitlines()  # names as the OS has them
+    names = (_LIST_COMMENT.sub("", line).strip() for line in lines)
+    return [name for name in names if name]
 
 
 def expand_inputs(args: list[str], *, recursive: bool = False) -> list[tuple[str, Path]]:
@@ -120,8 +139,51 @@ def content_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def printable(text: str) -> str:
+    """`text` that can be written as UTF-8: a lone surrogate (os.fsdecode's escape of a
+    file-name byte that is not UTF-8) becomes `\\xNN` (any other one `\\uDXXX`)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return "".join(ch if not "\ud800" <= ch <= "\udfff"
+                       else f"\\x{ord(ch) - 0xDC00:02x}" if "\udc80" <= ch <= "\udcff"
+                       else f"\\u{ord(ch):04x}" for ch in text)
+
+
+def printable_record(value):
+    """`value` (JSON-ready: dicts, lists, strings, numbers) with every string `printable`."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(str(k)): printable_record(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable_record(v) for v in value]
+    return value
+
+
 def record_key(record: dict) -> tuple[str, str]:
     return record.get("input", ""), record.get("sha256") or ""
+
+
+def is_record(value) -> bool:
+    """A results-file record: a JSON object with a string `input` and an ok/error `status`."""
+    return (isinstance(value, dict) and isinstance(value.get("input"), str)
+            and value.get("status") in ("ok", "error"))
+
+
+def _parse(line: bytes):
+    """(record, None) for a record line, (None, why) otherwise; why is "torn" for a line a kill
+    could have cut short (not JSON, starting like a record or NUL bytes)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        stripped = line.strip().strip(b"\0")
+        torn = RECORD_START.startswith(stripped[:len(RECORD_START)])
+        return None, "torn" if torn else "not JSON"
+    if is_record(value):
+        return value, None
+    return None, "not a JSON object with `input` and `status`"
 
 
 class ResultsFile:
@@ -130,54 +192,118 @@ class ResultsFile:
     def __init__(self, path: Path) -> None:
         self.path = Path(path).expanduser()
         self.records: list[dict] = []
-        self.torn_bytes = 0
+        self.torn_bytes = 0  # bytes of a torn last line (`open` cuts them)
+        self.unterminated = False  # the last record lacks its newline (`open` adds it)
+
+    def _refuse(self, number: int, why: str, torn: bool = False) -> InputError:
+        if not self.records and not torn:  # no record before it: not a results file at all
+            return InputError(f"{self.path} is not a hisparse results file (line {number}: "
+                              f"{why}); it was left unchanged",
+                              hint="--resume continues a file written by `hisparse batch`; "
+                                   "choose another --out")
+        return InputError(f"results file {self.path}: line {number} is not a result record "
+                          f"({why}); the file was left unchanged",
+                          hint=f"fix or delete line {number} by hand (the other lines are "
+                               "finished documents), then rerun with --resume")
 
     def scan(self) -> int:
-        """Read complete records; return the byte length of the intact prefix."""
-        self.records, good = [], 0
-        data = self.path.read_bytes() if self.path.exists() else b""
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break
-            try:
-                record = json.loads(line)
-            except ValueError:
-                break
-            if not isinstance(record, dict):
-                break
-            self.records.append(record)
-            good += len(line)
+        """Read the records; return the byte length of the part to keep (module docstring:
+        only a torn last line is left out). InputError for any other line that is not a
+        record; the file is never changed here."""
+        self.records, self.torn_bytes, self.unterminated = [], 0, False
+        try:
+            data = self.path.read_bytes() if self.path.exists() else b""
+        except OSError as exc:
+            raise InputError(f"cannot read results file {self.path}: {exc.strerror or exc}",
+                             hint="check its permissions, or choose another --out") from None
+        *complete, tail = data.split(b"\n")
+        offset, cut, cut_line = 0, None, 0
+        for number, line in enumerate(complete + [tail], 1):
+            terminated = number <= len(complete)
+            size = len(line) + terminated
+            if not line.strip():  # blank: skipped (unterminated whitespace at the end: cut)
+                if not terminated and cut is None:
+                    cut = offset
+            elif cut is not None:  # a torn-looking line with more lines after it
+                raise self._refuse(cut_line, "not a complete JSON line", torn=True)
+            else:
+                record, why = _parse(line)
+                if record is not None:
+                    self.records.append(record)
+                    self.unterminated = not terminated
+                elif why == "torn":
+                    cut, cut_line = offset, number
+                else:
+                    raise self._refuse(number, why)
+            offset += size
+        good = len(data) if cut is None else cut
         self.torn_bytes = len(data) - good
         return good
 
     def open(self, *, resume: bool) -> None:
-        """Prepare for appending: refuse to mix runs without --resume; cut a torn tail."""
+        """Prepare for appending: refuse to mix runs without --resume; with it, read the
+        records, cut a torn last line and end an unterminated last record (`scan`)."""
         if self.path.is_dir():
             raise ConfigError(f"--out {self.path} is a folder", hint="give a .jsonl file path")
         if not self.path.parent.is_dir():
             raise InputError(f"cannot write {self.path}: folder {self.path.parent} does not "
                              "exist", hint="create it or choose another --out path")
-        good = self.scan()
         if not resume and self.path.exists() and self.path.stat().st_size > 0:
             raise ConfigError(f"results file {self.path} already exists",
                               hint="add --resume to continue it, or choose another --out")
-        if self.torn_bytes:
+        if not os.access(self.path if self.path.exists() else self.path.parent, os.W_OK):
+            raise InputError(f"cannot write {self.path}: permission denied",
+                             hint="choose another --out path")
+        good = self.scan()
+        if not (self.torn_bytes or self.unterminated):
+            return
+        try:
             with open(self.path, "r+b") as handle:
                 handle.truncate(good)
+                if self.unterminated:
+                    handle.seek(0, os.SEEK_END)
+                    handle.write(b"\n")
                 handle.flush()
                 os.fsync(handle.fileno())
+        except OSError as exc:
+            raise InputError(f"cannot write {self.path}: {exc.strerror or exc}",
+                             hint="check its permissions and the free disk space") from None
 
-    def append(self, record: dict) -> None:
-        data = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    def append(self, record: dict) -> dict:
+        """Write `record` (as printable text) as one line; all of it or, on an error or
+        Ctrl-C half-way, none of it (InputError when the file cannot be written). Returns
+        the record as written."""
+        record = printable_record(record)
+        data = (json.dumps(record, ensure_ascii=False, default=lambda o: printable(str(o)))
+                + "\n").encode("utf-8")
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._write_error(exc) from None
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException as exc:
+                try:
+                    os.ftruncate(fd, start)  # never leave a partial line behind
+                except OSError:
+                    pass  # --resume cuts a torn last line
+                if isinstance(exc, OSError):
+                    raise self._write_error(exc) from None
+                raise
         finally:
             os.close(fd)
         self.records.append(record)
+        return record
+
+    def _write_error(self, exc: OSError) -> InputError:
+        return InputError(f"cannot write results file {self.path}: {exc.strerror or exc}",
+                          hint="check its permissions and the free disk space; finished "
+                               "documents stay in it, rerun with --resume")
 
     def latest(self) -> dict[tuple[str, str], dict]:
         """The last record of every (input, sha256)."""
@@ -185,4 +311,4 @@ class ResultsFile:
 
 
 __all__ = ["BatchItem", "ResultsFile", "expand_inputs", "find_reference", "content_sha256",
-           "record_key", "DOCUMENT_SUFFIXES"]
+           "record_key", "is_record", "printable", "printable_record", "DOCUMENT_SUFFIXES"]

@@ -3,8 +3,12 @@
 `run_batch` loads the engine once (through `Job`, on the first document that needs it: a
 model that cannot load stops the batch with its own exit code), records a failing document
 with its error type, message, hint and exit code and goes on, and lets Ctrl-C through after
-the last finished line (nothing partial is ever written). `batch_summary` counts the latest
-record of each input and gives mean ROUGE with 95% bootstrap intervals.
+the last finished line (nothing partial is ever written). A reference that cannot be read
+does not fail its document: the record is ok, without ROUGE, and says why in `warnings`.
+Every record carries the job's `settings_id` (model, profile, sparse and summary settings);
+`other_settings` finds finished records made with different ones. `batch_summary` counts the
+latest record of each input and gives mean ROUGE with 95% bootstrap intervals (lo/hi None
+below two scored documents: one value has no interval).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hisparse_cli.batch import ResultsFile, content_sha256, find_reference, record_key
+from hisparse_cli.batch import (ResultsFile, content_sha256, find_reference, printable,
+                                record_key)
 from hisparse_cli.errors import EXIT_INTERNAL, HisparseError, InputError
 from hisparse_cli.scoring import ROUGE_TYPES, bootstrap_ci
 
@@ -25,6 +30,7 @@ Report = Callable[[str, int, int, str, dict | None], None]  # (event, i, n, give
 class BatchOutcome:
     processed: int = 0
     skipped: int = 0
+    skipped_failed: int = 0  # of `skipped`: failed earlier (not redone without retry_failed)
     keys: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -59,18 +65,25 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
     done = results.latest()
     outcome = BatchOutcome()
     total = len(items)
+    settings_id = getattr(job, "settings_id", None)
     try:
         for index, (given, path) in enumerate(items, 1):
-            record: dict = {"input": str(path), "given": given, "sha256": None}
+            # printable: the form the file holds, so the key matches again on --resume
+            record: dict = {"input": printable(str(path)), "given": printable(given),
+                            "sha256": None}
+            if settings_id is not None:
+                record["settings_id"] = settings_id()
             started = time.perf_counter()
             try:
                 record["sha256"] = _identify(path)
-            except HisparseError as exc:
+            except Exception as exc:  # noqa: BLE001 - one unreadable input never ends the batch
                 record.update(status="error", error=error_record(exc))
             outcome.keys.append(record_key(record))
             previous = done.get(record_key(record))
             if previous is not None and (previous.get("status") == "ok" or not retry_failed):
                 outcome.skipped += 1
+                if previous.get("status") != "ok":
+                    outcome.skipped_failed += 1
                 report("skip", index, total, given, previous)
                 continue
             if "error" not in record:
@@ -86,7 +99,7 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
                     record.update(status="error", error=error_record(exc))
                     _release_cuda_memory()
             record["seconds"] = time.perf_counter() - started
-            results.append(record)
+            record = results.append(record)  # as written (printable)
             outcome.processed += 1
             report("done", index, total, given, record)
     finally:  # the engine's kept KV storage and decode graph (engine/decode_state.py)
@@ -106,10 +119,18 @@ def _summarize(job, path: Path, started: float, references: Path | None,
     doc = load_document(path, password=password)
     ingest = time.perf_counter() - started
     ref = find_reference(path, references)
-    ref_text = read_reference(ref) if ref is not None else None
+    ref = ref.resolve() if ref is not None else None  # like "input": resolved
+    ref_text, warnings = None, []
+    if ref is not None:
+        try:
+            ref_text = read_reference(ref)
+        except InputError as exc:  # the summary is still worth keeping; no ROUGE for it
+            warnings.append(f"no ROUGE: {exc.message}")
     with progress if progress is not None else nullcontext():
-        return job.run(doc, reference_text=ref_text, reference_path=str(ref) if ref else None,
-                       ingest_seconds=ingest, progress=progress)
+        out = job.run(doc, reference_text=ref_text, reference_path=str(ref) if ref else None,
+                      ingest_seconds=ingest, progress=progress)
+    out["warnings"] = warnings
+    return out
 
 
 def _release_cuda_memory() -> None:
@@ -132,10 +153,45 @@ def batch_summary(results: ResultsFile, keys: list[tuple[str, str]]) -> dict:
         values = [s[name] for s in scored if name in s]
         if values:
             mean, lo, hi = bootstrap_ci(values)
+            if len(values) < 2:
+                lo = hi = None
             rouge[name] = {"mean": mean, "lo": lo, "hi": hi, "n": len(values)}
     return {"documents": len(records), "ok": len(ok), "failed": len(failed),
             "failures": [{"input": r.get("input"), **(r.get("error") or {})} for r in failed],
+            "warnings": [{"input": r.get("input"), "warnings": r["warnings"]}
+                         for r in ok if r.get("warnings")],
             "rouge": rouge, "results": str(results.path)}
 
 
-__all__ = ["run_batch", "batch_summary", "BatchOutcome", "error_record"]
+def other_settings(results: ResultsFile, settings_id: str) -> list[dict]:
+    """The latest finished (ok) records made with settings other than `settings_id` (records
+    written before settings_id existed are taken as matching)."""
+    return [r for r in results.latest().values() if r.get("status") == "ok"
+            and r.get("settings_id") not in (None, settings_id)]
+
+
+# keys a result's `settings` shares with Job.settings_view (chunk_new_tokens: map-reduce
+# stores the effective value there; model: the loaded model, not the one asked for)
+_COMPARABLE = ("profile", "sparse", "strategy", "generation", "chunk_tokens", "instructions")
+
+
+def settings_difference(record: dict, view: dict) -> list[str]:
+    """Best effort, for messages: "name: stored → now" for every comparable setting in which
+    `record`'s stored settings differ from `view` (Job.settings_view)."""
+    out: list[str] = []
+
+    def walk(name: str, old, new) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for key in [k for k in new if k in old]:
+                walk(f"{name}.{key}" if name else key, old[key], new[key])
+        elif old != new:
+            out.append(f"{name.rsplit('.', 1)[-1]}: {old} → {new}")
+
+    stored = record.get("settings") or {}
+    walk("", {k: stored[k] for k in _COMPARABLE if k in stored},
+         {k: view[k] for k in _COMPARABLE if k in view})
+    return out
+
+
+__all__ = ["run_batch", "batch_summary", "other_settings", "settings_difference",
+           "BatchOutcome", "error_record"]

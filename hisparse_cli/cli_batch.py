@@ -3,8 +3,10 @@
 Input forms, reference matching and the results-file format are in batch.py. stderr gets
 one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
 stdout gets nothing, or the batch summary as one JSON object with --json. Exit codes: 0 all
-documents succeeded, 6 at least one failed (recorded in the file), 130 interrupted (finished
-lines stay; rerun with --resume), or the setup error's own code (bad flags 2, model 4).
+documents succeeded (a document whose reference could not be read succeeded, with a warning
+and no ROUGE), 6 at least one failed (recorded in the file), 130 interrupted (finished lines
+stay; rerun with --resume), or the setup error's own code (bad flags 2, a results file
+--resume cannot continue 3, model 4).
 """
 
 from __future__ import annotations
@@ -18,23 +20,30 @@ import typer
 from hisparse_cli.cli_options import P_OUT, RunOptions, run_options
 from hisparse_cli.errors import EXIT_BATCH_FAILURES, InputError
 
+RETRY_HINT = "use --retry-failed to run it again"
+
 
 def _reporter(quiet: bool):
     from rich.text import Text
 
+    from hisparse_cli.batch import printable
     from hisparse_cli.console import stderr_console
 
     def report(event: str, index: int, total: int, given: str, record: dict | None) -> None:
         if quiet or event == "start":
             return
-        head = f"[{index}/{total}] {given}: "
-        if event == "skip":
+        head = f"[{index}/{total}] {printable(given)}: "
+        if event == "skip" and (record or {}).get("status") == "ok":
             line = Text.assemble(head, ("already done", "dim"))
+        elif event == "skip":
+            line = Text.assemble(head, ("failed earlier", "dim"), f" ({RETRY_HINT})")
         elif record and record.get("status") == "ok":
             rouge = record.get("rouge") or {}
             extra = f", rougeL {rouge['rougeL']:.3f}" if "rougeL" in rouge else ""
+            warned = "".join(f"; {w}" for w in record.get("warnings") or ())
             line = Text.assemble(head, ("ok", "green"), f" ({record['seconds']:.1f} s, "
-                                                        f"{record['strategy']}{extra})")
+                                                        f"{record['strategy']}{extra})",
+                                 (warned, "yellow"))
         else:
             err = (record or {}).get("error") or {}
             line = Text.assemble(head, ("failed", "bold red"),
@@ -55,9 +64,11 @@ def _summary_table(summary: dict):
     table.add_row("documents", str(summary["documents"]), "")
     table.add_row("succeeded", str(summary["ok"]), "")
     table.add_row("failed", str(summary["failed"]), "")
+    if summary["warnings"]:
+        table.add_row("with warnings", str(len(summary["warnings"])), "")
     for name, ci in summary["rouge"].items():
-        table.add_row(f"{name} (n={ci['n']})", f"{ci['mean']:.4f}",
-                      f"[{ci['lo']:.4f}, {ci['hi']:.4f}]")
+        interval = "n/a" if ci["lo"] is None else f"[{ci['lo']:.4f}, {ci['hi']:.4f}]"
+        table.add_row(f"{name} (n={ci['n']})", f"{ci['mean']:.4f}", interval)
     return table
 
 
@@ -89,7 +100,7 @@ def batch(
     from hisparse_cli.batch import ResultsFile, expand_inputs
     from hisparse_cli.batch_runner import batch_summary, run_batch
     from hisparse_cli.cli_summarize import build_job
-    from hisparse_cli.console import TokenProgress, note, print_table, write_result
+    from hisparse_cli.console import TokenProgress, note, print_table, warn, write_result
 
     job = build_job(opts)
     if references is not None and not references.is_dir():
@@ -104,6 +115,10 @@ def batch(
     results.open(resume=resume)
     if results.torn_bytes and not opts.quiet:
         note(f"removed an incomplete last line ({results.torn_bytes} bytes) from {out}")
+    if results.unterminated and not opts.quiet:
+        note(f"added the missing newline after the last record of {out}")
+    if not opts.quiet:
+        _warn_other_settings(results, job, warn)
 
     def progress_factory(index: int, total: int):
         return TokenProgress(quiet=opts.quiet, prefix=f"[{index}/{total}] ")
@@ -113,17 +128,41 @@ def batch(
                             retry_failed=retry_failed, progress_factory=progress_factory,
                             report=_reporter(opts.quiet))
     except KeyboardInterrupt:
-        if not opts.quiet:
+        if opts.quiet:
+            pass
+        elif results.records:
             note(f"stopped; {out} keeps every finished document — rerun with --resume")
+        else:
+            note(f"stopped before the first document finished; nothing was written to {out}")
         raise
     summary = batch_summary(results, outcome.keys)
     summary["skipped_already_done"] = outcome.skipped
+    summary["skipped_failed_earlier"] = outcome.skipped_failed
     if not opts.quiet:
         print_table(_summary_table(summary))
+        if outcome.skipped_failed:
+            note(f"{outcome.skipped_failed} document(s) failed earlier and were not run again; "
+                 "add --retry-failed to run them again")
     if as_json:
         write_result(json.dumps(summary, ensure_ascii=False, indent=2))
     if summary["failed"]:
         raise typer.Exit(EXIT_BATCH_FAILURES)
+
+
+def _warn_other_settings(results, job, warn) -> None:
+    """One warning when finished records in the file were made with other settings (they are
+    still skipped as done: the file then mixes settings)."""
+    from hisparse_cli.batch_runner import other_settings, settings_difference
+
+    others = other_settings(results, job.settings_id())
+    if not others:
+        return
+    changes = sorted({c for r in others for c in settings_difference(r, job.settings_view())})
+    what = "; ".join(changes[:4]) + ("; …" if len(changes) > 4 else "") if changes \
+        else "the model, --probe or --chunk-new-tokens"
+    warn(f"{len(others)} finished document(s) in {results.path} were summarized with other "
+         f"settings ({what}); they are kept and not redone, so the results mix settings — "
+         "use another --out to summarize them with these settings")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,8 @@ raise ConfigError), so a bad flag fails before the model is resolved or loaded.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -104,6 +106,26 @@ class Job:
         return {"profile": self.profile.name, "model": self.model,
                 "device": self.device_plan.to_dict() if self.device_plan else None,
                 "sparse": asdict(self.sparse)}
+
+    def settings_view(self) -> dict:
+        """What decides a summary, known before the model loads: the model and probe as asked
+        for (an existing local path resolved), the profile, sparse and summary settings (the
+        keys of `settings` in a result, except `model`, which is the loaded model there)."""
+        def asked(spec) -> str | None:
+            if spec is None:
+                return None
+            path = Path(spec).expanduser()
+            return str(path.resolve()) if path.exists() else str(spec)
+
+        view = {"model": asked(self.model_spec), "probe": asked(self.probe_path),
+                "profile": self.profile.name, "sparse": asdict(self.sparse),
+                **self.settings.to_dict()}
+        return json.loads(json.dumps(view, default=str))  # as a results file holds it
+
+    def settings_id(self) -> str:
+        """A short fingerprint of `settings_view` (batch records carry it; --resume compares)."""
+        text = json.dumps(self.settings_view(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def run(self, doc: Document, *, reference_text: str | None = None,
             reference_path: str | None = None, ingest_seconds: float = 0.0,

@@ -9,6 +9,7 @@ Most tests swap the summarizer for a counting fake (`FakeJob` / a patched
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,22 @@ def _docs(folder: Path, n: int) -> list[Path]:
 class FakeJob:
     """Job stand-in: counts runs; raises `fail_on[name]` for chosen documents."""
 
-    def __init__(self, fail_on: dict | None = None) -> None:
+    def __init__(self, fail_on: dict | None = None, settings: str = "s1") -> None:
         self.loaded, self.ran, self.fail_on = False, [], fail_on or {}
+        self.references: dict[str, str | None] = {}
+        self.settings = settings
 
     def engine(self):
         self.loaded = True
+
+    def settings_view(self) -> dict:
+        return {"profile": self.settings}
+
+    def settings_id(self) -> str:
+        return f"id-{self.settings}"
+
+    def release(self) -> None:
+        pass
 
     def run(self, doc, *, reference_text=None, reference_path=None, ingest_seconds=0.0,
             progress=None):
@@ -55,10 +67,11 @@ class FakeJob:
         if name in self.fail_on:
             raise self.fail_on[name]
         self.ran.append(name)
+        self.references[name] = reference_text
         rouge = {"rouge1": 0.5, "rouge2": 0.25, "rougeL": 0.4, "rougeLsum": 0.4} \
             if reference_text else None
         return {"summary": f"summary of {name}", "strategy": "stream", "rouge": rouge,
-                "reference": reference_path}
+                "reference": reference_path, "settings": self.settings_view()}
 
 
 def _lines(path: Path) -> list[dict]:
@@ -86,6 +99,19 @@ def test_expand_inputs_files_folders_and_list_files(tmp_path, monkeypatch):
         expand_inputs(["@nope.txt"])
 
 
+def test_list_files_take_trailing_comments_and_names_as_the_os_has_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    docs = _docs(tmp_path, 2)
+    odd = _undecodable_name(tmp_path / "odd")
+    hashed = tmp_path / "a#1.txt"
+    hashed.write_text("x")
+    (tmp_path / "list.txt").write_bytes(b"  # full-line comment\ndoc0.txt  # the first one\n"
+                                        b"doc1.txt\t# tab, then a comment\na#1.txt\n"
+                                        b"odd/caf\xe9.txt\n")  # a Latin-1 name, not UTF-8
+    got = [p for _, p in expand_inputs(["@list.txt"])]
+    assert got == [docs[0].resolve(), docs[1].resolve(), hashed.resolve(), odd.resolve()]
+
+
 def test_find_reference_rules(tmp_path):
     doc = _docs(tmp_path / "in", 1)[0]
     assert find_reference(doc) is None
@@ -103,6 +129,41 @@ def test_find_reference_rules(tmp_path):
     repo.mkdir()
     (tmp_path / "in" / "tinykv.ref.txt").write_text("repo ref")
     assert find_reference(repo) == tmp_path / "in" / "tinykv.ref.txt"
+
+
+def test_unreadable_reference_keeps_the_summary_with_a_warning(tmp_path):
+    docs = _docs(tmp_path / "in", 3)
+    docs[0].with_suffix(".ref.txt").write_text("")  # empty
+    docs[1].with_suffix(".ref.txt").write_bytes("Le résumé du café.".encode("cp1252"))
+    docs[2].with_suffix(".ref.txt").write_bytes(b"\x00\x01\x02\x03binary")
+    items = expand_inputs([str(tmp_path / "in")])
+    results = ResultsFile(tmp_path / "r.jsonl")
+    results.open(resume=False)
+    job = FakeJob()
+    outcome = run_batch(items, job, results)
+    lines = _lines(tmp_path / "r.jsonl")
+    assert [r["status"] for r in lines] == ["ok", "ok", "ok"]
+    assert job.ran == ["doc0.txt", "doc1.txt", "doc2.txt"]  # the model ran for every one
+    assert lines[0]["rouge"] is None and "is empty" in lines[0]["warnings"][0]
+    assert lines[2]["rouge"] is None and "binary" in lines[2]["warnings"][0]
+    assert job.references["doc1.txt"] == "Le résumé du café."  # cp1252, as for documents
+    assert lines[1]["rouge"] and lines[1]["warnings"] == []
+    summary = batch_summary(results, outcome.keys)
+    assert (summary["ok"], summary["failed"], len(summary["warnings"])) == (3, 0, 2)
+
+
+def test_reference_path_is_resolved_wherever_it_was_found(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    docs = _docs(tmp_path / "in", 2)
+    docs[0].with_suffix(".ref.txt").write_text("beside")
+    (tmp_path / "refs").mkdir()
+    (tmp_path / "refs" / "doc1.txt").write_text("from --references")
+    results = ResultsFile(tmp_path / "r.jsonl")
+    results.open(resume=False)
+    run_batch(expand_inputs(["in"]), FakeJob(), results, references=Path("refs"))
+    refs = [r["reference"] for r in _lines(tmp_path / "r.jsonl")]
+    assert refs == [str(docs[0].with_suffix(".ref.txt").resolve()),
+                    str((tmp_path / "refs" / "doc1.txt").resolve())]
 
 
 def test_folder_sha_changes_with_content(tmp_path):
@@ -128,6 +189,135 @@ def test_results_file_refuses_to_mix_runs_and_cuts_a_torn_tail(tmp_path):
     again.open(resume=True)
     assert again.torn_bytes > 0 and [r["input"] for r in again.records] == ["a"]
     assert path.read_text().endswith('"ok"}\n')  # the intact prefix, byte for byte
+
+
+def _resume(path: Path) -> ResultsFile:
+    results = ResultsFile(path)
+    results.open(resume=True)
+    return results
+
+
+REC_A = '{"input": "a", "sha256": "1", "status": "ok"}\n'
+REC_B = '{"input": "b", "sha256": "2", "status": "error"}\n'
+
+
+@pytest.mark.parametrize("middle", ["not json at all\n", '{"input": "x", "sha2\n',
+                                    '{"note": "hand-written"}\n', "[1, 2]\n"])
+def test_resume_refuses_a_bad_middle_line_and_changes_nothing(tmp_path, middle):
+    path = tmp_path / "r.jsonl"
+    path.write_text(REC_A + middle + REC_B)
+    before = path.read_bytes()
+    with pytest.raises(InputError, match="line 2 is not a result record") as info:
+        _resume(path)
+    assert "left unchanged" in info.value.message and "line 2" in info.value.hint
+    assert path.read_bytes() == before  # the later complete record is still there
+
+
+def test_resume_skips_blank_lines_anywhere(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n" + REC_A + "\n   \n" + REC_B + "\n")
+    before = path.read_bytes()
+    results = _resume(path)
+    assert [r["input"] for r in results.records] == ["a", "b"] and results.torn_bytes == 0
+    assert path.read_bytes() == before
+
+
+def test_resume_cuts_only_a_torn_last_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(REC_A + '{"input": "b", "sha2\n\n')  # cut short, even with a newline
+    results = _resume(path)
+    assert [r["input"] for r in results.records] == ["a"] and path.read_text() == REC_A
+    path.write_text(REC_A + "\0" * 40)  # a crash left NUL bytes where the last write went
+    assert [r["input"] for r in _resume(path).records] == ["a"] and path.read_text() == REC_A
+    path.write_text('{"inp')  # killed during the very first record
+    assert _resume(path).records == [] and path.read_bytes() == b""
+
+
+def test_resume_keeps_a_complete_last_record_without_its_newline(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(REC_A + REC_B.rstrip("\n"))
+    results = _resume(path)
+    assert [r["input"] for r in results.records] == ["a", "b"] and results.unterminated
+    assert path.read_text() == REC_A + REC_B
+    results.append({"input": "c", "sha256": "3", "status": "ok"})
+    assert [r["input"] for r in _lines(path)] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("content", ["# My notes\n\nbuy milk\n", "just one line, no newline",
+                                     '{"name": "config"}\n', '{"a": 1}'])
+def test_resume_refuses_a_file_that_is_not_a_results_file(tmp_path, content):
+    path = tmp_path / "notes.md"
+    path.write_text(content)
+    with pytest.raises(InputError, match="is not a hisparse results file"):
+        _resume(path)
+    assert path.read_text() == content
+
+
+def test_batch_command_refuses_to_resume_into_a_users_file(tmp_path, monkeypatch):
+    _docs(tmp_path / "in", 1)
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Notes\nremember the milk\n")
+    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: FakeJob())
+    result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(notes),
+                                      "--resume"])
+    assert result.exit_code == 3, show(result)
+    assert "is not a hisparse results file" in result.stderr and "Traceback" not in result.stderr
+    assert notes.read_text() == "# Notes\nremember the milk\n"
+    bad = tmp_path / "r.jsonl"
+    bad.write_text(REC_A + "oops\n" + REC_B)
+    result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(bad),
+                                      "--resume"])
+    assert result.exit_code == 3 and "line 2" in result.stderr, show(result)
+    assert bad.read_text() == REC_A + "oops\n" + REC_B
+
+
+def test_append_writes_nothing_partial_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "r.jsonl"
+    results = ResultsFile(path)
+    results.open(resume=False)
+    results.append({"input": "a", "sha256": "1", "status": "ok"})
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 10:
+            real_write(fd, bytes(data[:10]))
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(InputError, match="No space left on device"):
+        results.append({"input": "b", "sha256": "2", "status": "ok"})
+    monkeypatch.undo()
+    assert [r["input"] for r in _lines(path)] == ["a"]  # no torn half line
+
+
+def _undecodable_name(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = Path(os.fsdecode(os.fsencode(folder) + b"/caf\xe9.txt"))  # "caf\udce9.txt"
+    try:
+        path.write_text("Document number 9. The provider delivers item 9 on time.\n")
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    return path
+
+
+def test_non_utf8_file_names_are_written_printably_and_match_on_resume(tmp_path):
+    path = _undecodable_name(tmp_path / "in")
+    items = expand_inputs([str(tmp_path / "in"), str(tmp_path / "in" / "gon\udce9.txt")])
+    out = tmp_path / "r.jsonl"
+    results = ResultsFile(out)
+    results.open(resume=False)
+    job = FakeJob()
+    outcome = run_batch(items, job, results)
+    lines = _lines(out)  # valid UTF-8 JSON
+    assert [r["status"] for r in lines] == ["ok", "error"] and job.ran == [path.name]
+    assert lines[0]["input"].endswith("caf\\xe9.txt")
+    assert lines[0]["given"].endswith("caf\\xe9.txt")
+    assert "gon\\xe9.txt" in lines[1]["error"]["message"]  # the message names it the same way
+    assert batch_summary(results, outcome.keys)["documents"] == 2
+    again = FakeJob()
+    outcome = run_batch(items, again, _resume(out))
+    assert again.ran == [] and outcome.skipped == 2  # both matched again
 
 
 # --- the loop ------------------------------------------------------------------------------------
@@ -205,6 +395,92 @@ def test_resume_redoes_edited_documents_and_failures_only_when_asked(tmp_path):
     outcome = run_batch(items, retry, third, retry_failed=True)
     assert retry.ran == ["doc1.txt"]
     assert batch_summary(third, outcome.keys)["failed"] == 0  # the latest record wins
+
+
+def test_resume_reports_failures_as_failed_earlier(tmp_path, capsys):
+    from hisparse_cli.cli_batch import _reporter
+
+    _docs(tmp_path / "in", 2)
+    items = expand_inputs([str(tmp_path / "in")])
+    out = tmp_path / "r.jsonl"
+    results = ResultsFile(out)
+    results.open(resume=False)
+    run_batch(items, FakeJob({"doc1.txt": InputError("bad")}), results)
+    capsys.readouterr()
+    outcome = run_batch(items, FakeJob(), _resume(out), report=_reporter(False))
+    err = capsys.readouterr().err
+    assert (outcome.skipped, outcome.skipped_failed) == (2, 1)
+    assert "doc0.txt: already done" in err
+    assert "doc1.txt: failed earlier (use --retry-failed to run it again)" in err
+
+
+def test_one_scored_document_has_no_interval(tmp_path):
+    from hisparse_cli.cli_batch import _summary_table
+    from hisparse_cli.console import stderr_console
+
+    docs = _docs(tmp_path / "in", 2)
+    docs[0].with_suffix(".ref.txt").write_text("reference")
+    results = ResultsFile(tmp_path / "r.jsonl")
+    results.open(resume=False)
+    outcome = run_batch(expand_inputs([str(tmp_path / "in")]), FakeJob(), results)
+    summary = batch_summary(results, outcome.keys)
+    assert summary["rouge"]["rougeL"] == {"mean": 0.4, "lo": None, "hi": None, "n": 1}
+    console = stderr_console()
+    with console.capture() as captured:
+        console.print(_summary_table(summary))
+    assert "n/a" in captured.get() and "[0.4000, 0.4000]" not in captured.get()
+
+
+def test_resume_warns_about_records_made_with_other_settings(tmp_path):
+    from hisparse_cli.batch_runner import other_settings, settings_difference
+    from hisparse_cli.cli_options import RunOptions
+    from hisparse_cli.cli_summarize import build_job
+
+    _docs(tmp_path / "in", 2)
+    items = expand_inputs([str(tmp_path / "in")])
+    out = tmp_path / "r.jsonl"
+    results = ResultsFile(out)
+    results.open(resume=False)
+    run_batch(items, FakeJob(settings="a"), results)
+    assert {r["settings_id"] for r in _lines(out)} == {"id-a"}
+    assert other_settings(_resume(out), "id-a") == []
+    assert len(other_settings(_resume(out), "id-b")) == 2
+    with open(out, "a") as handle:  # a record from before settings_id: taken as matching
+        handle.write('{"input": "old", "sha256": "x", "status": "ok"}\n')
+    assert len(other_settings(_resume(out), "id-b")) == 2
+
+    short = build_job(RunOptions(profile="cpu", max_new_tokens=32, quiet=True))
+    long = build_job(RunOptions(profile="cpu", max_new_tokens=64, quiet=True))
+    assert short.settings_id() == build_job(RunOptions(profile="cpu", max_new_tokens=32,
+                                                       quiet=True)).settings_id()
+    assert short.settings_id() != long.settings_id()
+    record = {"settings": {**short.settings_view(), "model": {"name": "m"}, "max_positions": 8}}
+    assert settings_difference(record, long.settings_view()) == ["max_new_tokens: 32 → 64"]
+    assert settings_difference(record, short.settings_view()) == []
+
+
+def test_batch_command_warns_on_other_settings_and_hints_retry(tmp_path, monkeypatch):
+    _docs(tmp_path / "in", 2)
+    out = tmp_path / "r.jsonl"
+    jobs = iter([FakeJob({"doc1.txt": InputError("bad")}, settings="a"), FakeJob(settings="b")])
+    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: next(jobs))
+    args = ["batch", str(tmp_path / "in"), "--out", str(out)]
+    assert CliRunner().invoke(app, args).exit_code == 6
+    resumed = CliRunner().invoke(app, args + ["--resume"])
+    assert resumed.exit_code == 6, show(resumed)
+    assert "1 finished document(s)" in resumed.stderr and "profile: a → b" in resumed.stderr
+    assert "add --retry-failed" in resumed.stderr
+
+
+def test_ctrl_c_before_anything_finished_says_nothing_was_written(tmp_path, monkeypatch):
+    _docs(tmp_path / "in", 2)
+    out = tmp_path / "r.jsonl"
+    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job",
+                        lambda opts: FakeJob({"doc0.txt": KeyboardInterrupt()}))
+    result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(out)])
+    assert result.exit_code == 130, show(result)
+    assert "nothing was written" in result.stderr and "keeps every" not in result.stderr
+    assert not out.exists()
 
 
 def test_rouge_means_come_with_bootstrap_intervals(tmp_path):
