@@ -69,6 +69,7 @@ def summarize(
     *, opts: RunOptions,
 ) -> None:
     """Summarize one document: summary on stdout, stats on stderr."""
+    from hisparse_cli.batch import printable_record
     from hisparse_cli.console import TokenProgress, print_table, stats_table, status, write_result
     from hisparse_cli.documents import load_document
     from hisparse_cli.job import read_reference
@@ -85,6 +86,7 @@ def summarize(
                          reference_path=str(reference) if reference else None,
                          ingest_seconds=ingest_seconds, progress=progress)
     job.release()
+    record = printable_record(record)  # a file name that is not UTF-8 → \xNN (batch.py)
     text = json.dumps(record, ensure_ascii=False, indent=2) + "\n" if as_json \
         else record["summary"] + "\n"
     if out is not None:

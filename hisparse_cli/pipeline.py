@@ -28,7 +28,8 @@ from hisparse_cli.chunking import merge_labels, split_document
 from hisparse_cli.documents.base import Document
 from hisparse_cli.engine.config import GenerationConfig
 from hisparse_cli.errors import ConfigError, InputError
-from hisparse_cli.prompts import chunk_prompt, combine_prompt, document_prompt, render_prompt
+from hisparse_cli.prompts import (chunk_prompt, combine_prompt, document_prompt, render_prompt,
+                                  tokenizable)
 
 STRATEGIES = ("auto", "stream", "map-reduce")
 PipelineProgress = Callable[[str, str, int, int], None]  # (step, phase, done, total)
@@ -138,7 +139,7 @@ class _Run:
         self.settings_extra: dict = {}
 
     def count(self, text: str) -> int:
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+        return len(self.tok(tokenizable(text), add_special_tokens=False)["input_ids"])
 
     def render(self, prompt) -> list[int]:
         return render_prompt(self.tok, prompt)

@@ -11,12 +11,17 @@ could fall out of the window before generation starts, one at the end never does
 The focus sentence depends on the genre (`Document.genre`: legal, medical, scientific, code,
 generic); `instructions` (``--instructions``) replaces it. `render_prompt` uses the model's
 chat template when the tokenizer has one (system + user message, generation prompt added),
-and a plain "system / text / Summary:" prompt otherwise.
+and a plain "system / text / Summary:" prompt otherwise. Text reaches the tokenizer through
+`tokenizable`: a file name that is not UTF-8 (a title, a repository's file label) carries
+os.fsdecode's lone surrogates, which tokenizers refuse; each becomes U+FFFD.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 SYSTEM = ("You write faithful, concise summaries. Use only facts stated in the text; keep "
           "names, numbers, amounts and dates exact.")
@@ -87,6 +92,11 @@ def combine_prompt(parts: list[tuple[str, str]], *, genre: str | None, final: bo
                           f"part it covers:\n\n{body}\n\n---\n{task}")
 
 
+def tokenizable(text: str) -> str:
+    """`text` with every lone surrogate replaced by U+FFFD (module docstring)."""
+    return _SURROGATES.sub("\ufffd", text)
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
@@ -109,10 +119,10 @@ def prompt_text(tokenizer, prompt: Prompt) -> str:
 def render_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of the prompt. A chat template writes its own BOS; the plain layout gets the
     tokenizer's usual special tokens."""
-    text = prompt_text(tokenizer, prompt)
+    text = tokenizable(prompt_text(tokenizer, prompt))
     add_special = not has_chat_template(tokenizer)
     return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
 
 __all__ = ["Prompt", "SYSTEM", "FOCUS", "focus_for", "document_prompt", "chunk_prompt",
-           "combine_prompt", "render_prompt", "prompt_text", "has_chat_template"]
+           "combine_prompt", "render_prompt", "prompt_text", "has_chat_template", "tokenizable"]

@@ -126,6 +126,19 @@ def test_summarize_out_file_is_written_and_stdout_stays_empty(tiny, doc, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".summary.json")]
 
 
+def test_summarize_a_file_whose_name_is_not_utf8(tiny, tmp_path):
+    path = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9.txt"))  # "caf\udce9.txt"
+    try:
+        path.write_text(TEXT, encoding="utf-8")
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this file system refuses names that are not UTF-8")
+    out = tmp_path / "summary.json"
+    result = run("summarize", path, "--model", tiny, "--json", "--out", out, "-q", *TINY_FLAGS)
+    assert result.exit_code == 0, show(result)  # the title reached the tokenizer, the JSON a file
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["document"]["source"].endswith("caf\\xe9.txt")
+
+
 def test_summarize_map_reduce_on_a_pdf_keeps_page_labels(tiny, tmp_path):
     pdf = tmp_path / "three.pdf"
     pdf.write_bytes(_make_pdf().build_pdf(("Clause text about fees and notice. " * 6 + "\n\n")
