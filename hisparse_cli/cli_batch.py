@@ -18,7 +18,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from hisparse_cli.cli_options import P_OUT, RunOptions, run_options
-from hisparse_cli.errors import EXIT_BATCH_FAILURES, InputError
+from hisparse_cli.errors import EXIT_BATCH_FAILURES, ConfigError, InputError
 
 RETRY_HINT = "use --retry-failed to run it again"
 
@@ -102,11 +102,16 @@ def batch(
     from hisparse_cli.cli_summarize import build_job
     from hisparse_cli.console import TokenProgress, note, print_table, warn, write_result
 
+    if retry_failed and not resume:
+        raise ConfigError("--retry-failed reruns failed documents of an existing results file",
+                          hint="add --resume (--retry-failed only works with it)")
     job = build_job(opts)
     if references is not None and not references.is_dir():
         raise InputError(f"--references {references} is not a folder",
                          hint="give the folder that holds the reference summaries")
     items = expand_inputs(inputs, recursive=recursive)
+    out_path = out.expanduser().resolve()
+    items = [(given, path) for given, path in items if path != out_path]  # not its own input
     if not items:
         raise InputError("no documents found in the given inputs",
                          hint=f"folders contribute files ending in .pdf, .txt, .md, …; "

@@ -580,3 +580,25 @@ def test_fake_job_matches_job_interface():
     assert inspect.signature(FakeJob.run).parameters.keys() == \
         inspect.signature(Job.run).parameters.keys()
     assert hasattr(Job, "loaded") and hasattr(Job, "engine")
+
+
+def test_retry_failed_needs_resume(tmp_path, monkeypatch):
+    _docs(tmp_path / "in", 1)
+    job = FakeJob()
+    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: job)
+    result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out",
+                                      str(tmp_path / "r.jsonl"), "--retry-failed"])
+    assert result.exit_code == 2 and "--resume" in result.stderr, show(result)
+    assert not (tmp_path / "r.jsonl").exists() and job.ran == []
+
+
+def test_results_file_inside_an_input_folder_is_not_a_document(tmp_path, monkeypatch):
+    _docs(tmp_path / "in", 2)
+    out = tmp_path / "in" / "results.txt"  # a document suffix, in the folder being summarized
+    job = FakeJob()
+    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: job)
+    args = ["batch", str(tmp_path / "in"), "--out", str(out)]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    resumed = CliRunner().invoke(app, args + ["--resume"])
+    assert resumed.exit_code == 0, show(resumed)
+    assert job.ran == ["doc0.txt", "doc1.txt"] and len(_lines(out)) == 2
