@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -367,3 +369,87 @@ def test_empty_or_unreadable_repository_is_input_error(tmp_path):
     only_binary = _tree(tmp_path / "bin", {"a.png": b"\x89PNG" + bytes(20), "x.lock": "l\n"})
     error = _error(only_binary)
     assert "binary file" in error.hint and "lock file" in error.hint
+
+
+# --- repositories: links to excluded files, VCS metadata, enclosing repository, odd names ---
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout
+
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+
+
+@needs_git
+def test_symlink_to_a_file_the_walk_excludes_is_not_read(tmp_path):
+    root = _tree(tmp_path / "r", {
+        "README.md": "readme\n", "ok.py": "OK = 1\n",
+        ".gitignore": ".env\nsecretdir/\n", ".env": "TOKEN=LEAK-ENV\n",
+        "secretdir/s.txt": "LEAK-IGNORED-DIR\n", "x.secret": "LEAK-EXCLUDE\n",
+        "pkg/.gitignore": "gen.txt\n", "pkg/gen.txt": "LEAK-NESTED\n",
+        "node_modules/x/i.js": "LEAK-VENDORED\n", ".hg/hgrc": "[auth]\nLEAK-HG\n",
+        "package-lock.json": '{"LEAK-LOCK": 1}\n', "big.txt": "LEAK-BIG " * 1000})
+    _git(root, "init", "-q")
+    (root / ".git" / "config").write_text("[remote]\n url = https://LEAK-GIT@example\n")
+    (root / ".git" / "info" / "exclude").write_text("*.secret\n")
+    targets = {"l_git.txt": ".git/config", "l_env.txt": ".env", "l_dir.txt": "secretdir/s.txt",
+               "l_excl.txt": "x.secret", "l_nested.txt": "pkg/gen.txt",
+               "l_vendor.js": "node_modules/x/i.js", "l_hg.txt": ".hg/hgrc",
+               "l_lock.txt": "package-lock.json", "l_big.txt": "big.txt", "l_ok.txt": "ok.py"}
+    for link, target in targets.items():
+        (root / link).symlink_to(target)
+    ignored = _git(root, "check-ignore", "--no-index", ".env", "secretdir/s.txt", "x.secret",
+                   "pkg/gen.txt").split()  # oracle: git agrees those targets are ignored
+    assert ignored == [".env", "secretdir/s.txt", "x.secret", "pkg/gen.txt"]
+    doc = load_document(root, limits=IngestLimits(max_file_bytes=5000))
+    assert "LEAK" not in doc.text
+    assert doc.text.count("OK = 1") == 2  # a link to a file that is read is still read
+    skipped = dict(doc.skipped)
+    for link, target in targets.items():
+        if link != "l_ok.txt":
+            assert skipped[link].startswith(f"symlink to {target}, which is not read: "), link
+    assert skipped["l_excl.txt"].endswith("ignored by .gitignore")
+    assert skipped["l_git.txt"].endswith("version-control metadata")
+
+
+@pytest.mark.parametrize("metadata", [".git/config", ".hg/hgrc", ".svn/entries", ".bzr/branch",
+                                      "CVS/Root", "_darcs/prefs", ".jj/repo", ".fslckout",
+                                      "_FOSSIL_", "project.fossil"])
+def test_version_control_metadata_is_never_read(tmp_path, metadata):
+    root = _tree(tmp_path / "r", {"main.py": "MAIN = 1\n", metadata: "password=LEAK\n"})
+    doc = load_document(root)
+    assert "LEAK" not in doc.text and [s.label for s in doc.sections] == ["main.py"]
+    top = metadata.split("/")[0]
+    item = top + "/" if "/" in metadata else top
+    assert dict(doc.skipped)[item] == "version-control metadata"
+
+
+@needs_git
+def test_subfolder_of_a_repository_applies_the_enclosing_ignore_rules(tmp_path):
+    parent = _tree(tmp_path / "parent", {
+        ".gitignore": "*.env\nlocal/\nsrc/build.txt\n", "src/.gitignore": "!keep.env\n",
+        "src/a.py": "A = 1\n", "src/secrets.env": "LEAK-ENV\n", "src/keep.env": "KEPT\n",
+        "src/build.txt": "LEAK-ANCHORED\n", "src/sub/b.py": "B = 2\n",
+        "src/sub/x.tmp": "LEAK-EXCLUDE\n", "local/notes.md": "LEAK-LOCAL\n"})
+    _git(parent, "init", "-q")
+    (parent / ".git" / "info" / "exclude").write_text("*.tmp\n")
+    src = parent / "src"
+    tracked = set(_git(src, "ls-files", "--others", "--exclude-standard").split())
+    assert tracked == {".gitignore", "a.py", "keep.env", "sub/b.py"}  # oracle: git
+    doc = load_document(src)
+    assert {s.label for s in doc.sections} == tracked and "LEAK" not in doc.text
+    skipped = dict(doc.skipped)
+    assert skipped["secrets.env"] == skipped["sub/x.tmp"] == "ignored by .gitignore"
+    error = _error(parent / "local")  # git ignores the whole folder: nothing is read
+    assert "ignored by the .gitignore" in error.message
+    # a worktree's .git is a `gitdir:` file; the main repository's info/exclude still applies
+    _git(parent, "add", "-A")
+    _git(parent, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    _git(parent, "worktree", "add", "-q", str(tmp_path / "wt"))
+    (tmp_path / "wt" / "src" / "sub" / "y.tmp").write_text("LEAK-WT\n")
+    assert "LEAK" not in load_document(tmp_path / "wt" / "src").text
+    # above a folder that is not in a git work tree, .gitignore files are not applied
+    plain = _tree(tmp_path / "plain", {".gitignore": "*.env\n", "in/k.env": "K=1\n"})
+    assert [s.label for s in load_document(plain / "in").sections] == ["k.env"]
+

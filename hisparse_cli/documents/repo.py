@@ -1,14 +1,14 @@
 """A source directory → one `Document(kind="repository")`.
 
 What is read: every regular text file under the root that survives, in this order,
-  1. version-control metadata (.git) and vendored/build/cache/virtualenv folders,
-  2. symlinks (a link is never followed out of the root; linked directories are never
-     followed; a linked file whose target stays inside the root is read),
-  3. ignore rules: .git/info/exclude, then every .gitignore from the root down (deeper files
-     and later lines win, `!` re-includes, as in git; an ignored directory is not entered),
-  4. lock files, binaries (by extension or content), files over `max_file_bytes`, minified or
+  1. the walk's rules (walk.py): version-control metadata (.git, .hg, .svn, ...), ignore
+     rules (the enclosing work tree's info/exclude and every .gitignore from its top down,
+     as in git; an ignored directory is not entered), vendored/build/cache/virtualenv
+     folders, symlinks (linked directories are never followed; a linked file is read only
+     when its target is inside the root and would itself be read),
+  2. lock files, binaries (by extension or content), files over `max_file_bytes`, minified or
      machine-generated files (very long lines), empty files,
-  5. the file-count and total-character caps.
+  3. the file-count and total-character caps.
 Everything left out is reported in `Document.skipped` as (path, reason) — directories once,
 with a trailing "/".
 
@@ -19,22 +19,13 @@ appears under a header line `===== path/to/file =====` and is one `Section`.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-
-import pathspec
 
 from hisparse_cli.documents.base import Document, Section
 from hisparse_cli.documents.text import SNIFF_BYTES, decode_bytes, looks_binary
+from hisparse_cli.documents.walk import SKIP_DIRS, RepositoryWalk, open_checked
 from hisparse_cli.errors import InputError
 
-SKIP_DIRS = frozenset({
-    "node_modules", "bower_components", "vendor", "third_party", "third-party", ".venv", "venv",
-    "build", "dist", "target", "__pycache__", ".tox", ".nox", ".mypy_cache",
-    ".pytest_cache", ".ruff_cache", ".hypothesis", ".eggs", ".gradle", ".next", ".nuxt",
-    ".cache", ".idea", ".terraform", "htmlcov", ".ipynb_checkpoints", "Pods",
-})
 LOCK_FILES = frozenset({
     "package-lock.json", "npm-shrinkwrap.json", "yarn.lock", "pnpm-lock.yaml", "bun.lockb",
     "poetry.lock", "Pipfile.lock", "uv.lock", "pdm.lock", "Cargo.lock", "composer.lock",
@@ -64,42 +55,6 @@ MINIFIED_MIN_CHARS = 2000
 MINIFIED_MEAN_LINE = 300
 
 
-@dataclass(frozen=True)
-class _Ignore:
-    """One ignore file's patterns, relative to the directory `base` ("" = root)."""
-
-    base: str
-    spec: pathspec.GitIgnoreSpec
-
-    def decide(self, rel: str, is_dir: bool) -> bool | None:
-        """True = ignored, False = re-included by `!`, None = no pattern matched."""
-        if self.base:
-            if not rel.startswith(self.base + "/"):
-                return None
-            rel = rel[len(self.base) + 1:]
-        return self.spec.check_file(rel + "/" if is_dir else rel).include
-
-
-def _read_ignore(path: Path, base: str) -> _Ignore | None:
-    try:
-        if path.is_symlink() or not path.is_file():
-            return None
-        data = path.read_bytes()[:1_000_000]
-        lines = decode_bytes(data)[0].splitlines()
-        return _Ignore(base, pathspec.GitIgnoreSpec.from_lines(lines))
-    except (OSError, ValueError, TypeError):  # a malformed pattern must not abort the run
-        return None
-
-
-def _ignored(rules: list[_Ignore], rel: str, is_dir: bool) -> bool:
-    decision = False
-    for rule in rules:  # ordered from lowest to highest precedence: the last match wins
-        verdict = rule.decide(rel, is_dir)
-        if verdict is not None:
-            decision = verdict
-    return decision
-
-
 def _group(rel: str) -> int:
     path = PurePosixPath(rel)
     name, suffix = path.name, path.suffix.lower()
@@ -120,71 +75,8 @@ def sort_key(rel: str) -> tuple[int, str, str]:
     return (_group(rel), rel.casefold(), rel)
 
 
-def _walk(root: Path, skipped: list[tuple[str, str]], walk_cap: int) -> list[tuple[str, Path]]:
-    """Candidate files (relative posix path, absolute path) after folder/link/ignore rules.
-
-    Stops collecting after `walk_cap` files so that pointing the tool at a huge tree (a home
-    directory) ends quickly; the stop is reported in `skipped`.
-    """
-    rules: list[_Ignore] = []
-    exclude = _read_ignore(root / ".git" / "info" / "exclude", "")
-    if exclude is not None:
-        rules.append(exclude)
-    found: list[tuple[str, Path]] = []
-
-    def visit(directory: Path, rel_dir: str, inherited: list[_Ignore]) -> None:
-        local = _read_ignore(directory / ".gitignore", rel_dir)
-        active = inherited + [local] if local is not None else inherited
-        try:
-            entries = sorted(os.scandir(directory), key=lambda e: e.name)
-        except OSError as exc:
-            skipped.append((rel_dir + "/" if rel_dir else ".", f"unreadable: {exc.strerror}"))
-            return
-        for entry in entries:
-            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            if len(found) >= walk_cap:
-                skipped.append((rel, f"directory walk stopped after {walk_cap:,} files"))
-                return
-            path = Path(entry.path)
-            if entry.name == ".git":
-                skipped.append((rel + "/", "version-control metadata"))
-                continue
-            if entry.is_symlink():
-                reason = _symlink_problem(path, root)
-                if reason is not None:
-                    skipped.append((rel, reason))
-                    continue
-            is_dir = entry.is_dir(follow_symlinks=False)
-            if _ignored(active, rel, is_dir):
-                skipped.append((rel + "/" if is_dir else rel, "ignored by .gitignore"))
-                continue
-            if is_dir:
-                if entry.name in SKIP_DIRS or entry.name.endswith(".egg-info"):
-                    skipped.append((rel + "/", "vendored/build/cache folder"))
-                elif (path / "pyvenv.cfg").is_file():
-                    skipped.append((rel + "/", "virtualenv folder"))
-                else:
-                    visit(path, rel, active)
-            elif entry.is_file():  # follows an in-root file link; skips sockets, fifos, ...
-                found.append((rel, path))
-            else:
-                skipped.append((rel, "not a regular file"))
-
-    visit(root, "", rules)
-    return found
-
-
-def _symlink_problem(path: Path, root: Path) -> str | None:
-    """Why a symlink is not read, or None for a link to a file inside the root."""
-    try:
-        target = path.resolve(strict=True)
-    except (OSError, RuntimeError):
-        return "broken or looping symlink"
-    if not target.is_relative_to(root):
-        return "symlink points outside the repository (not followed)"
-    if target.is_dir():
-        return "symlinked directory (not followed)"
-    return None
+def _too_large(size: int, max_file_bytes: int) -> str:
+    return f"larger than the per-file limit of {max_file_bytes:,} bytes ({size:,} bytes)"
 
 
 def _file_problem(rel: str, path: Path, max_file_bytes: int) -> str | None:
@@ -200,18 +92,21 @@ def _file_problem(rel: str, path: Path, max_file_bytes: int) -> str | None:
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
     if size > max_file_bytes:
-        return f"larger than the per-file limit of {max_file_bytes:,} bytes ({size:,} bytes)"
+        return _too_large(size, max_file_bytes)
     if size == 0:
         return "empty file"
     return None
 
 
-def _read_text(path: Path) -> tuple[str | None, str]:
-    """(text, "") or (None, reason)."""
+def _read_text(path: Path, max_file_bytes: int) -> tuple[str | None, str]:
+    """(text, "") or (None, reason). Reads at most `max_file_bytes` (+1 to notice growth)."""
     try:
-        data = path.read_bytes()
+        with open_checked(path) as handle:
+            data = handle.read(max_file_bytes + 1)
     except OSError as exc:
-        return None, f"unreadable: {exc.strerror}"
+        return None, f"unreadable: {exc.strerror or exc}"
+    if len(data) > max_file_bytes:
+        return None, _too_large(len(data), max_file_bytes)
     if looks_binary(data[:SNIFF_BYTES]):
         return None, "binary file"
     try:
@@ -226,24 +121,46 @@ def _read_text(path: Path) -> tuple[str | None, str]:
     return text, ""
 
 
+def repository_files(root: Path, *, max_file_bytes: int, max_files: int
+                     ) -> tuple[list[tuple[str, Path]], list[tuple[str, str]], bool]:
+    """What `load_repository` will try to read under `root` (resolved), in reading order:
+    (relative path, path to open) pairs that passed the walk and the per-file checks that
+    need no content; the (path, reason) pairs skipped so far; whether the enclosing work
+    tree ignores the root itself. `content_sha256` fingerprints exactly these files."""
+    def file_problem(rel: str, file_path: Path) -> str | None:
+        return _file_problem(rel, file_path, max_file_bytes)
+
+    walk = RepositoryWalk(root, file_problem)
+    candidates = sorted(walk.files(walk_cap=10 * max_files), key=lambda item: sort_key(item[0]))
+    files = []
+    for rel, file_path in candidates:
+        reason = file_problem(rel, file_path)
+        if reason is None:
+            files.append((rel, file_path))
+        else:
+            walk.skipped.append((rel, reason))
+    return files, walk.skipped, walk.root_ignored
+
+
 def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
                     max_files: int) -> Document:
     """Read a directory tree as one document (see the module docstring for the rules)."""
     root = path.resolve()
-    skipped: list[tuple[str, str]] = []
-    candidates = sorted(_walk(root, skipped, walk_cap=10 * max_files), key=lambda item: sort_key(item[0]))
+    files, skipped, root_ignored = repository_files(root, max_file_bytes=max_file_bytes,
+                                                    max_files=max_files)
+    if root_ignored:
+        raise InputError(f"{path} is ignored by the .gitignore of the git repository around "
+                         "it, so none of its files are read",
+                         hint="summarize a folder the repository does not ignore")
     parts: list[str] = []
     sections: list[Section] = []
     offset = 0
     cap_reason = ""
-    for rel, file_path in candidates:
+    for rel, file_path in files:
         if cap_reason:
             skipped.append((rel, cap_reason))
             continue
-        reason = _file_problem(rel, file_path, max_file_bytes)
-        text = None
-        if reason is None:
-            text, reason = _read_text(file_path)
+        text, reason = _read_text(file_path, max_file_bytes)
         if text is None:
             skipped.append((rel, reason))
             continue
@@ -264,9 +181,9 @@ def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
                          hint=("everything was skipped: " + "; ".join(reasons[:5]))
                          if reasons else "the directory is empty")
     return Document(text="".join(parts).rstrip("\n") + "\n", kind="repository",
-                    source=str(path), sections=tuple(sections), skipped=tuple(skipped),
-                    title=root.name, genre="code",
+                    source=str(path), sections=tuple(sections),
+                    skipped=tuple(skipped), title=root.name, genre="code",
                     meta={"files": len(sections), "skipped": len(skipped)})
 
 
-__all__ = ["load_repository", "sort_key", "SKIP_DIRS", "LOCK_FILES"]
+__all__ = ["load_repository", "repository_files", "sort_key", "SKIP_DIRS", "LOCK_FILES"]
