@@ -28,7 +28,8 @@ cannot prove is a torn write:
     in the middle, or a file that is not a results file at all (a user's notes) — is an
     InputError naming the line, and the file is left as it is.
 A document is identified by its resolved path plus the sha256 of its content (for a folder:
-of every file's relative path and bytes), so an edited document is summarized again.
+of every file the repository loader would read, by relative path and bytes), so an edited
+document is summarized again.
 """
 
 from __future__ import annotations
@@ -120,23 +121,48 @@ def find_reference(path: Path, references: Path | None = None) -> Path | None:
 
 
 def content_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, or of a folder's (relative path, bytes) pairs (no .git,
-    symlinks not followed)."""
+    """sha256 of a file's bytes; for a folder, of what the repository loader would read
+    (`repository_files` with the default limits: ignored, vendored and oversized files and
+    .git are not even opened), as (relative path, sha256 of the bytes) pairs in os.walk order
+    (a folder's files, then its subfolders, each sorted). Files are hashed in 1 MiB blocks."""
+    if not path.is_dir():
+        with open(path, "rb") as handle:
+            return _sha256_of(handle, limit=None).hexdigest()
+    from hisparse_cli.documents import IngestLimits
+    from hisparse_cli.documents.repo import repository_files
+    from hisparse_cli.documents.walk import open_checked
+
+    limits = IngestLimits()
+    files, _, _ = repository_files(path.resolve(), max_file_bytes=limits.max_file_bytes,
+                                   max_files=limits.max_files)
     digest = hashlib.sha256()
-    if path.is_dir():
-        for root, dirs, files in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if d != ".git")
-            for name in sorted(files):
-                file = Path(root) / name
-                if file.is_symlink() or not file.is_file():
-                    continue
-                digest.update(file.relative_to(path).as_posix().encode() + b"\0")
-                digest.update(hashlib.sha256(file.read_bytes()).digest())
-        return digest.hexdigest()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
+    for rel, file_path in sorted(files, key=lambda item: _walk_order(item[0])):
+        digest.update(os.fsencode(rel) + b"\0")
+        try:
+            with open_checked(file_path) as handle:
+                digest.update(_sha256_of(handle, limit=limits.max_file_bytes + 1).digest())
+        except OSError as exc:  # the loader skips it too; its state is part of the content
+            digest.update(f"unreadable: {exc.strerror or exc}".encode())
     return digest.hexdigest()
+
+
+def _walk_order(rel: str) -> list[tuple[int, str]]:
+    """Sort key of os.walk's top-down order: a folder's own files before its subfolders."""
+    *folders, name = rel.split("/")
+    return [(1, folder) for folder in folders] + [(0, name)]
+
+
+def _sha256_of(handle, limit: int | None):
+    digest = hashlib.sha256()
+    left = limit
+    while left is None or left > 0:
+        block = handle.read(1 << 20 if left is None else min(1 << 20, left))
+        if not block:
+            break
+        digest.update(block)
+        if left is not None:
+            left -= len(block)
+    return digest
 
 
 def printable(text: str) -> str:

@@ -175,6 +175,64 @@ def test_folder_sha_changes_with_content(tmp_path):
     assert content_sha256(repo) != before
 
 
+def _walk_sha(folder: Path) -> str:
+    """The folder fingerprint's formula written out with os.walk (oracle for plain trees)."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256()
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            file = Path(root) / name
+            digest.update(os.fsencode(file.relative_to(folder).as_posix()) + b"\0")
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def test_folder_sha_covers_what_is_read_and_streams(tmp_path):
+    import os
+    import tracemalloc
+
+    repo = tmp_path / "r"
+    for rel, text in {"a.txt": "a\n", "pkg/m.py": "m = 1\n", "pkg/sub/q.py": "q\n",
+                      "Z.md": "z\n", "a/b.md": "b\n"}.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    plain = content_sha256(repo)
+    assert plain == _walk_sha(repo) == content_sha256(repo)  # stable, same as before
+    (repo / ".gitignore").write_text("data/\n")
+    with_ignore = content_sha256(repo)
+    (repo / "data").mkdir()
+    with open(repo / "data" / "weights.bin", "wb") as handle:  # sparse: no disk used
+        handle.truncate(64 << 20)
+    (repo / ".git").mkdir()
+    (repo / ".git" / "index").write_bytes(b"changes all the time")
+    with open(repo / "huge.txt", "wb") as handle:  # over the per-file limit: not read
+        handle.truncate(32 << 20)
+    with open(os.path.join(os.fsencode(repo), b"caf\xe9.txt"), "wb") as handle:
+        handle.write(b"latin-1 name\n")
+    tracemalloc.start()
+    try:
+        named = content_sha256(repo)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak  # nothing read whole; ignored/oversized files not read
+    (repo / "data" / "weights.bin").write_bytes(b"other")
+    (repo / "huge.txt").write_bytes(b"x" * (40 << 20))
+    assert content_sha256(repo) == named != with_ignore
+    single = repo / "big.md"
+    with open(single, "wb") as handle:
+        handle.truncate(48 << 20)
+    tracemalloc.start()
+    try:
+        content_sha256(single)
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
+
+
 # --- results file ------------------------------------------------------------------------------
 def test_results_file_refuses_to_mix_runs_and_cuts_a_torn_tail(tmp_path):
     path = tmp_path / "r.jsonl"
