@@ -104,32 +104,101 @@ def test_pdf_with_empty_user_password_opens_without_one(good_pdf, tmp_path):
     assert "Paragraph 0" in load_document(restricted).text
 
 
-def test_image_only_pdf_needs_ocr(tmp_path):
-    writer = PdfWriter()
-    writer.add_blank_page(width=612, height=792)
-    writer.add_blank_page(width=612, height=792)
-    scanned = tmp_path / "scanned.pdf"
-    with scanned.open("wb") as handle:
+def _image_page_pdf(path: Path, text_pdf: Path | None = None) -> Path:
+    """A PDF whose (last) page draws one 1x1 image and has no text, like a scan."""
+    from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject, NumberObject
+
+    writer = PdfWriter(clone_from=str(text_pdf)) if text_pdf else PdfWriter()
+    page = writer.add_blank_page(width=612, height=792)
+    image = DecodedStreamObject()
+    image.set_data(b"\x80")
+    image.update({NameObject(k): v for k, v in {
+        "/Type": NameObject("/XObject"), "/Subtype": NameObject("/Image"),
+        "/Width": NumberObject(1), "/Height": NumberObject(1),
+        "/ColorSpace": NameObject("/DeviceGray"), "/BitsPerComponent": NumberObject(8)}.items()})
+    page[NameObject("/Resources")] = DictionaryObject({NameObject("/XObject"): DictionaryObject(
+        {NameObject("/Im0"): writer._add_object(image)})})
+    content = DecodedStreamObject()
+    content.set_data(b"q 612 0 0 792 0 0 cm /Im0 Do Q")
+    page[NameObject("/Contents")] = writer._add_object(content)
+    with path.open("wb") as handle:
         writer.write(handle)
+    return path
+
+
+def test_image_only_pdf_needs_ocr(tmp_path):
+    scanned = _image_page_pdf(tmp_path / "scanned.pdf")
+    assert len(PdfReader(scanned).pages[0].images) == 1  # oracle: pypdf sees the image
     error = _error(scanned)
     assert "OCR" in error.message and "ocrmypdf" in error.hint
 
 
-def test_partly_scanned_pdf_reports_skipped_pages(good_pdf, tmp_path):
-    writer = PdfWriter(clone_from=str(good_pdf))
+def test_blank_pdf_has_no_text_and_is_not_called_scanned(tmp_path):
+    writer = PdfWriter()
     writer.add_blank_page(width=612, height=792)
-    mixed = tmp_path / "mixed.pdf"
+    writer.add_blank_page(width=612, height=792)
+    blank = tmp_path / "blank.pdf"
+    with blank.open("wb") as handle:
+        writer.write(handle)
+    error = _error(blank)
+    assert "has no extractable text" in error.message
+    assert "scanned" not in error.message and "OCR is needed" not in error.message
+
+
+def test_partly_scanned_pdf_reports_skipped_pages(good_pdf, tmp_path):
+    mixed = _image_page_pdf(tmp_path / "mixed.pdf", text_pdf=good_pdf)
+    writer = PdfWriter(clone_from=str(mixed))
+    writer.add_blank_page(width=612, height=792)
     with mixed.open("wb") as handle:
         writer.write(handle)
     doc = load_document(mixed)
     assert [s.label for s in doc.sections] == ["page 1", "page 2", "page 3"]
-    assert doc.skipped == (("page 4", "no extractable text (image-only page?)"),)
+    assert doc.skipped == (("page 4", "no extractable text (image-only page?)"),
+                           ("page 5", "no extractable text (no images either)"))
 
 
 def test_pdf_guards_page_limit_and_clock(good_pdf):
     assert "pages" in _error(good_pdf, limits=IngestLimits(max_pages=2)).message
     assert "longer than" in _error(good_pdf, limits=IngestLimits(pdf_timeout_s=1e-9)).message
     assert "characters" in _error(good_pdf, limits=IngestLimits(max_total_chars=500)).message
+
+
+def test_pdf_size_limit_refuses_before_pypdf_reads(good_pdf, monkeypatch):
+    import pypdf
+
+    opened = []
+    monkeypatch.setattr(pypdf.PdfReader, "__init__",
+                        lambda self, *a, **kw: opened.append(a) or None)
+    size = good_pdf.stat().st_size
+    error = _error(good_pdf, limits=IngestLimits(max_pdf_bytes=size - 1))
+    assert f"{size:,} bytes, more than the PDF size limit of {size - 1:,} bytes" in error.message
+    assert opened == [] and "\n" not in error.message
+    monkeypatch.undo()
+    assert load_document(good_pdf, limits=IngestLimits(max_pdf_bytes=size)).kind == "pdf"
+    assert IngestLimits().max_pdf_bytes == 256 * 1024 * 1024
+    with pytest.raises(ConfigError, match="max_pdf_bytes"):
+        IngestLimits(max_pdf_bytes=0)
+
+
+def test_pdf_clock_interrupts_a_parse_that_never_ends(good_pdf, monkeypatch):
+    import time
+
+    import pypdf
+
+    def endless(self, stream):  # a cross-reference table pypdf takes 10 s to read
+        begun = time.monotonic()
+        while time.monotonic() - begun < 10:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(pypdf.PdfReader, "read", endless)
+    started = time.monotonic()
+    error = _error(good_pdf, limits=IngestLimits(pdf_timeout_s=0.3))
+    assert "took longer than 0.3 s" in error.message and time.monotonic() - started < 5
+    monkeypatch.undo()
+    import signal
+    for _ in range(20):  # a timer that fires at once, anywhere, still puts the handler back
+        _error(good_pdf, limits=IngestLimits(pdf_timeout_s=1e-9))
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
 
 
 def test_pdf_produces_no_log_noise(tmp_path, caplog, capsys):

@@ -25,7 +25,9 @@ class IngestLimits:
     """Guards against huge or hostile inputs.
 
     max_pages:        PDFs with more pages are refused before any page is parsed
-    pdf_timeout_s:    wall-clock budget for reading a PDF, checked before every page
+    max_pdf_bytes:    PDFs larger than this are refused before pypdf reads them
+    pdf_timeout_s:    wall-clock budget for reading a PDF: interrupts pypdf where a timer
+                      signal can be used (main thread), else checked before every page
     max_file_bytes:   repository files larger than this are skipped (reported)
     max_total_chars:  a text/PDF document with more characters is refused; a repository
                       stops adding files at this total (the rest is reported as skipped)
@@ -33,6 +35,7 @@ class IngestLimits:
     """
 
     max_pages: int = 2000
+    max_pdf_bytes: int = 256 * 1024 * 1024
     pdf_timeout_s: float = 120.0
     max_file_bytes: int = 1_000_000
     max_total_chars: int = 5_000_000
@@ -79,7 +82,7 @@ def load_document(path: str | Path, *, password: str | None = None,
     elif _is_pdf(path):
         document = load_pdf(path, password=password, max_pages=limits.max_pages,
                             timeout_s=limits.pdf_timeout_s,
-                            max_chars=limits.max_total_chars)
+                            max_chars=limits.max_total_chars, max_bytes=limits.max_pdf_bytes)
     else:
         document = load_text(path, max_chars=limits.max_total_chars)
     return replace(document, genre=guess_genre(document.text, document.kind))
