@@ -74,6 +74,15 @@ def test_garbage_with_pdf_suffix_is_input_error(tmp_path):
     assert "not a readable PDF" in _error(junk).message
 
 
+@pytest.mark.parametrize("name, head", [("notes.txt", b"%PDF"), ("notes.md", b"\xef\xbb\xbf%PDF"),
+                                        ("notes.TXT", b"  %PDF")])
+def test_text_suffix_is_read_as_text_even_when_it_starts_with_pdf(tmp_path, name, head):
+    path = tmp_path / name
+    path.write_bytes(head + b"-1.4 is the version header every PDF starts with.\n")
+    doc = load_document(path)
+    assert doc.kind == "text" and "version header" in doc.text
+
+
 def test_pdf_magic_then_garbage_is_input_error(tmp_path):
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"%PDF-1.7\n" + b"\x00garbage" * 500)

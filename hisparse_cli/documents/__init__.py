@@ -2,8 +2,10 @@
 
 `load_document(path)` dispatches on what the path is:
   * a directory                                  → repository reader (repo.py)
-  * a file starting with `%PDF` or named *.pdf   → PDF reader (pdf.py)
-  * any other file                               → text reader (text.py; Markdown is text)
+  * a file named *.pdf, or one without a known text suffix whose content starts with
+    `%PDF` (a PDF saved as report.dat)           → PDF reader (pdf.py)
+  * any other file                               → text reader (text.py; Markdown is text;
+    a notes.txt that starts with "%PDF" is text)
 and fills `Document.genre` with `guess_genre`, which picks the prompt family.
 Every failure is an `InputError` (exit code 3) with a hint; bad limits are a `ConfigError`.
 """
@@ -51,8 +53,13 @@ class IngestLimits:
 
 
 def _is_pdf(path: Path) -> bool:
-    if path.suffix.lower() == ".pdf":
+    from hisparse_cli.documents.repo import TEXT_SUFFIXES
+
+    suffix = path.suffix.lower()
+    if suffix == ".pdf":
         return True
+    if suffix in TEXT_SUFFIXES:  # the name says text: never sniffed as a PDF
+        return False
     try:
         with path.open("rb") as handle:
             return handle.read(1024).lstrip(b"\xef\xbb\xbf\r\n\t ").startswith(b"%PDF")

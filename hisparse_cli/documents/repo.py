@@ -50,6 +50,10 @@ SOURCE_SUFFIXES = frozenset(
     ".swift .js .jsx .mjs .cjs .ts .tsx .vue .svelte .rb .php .pl .pm .lua .r .jl .hs .ml .mli "
     ".ex .exs .erl .clj .cs .fs .dart .zig .nim .sh .bash .zsh .ps1 .sql .proto .graphql .cmake "
     ".f90 .triton".split())
+# Suffixes that name a text file: a single file named so is read as text even when its
+# content starts with "%PDF" (load_document sniffs only other names).
+TEXT_SUFFIXES = DOC_SUFFIXES | SOURCE_SUFFIXES | frozenset(
+    ".text .tex .html .htm .xml .json .yaml .yml .toml .ini .cfg .conf .csv .tsv .log".split())
 GROUP_README, GROUP_CONFIG, GROUP_DOCS, GROUP_SOURCE, GROUP_OTHER = range(5)
 MINIFIED_MIN_CHARS = 2000
 MINIFIED_MEAN_LINE = 300
@@ -186,4 +190,5 @@ def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
                     meta={"files": len(sections), "skipped": len(skipped)})
 
 
-__all__ = ["load_repository", "repository_files", "sort_key", "SKIP_DIRS", "LOCK_FILES"]
+__all__ = ["load_repository", "repository_files", "sort_key", "SKIP_DIRS", "LOCK_FILES",
+           "TEXT_SUFFIXES"]

@@ -12,6 +12,7 @@ Markdown and every other text format are read as text; no markup is interpreted.
 from __future__ import annotations
 
 import codecs
+import os
 from pathlib import Path
 
 from hisparse_cli.documents.base import Document, Section
@@ -88,14 +89,17 @@ def load_text(path: Path, *, max_chars: int) -> Document:
     Raises InputError for a missing/unreadable file, a binary file, an empty (or
     whitespace-only) file, or one longer than `max_chars` characters.
     """
+    max_bytes = 4 * max_chars + 4  # no encoding needs more than 4 bytes per character
     try:
-        size = path.stat().st_size
-        if size > 4 * max_chars + 4:  # no encoding needs more than 4 bytes per character
-            raise _too_long(path, max_chars)
-        data = path.read_bytes()
+        with path.open("rb") as handle:
+            if os.fstat(handle.fileno()).st_size > max_bytes:
+                raise _too_long(path, max_chars)
+            data = handle.read(max_bytes + 1)  # bounded, should the file grow meanwhile
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}",
                          hint="check the path and its permissions") from None
+    if len(data) > max_bytes:
+        raise _too_long(path, max_chars)
     if looks_binary(data[:SNIFF_BYTES]):
         raise InputError(f"{path} looks like a binary file, not text",
                          hint="give a PDF, a text/Markdown file, or a source directory")
