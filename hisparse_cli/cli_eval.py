@@ -78,6 +78,8 @@ def eval_command(
 ) -> None:
     """Summary quality under sparsity: fidelity, attention recall and ROUGE vs dense."""
     from hisparse_cli.console import note, write_result
+    from hisparse_cli.errors import InputError
+    from hisparse_cli.outputs import check_output_folder
     from hisparse_cli.quality.aggregate import summarize_settings
     from hisparse_cli.quality.dataset import LayoutConfig, load_eval_documents
     from hisparse_cli.quality.harness import HarnessConfig, evaluate
@@ -88,6 +90,7 @@ def eval_command(
 
     base = load_profile(profile).sparse_config()
     named = parse_settings(list(settings or ["dense", "profile"]), base)  # exit 2 before loading
+    out = check_output_folder(out)  # a report folder that cannot be written: before the run
     docs = load_eval_documents(list(paths))
     scorer = load_probe(probe) if probe is not None else None
     cfg = HarnessConfig(layout=LayoutConfig(max_tokens=max_tokens, recall_queries=recall_queries),
@@ -104,7 +107,10 @@ def eval_command(
                    "device": plan.device, "dtype": plan.dtype,
                    "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                    "documents": [d.id for d in docs], "seconds": round(time.perf_counter() - started, 1)}
-    written = write_report(result, out)
+    try:
+        written, failure = write_report(result, out), None
+    except OSError as exc:  # checked before the run, yet failing now: keep the results
+        written, failure = {}, exc
     summary = summarize_settings(result)
     if as_json:
         write_result(json.dumps({"meta": result.meta, "summary": summary,
@@ -112,6 +118,11 @@ def eval_command(
                                 indent=2, default=str))
     else:
         write_result(summary_table(summary))
+    if failure is not None:
+        raise InputError(f"cannot write the report to {out}: {failure.strerror or failure}; "
+                         "the summary was printed on stdout",
+                         hint="choose another --out folder (check the free disk space and "
+                              "its permissions)")
     if not quiet:
         note(f"wrote {', '.join(str(p) for p in written.values())}")
 

@@ -9,7 +9,8 @@ Exit codes (documented in the README):
     1  unexpected internal error (a bug; traceback with HISPARSE_DEBUG=1)
     2  bad usage: unknown option value, invalid setting, unknown profile
     3  input problem: missing/unreadable/encrypted/scanned/corrupt document, bad repository,
-       a results file `batch --resume` cannot continue or write
+       a results file `batch --resume` cannot continue or write, an --out path that cannot
+       be written
     4  model problem: model not found, unsupported architecture or format, offline with no cache
     5  resources: does not fit the memory budget, out of memory
     6  batch finished but at least one document failed

@@ -1,0 +1,138 @@
+"""CLI input/output edges: --out paths checked before the run (and the result kept when the
+write fails anyway), file modes, unreadable inputs, corrupt weights, usage errors and help
+text. Same tiny model and CliRunner conventions as test_cli.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from helpers_tokenizer import make_tiny_model_dir
+from hisparse_cli.cli import app
+
+TINY_FLAGS = ["--profile", "cpu", "-n", "4", "--window", "64", "--prefill-chunk", "64",
+              "--global-tokens", "8", "--recalibrate-every", "64", "--recalibrate-topk", "8"]
+TEXT = "The client pays a monthly fee of EUR 7,400 within thirty days of the invoice.\n"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPARSE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HISPARSE_DEBUG", raising=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("cli_io"), max_position_embeddings=1024)
+
+
+@pytest.fixture
+def doc(tmp_path) -> Path:
+    path = tmp_path / "deal.txt"
+    path.write_text(TEXT * 2, encoding="utf-8")
+    return path
+
+
+def run(*args, env: dict | None = None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def show(result) -> str:
+    return (f"exit {result.exit_code}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n"
+            f"{result.stderr}\n--- exception ---\n{result.exception!r}")
+
+
+def assert_error(result, code: int, *needles: str) -> None:
+    assert result.exit_code == code, show(result)
+    assert result.stdout == "", show(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2, show(result)
+    assert lines[0].startswith("Error: ") and lines[1].startswith("Hint: "), show(result)
+    for needle in needles:
+        assert needle in result.stderr, show(result)
+
+
+# --- summarize --out ---------------------------------------------------------------------------
+# A model path that does not exist: an --out error must come first (exit 2/3, not 4).
+def test_out_is_checked_before_the_model_loads(doc, tmp_path):
+    nowhere = tmp_path / "no-model"
+    assert_error(run("summarize", doc, "--model", nowhere, "--out", tmp_path), 2, "is a folder")
+    assert_error(run("summarize", doc, "--model", nowhere, "--out", tmp_path / "no" / "s.txt"),
+                 3, "does not exist")
+
+
+def test_out_in_a_folder_that_cannot_be_written(doc, tmp_path, monkeypatch):
+    import hisparse_cli.outputs as outputs
+
+    def refuse(**kw):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(outputs.tempfile, "mkstemp", refuse)  # root ignores chmod 555
+    assert_error(run("summarize", doc, "--model", tmp_path / "no-model", "--out",
+                     tmp_path / "s.txt"), 3, "Permission denied")
+
+
+def test_out_on_a_virtual_file_system(doc, tmp_path):
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc")
+    assert_error(run("summarize", doc, "--model", tmp_path / "no-model", "--out",
+                     "/proc/s.txt"), 3, "/proc/s.txt")
+
+
+def test_a_failed_write_at_the_end_keeps_the_summary(tiny, doc, tmp_path, monkeypatch):
+    import hisparse_cli.cli_summarize as cli_summarize
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli_summarize, "write_atomic", full)
+    result = run("summarize", doc, "--model", tiny, "--out", tmp_path / "s.txt", "-q",
+                 *TINY_FLAGS)
+    assert result.exit_code == 3, show(result)
+    assert result.stdout.endswith("\n") and len(result.stdout) > 1, show(result)  # the summary
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and "No space left" in lines[0], show(result)
+    assert "printed on stdout" in lines[0] and lines[1].startswith("Hint: "), show(result)
+
+
+def test_out_file_modes_follow_the_umask_and_are_kept(tiny, doc, tmp_path):
+    from hisparse_cli.outputs import write_atomic
+
+    old = os.umask(0o027)
+    try:
+        new = tmp_path / "new.txt"
+        write_atomic(new, "x\n")
+        assert stat.S_IMODE(new.stat().st_mode) == 0o640
+        kept = tmp_path / "kept.txt"
+        kept.write_text("old\n")
+        kept.chmod(0o604)
+        result = run("summarize", doc, "--model", tiny, "--out", kept, "-q", *TINY_FLAGS)
+        assert result.exit_code == 0, show(result)
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o604 and kept.read_text() != "old\n"
+    finally:
+        os.umask(old)
+
+
+def test_out_through_a_symlink_writes_the_target(tmp_path):
+    from hisparse_cli.outputs import check_output_file, write_atomic
+
+    target = tmp_path / "real.txt"
+    target.write_text("old\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    write_atomic(check_output_file(link), "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+
+
+def test_eval_out_must_be_a_folder(doc, tmp_path):
+    afile = tmp_path / "report.txt"
+    afile.write_text("mine\n")
+    assert_error(run("eval", doc, "--model", tmp_path / "no-model", "--out", afile), 2,
+                 "is a file, not a folder")
+    assert afile.read_text() == "mine\n"
