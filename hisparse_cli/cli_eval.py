@@ -1,6 +1,7 @@
 """`hisparse eval` (summary quality under sparsity) and `hisparse probe train`.
 
     hisparse eval DIR|FILES... [--settings dense --settings w1024-g64 ...] [--out DIR]
+                  [--password P]
     hisparse probe train [--model M] [--out FILE] [--texts PATH ...]
 
 eval: every document (DIR: each <id>.txt below it, with <id>.ref.txt as its reference) is
@@ -73,6 +74,8 @@ def eval_command(
         "Query positions sampled for attention recall."))] = 64,
     probe: Annotated[Optional[Path], typer.Option("--probe", help=(
         "Probe file for importance=probe settings.  [default: the shipped one]"))] = None,
+    password: Annotated[Optional[str], typer.Option("--password", help=(
+        "Password of encrypted PDFs."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
@@ -91,7 +94,7 @@ def eval_command(
     base = load_profile(profile).sparse_config()
     named = parse_settings(list(settings or ["dense", "profile"]), base)  # exit 2 before loading
     out = check_output_folder(out)  # a report folder that cannot be written: before the run
-    docs = load_eval_documents(list(paths))
+    docs = load_eval_documents(list(paths), password=password)
     scorer = load_probe(probe) if probe is not None else None
     cfg = HarnessConfig(layout=LayoutConfig(max_tokens=max_tokens, recall_queries=recall_queries),
                         rouge=not no_rouge, max_new_tokens=max_new_tokens)

@@ -136,3 +136,37 @@ def test_eval_out_must_be_a_folder(doc, tmp_path):
     assert_error(run("eval", doc, "--model", tmp_path / "no-model", "--out", afile), 2,
                  "is a file, not a folder")
     assert afile.read_text() == "mine\n"
+
+
+# --- eval reads documents like summarize --------------------------------------------------------
+def _locked_pdf(tmp_path) -> Path:
+    import importlib.util
+
+    from pypdf import PdfReader, PdfWriter
+
+    spec = importlib.util.spec_from_file_location(
+        "make_contract_pdf", Path(__file__).resolve().parent.parent / "samples"
+        / "make_contract_pdf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plain = tmp_path / "plain.pdf"
+    plain.write_bytes(module.build_pdf(TEXT * 4, title="Locked"))
+    writer = PdfWriter()
+    for page in PdfReader(str(plain)).pages:
+        writer.add_page(page)
+    writer.encrypt(user_password="s3cret", owner_password="owner", algorithm="RC4-128")
+    locked = tmp_path / "locked.pdf"
+    with open(locked, "wb") as handle:
+        writer.write(handle)
+    return locked
+
+
+def test_eval_takes_the_password_its_hint_names(tmp_path):
+    locked = _locked_pdf(tmp_path)
+    nowhere = tmp_path / "no-model"  # documents are read before the model: 4 means read
+    out = tmp_path / "report"
+    assert_error(run("eval", locked, "--model", nowhere, "--out", out), 3, "--password")
+    assert_error(run("eval", locked, "--model", nowhere, "--out", out, "--password", "nope"),
+                 3, "wrong password")
+    assert_error(run("eval", locked, "--model", nowhere, "--out", out, "--password", "s3cret"),
+                 4)
