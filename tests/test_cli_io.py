@@ -170,3 +170,51 @@ def test_eval_takes_the_password_its_hint_names(tmp_path):
                  3, "wrong password")
     assert_error(run("eval", locked, "--model", nowhere, "--out", out, "--password", "s3cret"),
                  4)
+
+
+# --- corrupt weights are a model problem (exit 4) ------------------------------------------------
+def _copy_model(tiny: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(tiny, dest)
+    return dest
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda data: data[: len(data) // 2], "incomplete metadata"),  # a cut-off download
+    (lambda data: os.urandom(4096), "cannot read weights"),  # not safetensors at all
+])
+def test_corrupt_model_weights_exit_4(tiny, doc, tmp_path, damage, needle):
+    model = _copy_model(tiny, tmp_path / "model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    assert_error(run("summarize", doc, "--model", model, *TINY_FLAGS), 4, needle,
+                 "download it again")
+
+
+def _probe(folder: Path, hidden: int, layers: int, kv_heads: int) -> Path:
+    from hisparse_cli.quality.probe import ImportanceProbe, rank_for, save_probe
+
+    module = ImportanceProbe(hidden, layers, kv_heads, rank_for(hidden, layers, kv_heads))
+    weights, _ = save_probe(module, folder / f"h{hidden}.safetensors", {})
+    return weights
+
+
+def test_corrupt_or_foreign_probe_is_not_an_internal_error(tiny, doc, tmp_path):
+    from hisparse_cli.model.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(tiny)
+    probe = _probe(tmp_path, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads)
+    flags = ["--model", tiny, "--importance", "probe", *TINY_FLAGS]
+    ok = run("summarize", doc, "--probe", probe, "-q", *flags)
+    assert ok.exit_code == 0, show(ok)  # the probe as saved works
+    probe.write_bytes(probe.read_bytes()[:40])  # cut short
+    assert_error(run("summarize", doc, "--probe", probe, *flags), 4, "probe train")
+    other = _probe(tmp_path, 2 * cfg.hidden_size, cfg.num_hidden_layers + 1, 1)
+    assert_error(run("summarize", doc, "--probe", other, *flags), 2, "another model")
+
+
+def test_a_gguf_that_is_not_one_exits_4_with_a_download_hint(doc, tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(os.urandom(2048))
+    assert_error(run("summarize", doc, "--model", bad, "-q", *TINY_FLAGS), 4, "fetch the file again")
