@@ -182,5 +182,5 @@ def probe_train(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("eval", no_args_is_help=True)(eval_command)
+    app.command("eval")(eval_command)
     app.add_typer(probe_app, name="probe")

@@ -15,10 +15,8 @@ import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
 
-profiles_app = typer.Typer(help="Hardware profiles (bundled sparse + memory settings).",
-                           no_args_is_help=True)
-models_app = typer.Typer(help="Models: the embedded default, pulled and converted ones.",
-                         no_args_is_help=True)
+profiles_app = typer.Typer(help="Hardware profiles (bundled sparse + memory settings).")
+models_app = typer.Typer(help="Models: the embedded default, pulled and converted ones.")
 
 
 def _print_json(obj) -> None:
@@ -103,6 +101,7 @@ def models_list(as_json: JsonOpt = False) -> None:
         _print_json([{**asdict(r), "path": str(r.path)} for r in rows])
         return
     table = Table("name", "installed", "size", "source", "description")
+    table.columns[0].no_wrap = True  # a name is what users copy: never cut, even on a terminal
     for r in rows:
         name = r.name + (" (default)" if r.is_default else "")
         table.add_row(name, "yes" if r.installed else "no",
@@ -150,6 +149,6 @@ def models_rm(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("score", no_args_is_help=True)(score)
+    app.command("score")(score)
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(models_app, name="models")

@@ -106,4 +106,4 @@ def summarize(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("summarize", no_args_is_help=True)(run_options(summarize))
+    app.command("summarize")(run_options(summarize))

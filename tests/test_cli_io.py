@@ -218,3 +218,36 @@ def test_a_gguf_that_is_not_one_exits_4_with_a_download_hint(doc, tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(os.urandom(2048))
     assert_error(run("summarize", doc, "--model", bad, "-q", *TINY_FLAGS), 4, "fetch the file again")
+
+
+# --- help text and tables -----------------------------------------------------------------------
+def _commands(command, path=()):
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, path + (name,))
+
+
+def test_every_default_note_in_a_help_text_is_shown():
+    import re
+
+    import typer
+
+    notes_seen = 0
+    for path, command in _commands(typer.main.get_command(app)):
+        notes = [note for param in command.params
+                 for note in re.findall(r"\[default: [^\]]*\]", getattr(param, "help", "") or "")]
+        if not notes:
+            continue
+        result = run(*path, "--help", env={"COLUMNS": "400"})
+        assert result.exit_code == 0, show(result)
+        text = " ".join(result.stdout.split())
+        for note in notes:
+            assert note.replace("\\[", "[") in text, (path, note)
+            notes_seen += 1
+    assert notes_seen >= 10  # summarize, batch, eval, plan, quantize, probe train
+
+
+def test_models_list_piped_keeps_whole_names():
+    result = run("models", "list")
+    assert result.exit_code == 0, show(result)
+    assert "smollm2-135m-instruct (default)" in result.stdout and "…" not in result.stdout
