@@ -217,7 +217,8 @@ def test_corrupt_or_foreign_probe_is_not_an_internal_error(tiny, doc, tmp_path):
 def test_a_gguf_that_is_not_one_exits_4_with_a_download_hint(doc, tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(os.urandom(2048))
-    assert_error(run("summarize", doc, "--model", bad, "-q", *TINY_FLAGS), 4, "fetch the file again")
+    assert_error(run("summarize", doc, "--model", bad, "-q", *TINY_FLAGS), 4,
+                 "fetch the file again")
 
 
 # --- help text and tables -----------------------------------------------------------------------
@@ -247,7 +248,38 @@ def test_every_default_note_in_a_help_text_is_shown():
     assert notes_seen >= 10  # summarize, batch, eval, plan, quantize, probe train
 
 
+def test_generation_ranges_in_help_match_validation(doc):
+    text = " ".join(run("summarize", "--help", env={"COLUMNS": "400"}).stdout.split())
+    assert "[0<x<=1]" in text and "[x>0]" in text and "[x>=0]" in text
+    for flags in (["--top-p", "0"], ["--top-p", "1.5"], ["--repetition-penalty", "0"],
+                  ["--temperature", "inf"], ["--temperature", "nan"], ["--top-p", "nan"]):
+        assert_error(run("summarize", doc, *flags), 2, flags[0])
+
+
 def test_models_list_piped_keeps_whole_names():
     result = run("models", "list")
     assert result.exit_code == 0, show(result)
     assert "smollm2-135m-instruct (default)" in result.stdout and "…" not in result.stdout
+
+
+def test_generation_config_rejects_non_finite_values_with_a_hint():
+    from hisparse_cli.engine.config import GenerationConfig
+    from hisparse_cli.errors import ConfigError
+
+    for bad in ({"temperature": float("inf")}, {"temperature": float("nan")},
+                {"top_p": 0.0}, {"repetition_penalty": float("inf")},
+                {"repetition_penalty": 0.0}):
+        with pytest.raises(ConfigError) as info:
+            GenerationConfig(**bad)
+        assert info.value.hint, bad
+
+
+def test_every_error_has_a_hint_line(tiny, doc, tmp_path):
+    model = _copy_model(tiny, tmp_path / "model")
+    (model / "config.json").write_text("{not json")
+    assert_error(run("summarize", doc, "--model", model, *TINY_FLAGS), 4, "not valid JSON",
+                 "config.json")
+    from hisparse_cli.errors import ConfigError, InputError, ModelError, ResourceError
+
+    for cls in (ConfigError, InputError, ModelError, ResourceError):
+        assert cls("something").hint  # the class's default when the raiser gave none
