@@ -26,8 +26,10 @@ def _print_json(obj) -> None:
 
 
 def score(
-    summary: Annotated[Path, typer.Argument(help="Summary text file.", show_default=False)],
-    reference: Annotated[Path, typer.Argument(help="Reference text file.", show_default=False)],
+    summary: Annotated[Path, typer.Argument(help="Summary text file.", show_default=False,
+                                            readable=False)],
+    reference: Annotated[Path, typer.Argument(help="Reference text file.", show_default=False,
+                                              readable=False)],
     as_json: JsonOpt = False,
 ) -> None:
     """ROUGE-1/2/L/Lsum F1 of SUMMARY against REFERENCE."""

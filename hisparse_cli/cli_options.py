@@ -109,7 +109,7 @@ _SHARED: list[tuple[str, object, object]] = [
     ("importance", Annotated[Optional[str], _opt("--importance", panel=P_SPARSE,
         help="How global tokens are chosen: attention, snapkv, uniform or probe.  "
              "[default: the profile's]")], None),
-    ("probe", Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE,
+    ("probe", Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE, readable=False,
         help="Probe file for --importance probe.  [default: the shipped one for the model]")],
      None),
     ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,

@@ -53,12 +53,12 @@ def _write_out(out: Path, text: str) -> None:
 
 def summarize(
     path: Annotated[Path, typer.Argument(help="A PDF, a text file, or a source folder.",
-                                         show_default=False)],
+                                         show_default=False, readable=False)],
     reference: Annotated[Optional[Path], typer.Option(
-        "--reference", "-r", rich_help_panel=P_OUT,
+        "--reference", "-r", rich_help_panel=P_OUT, readable=False,
         help="Reference summary (text): adds ROUGE to the output.")] = None,
     out: Annotated[Optional[Path], typer.Option(
-        "--out", "-o", rich_help_panel=P_OUT,
+        "--out", "-o", rich_help_panel=P_OUT, readable=False,
         help="Write the summary (the JSON with --json) to FILE atomically, not to stdout.")] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", rich_help_panel=P_OUT,
@@ -69,14 +69,14 @@ def summarize(
     from hisparse_cli.batch import printable_record
     from hisparse_cli.console import TokenProgress, print_table, stats_table, status, write_result
     from hisparse_cli.documents import load_document
-    from hisparse_cli.job import read_reference
+    from hisparse_cli.job import document_path, read_reference
 
     job = build_job(opts)
     if out is not None:
         out = check_output_file(out)  # before the run: a bad --out costs nothing
     started = time.perf_counter()
     with status(f"reading {path}", quiet=opts.quiet):
-        doc = load_document(path, password=opts.password)
+        doc = load_document(document_path(path), password=opts.password)
     ingest_seconds = time.perf_counter() - started
     reference_text = read_reference(reference) if reference is not None else None
     job.engine()

@@ -283,3 +283,72 @@ def test_every_error_has_a_hint_line(tiny, doc, tmp_path):
 
     for cls in (ConfigError, InputError, ModelError, ResourceError):
         assert cls("something").hint  # the class's default when the raiser gave none
+
+
+# --- unreadable inputs are input problems (exit 3) -----------------------------------------------
+# As root, chmod 000 does not stop reading: the denial is simulated where the code asks for it
+# (os.access, stat, read_bytes); the real chmod runs where the tests are not root.
+@pytest.fixture
+def unreadable(monkeypatch):
+    """Paths made unreadable: os.access says no, reading raises EACCES; a path inside a
+    `denied` folder cannot even be stat'ed (a parent without search permission)."""
+    denied: set[str] = set()
+    real_access, real_stat, real_read = os.access, Path.stat, Path.read_bytes
+
+    def blocked(path) -> bool:
+        path = os.path.abspath(os.fspath(path))
+        return any(path == d or path.startswith(d + os.sep) for d in denied)
+
+    def inside(path) -> bool:
+        path = os.path.abspath(os.fspath(path))
+        return any(path.startswith(d + os.sep) for d in denied)
+
+    def access(path, mode, *a, **kw):
+        return False if blocked(path) else real_access(path, mode, *a, **kw)
+
+    def stat_(self, *a, **kw):
+        if inside(self):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *a, **kw)
+
+    def read_bytes(self):
+        if blocked(self):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(os, "access", access)
+    monkeypatch.setattr(Path, "stat", stat_)
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    return lambda path: denied.add(os.path.abspath(path)) or path
+
+
+def test_unreadable_document_exits_3(doc, tmp_path, unreadable):
+    nowhere = tmp_path / "no-model"
+    assert_error(run("summarize", unreadable(doc), "--model", nowhere), 3, "permission denied",
+                 "chmod")
+    folder = tmp_path / "nox"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXT)
+    unreadable(folder)
+    assert_error(run("summarize", folder / "a.txt", "--model", nowhere), 3, "Permission denied")
+    assert_error(run("summarize", folder, "--model", nowhere), 3, "permission denied")
+
+
+def test_unreadable_reference_and_score_inputs_exit_3(doc, tmp_path, unreadable):
+    ref = tmp_path / "ref.txt"
+    ref.write_text("The client pays a monthly fee.\n")
+    unreadable(ref)
+    assert_error(run("summarize", doc, "--model", tmp_path / "no-model", "--reference", ref), 3,
+                 "cannot read reference", "Permission denied")
+    assert_error(run("score", ref, doc), 3, "cannot read summary")
+    assert_error(run("score", doc, ref), 3, "cannot read reference")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_document_exits_3_for_real(doc, tmp_path):
+    doc.chmod(0)
+    try:
+        assert_error(run("summarize", doc, "--model", tmp_path / "no-model"), 3,
+                     "permission denied")
+    finally:
+        doc.chmod(0o644)
