@@ -45,6 +45,17 @@ def score(
         write_result("\n".join(f"{name}\t{value:.4f}" for name, value in scores.items()))
 
 
+def _weights_shown(profile) -> str:
+    """The profile's weight_format as a run under it loads the weights: the cpu profile's
+    unquantized weights run in float32 (runtime.plan_device), whatever the checkpoint holds."""
+    from hisparse_cli.runtime import plan_device
+
+    dtype = plan_device(profile, cuda_available=True).dtype  # on the device it is made for
+    if profile.weight_format == "fp16" and dtype != "float16":
+        return f"fp16, loaded as {dtype}"
+    return profile.weight_format
+
+
 @profiles_app.command("list")
 def profiles_list(as_json: JsonOpt = False) -> None:
     """List the shipped profiles."""
@@ -62,7 +73,7 @@ def profiles_list(as_json: JsonOpt = False) -> None:
     for p in profiles:
         budget = f"{p.vram_budget_gib:g} GiB" if p.vram_budget_gib else "cpu"
         table.add_row(escape(p.name), budget, str(p.window_size), str(p.global_tokens),
-                      p.weight_format, escape(p.description))
+                      _weights_shown(p), escape(p.description))
     print_table(table, to_stdout=True)
 
 
@@ -85,6 +96,8 @@ def profiles_show(
         return
     table = Table("setting", "value", title=f"profile {profile.name}", title_justify="left")
     for key, value in profile.to_dict().items():
+        if key == "weight_format":
+            value = _weights_shown(profile)
         table.add_row(key, "none" if value is None else escape(str(value)))
     print_table(table, to_stdout=True)
 

@@ -110,7 +110,8 @@ _SHARED: list[tuple[str, object, object]] = [
         help="How global tokens are chosen: attention, snapkv, uniform or probe.  "
              "[default: the profile's]")], None),
     ("probe", Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE, readable=False,
-        help="Probe file for --importance probe.  [default: the shipped one for the model]")],
+        help="Probe file for --importance probe (implies it).  [default: the shipped one for "
+             "the model]")],
      None),
     ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,
         help="Dense attention (no window, no globals): the exact baseline.")], False),
@@ -155,13 +156,25 @@ class RunOptions:
         return load_profile(self.profile)
 
     def sparse(self, profile):
+        from hisparse_cli.errors import ConfigError
         from hisparse_cli.runtime import sparse_settings
 
+        importance = self.importance
+        if self.probe is not None:  # a probe file says which importance is wanted
+            if self.dense:
+                raise ConfigError("--dense cannot be combined with --probe",
+                                  hint="dense attention keeps every token: nothing to score")
+            if importance is None:
+                importance = "probe"
+            elif importance.strip().lower() != "probe":
+                raise ConfigError(f"--probe is used only with --importance probe, not "
+                                  f"--importance {importance}",
+                                  hint="drop --probe, or use --importance probe")
         return sparse_settings(
             profile, dense=self.dense, window_size=self.window, global_tokens=self.global_tokens,
             sink_tokens=self.sink_tokens, block_size=self.block_size,
             recalibrate_every=self.recalibrate_every, recalibrate_topk=self.recalibrate_topk,
-            prefill_chunk=self.prefill_chunk, importance=self.importance)
+            prefill_chunk=self.prefill_chunk, importance=importance)
 
     def summary_settings(self, profile):
         from hisparse_cli.engine.config import GenerationConfig

@@ -72,6 +72,9 @@ def read_reference(path: str | Path, role: str = "reference",
     except FileNotFoundError:
         raise InputError(f"{role} {path}: no such file",
                          hint=f"check the path given as {given}") from None
+    except IsADirectoryError:
+        raise InputError(f"{role} {path} is a folder, not a text file",
+                         hint=f"give a plain-text file as {given}") from None
     except OSError as exc:
         raise InputError(f"cannot read {role} {path}: {exc.strerror or exc}",
                          hint=f"give a readable plain-text {role}") from None

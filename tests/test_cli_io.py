@@ -352,3 +352,40 @@ def test_unreadable_document_exits_3_for_real(doc, tmp_path):
                      "permission denied")
     finally:
         doc.chmod(0o644)
+
+
+# --- smaller messages ----------------------------------------------------------------------------
+def test_models_subcommands_hint_what_they_accept():
+    for sub in ("path", "rm"):
+        result = run("models", sub, "nope")
+        assert_error(result, 4, "unknown model 'nope'", "models list")
+        assert "hub id" not in result.stderr and ".gguf file" not in result.stderr
+    assert_error(run("models", "pull", "nope"), 4, "needs no pull")
+
+
+def test_profile_paths_and_names(doc, tmp_path):
+    assert_error(run("profiles", "show", tmp_path / "missing.toml"), 2, "does not exist")
+    assert_error(run("profiles", "show", tmp_path), 2, "is a folder")
+    assert_error(run("profiles", "show", "nope"), 2, "unknown profile 'nope'")
+    shown = run("profiles", "show", "CPU", "--json")
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["name"] == "cpu", show(shown)
+    table = run("profiles", "show", "cpu")
+    assert "loaded as float32" in table.stdout, show(table)  # what the cpu run really uses
+
+
+def test_score_says_a_folder_is_a_folder(doc, tmp_path):
+    assert_error(run("score", tmp_path, doc), 3, "is a folder")
+
+
+def test_probe_file_implies_importance_probe(doc):
+    from hisparse_cli.cli_options import RunOptions
+    from hisparse_cli.errors import ConfigError
+    from hisparse_cli.profiles import load_profile
+
+    cpu = load_profile("cpu")
+    assert RunOptions(probe=Path("p.safetensors")).sparse(cpu).importance == "probe"
+    assert RunOptions().sparse(cpu).importance == cpu.importance
+    with pytest.raises(ConfigError, match="--importance probe"):
+        RunOptions(probe=Path("p.safetensors"), importance="snapkv").sparse(cpu)
+    assert_error(run("summarize", doc, "--probe", "p.safetensors", "--dense", "-p", "cpu"), 2,
+                 "--dense")
