@@ -8,15 +8,17 @@ Commands live in cli_*.py modules (thin: parse flags, call library functions, re
 Error handling, in one place (`HisparseGroup`): a `HisparseError` prints `Error: …` and
 `Hint: …` on stderr and exits with its code (errors.py); Ctrl-C exits 130; a torch or host
 out-of-memory error becomes a ResourceError (5); any other exception is an internal error
-(1). Usage errors (bad flag values) keep Click's exit code 2 in the same two-line form. A
-traceback is printed only with HISPARSE_DEBUG=1. Heavy imports happen inside commands, so
+(1). Usage errors (bad flag values, a missing argument or command: no command prints its
+help instead) keep Click's exit code 2 in the same two-line form. A traceback is printed only with HISPARSE_DEBUG=1. Heavy imports happen inside commands, so
 `hisparse --help` stays instant.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
+import re
 import sys
 import traceback
 from typing import Annotated, Optional
@@ -69,8 +71,64 @@ def report_exception(exc: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+def uniform_commands(command: click.Command) -> None:
+    """The same conventions for `command` and every subcommand, whichever module made it:
+
+    * help texts are plain text for Rich: each `[` is escaped, so notes such as
+      `[default: the profile's]` show as written instead of being taken for (and dropped
+      as) Rich markup. Idempotent: a `[` already escaped as `\\[` is left alone;
+    * no `no_args_is_help`: a missing argument or subcommand is a usage error (`Error:` and
+      `Hint:` on stderr, exit 2), not the help text on stdout.
+    """
+    def escape(text):
+        return _UNESCAPED_BRACKET.sub(r"\\[", text) if isinstance(text, str) else text
+
+    command.help = escape(command.help)
+    command.short_help = escape(command.short_help)
+    command.no_args_is_help = False
+    for param in command.params:
+        if hasattr(param, "help"):
+            param.help = escape(param.help)
+    for sub in getattr(command, "commands", {}).values():
+        uniform_commands(sub)
+
+
+def usage_error(exc: click.ClickException) -> tuple[str, str]:
+    """(message, hint) for a Click usage error: `missing argument PATH`, `missing command`
+    (the hint lists them), and for an unknown option only close matches as suggestions
+    (Click offers anything difflib rates 0.6, e.g. --out for --bogus-opt)."""
+    ctx = getattr(exc, "ctx", None)
+    path = ctx.command_path if ctx is not None else "hisparse"
+    see = f"see `{path} --help`"
+    if isinstance(exc, click.exceptions.MissingParameter) and exc.param is not None:
+        param = exc.param
+        kind = getattr(param, "param_type_name", "argument")
+        name = param.opts[0] if kind == "option" and param.opts else (param.name or "").upper()
+        return f"missing {kind} {name}", see
+    if isinstance(exc, click.exceptions.NoSuchOption):
+        close = difflib.get_close_matches(exc.option_name, exc.possibilities or [], n=3,
+                                          cutoff=CLOSE_OPTION_MATCH)
+        message = f"no such option: {exc.option_name}"
+        return message, (f"did you mean {' or '.join(close)}? {see}" if close else see)
+    if isinstance(exc, click.exceptions.UsageError) and exc.message == "Missing command." and ctx:
+        names = ", ".join(ctx.command.list_commands(ctx))
+        return "missing command", f"one of: {names}; {see}"
+    return exc.format_message(), see
+
+
+CLOSE_OPTION_MATCH = 0.75  # --windw → --window (0.93), --modle → --model (0.86); not --out
+
+
+_UNESCAPED_BRACKET = re.compile(r"(?<!\\)\[")
+
+
 class HisparseGroup(TyperGroup):
-    """Typer group with the error handling described in the module docstring."""
+    """Typer group with the error handling described in the module docstring; every command
+    follows `uniform_commands`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        uniform_commands(self)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -82,22 +140,15 @@ class HisparseGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
-        from hisparse_cli.console import print_error, stderr_console
+        from hisparse_cli.console import print_error
 
         try:
             rv = super().main(args=args, prog_name=prog_name or "hisparse",
                               complete_var=complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as exc:
-            if not standalone_mode:
-                raise
-            if exc.format_message().strip():  # plain Click; Typer's rich help printed already
-                stderr_console().print(exc.format_message(), markup=False)
-            sys.exit(exc.exit_code)
         except click.ClickException as exc:
             if not standalone_mode:
                 raise
-            path = exc.ctx.command_path if getattr(exc, "ctx", None) else "hisparse"
-            print_error(exc.format_message(), hint=f"see `{path} --help`")
+            print_error(*usage_error(exc))
             sys.exit(exc.exit_code)
         except typer.Abort:
             if not standalone_mode:
@@ -110,7 +161,7 @@ class HisparseGroup(TyperGroup):
 
 
 app = typer.Typer(
-    name="hisparse", cls=HisparseGroup, no_args_is_help=True, add_completion=False,
+    name="hisparse", cls=HisparseGroup, add_completion=False,
     pretty_exceptions_enable=False, rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Summarize long documents (PDF, text, code repositories) with a paged, sparse-"

@@ -171,4 +171,4 @@ def _warn_other_settings(results, job, warn) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("batch", no_args_is_help=True)(run_options(batch))
+    app.command("batch")(run_options(batch))

@@ -1,6 +1,7 @@
 """`hisparse eval` (summary quality under sparsity) and `hisparse probe train`.
 
     hisparse eval DIR|FILES... [--settings dense --settings w1024-g64 ...] [--out DIR]
+                  [--password P]
     hisparse probe train [--model M] [--out FILE] [--texts PATH ...]
 
 eval: every document (DIR: each <id>.txt below it, with <id>.ref.txt as its reference) is
@@ -52,7 +53,7 @@ def _load(model: str | None, profile_name: str, quiet: bool):
 def eval_command(
     paths: Annotated[list[Path], typer.Argument(
         help="Documents: folders of <id>.txt (+ <id>.ref.txt) or text files.",
-        show_default=False)],
+        show_default=False, readable=False)],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
         "Model: registry name, local HF folder, .gguf file.  [default: the embedded "
         "smollm2-135m-instruct]"))] = None,
@@ -62,7 +63,8 @@ def eval_command(
         "A setting to evaluate (repeat the flag): dense, profile, w1024-g64, "
         "w512-g32-uniform, window=1024,globals=64,importance=snapkv.  [default: dense and "
         "profile]"))] = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Report folder.")] = Path("eval_report"),
+    out: Annotated[Path, typer.Option("--out", "-o", readable=False,
+                                      help="Report folder.")] = Path("eval_report"),
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=64, help=(
         "Truncate every document to this many tokens."))] = 3072,
     no_rouge: Annotated[bool, typer.Option("--no-rouge", help=(
@@ -71,13 +73,18 @@ def eval_command(
         "Summary length limit for ROUGE."))] = 160,
     recall_queries: Annotated[int, typer.Option("--recall-queries", min=1, help=(
         "Query positions sampled for attention recall."))] = 64,
-    probe: Annotated[Optional[Path], typer.Option("--probe", help=(
+    probe: Annotated[Optional[Path], typer.Option("--probe", readable=False, help=(
         "Probe file for importance=probe settings.  [default: the shipped one]"))] = None,
+    password: Annotated[Optional[str], typer.Option("--password", help=(
+        "Password of encrypted PDFs."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
 ) -> None:
     """Summary quality under sparsity: fidelity, attention recall and ROUGE vs dense."""
     from hisparse_cli.console import note, write_result
+    from hisparse_cli.errors import InputError
+    from hisparse_cli.job import document_path
+    from hisparse_cli.outputs import check_output_folder
     from hisparse_cli.quality.aggregate import summarize_settings
     from hisparse_cli.quality.dataset import LayoutConfig, load_eval_documents
     from hisparse_cli.quality.harness import HarnessConfig, evaluate
@@ -88,7 +95,8 @@ def eval_command(
 
     base = load_profile(profile).sparse_config()
     named = parse_settings(list(settings or ["dense", "profile"]), base)  # exit 2 before loading
-    docs = load_eval_documents(list(paths))
+    out = check_output_folder(out)  # a report folder that cannot be written: before the run
+    docs = load_eval_documents([document_path(p, "PATHS") for p in paths], password=password)
     scorer = load_probe(probe) if probe is not None else None
     cfg = HarnessConfig(layout=LayoutConfig(max_tokens=max_tokens, recall_queries=recall_queries),
                         rouge=not no_rouge, max_new_tokens=max_new_tokens)
@@ -104,7 +112,10 @@ def eval_command(
                    "device": plan.device, "dtype": plan.dtype,
                    "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                    "documents": [d.id for d in docs], "seconds": round(time.perf_counter() - started, 1)}
-    written = write_report(result, out)
+    try:
+        written, failure = write_report(result, out), None
+    except OSError as exc:  # checked before the run, yet failing now: keep the results
+        written, failure = {}, exc
     summary = summarize_settings(result)
     if as_json:
         write_result(json.dumps({"meta": result.meta, "summary": summary,
@@ -112,6 +123,11 @@ def eval_command(
                                 indent=2, default=str))
     else:
         write_result(summary_table(summary))
+    if failure is not None:
+        raise InputError(f"cannot write the report to {out}: {failure.strerror or failure}; "
+                         "the summary was printed on stdout",
+                         hint="choose another --out folder (check the free disk space and "
+                              "its permissions)")
     if not quiet:
         note(f"wrote {', '.join(str(p) for p in written.values())}")
 
@@ -168,5 +184,5 @@ def probe_train(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("eval", no_args_is_help=True)(eval_command)
+    app.command("eval")(eval_command)
     app.add_typer(probe_app, name="probe")

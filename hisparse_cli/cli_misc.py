@@ -15,10 +15,8 @@ import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
 
-profiles_app = typer.Typer(help="Hardware profiles (bundled sparse + memory settings).",
-                           no_args_is_help=True)
-models_app = typer.Typer(help="Models: the embedded default, pulled and converted ones.",
-                         no_args_is_help=True)
+profiles_app = typer.Typer(help="Hardware profiles (bundled sparse + memory settings).")
+models_app = typer.Typer(help="Models: the embedded default, pulled and converted ones.")
 
 
 def _print_json(obj) -> None:
@@ -28,8 +26,10 @@ def _print_json(obj) -> None:
 
 
 def score(
-    summary: Annotated[Path, typer.Argument(help="Summary text file.", show_default=False)],
-    reference: Annotated[Path, typer.Argument(help="Reference text file.", show_default=False)],
+    summary: Annotated[Path, typer.Argument(help="Summary text file.", show_default=False,
+                                            readable=False)],
+    reference: Annotated[Path, typer.Argument(help="Reference text file.", show_default=False,
+                                              readable=False)],
     as_json: JsonOpt = False,
 ) -> None:
     """ROUGE-1/2/L/Lsum F1 of SUMMARY against REFERENCE."""
@@ -43,6 +43,17 @@ def score(
         _print_json(scores)
     else:
         write_result("\n".join(f"{name}\t{value:.4f}" for name, value in scores.items()))
+
+
+def _weights_shown(profile) -> str:
+    """The profile's weight_format as a run under it loads the weights: the cpu profile's
+    unquantized weights run in float32 (runtime.plan_device), whatever the checkpoint holds."""
+    from hisparse_cli.runtime import plan_device
+
+    dtype = plan_device(profile, cuda_available=True).dtype  # on the device it is made for
+    if profile.weight_format == "fp16" and dtype != "float16":
+        return f"fp16, loaded as {dtype}"
+    return profile.weight_format
 
 
 @profiles_app.command("list")
@@ -62,7 +73,7 @@ def profiles_list(as_json: JsonOpt = False) -> None:
     for p in profiles:
         budget = f"{p.vram_budget_gib:g} GiB" if p.vram_budget_gib else "cpu"
         table.add_row(escape(p.name), budget, str(p.window_size), str(p.global_tokens),
-                      p.weight_format, escape(p.description))
+                      _weights_shown(p), escape(p.description))
     print_table(table, to_stdout=True)
 
 
@@ -85,6 +96,8 @@ def profiles_show(
         return
     table = Table("setting", "value", title=f"profile {profile.name}", title_justify="left")
     for key, value in profile.to_dict().items():
+        if key == "weight_format":
+            value = _weights_shown(profile)
         table.add_row(key, "none" if value is None else escape(str(value)))
     print_table(table, to_stdout=True)
 
@@ -103,6 +116,7 @@ def models_list(as_json: JsonOpt = False) -> None:
         _print_json([{**asdict(r), "path": str(r.path)} for r in rows])
         return
     table = Table("name", "installed", "size", "source", "description")
+    table.columns[0].no_wrap = True  # a name is what users copy: never cut, even on a terminal
     for r in rows:
         name = r.name + (" (default)" if r.is_default else "")
         table.add_row(name, "yes" if r.installed else "no",
@@ -150,6 +164,6 @@ def models_rm(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("score", no_args_is_help=True)(score)
+    app.command("score")(score)
     app.add_typer(profiles_app, name="profiles")
     app.add_typer(models_app, name="models")

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -29,6 +30,38 @@ class Strategy(str, Enum):
 
 def _opt(*decls: str, panel: str, **kw) -> typer.models.OptionInfo:
     return typer.Option(*decls, rich_help_panel=panel, **kw)
+
+
+def finite_float(low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False) -> tuple[Callable[[object], float], str]:
+    """(parser, help note) for a float flag that must be finite and within [low, high]
+    (`low_open`: low itself excluded), the bounds GenerationConfig enforces. Typer's own
+    min/max cannot exclude a bound and accept inf/nan; the note shows the true range."""
+    if low is not None and high is not None:
+        rule = f"{low:g}{'<' if low_open else '<='}x<={high:g}"
+    elif low is not None:
+        rule = f"x{'>' if low_open else '>='}{low:g}"
+    else:
+        rule = f"x<={high:g}"
+
+    def parse(value: object) -> float:
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise typer.BadParameter(f"{value!r} is not a number") from None
+        below = low is not None and (number < low or (low_open and number == low))
+        if not math.isfinite(number):
+            raise typer.BadParameter(f"{value} is not a finite number ({rule})")
+        if below or (high is not None and number > high):
+            raise typer.BadParameter(f"{value} is not in the range {rule}")
+        return number
+
+    return parse, f"[{rule}]"
+
+
+_TOP_P, _TOP_P_NOTE = finite_float(0.0, 1.0, low_open=True)
+_TEMPERATURE, _TEMPERATURE_NOTE = finite_float(0.0)
+_PENALTY, _PENALTY_NOTE = finite_float(0.0, low_open=True)
 
 
 _SHARED: list[tuple[str, object, object]] = [
@@ -49,14 +82,14 @@ _SHARED: list[tuple[str, object, object]] = [
         min=16, help="Map-reduce: length of each chunk summary in tokens.")], None),
     ("instructions", Annotated[Optional[str], _opt("--instructions", "-i", panel=P_GEN,
         help="Replace the genre's task sentence in the prompt.")], None),
-    ("temperature", Annotated[float, _opt("--temperature", panel=P_GEN, min=0.0,
-        help="0 = greedy.")], 0.0),
-    ("top_p", Annotated[float, _opt("--top-p", panel=P_GEN, min=0.0, max=1.0,
-        help="Nucleus sampling mass (with --temperature > 0).")], 1.0),
+    ("temperature", Annotated[float, _opt("--temperature", panel=P_GEN, parser=_TEMPERATURE,
+        help=f"0 = greedy.  {_TEMPERATURE_NOTE}")], 0.0),
+    ("top_p", Annotated[float, _opt("--top-p", panel=P_GEN, parser=_TOP_P,
+        help=f"Nucleus sampling mass (with --temperature > 0).  {_TOP_P_NOTE}")], 1.0),
     ("seed", Annotated[Optional[int], _opt("--seed", panel=P_GEN,
         help="Random seed for sampling.")], None),
     ("repetition_penalty", Annotated[float, _opt("--repetition-penalty", panel=P_GEN,
-        min=0.0, help="> 1 discourages repeating tokens.")], 1.1),
+        parser=_PENALTY, help=f"> 1 discourages repeating tokens.  {_PENALTY_NOTE}")], 1.1),
     ("no_repeat_ngram", Annotated[int, _opt("--no-repeat-ngram", panel=P_GEN, min=0,
         help="Never repeat an n-gram of this size (0 = off).")], 8),
     ("window", Annotated[Optional[int], _opt("--window", panel=P_SPARSE, min=1,
@@ -76,8 +109,9 @@ _SHARED: list[tuple[str, object, object]] = [
     ("importance", Annotated[Optional[str], _opt("--importance", panel=P_SPARSE,
         help="How global tokens are chosen: attention, snapkv, uniform or probe.  "
              "[default: the profile's]")], None),
-    ("probe", Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE,
-        help="Probe file for --importance probe.  [default: the shipped one for the model]")],
+    ("probe", Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE, readable=False,
+        help="Probe file for --importance probe (implies it).  [default: the shipped one for "
+             "the model]")],
      None),
     ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,
         help="Dense attention (no window, no globals): the exact baseline.")], False),
@@ -122,13 +156,25 @@ class RunOptions:
         return load_profile(self.profile)
 
     def sparse(self, profile):
+        from hisparse_cli.errors import ConfigError
         from hisparse_cli.runtime import sparse_settings
 
+        importance = self.importance
+        if self.probe is not None:  # a probe file says which importance is wanted
+            if self.dense:
+                raise ConfigError("--dense cannot be combined with --probe",
+                                  hint="dense attention keeps every token: nothing to score")
+            if importance is None:
+                importance = "probe"
+            elif importance.strip().lower() != "probe":
+                raise ConfigError(f"--probe is used only with --importance probe, not "
+                                  f"--importance {importance}",
+                                  hint="drop --probe, or use --importance probe")
         return sparse_settings(
             profile, dense=self.dense, window_size=self.window, global_tokens=self.global_tokens,
             sink_tokens=self.sink_tokens, block_size=self.block_size,
             recalibrate_every=self.recalibrate_every, recalibrate_topk=self.recalibrate_topk,
-            prefill_chunk=self.prefill_chunk, importance=self.importance)
+            prefill_chunk=self.prefill_chunk, importance=importance)
 
     def summary_settings(self, profile):
         from hisparse_cli.engine.config import GenerationConfig

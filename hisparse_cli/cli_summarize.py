@@ -1,17 +1,16 @@
 """`hisparse summarize PATH`: one document → summary on stdout (or JSON, or --out FILE).
 
-Order: flags and profile are validated first (exit 2), then the document and reference are
-read (exit 3), then the model is resolved and loaded (exit 4), then the run (exit 5 when it
+Order: flags and profile are validated first (exit 2), then the --out path (2 or 3), then
+the document and reference are read (exit 3), then the model is resolved and loaded (exit 4), then the run (exit 5 when it
 does not fit). stdout receives only the summary (or the one JSON object); progress, warnings
 and the stats table go to stderr. With --out the result is written atomically to FILE
-instead of stdout.
+instead of stdout; the path is checked before the document is read (outputs.py), and when
+writing still fails at the end the result goes to stdout, with the error (exit 3).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -20,25 +19,7 @@ import typer
 
 from hisparse_cli.cli_options import P_OUT, RunOptions, run_options
 from hisparse_cli.errors import InputError
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file in the same folder + fsync + rename."""
-    path = path.expanduser()
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise InputError(f"cannot write {path}: folder {folder} does not exist",
-                         hint="create the folder or choose another --out path")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from hisparse_cli.outputs import check_output_file, write_atomic
 
 
 def build_job(opts: RunOptions):
@@ -54,14 +35,30 @@ def build_job(opts: RunOptions):
                warn=None if opts.quiet else warn, model_progress=progress)
 
 
+def _write_out(out: Path, text: str) -> None:
+    """`write_atomic`, and when that fails after all (disk full, the folder removed during
+    the run) the result goes to stdout instead of being lost, then an InputError (exit 3)."""
+    from hisparse_cli.console import write_result
+
+    try:
+        write_atomic(out, text)
+    except (OSError, InputError) as exc:
+        what = exc.message if isinstance(exc, InputError) \
+            else f"cannot write {out}: {exc.strerror or exc}"
+        write_result(text)
+        raise InputError(f"{what}; the result was printed on stdout instead",
+                         hint="choose another --out path (check the free disk space and the "
+                              "folder's permissions)") from None
+
+
 def summarize(
     path: Annotated[Path, typer.Argument(help="A PDF, a text file, or a source folder.",
-                                         show_default=False)],
+                                         show_default=False, readable=False)],
     reference: Annotated[Optional[Path], typer.Option(
-        "--reference", "-r", rich_help_panel=P_OUT,
+        "--reference", "-r", rich_help_panel=P_OUT, readable=False,
         help="Reference summary (text): adds ROUGE to the output.")] = None,
     out: Annotated[Optional[Path], typer.Option(
-        "--out", "-o", rich_help_panel=P_OUT,
+        "--out", "-o", rich_help_panel=P_OUT, readable=False,
         help="Write the summary (the JSON with --json) to FILE atomically, not to stdout.")] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", rich_help_panel=P_OUT,
@@ -72,12 +69,14 @@ def summarize(
     from hisparse_cli.batch import printable_record
     from hisparse_cli.console import TokenProgress, print_table, stats_table, status, write_result
     from hisparse_cli.documents import load_document
-    from hisparse_cli.job import read_reference
+    from hisparse_cli.job import document_path, read_reference
 
     job = build_job(opts)
+    if out is not None:
+        out = check_output_file(out)  # before the run: a bad --out costs nothing
     started = time.perf_counter()
     with status(f"reading {path}", quiet=opts.quiet):
-        doc = load_document(path, password=opts.password)
+        doc = load_document(document_path(path), password=opts.password)
     ingest_seconds = time.perf_counter() - started
     reference_text = read_reference(reference) if reference is not None else None
     job.engine()
@@ -90,7 +89,7 @@ def summarize(
     text = json.dumps(record, ensure_ascii=False, indent=2) + "\n" if as_json \
         else record["summary"] + "\n"
     if out is not None:
-        write_atomic(out, text)
+        _write_out(out, text)
     else:
         write_result(text)
     if not opts.quiet:
@@ -107,4 +106,4 @@ def summarize(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("summarize", no_args_is_help=True)(run_options(summarize))
+    app.command("summarize")(run_options(summarize))

@@ -182,7 +182,17 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
 
 
 def print_table(table: Table, to_stdout: bool = False) -> None:
-    (stdout_console() if to_stdout else stderr_console()).print(table)
+    """Print `table` on stdout or stderr. Where that is not a terminal (a pipe, a file, a
+    log), the table gets its natural width: Rich's default 80 columns would cut names
+    (`smollm2-135m-instr…`) in what a script reads."""
+    console = stdout_console() if to_stdout else stderr_console()
+    if not console.is_terminal:
+        console = Console(stderr=not to_stdout, highlight=False, soft_wrap=True,
+                          width=UNBOUNDED_WIDTH)
+    console.print(table)
+
+
+UNBOUNDED_WIDTH = 10_000  # wider than any table's natural width
 
 
 __all__ = ["stderr_console", "stdout_console", "write_result", "print_error", "warn", "note",

@@ -9,7 +9,8 @@ Exit codes (documented in the README):
     1  unexpected internal error (a bug; traceback with HISPARSE_DEBUG=1)
     2  bad usage: unknown option value, invalid setting, unknown profile
     3  input problem: missing/unreadable/encrypted/scanned/corrupt document, bad repository,
-       a results file `batch --resume` cannot continue or write
+       a results file `batch --resume` cannot continue or write, an --out path that cannot
+       be written
     4  model problem: model not found, unsupported architecture or format, offline with no cache
     5  resources: does not fit the memory budget, out of memory
     6  batch finished but at least one document failed
@@ -29,14 +30,17 @@ EXIT_INTERRUPTED = 130
 
 
 class HisparseError(Exception):
-    """Base class: a failure with a one-line message, an optional hint and an exit code."""
+    """Base class: a failure with a one-line message, a hint and an exit code. Without a
+    hint of its own an error gets its class's `default_hint`, so the CLI always prints the
+    `Hint:` line the README promises."""
 
     exit_code: int = EXIT_INTERNAL
+    default_hint: str | None = "rerun with HISPARSE_DEBUG=1 for the details"
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.hint = hint
+        self.hint = hint if hint else self.default_hint
 
     def __str__(self) -> str:
         return self.message
@@ -46,21 +50,28 @@ class ConfigError(HisparseError):
     """An invalid setting (profile field, sparse config, CLI value). Message names the field."""
 
     exit_code = EXIT_USAGE
+    default_hint = ("check the value (`hisparse COMMAND --help` lists every option; `hisparse "
+                    "profiles show cpu` every profile field)")
 
 
 class InputError(HisparseError):
     """A document or repository that cannot be read."""
 
     exit_code = EXIT_INPUT
+    default_hint = "check the path and that it is a readable document"
 
 
 class ModelError(HisparseError):
     """A model that cannot be found, fetched, converted or loaded."""
 
     exit_code = EXIT_MODEL
+    default_hint = ("check the model folder (config.json + *.safetensors + tokenizer); a damaged "
+                    "download: fetch it again (`hisparse models pull NAME --force`)")
 
 
 class ResourceError(HisparseError):
     """The run does not fit the memory budget (planner refusal, pool cap, or a real OOM)."""
 
     exit_code = EXIT_RESOURCES
+    default_hint = ("`hisparse plan` shows what fits; try a smaller profile, --window or "
+                    "--max-new-tokens")

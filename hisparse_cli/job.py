@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +37,28 @@ def document_info(doc: Document) -> dict:
             "skipped_items": [{"item": item, "reason": why} for item, why in doc.skipped]}
 
 
+def document_path(path: str | Path, given: str = "PATH") -> Path:
+    """`path` (home expanded) checked reachable and readable before `load_document` reads
+    it: a file or folder the user may not read, or one inside a folder that cannot be
+    entered, is an InputError (exit 3) with one line, never a PermissionError. A missing
+    path passes: load_document reports it."""
+    path = Path(path).expanduser()
+    try:
+        is_dir = stat.S_ISDIR(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return path
+    except OSError as exc:  # EACCES on a parent folder, ELOOP, ...
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}",
+                         hint=f"check the path given as {given} and its folders' "
+                              "permissions") from None
+    if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0)):
+        what = "folder" if is_dir else "file"
+        raise InputError(f"cannot read {path}: permission denied",
+                         hint=f"make the {what} readable (chmod u+r{'x' if is_dir else ''}) "
+                              f"or give another {given}")
+    return path
+
+
 def read_reference(path: str | Path, role: str = "reference",
                    given: str = "--reference") -> str:
     """A reference summary file as text, decoded like a text document (`decode_bytes`: a BOM,
@@ -48,6 +72,9 @@ def read_reference(path: str | Path, role: str = "reference",
     except FileNotFoundError:
         raise InputError(f"{role} {path}: no such file",
                          hint=f"check the path given as {given}") from None
+    except IsADirectoryError:
+        raise InputError(f"{role} {path} is a folder, not a text file",
+                         hint=f"give a plain-text file as {given}") from None
     except OSError as exc:
         raise InputError(f"cannot read {role} {path}: {exc.strerror or exc}",
                          hint=f"give a readable plain-text {role}") from None
@@ -147,4 +174,4 @@ class Job:
         return out
 
 
-__all__ = ["Job", "document_info", "read_reference"]
+__all__ = ["Job", "document_info", "document_path", "read_reference"]

@@ -96,10 +96,23 @@ def load_probe_for(model_path: Path, sparse: SparseConfig, probe_path: Path | No
         return None
     from hisparse_cli.quality.probe import find_probe, load_probe
 
+    cfg = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
     if probe_path is None:
-        cfg = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
         probe_path = find_probe(cfg)
-    return load_probe(probe_path)
+    scorer = load_probe(probe_path)
+    theirs = {k: scorer.meta.get(k) for k in ("hidden_size", "num_layers", "num_kv_heads")}
+    ours = {"hidden_size": cfg.get("hidden_size"), "num_layers": cfg.get("num_hidden_layers"),
+            "num_kv_heads": cfg.get("num_key_value_heads", cfg.get("num_attention_heads"))}
+    if theirs != ours:
+        def shape(d: dict) -> str:
+            return (f"hidden {d['hidden_size']}, {d['num_layers']} layers, "
+                    f"{d['num_kv_heads']} KV heads")
+
+        raise ConfigError(f"probe {probe_path} was trained for another model ({shape(theirs)}; "
+                          f"this model: {shape(ours)})",
+                          hint="train one for this model with `hisparse probe train --model M "
+                               "--out FILE`, or leave out --probe")
+    return scorer
 
 
 def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig, *,

@@ -80,11 +80,20 @@ def test_version_and_help():
         assert command in result.stdout
 
 
-def test_no_arguments_prints_usage_and_exits_2():
-    for args in ((), ("models",), ("profiles",)):
-        result = run(*args)
-        assert result.exit_code == 2, show(result)
-        assert "Usage" in result.stdout, show(result)  # the help text, as --help prints it
+def test_missing_arguments_and_commands_are_usage_errors():
+    for args, needle in (((), "missing command"), (("models",), "missing command"),
+                         (("profiles",), "missing command"), (("summarize",), "missing argument PATH"),
+                         (("score", "a.txt"), "missing argument REFERENCE"),
+                         (("eval",), "missing argument PATHS")):
+        assert_error(run(*args), 2, needle, "--help")  # stdout empty: only results go there
+    assert "summarize" in run().stderr  # the hint names the commands
+
+
+def test_unknown_options_suggest_only_close_matches(doc):
+    assert_error(run("summarize", doc, "--windw", "64"), 2, "did you mean --window?")
+    bogus = run("summarize", doc, "--bogus-opt")
+    assert_error(bogus, 2, "no such option: --bogus-opt")
+    assert "did you mean" not in bogus.stderr and "--out" not in bogus.stderr, show(bogus)
 
 
 def test_help_is_instant_no_torch_import():

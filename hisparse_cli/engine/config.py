@@ -8,6 +8,7 @@ Errors name the offending field (ConfigError -> exit code 2).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from hisparse_cli.errors import ConfigError
@@ -108,12 +109,17 @@ class GenerationConfig:
         _check_int("max_new_tokens", self.max_new_tokens, 0)
         _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0)
         _check_int("min_new_tokens", self.min_new_tokens, 0)
-        if not (self.temperature >= 0.0):
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 <= self.temperature < math.inf):  # also false for nan
+            raise ConfigError(f"temperature must be a finite number >= 0, got "
+                              f"{self.temperature!r}",
+                              hint="0 = greedy (the default); around 0.7 for varied text")
         if not (0.0 < self.top_p <= 1.0):
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (self.repetition_penalty > 0.0):
-            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}",
+                              hint="1 = no nucleus cut (the default); e.g. 0.9")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ConfigError(f"repetition_penalty must be a finite number > 0, got "
+                              f"{self.repetition_penalty!r}",
+                              hint="1 = no penalty; > 1 discourages repeats (e.g. 1.1)")
 
 
 __all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES"]

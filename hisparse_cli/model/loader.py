@@ -44,16 +44,36 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+CORRUPT_WEIGHTS_HINT = ("the file is truncated or corrupt: download it again (a registry "
+                        "model: `hisparse models pull NAME --force`)")
+
+
+def open_safetensors(path: Path, hint: str = CORRUPT_WEIGHTS_HINT):
+    """`safe_open(path)`, memory-mapped; a file safetensors cannot parse (truncated, not
+    safetensors at all) or cannot read is a ModelError (exit 4), never an internal error.
+    Every safetensors file hisparse reads (model, quantize source, probe) opens here."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ModelError(f"cannot read weights {path}: {exc}", hint=hint) from None
+
+
+def read_safetensors(path: Path, hint: str = CORRUPT_WEIGHTS_HINT) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (`open_safetensors`'s errors)."""
+    handle = open_safetensors(path, hint)
+    return {key: handle.get_tensor(key) for key in handle.keys()}
+
+
 class _Tensors:
     """Name -> file lookup over one or many safetensors files, opened memory-mapped."""
 
     def __init__(self, files: list[Path]) -> None:
-        from safetensors import safe_open
-
         self._handles = []
         self._where: dict[str, object] = {}
         for f in files:
-            h = safe_open(str(f), framework="pt")
+            h = open_safetensors(f)
             self._handles.append(h)
             for key in h.keys():
                 self._where[key] = h

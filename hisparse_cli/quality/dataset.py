@@ -40,10 +40,10 @@ def _is_reference(path: Path) -> bool:
     return any(path.name.endswith(s) for s in REF_SUFFIXES)
 
 
-def _load_one(path: Path) -> EvalDocument:
+def _load_one(path: Path, password: str | None = None) -> EvalDocument:
     from hisparse_cli.documents import load_document
 
-    doc = load_document(path)
+    doc = load_document(path, password=password)
     stem = path.name[: -len(path.suffix)] if path.suffix else path.name
     ref_path = path.with_name(stem + ".ref.txt")
     ref = ref_path.read_text(encoding="utf-8-sig") if ref_path.is_file() else None
@@ -51,8 +51,10 @@ def _load_one(path: Path) -> EvalDocument:
                         genre=doc.genre, title=doc.title, source=str(path))
 
 
-def load_eval_documents(paths: list[str | Path]) -> list[EvalDocument]:
-    """Documents from files and folders (folders: every *.txt below, references excluded)."""
+def load_eval_documents(paths: list[str | Path],
+                        password: str | None = None) -> list[EvalDocument]:
+    """Documents from files and folders (folders: every *.txt below, references excluded);
+    `password` opens encrypted PDFs."""
     files: list[Path] = []
     for p in map(Path, paths):
         p = p.expanduser()
@@ -65,7 +67,7 @@ def load_eval_documents(paths: list[str | Path]) -> list[EvalDocument]:
                              hint="give text files or folders of <id>.txt (+ <id>.ref.txt)")
     if not files:
         raise InputError("no documents to evaluate", hint="folders must hold *.txt documents")
-    docs = [_load_one(f) for f in files]
+    docs = [_load_one(f, password) for f in files]
     ids = [d.id for d in docs]
     return [replace(d, id=f"{Path(d.source).parent.name}/{d.id}") if ids.count(d.id) > 1 else d
             for d in docs]

@@ -107,7 +107,8 @@ def save_probe(module: ImportanceProbe, path: str | Path, meta: dict) -> tuple[P
 
 def load_probe(path: str | Path) -> ProbeScorer:
     """A ProbeScorer from `path` (.safetensors with its .json sidecar beside it)."""
-    from safetensors.torch import load_file
+    from hisparse_cli.errors import ModelError
+    from hisparse_cli.model.loader import read_safetensors
 
     path = Path(path).expanduser()
     if path.suffix != ".safetensors":
@@ -116,15 +117,25 @@ def load_probe(path: str | Path) -> ProbeScorer:
     sidecar = path.with_suffix(".json")
     try:
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
-        tensors = load_file(str(path))
+        if not path.is_file():
+            raise FileNotFoundError(f"no such file: {path.name}")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read probe {path} (+ {sidecar.name}): {exc}",
                           hint="train one with `hisparse probe train --out FILE`") from None
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"probe {path}: unknown format {meta.get('format')!r}")
-    module = ImportanceProbe(meta["hidden_size"], meta["num_layers"], meta["num_kv_heads"],
-                             meta["rank"])
-    module.load_state_dict(tensors)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise ConfigError(f"probe {path}: unknown format {fmt!r}")
+    retrain = ("the probe file is truncated or corrupt: train it again with `hisparse probe "
+               "train --out FILE` (or restore the shipped one)")
+    tensors = read_safetensors(path, hint=retrain)  # a corrupt file: ModelError (exit 4)
+    try:
+        module = ImportanceProbe(meta["hidden_size"], meta["num_layers"], meta["num_kv_heads"],
+                                 meta["rank"])
+        module.load_state_dict(tensors)
+    except (KeyError, TypeError, RuntimeError) as exc:
+        why = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ModelError(f"probe {path} does not match its sidecar {sidecar.name}: {why}",
+                         hint=retrain) from None
     return ProbeScorer(module, meta)
 
 

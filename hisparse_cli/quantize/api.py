@@ -99,7 +99,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: l
     from hisparse_cli.model.awq import AWQConfig
     from hisparse_cli.model.config import ModelConfig
     from hisparse_cli.model.llama import forward_full
-    from hisparse_cli.model.loader import load_model, safetensors_files
+    from hisparse_cli.model.loader import load_model, open_safetensors, safetensors_files
     from hisparse_cli.quantize import export
     from hisparse_cli.quantize.calibration import calibration_blocks
     from hisparse_cli.quantize.layerwise import (SearchSettings, capture_layer_inputs,
@@ -121,7 +121,6 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: l
                          hint="quantize the original fp16/bf16 model")
     group_size = _check_group_size(cfg, group_size, quantize_lm_head)
 
-    from safetensors import safe_open
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(src))
@@ -131,7 +130,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: l
     source_keys: list[str] = []
     n_params = 0
     for f in safetensors_files(src):
-        with safe_open(str(f), framework="pt") as h:
+        with open_safetensors(f) as h:
             for k in h.keys():
                 source_keys.append(k)
                 n_params += _numel(h.get_slice(k).get_shape())
@@ -180,12 +179,10 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: l
 
 
 def _read_tensor(src: Path, key: str):
-    from safetensors import safe_open
-
-    from hisparse_cli.model.loader import safetensors_files
+    from hisparse_cli.model.loader import open_safetensors, safetensors_files
 
     for f in safetensors_files(src):
-        with safe_open(str(f), framework="pt") as h:
+        with open_safetensors(f) as h:
             if key in h.keys():
                 return h.get_tensor(key)
     raise ModelError(f"tensor {key} vanished from {src}")
