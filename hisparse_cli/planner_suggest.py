@@ -93,8 +93,7 @@ def suggestions(plan: MemoryPlan) -> list[Suggestion]:
             {"embeddings_on_host": e})))
     if req["kv_dtype"] == "float32":
         formats["kv_dtype"] = "float16"
-        add(_first_fit(plan, ["float16"], lambda k: ("--kv-dtype float16", {"kv_dtype": k})),
-            "kv")
+        add(_first_fit(plan, ["float16"], lambda k: ("--kv-dtype float16", {"kv_dtype": k})))
     if not found:
         found.append(_combined(plan, formats))
     profile = _bigger_profile(plan)

@@ -23,7 +23,7 @@ from hisparse_cli.engine.sparsity import SparseSequence
 from hisparse_cli.errors import ConfigError, ResourceError
 from hisparse_cli.kernels import awq_cpu
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.planner import plan_memory
+from hisparse_cli.planner import GIB, plan_memory
 from hisparse_cli.planner_run import visible_count
 from hisparse_cli.planner_shapes import shape_config
 from hisparse_cli.planner_weights import awq_linear_bytes
@@ -501,6 +501,56 @@ def test_cli_plan_json_parses():
     assert d["fits"] is True and d["settings"]["weight_format"] == "awq-int4"
     r = CliRunner().invoke(app, ["plan", "-m", "llama-3-8b", "-p", "4060ti-6g", "--check"])
     assert r.exit_code == 5
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from hisparse_cli.cli import app
+
+    return CliRunner().invoke(app, ["plan", *map(str, args)])
+
+
+def _cli_peak(*args: str) -> int:
+    r = _cli("--json", *args)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)["peak_allocated_bytes"]
+
+
+SMOL_CPU = ("-m", "smollm2-135m", "-p", "cpu")
+SMOL_8K_CPU = (*SMOL_CPU, "-c", "8000")
+LLAMA_GPU = ("-m", "llama-3-8b", "-p", "3090-24g", "-c", "8000")
+
+
+@pytest.mark.parametrize("base, alt, expect", [
+    (SMOL_CPU, ("--prefill-chunk", "128"), "--prefill-chunk 128"),
+    (SMOL_8K_CPU, ("--window", "256"), "--window 256"),
+    ((*SMOL_8K_CPU, "--dense"), ("--kv-dtype", "float16"), "--window 2048"),  # dense: a window
+    ((*SMOL_8K_CPU, "--window", "4096", "--global-tokens", "2048", "--recalibrate-topk", "2048"),
+     ("--global-tokens", "1024", "--recalibrate-topk", "1024"),
+     "--global-tokens 1024 --recalibrate-topk 1024"),
+    ((*SMOL_8K_CPU, "--dense"), ("--kv-dtype", "float16"), "--kv-dtype float16"),
+    (LLAMA_GPU, ("--weight-format", "awq-int4"), "AWQ INT4 weights"),
+    (LLAMA_GPU, ("--embeddings-on-host",), "embeddings in host RAM"),
+    ((*SMOL_CPU, "--budget-gib", "0.1"), None, "together: kv_dtype=float16"),
+    (("-m", "llama-3-8b", "--device", "cuda", "--budget-gib", "1"), None, "--profile a10-24g"),
+])
+def test_cli_check_exits_5_with_every_kind_of_suggestion(base, alt, expect):
+    """Each branch of planner_suggest, through `hisparse plan --check`: the budget is what the
+    plan with `alt` needs (so that change fits), or given in `base`. The float32 KV of the cpu
+    profile once crashed the kv branch (exit 1 instead of 5)."""
+    budget = () if alt is None else ("--budget-gib", repr((_cli_peak(*base, *alt) + 1024) / GIB))
+    r = _cli("--json", "--check", *base, *budget)
+    assert r.exit_code == 5, r.output
+    assert r.stderr.startswith("Error: the run needs") and "\nHint: " in r.stderr, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["fits"] is False
+    found = [s for s in plan["suggestions"] if s["change"].startswith(expect)]
+    assert found, [s["change"] for s in plan["suggestions"]]
+    assert found[0]["fits"] is (not expect.startswith("together")), found
+    if found[0]["fits"]:  # within the plan's budget, or the suggested profile's
+        limit = found[0]["overrides"].get("budget_bytes", plan["budget_bytes"])
+        assert found[0]["peak_allocated_bytes"] <= limit
 
 
 def test_profile_plan_of_an_awq_model_uses_the_runs_dtype():
