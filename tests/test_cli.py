@@ -223,6 +223,10 @@ def _boom(exc: BaseException):
 @pytest.mark.parametrize("exc, code, needle", [
     (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 5, "out of memory"),
     (MemoryError(), 5, "out of memory"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                  "allocate memory: you tried to allocate 23040000000000 bytes. Error code 12 "
+                  "(Cannot allocate memory)"), 5,
+     "out of memory: the host could not allocate 21457.67 GiB"),
     (ValueError("kaboom"), 1, "internal error: ValueError: kaboom"),
 ])
 def test_unexpected_errors_map_to_exit_codes(tiny, doc, monkeypatch, exc, code, needle):

@@ -475,6 +475,25 @@ def test_check_plan_fits_and_oom_guard():
     assert allocator_cap_bytes(6 << 30, card=True, context_bytes=1 << 29) == 11 << 29
 
 
+def test_a_refused_host_allocation_is_a_resource_error():
+    """torch's CPU allocator refusing an allocation (a RuntimeError, not MemoryError) is an
+    out-of-memory error: oom_guard and the CLI's handler make it exit 5, in one line."""
+    from hisparse_cli.cli import as_resource_error
+    from hisparse_cli.vram import oom_guard
+
+    with pytest.raises(ResourceError) as err:
+        with oom_guard("prefill"):
+            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: refused at once
+    assert err.value.exit_code == 5 and "\n" not in err.value.message
+    assert err.value.message == ("out of memory during prefill: the host could not allocate "
+                                 "1048576.00 GiB")
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8)
+    except RuntimeError as exc:
+        assert as_resource_error(exc).message.startswith("out of memory: the host could not")
+    assert as_resource_error(RuntimeError("shape mismatch")) is None
+
+
 def test_validation_names_the_field():
     base = dict(sparse=SparseConfig(), context_tokens=10, max_new_tokens=1, kv_dtype="float16",
                 compute_dtype="float16", device_kind="cuda", backend="triton")
