@@ -182,6 +182,23 @@ def test_bad_option_value_exits_2(doc, flags, needle):
     assert_error(run("summarize", doc, *flags), 2, needle)
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--global-tokens", "1000000000"], "global_tokens 1,000,000,000 is larger than the "
+                                        "model's 1,024 positions"),
+    (["--recalibrate-topk", "1000000000"], "recalibrate_topk 1,000,000,000 is larger"),
+    (["--block-size", "2048"], "block_size 2,048 is larger"),
+    (["-n", "99999999999"], "max_new_tokens 99,999,999,999 leaves no room for a prompt"),
+])
+def test_settings_beyond_the_models_positions_exit_2_like_plan(tiny, doc, flags, needle):
+    """Once a 20 TiB allocation (exit 1); now refused before anything is allocated, with the
+    same error `hisparse plan` gives for the same model and flags (one shared check)."""
+    result = run("summarize", doc, "--model", tiny, *TINY_FLAGS, *flags)
+    assert_error(result, 2, needle)
+    planned = run("plan", "--model", tiny, "--profile", "cpu", *flags, "--check")
+    assert_error(planned, 2, needle)
+    assert planned.stderr == result.stderr
+
+
 def test_dense_with_window_is_a_usage_error(doc):
     assert_error(run("summarize", doc, "--dense", "--window", "64", "--profile", "cpu"), 2,
                  "--dense")

@@ -572,6 +572,35 @@ def test_cli_check_exits_5_with_every_kind_of_suggestion(base, alt, expect):
         assert found[0]["peak_allocated_bytes"] <= limit
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (("-n", "100000"), "max_new_tokens 100,000 leaves no room for a prompt"),
+    (("-n", "8192"), "max_new_tokens 8,192 leaves no room"),
+    (("--global-tokens", "1000000000"), "global_tokens 1,000,000,000 is larger than"),
+    (("--recalibrate-topk", "9000"), "recalibrate_topk 9,000 is larger than"),
+    (("--block-size", "1000000000"), "block_size 1,000,000,000 is larger than"),
+])
+def test_plan_refuses_what_summarize_refuses(flags, needle):
+    """The same check as summarize (engine.config.check_positions): exit 2, not a plan of a
+    run that cannot happen (smollm2-135m has 8,192 positions)."""
+    r = _cli("--check", *SMOL_CPU, *flags)
+    assert r.exit_code == 2, r.output
+    assert r.stdout == "" and needle in r.stderr and "\nHint: " in r.stderr, r.stderr
+    assert _cli("--check", *SMOL_CPU, "-n", "8191").exit_code == 0  # one prompt token fits
+
+
+def test_check_positions():
+    from hisparse_cli.engine.config import check_positions
+
+    check_positions(64, sparse=SparseConfig(global_tokens=64, recalibrate_topk=64,
+                                            block_size=64), max_new_tokens=63)
+    for field_name in ("sink_tokens", "global_tokens", "recalibrate_topk", "block_size"):
+        with pytest.raises(ConfigError, match=f"^{field_name} 65 is larger") as err:
+            check_positions(64, sparse=replace(SparseConfig(), **{field_name: 65}))
+        assert "--" + field_name.replace("_", "-") in err.value.hint
+    with pytest.raises(ConfigError, match="max_new_tokens 64 leaves no room"):
+        check_positions(64, max_new_tokens=64)
+
+
 def test_profile_plan_of_an_awq_model_uses_the_runs_dtype():
     """An AWQ model runs in float16 on a GPU profile and in float32 on the cpu profile
     (runtime.plan_device): the plan's activations follow, and on the cpu it counts the
