@@ -88,9 +88,12 @@ def check_plan_fits(plan: MemoryPlan, what: str = "the run") -> None:
         best = min(plan.suggestions, key=lambda s: s.peak_allocated_bytes)
         hints = [f"{best.change} (still needs {_gib(best.peak_allocated_bytes)})"]
     hint = ("try: " + "; or ".join(hints)) if hints else "use a bigger profile or a smaller model"
+    memory = "host memory" if plan.settings.get("device_kind") == "cpu" else "GPU memory"
+    limit = ("this machine's RAM is" if plan.settings.get("budget_source") == "host RAM"
+             else "the budget is")
     raise ResourceError(
-        f"{what} needs {_gib(plan.peak_allocated_bytes)} of GPU memory at its peak "
-        f"({plan.peak_when}) but the budget is {_gib(plan.budget_bytes)}",
+        f"{what} needs {_gib(plan.peak_allocated_bytes)} of {memory} at its peak "
+        f"({plan.peak_when}) but {limit} {_gib(plan.budget_bytes)}",
         hint=hint + "; `hisparse plan` shows the line items")
 
 

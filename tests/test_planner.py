@@ -572,6 +572,27 @@ def test_cli_check_exits_5_with_every_kind_of_suggestion(base, alt, expect):
         assert found[0]["peak_allocated_bytes"] <= limit
 
 
+def test_cpu_plan_budget_is_the_hosts_ram(monkeypatch):
+    """Without --budget-gib a cpu plan is held against physical RAM: --check fails (exit 5,
+    "host memory") when the plan exceeds it, and no GPU profile is suggested to a cpu run."""
+    import psutil
+
+    from hisparse_cli import planner_profile
+
+    plan = json.loads(_cli("--json", *SMOL_CPU).stdout)
+    assert plan["budget_bytes"] == psutil.virtual_memory().total and plan["fits"] is True
+    assert plan["settings"]["budget_source"] == "host RAM"
+    assert any("physical RAM" in n for n in plan["notes"])
+    monkeypatch.setattr(planner_profile, "host_memory_bytes", lambda: 256 << 20)
+    r = _cli("--json", "--check", *SMOL_CPU)
+    assert r.exit_code == 5, r.output
+    assert "of host memory" in r.stderr and "this machine's RAM is 0.25 GiB" in r.stderr
+    changes = [s["change"] for s in json.loads(r.stdout)["suggestions"]]
+    assert changes and not any(c.startswith("--profile") for c in changes), changes
+    gpu = _cli("--json", "--check", *SMOL_CPU, "--device", "cuda")  # a GPU plan: no RAM cap
+    assert gpu.exit_code == 0 and json.loads(gpu.stdout)["budget_bytes"] is None, gpu.output
+
+
 @pytest.mark.parametrize("flags, needle", [
     (("-n", "100000"), "max_new_tokens 100,000 leaves no room for a prompt"),
     (("-n", "8192"), "max_new_tokens 8,192 leaves no room"),
