@@ -199,6 +199,22 @@ def test_settings_beyond_the_models_positions_exit_2_like_plan(tiny, doc, flags,
     assert planned.stderr == result.stderr
 
 
+def test_quantize_refuses_bad_device_out_and_group_size(tiny, doc, tmp_path):
+    """Refused before the model or the calibration texts are read: exit 2 with a hint."""
+    args = ["quantize", tiny, "--calib", doc, "--method", "rtn", "-q"]
+    assert_error(run(*args, "--out", tmp_path / "a", "--device", "tpu"), 2, "'tpu' is not one "
+                 "of 'cuda', 'cpu'")
+    assert_error(run(*args, "--out", doc), 2, f"--out {doc} exists and is not a folder")
+    bad = run(*args, "--out", tmp_path / "b", "--group-size", "48")
+    assert_error(bad, 2, "'48' is not one of '32', '64', '128'", "Hint: see `hisparse quantize "
+                 "--help`")
+    assert "32|64|128" in run("quantize", "--help").stdout
+    if not __import__("torch").cuda.is_available():
+        assert_error(run(*args, "--out", tmp_path / "c", "--device", "cuda"), 2,
+                     "no CUDA GPU is available", "--device cpu")
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
 def test_dense_with_window_is_a_usage_error(doc):
     assert_error(run("summarize", doc, "--dense", "--window", "64", "--profile", "cpu"), 2,
                  "--dense")
