@@ -38,18 +38,11 @@ EXTRA_COMMANDS = ("hisparse_cli.cli_plan", "hisparse_cli.cli_quantize", "hispars
 
 
 def as_resource_error(exc: BaseException) -> ResourceError | None:
-    """A ResourceError for out-of-memory exceptions (torch CUDA OOM, host MemoryError)."""
-    torch = sys.modules.get("torch")
-    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    is_oom = (isinstance(exc, MemoryError)
-              or (oom_type is not None and isinstance(exc, oom_type))
-              or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()))
-    if not is_oom:
-        return None
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    return ResourceError(f"out of memory: {first}",
-                         hint="use a smaller profile, --window, --prefill-chunk or "
-                              "--max-new-tokens; `hisparse plan` shows what fits")
+    """A ResourceError for out-of-memory exceptions (torch CUDA OOM, host MemoryError, the
+    CPU allocator refusing an allocation): vram.oom_error."""
+    from hisparse_cli.vram import oom_error
+
+    return oom_error(exc)
 
 
 def report_exception(exc: BaseException) -> int:

@@ -2,7 +2,7 @@
 
     hisparse eval DIR|FILES... [--settings dense --settings w1024-g64 ...] [--out DIR]
                   [--password P]
-    hisparse probe train [--model M] [--out FILE] [--texts PATH ...]
+    hisparse probe train [--model M] [--out FILE|DIR] [--texts PATH ...]
 
 eval: every document (DIR: each <id>.txt below it, with <id>.ref.txt as its reference) is
 truncated to --max-tokens and evaluated under each setting (spec language:
@@ -11,6 +11,11 @@ run: attention recall, teacher-forced KL / top-1 / perplexity ratio, long-range 
 KV memory and speed, and ROUGE of generated summaries (unless --no-rouge). stdout: the
 summary table (Markdown) or, with --json, one JSON object; report.md, report.json and
 fidelity_vs_kv.png go to --out. Precedence: --settings specs > profile > built-in default.
+
+probe train: --out is a .safetensors file (its .json sidecar is written beside it) or an
+existing folder (<model>.probe.safetensors inside it); anything else is refused (exit 2)
+before the model is loaded. A --texts file is read like a summarize document (a missing,
+binary or empty one: exit 3); folders contribute their text files.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -142,15 +147,37 @@ def _default_texts() -> list[Path]:
                      hint="pass --texts FILE_OR_FOLDER (text we may use, not eval data)")
 
 
+def _probe_target(out: Path | None) -> Callable[[str], Path]:
+    """The file `probe train` writes, given the model's folder name (checked before loading)."""
+    from hisparse_cli.errors import ConfigError
+
+    if out is None:
+        return lambda model: Path(f"{model}.probe.safetensors")
+    out = out.expanduser()
+    if out.is_dir():
+        return lambda model: out / f"{model}.probe.safetensors"
+    if out.exists() and not out.is_file():
+        raise ConfigError(f"--out {out} is neither a file nor a folder",
+                          hint="give a .safetensors path or an existing folder")
+    if out.suffix != ".safetensors":
+        raise ConfigError(f"--out {out}: a probe is written as a .safetensors file (with a "
+                          ".json sidecar beside it)",
+                          hint=f"use --out {out.with_suffix('.safetensors')}, or an existing "
+                               "folder to write <model>.probe.safetensors in it")
+    return lambda model: out
+
+
 @probe_app.command("train")
 def probe_train(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=(
         "Model to distill from.  [default: the embedded smollm2-135m-instruct]"))] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help=(
-        "Output .safetensors (a .json sidecar is written beside it).  "
-        "[default: ./<model>.probe.safetensors]"))] = None,
+        "Output .safetensors file (a .json sidecar is written beside it), or an existing "
+        "folder to write <model>.probe.safetensors in.  [default: "
+        "./<model>.probe.safetensors]"))] = None,
     texts: Annotated[Optional[list[Path]], typer.Option("--texts", "-t", help=(
-        "Training text files or folders (repeat).  [default: the repository's samples/]"))] = None,
+        "Training documents (text or PDF, read as summarize reads them) or folders of text "
+        "files (repeat).  [default: the repository's samples/]"))] = None,
     window: Annotated[int, typer.Option("--window", min=8, help=(
         "Window whose attention mass is the target."))] = 512,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=32, help=(
@@ -165,19 +192,22 @@ def probe_train(
     from hisparse_cli.errors import InputError
     from hisparse_cli.profiles import load_profile
     from hisparse_cli.quality.probe import save_probe
-    from hisparse_cli.quality.probe_train import ProbeTrainConfig, read_texts, train_probe
+    from hisparse_cli.quality.probe_train import (TEXT_SUFFIXES, ProbeTrainConfig, read_texts,
+                                                  train_probe)
 
     cfg = ProbeTrainConfig(window=window, max_tokens=max(max_tokens, window), epochs=epochs,
                            seed=seed)
+    target_for = _probe_target(out)  # exit 2 before anything is read or loaded
     pairs = read_texts(list(texts) if texts else _default_texts())
     if not pairs:
-        raise InputError("no training text found", hint="pass --texts with text files")
+        raise InputError("no training text found in " + ", ".join(map(str, texts or [])),
+                         hint=f"folders contribute their {' '.join(TEXT_SUFFIXES)} files "
+                              "(binary and empty ones are skipped); pass text files")
     _, model_path, engine, _, _ = _load(model, "cpu", quiet)
     engine.sparse = SparseConfig.dense_config()
     module, meta = train_probe(engine, pairs, cfg, progress=None if quiet else note,
                                model_name=model_path.name)
-    target = out or Path(f"{model_path.name}.probe.safetensors")
-    weights, sidecar = save_probe(module, target, meta)
+    weights, sidecar = save_probe(module, target_for(model_path.name), meta)
     if not quiet:
         note(f"wrote {weights} and {sidecar} ({module.num_parameters()} parameters)")
     write_result(sidecar.read_text(encoding="utf-8"))

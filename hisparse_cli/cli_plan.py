@@ -5,7 +5,10 @@ The model is a built-in shape (`llama-3-8b`, `llama-3-8b-awq`, `mistral-7b`, `qw
 downloading (its config.json is read). Settings: CLI flag > profile > built-in default; the
 plan is for the profile's device (a GPU profile plans CUDA even on a CPU-only machine).
 stdout gets the plan (a table, or one JSON document with --json); `--check` exits 5 when the
-plan does not fit the budget.
+plan does not fit the budget: --budget-gib, else the profile's VRAM budget on CUDA, else (on
+the CPU) this machine's physical RAM. Settings no summarize run accepts (a sparse size above
+the model's positions, a --max-new-tokens that leaves no room for a prompt) are refused the
+same way (engine.config.check_positions, exit 2).
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ def plan(
     backend: Annotated[Optional[Backend], _opt("--backend", panel=P_MEM, help=(
         "Kernel backend on CUDA.  [default: triton]"))] = None,
     budget_gib: Annotated[Optional[float], _opt("--budget-gib", panel=P_MEM, min=0.01, help=(
-        "VRAM budget in GiB.  [default: the profile's]"))] = None,
+        "Memory budget in GiB: VRAM on CUDA, host RAM on the CPU.  [default: the profile's "
+        "on CUDA; this machine's RAM on the CPU]"))] = None,
     check: Annotated[bool, _opt("--check", panel=P_MEM, help=(
         "Exit with code 5 when the plan does not fit the budget."))] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,

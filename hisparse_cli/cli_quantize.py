@@ -23,6 +23,17 @@ class Method(str, Enum):
     rtn = "rtn"
 
 
+class Device(str, Enum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class GroupSize(str, Enum):  # model.awq.SUPPORTED_GROUP_SIZES, as choices --help shows
+    g32 = "32"
+    g64 = "64"
+    g128 = "128"
+
+
 def _calibration_texts(paths: list[Path] | None, password: str | None) -> list[str]:
     if not paths:
         from hisparse_cli.quantize.calibration import default_calibration_texts
@@ -41,9 +52,9 @@ def quantize(
     calib: Annotated[Optional[List[Path]], typer.Option(
         "--calib", help="Calibration document (PDF, text, folder); repeat for more.  "
                         "[default: samples/]")] = None,
-    group_size: Annotated[Optional[int], typer.Option(
-        "--group-size", min=1, help="Weights per quantization group: 32, 64 or 128.  [default: "
-                                    "128, or the largest of 64 / 32 that divides the model]",
+    group_size: Annotated[Optional[GroupSize], typer.Option(
+        "--group-size", help="Weights per quantization group.  [default: 128, or the largest "
+                             "of 64 / 32 that divides the model]",
         show_default=False)] = None,
     samples: Annotated[int, typer.Option("--samples", min=1,
                                          help="Calibration blocks at most.")] = 128,
@@ -54,9 +65,9 @@ def quantize(
     ] = Method.awq,
     quantize_lm_head: Annotated[bool, typer.Option(
         "--quantize-lm-head", help="Also quantize the output head.")] = False,
-    device: Annotated[Optional[str], typer.Option(
-        "--device", help="Where layers are calibrated: cuda or cpu.  [default: cuda if "
-                         "available]")] = None,
+    device: Annotated[Optional[Device], typer.Option(
+        "--device", help="Where layers are calibrated.  [default: cuda if available]",
+        show_default=False)] = None,
     password: Annotated[Optional[str], typer.Option(
         "--password", help="Password of encrypted calibration PDFs.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -67,15 +78,17 @@ def quantize(
 
     from hisparse_cli.console import TokenProgress, print_table, stderr_console, write_result
     from hisparse_cli.models import resolve_model
-    from hisparse_cli.quantize.api import quantize_model
+    from hisparse_cli.quantize.api import check_destination, quantize_model
 
+    check_destination(out, device.value if device else None)  # before reading anything
     texts = _calibration_texts(calib, password)
     source = resolve_model(model, progress=None if quiet else stderr_console())
     with TokenProgress(quiet=quiet) as bars:
         report = quantize_model(
-            source, out, calib_texts=texts, group_size=group_size, n_samples=samples,
+            source, out, calib_texts=texts,
+            group_size=int(group_size.value) if group_size else None, n_samples=samples,
             seq_len=seq_len, method=method.value, quantize_lm_head=quantize_lm_head,
-            device=device, progress=lambda stage, done, total: bars("quantize", stage, done,
+            device=device.value if device else None, progress=lambda stage, done, total: bars("quantize", stage, done,
                                                                     total))
     data = {**asdict(report), "loss_ratio": report.loss_ratio, "source": str(source)}
     write_result(json.dumps(data, indent=2, default=str) if as_json else str(report.out_dir))

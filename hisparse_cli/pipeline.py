@@ -26,7 +26,7 @@ from typing import Callable
 
 from hisparse_cli.chunking import merge_labels, split_document
 from hisparse_cli.documents.base import Document
-from hisparse_cli.engine.config import GenerationConfig
+from hisparse_cli.engine.config import GenerationConfig, check_positions
 from hisparse_cli.errors import ConfigError, InputError
 from hisparse_cli.prompts import (chunk_prompt, combine_prompt, document_prompt, render_prompt,
                                   tokenizable)
@@ -252,6 +252,7 @@ def summarize_document(doc: Document, engine, settings: SummarySettings | None =
         raise InputError(f"{doc.source} has no text to summarize",
                          hint="check the document (an empty file or a folder without sources?)")
     run = _Run(doc, engine, settings, progress)
+    check_positions(run.max_pos, max_new_tokens=run.gen.max_new_tokens)  # as `hisparse plan`
     ids = run.render(document_prompt(doc.text, genre=doc.genre, title=doc.title,
                                      instructions=settings.instructions))
     need = len(ids) + run.gen.max_new_tokens

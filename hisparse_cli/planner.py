@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.engine.config import SparseConfig, check_positions
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.planner_run import KVSummary, policy, simulate_run
@@ -152,6 +152,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     """Predict the device memory of one generate run (see the module docstring)."""
     _validate(weight_format, device_kind, backend, group_size, context_tokens, max_new_tokens,
               budget_bytes)
+    check_positions(model_cfg.max_position_embeddings, sparse=sparse,
+                    max_new_tokens=max_new_tokens)  # what summarize refuses, refused here too
     kv_name, c_name = dtype_name(kv_dtype, "kv_dtype"), dtype_name(compute_dtype, "compute_dtype")
     awq = weight_format == "awq-int4"
     if awq:

@@ -6,7 +6,9 @@ device: a profile with a VRAM budget plans CUDA in float16 with the profile's KV
 Triton backend (what a GPU machine with triton runs); `cpu` plans float32 with the torch
 reference. Weights are what will actually load: a checkpoint with an AWQ quantization_config
 is INT4 (its group size), anything else loads unquantized in the compute dtype, whatever the
-profile's `weight_format` prefers (a note says so). Nothing here imports torch.
+profile's `weight_format` prefers (a note says so). The budget, unless one is given: the
+profile's VRAM budget on CUDA; on the CPU this machine's physical RAM (`host_memory_bytes`),
+so that a plan the host cannot hold does not fit either. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ def checkpoint_format(cfg: ModelConfig) -> tuple[str | None, int]:
 
     awq = parse_quantization_config(qc)
     return "awq-int4", awq.group_size
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical RAM in bytes (psutil: a dependency already)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
 
 
 def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_tokens: int,
@@ -48,8 +57,13 @@ def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_toke
                          "not quantized: planned as it would load (unquantized)")
     if weight_format == "awq-int4" and cuda:  # on the cpu the run is float32 (runtime.py)
         compute = "float16"
+    source = "given"
     if budget_bytes is None and cuda:
-        budget_bytes = profile.vram_budget_bytes
+        budget_bytes, source = profile.vram_budget_bytes, "profile"
+    elif budget_bytes is None:
+        budget_bytes, source = host_memory_bytes(), "host RAM"
+        notes.append(f"cpu without --budget-gib: the budget is this machine's physical RAM "
+                     f"({budget_bytes / (1 << 30):.1f} GiB)")
     plan = plan_memory(
         cfg, weight_format=weight_format, group_size=group, awq_lm_head=awq_lm_head,
         embeddings_on_host=(profile.embeddings_on_host if embeddings_on_host is None
@@ -62,7 +76,8 @@ def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_toke
     from dataclasses import replace
 
     return replace(plan, notes=plan.notes + tuple(notes),
-                   settings={**plan.settings, "profile": profile.name})
+                   settings={**plan.settings, "profile": profile.name,
+                             "budget_source": source if budget_bytes is not None else None})
 
 
-__all__ = ["plan_for_profile", "checkpoint_format"]
+__all__ = ["plan_for_profile", "checkpoint_format", "host_memory_bytes"]

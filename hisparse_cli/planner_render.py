@@ -42,7 +42,9 @@ def plan_table(plan: MemoryPlan) -> Table:
     if plan.budget_bytes is not None:
         verdict = Text("fits", style="green") if plan.fits else Text("does NOT fit",
                                                                       style="bold red")
-        table.add_row("budget", _b(plan.budget_bytes),
+        source = s.get("budget_source")
+        table.add_row("budget (host RAM)" if source == "host RAM" else "budget",
+                      _b(plan.budget_bytes),
                       Text.assemble(verdict, f" (headroom {_b(plan.headroom_bytes)})"))
     table.add_section()
     for item in plan.items:

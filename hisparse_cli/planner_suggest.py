@@ -4,8 +4,9 @@ Tried in this order, each alone: a smaller prefill chunk, a smaller window, fewe
 tokens, AWQ INT4 weights, the embedding table in host RAM, an fp16 KV cache. Numeric settings
 are halved until the plan fits (a few steps at most). When no single change fits: the format
 changes together, plus halvings of window, chunk and globals in turn until it fits
-(returned either way; its peak says how far the run still is). Last: the smallest shipped
-profile whose budget holds the plan as it is. Only fitting changes are returned, except that
+(returned either way; its peak says how far the run still is). Last, for a CUDA plan: the
+smallest shipped profile whose budget holds the plan as it is (a cpu plan's budget is the
+host's RAM, which no profile changes). Only fitting changes are returned, except that
 combined one.
 """
 
@@ -93,8 +94,7 @@ def suggestions(plan: MemoryPlan) -> list[Suggestion]:
             {"embeddings_on_host": e})))
     if req["kv_dtype"] == "float32":
         formats["kv_dtype"] = "float16"
-        add(_first_fit(plan, ["float16"], lambda k: ("--kv-dtype float16", {"kv_dtype": k})),
-            "kv")
+        add(_first_fit(plan, ["float16"], lambda k: ("--kv-dtype float16", {"kv_dtype": k})))
     if not found:
         found.append(_combined(plan, formats))
     profile = _bigger_profile(plan)
@@ -149,6 +149,8 @@ def _shrink(sp, turn: int):
 def _bigger_profile(plan: MemoryPlan) -> Suggestion | None:
     from hisparse_cli.profiles import list_profiles
 
+    if plan.request["device_kind"] != "cuda":
+        return None
     need = plan.peak_allocated_bytes
     fitting = [p for p in list_profiles()
                if p.vram_budget_bytes is not None and p.vram_budget_bytes >= need]

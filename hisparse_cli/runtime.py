@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.engine.config import SparseConfig, check_positions
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.profiles import HardwareProfile
 
@@ -131,6 +131,8 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
                     if plan.device == "cuda" else None):
         if message and warn is not None:
             warn(message)
+    if isinstance(info.get("max_position_embeddings"), int):  # refused before the weights load
+        check_positions(info["max_position_embeddings"], sparse=sparse)
     engine = Engine.from_pretrained(
         model_path, device=plan.device, dtype=getattr(torch, plan.dtype), sparse=sparse,
         kv_dtype=getattr(torch, plan.kv_dtype), embeddings_on_host=plan.embeddings_on_host,

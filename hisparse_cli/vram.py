@@ -16,6 +16,7 @@ Nothing here imports torch at module import time.
 from __future__ import annotations
 
 import gc
+import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -87,19 +88,46 @@ def check_plan_fits(plan: MemoryPlan, what: str = "the run") -> None:
         best = min(plan.suggestions, key=lambda s: s.peak_allocated_bytes)
         hints = [f"{best.change} (still needs {_gib(best.peak_allocated_bytes)})"]
     hint = ("try: " + "; or ".join(hints)) if hints else "use a bigger profile or a smaller model"
+    memory = "host memory" if plan.settings.get("device_kind") == "cpu" else "GPU memory"
+    limit = ("this machine's RAM is" if plan.settings.get("budget_source") == "host RAM"
+             else "the budget is")
     raise ResourceError(
-        f"{what} needs {_gib(plan.peak_allocated_bytes)} of GPU memory at its peak "
-        f"({plan.peak_when}) but the budget is {_gib(plan.budget_bytes)}",
+        f"{what} needs {_gib(plan.peak_allocated_bytes)} of {memory} at its peak "
+        f"({plan.peak_when}) but {limit} {_gib(plan.budget_bytes)}",
         hint=hint + "; `hisparse plan` shows the line items")
 
 
+_OOM_HINT = ("use a smaller profile, --window, --prefill-chunk or --max-new-tokens; "
+             "`hisparse plan` shows what fits")
+
+
 def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory failure: MemoryError, torch's OutOfMemoryError (CUDA), or a
+    RuntimeError saying so (a CUDA "out of memory", or the CPU allocator's "can't allocate
+    memory" when the host refuses an allocation)."""
     import sys
 
     torch = sys.modules.get("torch")
     oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    text = str(exc).lower()
     return (isinstance(exc, MemoryError) or (oom is not None and isinstance(exc, oom))
-            or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()))
+            or (isinstance(exc, RuntimeError)
+                and ("out of memory" in text or "can't allocate memory" in text)))
+
+
+def oom_error(exc: BaseException, what: str | None = None,
+              hint: str | None = None) -> ResourceError | None:
+    """The ResourceError (exit 5) for an out-of-memory exception, else None. The message is
+    one line: the size the CPU allocator was refused, or the exception's first line."""
+    if not is_oom(exc):
+        return None
+    tried = re.search(r"tried to allocate (\d+) bytes", str(exc))
+    if tried and "can't allocate memory" in str(exc).lower():
+        first = f"the host could not allocate {_gib(int(tried.group(1)))}"
+    else:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
+    during = f" during {what}" if what else ""
+    return ResourceError(f"out of memory{during}: {first}", hint=hint or _OOM_HINT)
 
 
 def release_cached_memory() -> None:
@@ -113,18 +141,15 @@ def release_cached_memory() -> None:
 
 @contextmanager
 def oom_guard(what: str = "the run", hint: str | None = None):
-    """Translate an out-of-memory error raised inside the block into a ResourceError, after
-    freeing what the failed step held and emptying torch's cache."""
+    """Translate an out-of-memory error raised inside the block (GPU or host) into a
+    ResourceError, after freeing what the failed step held and emptying torch's cache."""
     err = None
     try:
         yield
     except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM
-        if not is_oom(exc):
+        err = oom_error(exc, what, hint)
+        if err is None:
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
-        err = ResourceError(f"out of memory during {what}: {first}", hint=hint or (
-            "use a smaller profile, --window, --prefill-chunk or --max-new-tokens; "
-            "`hisparse plan` shows what fits"))
         del exc  # drop the traceback's frames (and the tensors they hold) before freeing
     if err is not None:
         release_cached_memory()
@@ -132,4 +157,5 @@ def oom_guard(what: str = "the run", hint: str | None = None):
 
 
 __all__ = ["BudgetCap", "FRAGMENTATION_MARGIN_BYTES", "allocator_cap_bytes", "budget_fraction",
-           "apply_budget", "check_plan_fits", "oom_guard", "is_oom", "release_cached_memory"]
+           "apply_budget", "check_plan_fits", "oom_guard", "oom_error", "is_oom",
+           "release_cached_memory"]

@@ -191,6 +191,39 @@ def test_bad_option_value_exits_2(doc, flags, needle):
     assert_error(run("summarize", doc, *flags), 2, needle)
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--global-tokens", "1000000000"], "global_tokens 1,000,000,000 is larger than the "
+                                        "model's 1,024 positions"),
+    (["--recalibrate-topk", "1000000000"], "recalibrate_topk 1,000,000,000 is larger"),
+    (["--block-size", "2048"], "block_size 2,048 is larger"),
+    (["-n", "99999999999"], "max_new_tokens 99,999,999,999 leaves no room for a prompt"),
+])
+def test_settings_beyond_the_models_positions_exit_2_like_plan(tiny, doc, flags, needle):
+    """Once a 20 TiB allocation (exit 1); now refused before anything is allocated, with the
+    same error `hisparse plan` gives for the same model and flags (one shared check)."""
+    result = run("summarize", doc, "--model", tiny, *TINY_FLAGS, *flags)
+    assert_error(result, 2, needle)
+    planned = run("plan", "--model", tiny, "--profile", "cpu", *flags, "--check")
+    assert_error(planned, 2, needle)
+    assert planned.stderr == result.stderr
+
+
+def test_quantize_refuses_bad_device_out_and_group_size(tiny, doc, tmp_path):
+    """Refused before the model or the calibration texts are read: exit 2 with a hint."""
+    args = ["quantize", tiny, "--calib", doc, "--method", "rtn", "-q"]
+    assert_error(run(*args, "--out", tmp_path / "a", "--device", "tpu"), 2, "'tpu' is not one "
+                 "of 'cuda', 'cpu'")
+    assert_error(run(*args, "--out", doc), 2, f"--out {doc} exists and is not a folder")
+    bad = run(*args, "--out", tmp_path / "b", "--group-size", "48")
+    assert_error(bad, 2, "'48' is not one of '32', '64', '128'", "Hint: see `hisparse quantize "
+                 "--help`")
+    assert "32|64|128" in run("quantize", "--help").stdout
+    if not __import__("torch").cuda.is_available():
+        assert_error(run(*args, "--out", tmp_path / "c", "--device", "cuda"), 2,
+                     "no CUDA GPU is available", "--device cpu")
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
 def test_dense_with_window_is_a_usage_error(doc):
     assert_error(run("summarize", doc, "--dense", "--window", "64", "--profile", "cpu"), 2,
                  "--dense")
@@ -232,6 +265,10 @@ def _boom(exc: BaseException):
 @pytest.mark.parametrize("exc, code, needle", [
     (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 5, "out of memory"),
     (MemoryError(), 5, "out of memory"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                  "allocate memory: you tried to allocate 23040000000000 bytes. Error code 12 "
+                  "(Cannot allocate memory)"), 5,
+     "out of memory: the host could not allocate 21457.67 GiB"),
     (ValueError("kaboom"), 1, "internal error: ValueError: kaboom"),
 ])
 def test_unexpected_errors_map_to_exit_codes(tiny, doc, monkeypatch, exc, code, needle):

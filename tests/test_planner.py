@@ -23,7 +23,7 @@ from hisparse_cli.engine.sparsity import SparseSequence
 from hisparse_cli.errors import ConfigError, ResourceError
 from hisparse_cli.kernels import awq_cpu
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.planner import plan_memory
+from hisparse_cli.planner import GIB, plan_memory
 from hisparse_cli.planner_run import visible_count
 from hisparse_cli.planner_shapes import shape_config
 from hisparse_cli.planner_weights import awq_linear_bytes
@@ -475,6 +475,25 @@ def test_check_plan_fits_and_oom_guard():
     assert allocator_cap_bytes(6 << 30, card=True, context_bytes=1 << 29) == 11 << 29
 
 
+def test_a_refused_host_allocation_is_a_resource_error():
+    """torch's CPU allocator refusing an allocation (a RuntimeError, not MemoryError) is an
+    out-of-memory error: oom_guard and the CLI's handler make it exit 5, in one line."""
+    from hisparse_cli.cli import as_resource_error
+    from hisparse_cli.vram import oom_guard
+
+    with pytest.raises(ResourceError) as err:
+        with oom_guard("prefill"):
+            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: refused at once
+    assert err.value.exit_code == 5 and "\n" not in err.value.message
+    assert err.value.message == ("out of memory during prefill: the host could not allocate "
+                                 "1048576.00 GiB")
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8)
+    except RuntimeError as exc:
+        assert as_resource_error(exc).message.startswith("out of memory: the host could not")
+    assert as_resource_error(RuntimeError("shape mismatch")) is None
+
+
 def test_validation_names_the_field():
     base = dict(sparse=SparseConfig(), context_tokens=10, max_new_tokens=1, kv_dtype="float16",
                 compute_dtype="float16", device_kind="cuda", backend="triton")
@@ -501,6 +520,106 @@ def test_cli_plan_json_parses():
     assert d["fits"] is True and d["settings"]["weight_format"] == "awq-int4"
     r = CliRunner().invoke(app, ["plan", "-m", "llama-3-8b", "-p", "4060ti-6g", "--check"])
     assert r.exit_code == 5
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from hisparse_cli.cli import app
+
+    return CliRunner().invoke(app, ["plan", *map(str, args)])
+
+
+def _cli_peak(*args: str) -> int:
+    r = _cli("--json", *args)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)["peak_allocated_bytes"]
+
+
+SMOL_CPU = ("-m", "smollm2-135m", "-p", "cpu")
+SMOL_8K_CPU = (*SMOL_CPU, "-c", "8000")
+LLAMA_GPU = ("-m", "llama-3-8b", "-p", "3090-24g", "-c", "8000")
+
+
+@pytest.mark.parametrize("base, alt, expect", [
+    (SMOL_CPU, ("--prefill-chunk", "128"), "--prefill-chunk 128"),
+    (SMOL_8K_CPU, ("--window", "256"), "--window 256"),
+    ((*SMOL_8K_CPU, "--dense"), ("--kv-dtype", "float16"), "--window 2048"),  # dense: a window
+    ((*SMOL_8K_CPU, "--window", "4096", "--global-tokens", "2048", "--recalibrate-topk", "2048"),
+     ("--global-tokens", "1024", "--recalibrate-topk", "1024"),
+     "--global-tokens 1024 --recalibrate-topk 1024"),
+    ((*SMOL_8K_CPU, "--dense"), ("--kv-dtype", "float16"), "--kv-dtype float16"),
+    (LLAMA_GPU, ("--weight-format", "awq-int4"), "AWQ INT4 weights"),
+    (LLAMA_GPU, ("--embeddings-on-host",), "embeddings in host RAM"),
+    ((*SMOL_CPU, "--budget-gib", "0.1"), None, "together: kv_dtype=float16"),
+    (("-m", "llama-3-8b", "--device", "cuda", "--budget-gib", "1"), None, "--profile a10-24g"),
+])
+def test_cli_check_exits_5_with_every_kind_of_suggestion(base, alt, expect):
+    """Each branch of planner_suggest, through `hisparse plan --check`: the budget is what the
+    plan with `alt` needs (so that change fits), or given in `base`. The float32 KV of the cpu
+    profile once crashed the kv branch (exit 1 instead of 5)."""
+    budget = () if alt is None else ("--budget-gib", repr((_cli_peak(*base, *alt) + 1024) / GIB))
+    r = _cli("--json", "--check", *base, *budget)
+    assert r.exit_code == 5, r.output
+    assert r.stderr.startswith("Error: the run needs") and "\nHint: " in r.stderr, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["fits"] is False
+    found = [s for s in plan["suggestions"] if s["change"].startswith(expect)]
+    assert found, [s["change"] for s in plan["suggestions"]]
+    assert found[0]["fits"] is (not expect.startswith("together")), found
+    if found[0]["fits"]:  # within the plan's budget, or the suggested profile's
+        limit = found[0]["overrides"].get("budget_bytes", plan["budget_bytes"])
+        assert found[0]["peak_allocated_bytes"] <= limit
+
+
+def test_cpu_plan_budget_is_the_hosts_ram(monkeypatch):
+    """Without --budget-gib a cpu plan is held against physical RAM: --check fails (exit 5,
+    "host memory") when the plan exceeds it, and no GPU profile is suggested to a cpu run."""
+    import psutil
+
+    from hisparse_cli import planner_profile
+
+    plan = json.loads(_cli("--json", *SMOL_CPU).stdout)
+    assert plan["budget_bytes"] == psutil.virtual_memory().total and plan["fits"] is True
+    assert plan["settings"]["budget_source"] == "host RAM"
+    assert any("physical RAM" in n for n in plan["notes"])
+    monkeypatch.setattr(planner_profile, "host_memory_bytes", lambda: 256 << 20)
+    r = _cli("--json", "--check", *SMOL_CPU)
+    assert r.exit_code == 5, r.output
+    assert "of host memory" in r.stderr and "this machine's RAM is 0.25 GiB" in r.stderr
+    changes = [s["change"] for s in json.loads(r.stdout)["suggestions"]]
+    assert changes and not any(c.startswith("--profile") for c in changes), changes
+    gpu = _cli("--json", "--check", *SMOL_CPU, "--device", "cuda")  # a GPU plan: no RAM cap
+    assert gpu.exit_code == 0 and json.loads(gpu.stdout)["budget_bytes"] is None, gpu.output
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("-n", "100000"), "max_new_tokens 100,000 leaves no room for a prompt"),
+    (("-n", "8192"), "max_new_tokens 8,192 leaves no room"),
+    (("--global-tokens", "1000000000"), "global_tokens 1,000,000,000 is larger than"),
+    (("--recalibrate-topk", "9000"), "recalibrate_topk 9,000 is larger than"),
+    (("--block-size", "1000000000"), "block_size 1,000,000,000 is larger than"),
+])
+def test_plan_refuses_what_summarize_refuses(flags, needle):
+    """The same check as summarize (engine.config.check_positions): exit 2, not a plan of a
+    run that cannot happen (smollm2-135m has 8,192 positions)."""
+    r = _cli("--check", *SMOL_CPU, *flags)
+    assert r.exit_code == 2, r.output
+    assert r.stdout == "" and needle in r.stderr and "\nHint: " in r.stderr, r.stderr
+    assert _cli("--check", *SMOL_CPU, "-n", "8191").exit_code == 0  # one prompt token fits
+
+
+def test_check_positions():
+    from hisparse_cli.engine.config import check_positions
+
+    check_positions(64, sparse=SparseConfig(global_tokens=64, recalibrate_topk=64,
+                                            block_size=64), max_new_tokens=63)
+    for field_name in ("sink_tokens", "global_tokens", "recalibrate_topk", "block_size"):
+        with pytest.raises(ConfigError, match=f"^{field_name} 65 is larger") as err:
+            check_positions(64, sparse=replace(SparseConfig(), **{field_name: 65}))
+        assert "--" + field_name.replace("_", "-") in err.value.hint
+    with pytest.raises(ConfigError, match="max_new_tokens 64 leaves no room"):
+        check_positions(64, max_new_tokens=64)
 
 
 def test_profile_plan_of_an_awq_model_uses_the_runs_dtype():

@@ -290,6 +290,73 @@ def test_probe_training_fits_its_target_with_few_parameters(tiny_text_model, tmp
         load_probe(tmp_path / "p.json")
 
 
+def test_probe_files_are_safetensors_and_bad_ones_are_config_errors(tmp_path):
+    """save_probe writes the path it is given or refuses it (it once wrote p.bin as
+    p.safetensors); unreadable or mismatched probe files are ConfigError (exit 2), never a
+    SafetensorError / RuntimeError escaping as an internal error."""
+    module = ImportanceProbe(64, 2, 2)
+    with pytest.raises(ConfigError, match=r"p\.bin must be a \.safetensors file") as err:
+        save_probe(module, tmp_path / "p.bin", {})
+    assert "p.safetensors" in err.value.hint and not list(tmp_path.iterdir())
+    weights, sidecar = save_probe(module, tmp_path / "p.safetensors", {})
+    fake = tmp_path / "fake.safetensors"
+    fake.write_bytes(b"\xff" * 64)  # header length far beyond the file
+    (tmp_path / "fake.json").write_bytes(sidecar.read_bytes())
+    with pytest.raises(ConfigError, match="cannot read probe"):
+        load_probe(fake)
+    other = json.loads(sidecar.read_text())
+    other["hidden_size"] = 4096  # another model's shape: the weights do not fit
+    sidecar.write_text(json.dumps(other))
+    with pytest.raises(ConfigError, match="does not match its sidecar"):
+        load_probe(weights)
+    sidecar.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="unknown format"):
+        load_probe(weights)
+
+
+def test_probe_train_cli_inputs_and_out(tiny_text_model, tmp_path):
+    """--texts: missing or binary files are input errors (exit 3), binary files in a folder are
+    skipped; --out: a non-.safetensors path is exit 2 before anything loads, an existing
+    folder receives <model>.probe.safetensors and its sidecar."""
+    from hisparse_cli.cli import app
+
+    path, _ = tiny_text_model
+    runner = CliRunner()
+
+    def train(*args):
+        return runner.invoke(app, ["probe", "train", "--model", str(path), "--window", "32",
+                                   "--max-tokens", "256", "--epochs", "1", "-q",
+                                   *map(str, args)])
+
+    def error(res, code, needle):
+        assert res.exit_code == code, res.output
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("Error: ") and needle in lines[0], lines
+        assert lines[1].startswith("Hint: ") and res.stdout == "", res.output
+
+    text = tmp_path / "a.txt"
+    text.write_text((SAMPLES / "medical" / "discharge_report.txt").read_text()[:2500])
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(bytes(range(256)) * 64)
+    error(train("--texts", tmp_path / "nope.txt"), 3, "nope.txt: no such file")
+    error(train("--texts", binary), 3, "looks like a binary file")
+    only_binary = tmp_path / "bindir"
+    only_binary.mkdir()
+    (only_binary / "x.txt").write_bytes(binary.read_bytes())
+    error(train("--texts", only_binary), 3, "no training text found in")
+    error(train("--texts", text, "--out", tmp_path / "p.bin"), 2, "a probe is written as a "
+          ".safetensors file")
+    error(train("--texts", text, "--out", tmp_path / "newdir"), 2, ".safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "bin.txt", "bindir"]
+    folder = tmp_path / "probes"
+    folder.mkdir()
+    res = train("--texts", text, "--texts", only_binary, "--out", folder)
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in folder.iterdir()) == [f"{path.name}.probe.json",
+                                                        f"{path.name}.probe.safetensors"]
+    assert load_probe(folder / f"{path.name}.probe.safetensors").meta["parameters"] < 10_000
+
+
 def test_probe_parameter_budget_holds_for_large_models():
     for hidden, layers, heads in ((64, 2, 2), (576, 30, 3), (4096, 32, 8), (8192, 80, 8),
                                   (5120, 64, 8), (3000, 100, 16)):

@@ -3,7 +3,9 @@
 `SparseConfig` describes which keys every query attends to: the first `sink_tokens`
 positions, the current global tokens of its layer/KV head, and the last `window_size`
 positions (causal). `window_size=None` means dense attention through the same paged path.
-Errors name the offending field (ConfigError -> exit code 2).
+Errors name the offending field (ConfigError -> exit code 2). `check_positions` refuses
+settings no run of a given model can use (more global tokens than it has positions, a summary
+that leaves no room for a prompt); the engine, the pipeline and the planner all call it.
 """
 
 from __future__ import annotations
@@ -122,4 +124,27 @@ class GenerationConfig:
                               hint="1 = no penalty; > 1 discourages repeats (e.g. 1.1)")
 
 
-__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES"]
+# Sparse sizes counted in positions: a run never holds more of them than the model has.
+_POSITION_FIELDS = ("sink_tokens", "global_tokens", "recalibrate_topk", "block_size")
+
+
+def check_positions(max_positions: int, *, sparse: SparseConfig | None = None,
+                    max_new_tokens: int | None = None) -> None:
+    """ConfigError (exit 2) for settings pointless for a model of `max_positions` positions:
+    a sparse size above it (a run sees at most that many tokens: sinks, globals and candidates
+    are chosen among them, a block holds them all), or a summary length that leaves no room for
+    even one prompt token. Caught before anything is allocated for them."""
+    for name in _POSITION_FIELDS if sparse is not None else ():
+        value = getattr(sparse, name)
+        if value > max_positions:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{name} {value:,} is larger than the model's {max_positions:,} "
+                              "positions", hint=f"lower {flag} to at most {max_positions:,} "
+                              "(`hisparse profiles show NAME` lists a profile's values)")
+    if max_new_tokens is not None and max_new_tokens >= max_positions:
+        raise ConfigError(f"max_new_tokens {max_new_tokens:,} leaves no room for a prompt within "
+                          f"the model's {max_positions:,} positions",
+                          hint=f"lower --max-new-tokens (below {max_positions:,})")
+
+
+__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES", "check_positions"]

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig
+from hisparse_cli.engine.config import GenerationConfig, SparseConfig, check_positions
 from hisparse_cli.engine.kv_cache import int64_to_device
 from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.engine.sampling import Sampler
@@ -126,7 +126,9 @@ class Engine:
         the prefill chunk); its KV storage is allocated now, once, at their working-set bound
         (ResourceError first when the pool cap is below it). reuse=True: take the kept
         storage when its shape matches (reset to a new cache's contents) and keep this run's
-        for the next call; otherwise any kept state is freed first (never two storages)."""
+        for the next call; otherwise any kept state is freed first (never two storages).
+        Sparse sizes larger than the model's positions are a ConfigError (check_positions)."""
+        check_positions(self.cfg.max_position_embeddings, sparse=self.sparse)
         if not reuse:
             self.release_cached_state()
         pool = BlockPool(self.pool_cap_blocks)

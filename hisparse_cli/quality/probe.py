@@ -90,10 +90,14 @@ def fingerprint(cfg) -> dict:
 
 
 def save_probe(module: ImportanceProbe, path: str | Path, meta: dict) -> tuple[Path, Path]:
-    """Write `path` (.safetensors) and its .json sidecar; returns both paths."""
+    """Write `path` (must end in .safetensors) and its .json sidecar; returns both paths."""
     from safetensors.torch import save_file
 
-    path = Path(path).expanduser().with_suffix(".safetensors")
+    path = Path(path).expanduser()
+    if path.suffix != ".safetensors":
+        raise ConfigError(f"probe {path} must be a .safetensors file",
+                          hint=f"use {path.with_suffix('.safetensors').name} (the .json sidecar "
+                               "is written beside it)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     save_file(tensors, str(path), metadata={"format": FORMAT})
@@ -115,16 +119,17 @@ def load_probe(path: str | Path) -> ProbeScorer:
         raise ConfigError(f"probe {path} must be a .safetensors file",
                           hint="probes are saved by `hisparse probe train` (never pickle)")
     sidecar = path.with_suffix(".json")
+    hint = "train one with `hisparse probe train --out FILE`"
     try:
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
         if not path.is_file():
             raise FileNotFoundError(f"no such file: {path.name}")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read probe {path} (+ {sidecar.name}): {exc}",
-                          hint="train one with `hisparse probe train --out FILE`") from None
+                          hint=hint) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise ConfigError(f"probe {path}: unknown format {fmt!r}")
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ConfigError(f"probe {path}: unknown format {found!r}", hint=hint)
     retrain = ("the probe file is truncated or corrupt: train it again with `hisparse probe "
                "train --out FILE` (or restore the shipped one)")
     tensors = read_safetensors(path, hint=retrain)  # a corrupt file: ModelError (exit 4)
@@ -132,7 +137,7 @@ def load_probe(path: str | Path) -> ProbeScorer:
         module = ImportanceProbe(meta["hidden_size"], meta["num_layers"], meta["num_kv_heads"],
                                  meta["rank"])
         module.load_state_dict(tensors)
-    except (KeyError, TypeError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         why = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise ModelError(f"probe {path} does not match its sidecar {sidecar.name}: {why}",
                          hint=retrain) from None

@@ -45,13 +45,27 @@ class ProbeTrainConfig:
 
 
 def read_texts(paths: list[str | Path]) -> list[tuple[str, str]]:
-    """(name, text) of files, and of every text-like file below folders, sorted."""
+    """(name, text) of files, and of every text-like file below folders, sorted.
+
+    A file given by name is read as `summarize` reads a document (documents.load_document:
+    PDF or text, InputError when missing, binary, empty or unreadable). Below a folder, the
+    TEXT_SUFFIXES files are decoded like text documents; binary, empty and unreadable ones
+    are skipped."""
+    from hisparse_cli.documents import load_document
+    from hisparse_cli.documents.text import SNIFF_BYTES, decode_bytes, looks_binary
+    from hisparse_cli.errors import InputError
+
     out = []
     for p in map(Path, paths):
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES) \
-            if p.is_dir() else [p]
-        for f in files:
-            text = f.read_text(encoding="utf-8", errors="replace")
+        if not p.is_dir():
+            out.append((str(p), load_document(p).text))
+            continue
+        for f in sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES):
+            try:
+                data = f.read_bytes()
+                text = "" if looks_binary(data[:SNIFF_BYTES]) else decode_bytes(data)[0]
+            except (OSError, InputError):
+                continue
             if text.strip():
                 out.append((str(f), text))
     return out

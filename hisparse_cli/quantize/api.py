@@ -54,7 +54,9 @@ def _check_group_size(cfg, group_size: int | None, quantize_lm_head: bool) -> in
     from hisparse_cli.model.awq import SUPPORTED_GROUP_SIZES
 
     if group_size is not None and group_size not in SUPPORTED_GROUP_SIZES:
-        raise ConfigError(f"--group-size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+        sizes = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
+        raise ConfigError(f"--group-size must be one of {sizes}, got {group_size}",
+                          hint="leave --group-size out to use the largest that divides the model")
     outs = {"kv width": cfg.num_key_value_heads * cfg.head_dim}
     if quantize_lm_head:
         outs["vocab_size"] = cfg.vocab_size
@@ -80,6 +82,26 @@ def _check_group_size(cfg, group_size: int | None, quantize_lm_head: bool) -> in
                           hint=f"use --group-size {' or '.join(map(str, ok))}, or leave it out "
                                f"(the largest that fits)")
     return group_size
+
+
+def check_destination(out_dir: str | Path, device: str | None) -> None:
+    """ConfigError (exit 2) for an --out that cannot become the new model folder (an existing
+    file, a non-empty folder) and for a --device other than cpu/cuda, or cuda without one;
+    checked before any model or calibration text is read."""
+    import torch
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder",
+                          hint="give a new folder for the INT4 model")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"output folder {out} is not empty", hint="pick a new --out folder")
+    if device is not None and device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda, got {device!r}",
+                          hint="leave --device out to use cuda when available, else cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA GPU is available",
+                          hint="use --device cpu (or leave --device out)")
 
 
 def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: list[str],
@@ -112,8 +134,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, calib_texts: l
         raise ConfigError(f"method must be awq or rtn, got {method!r}")
     if out.resolve() == src.resolve():
         raise ConfigError("--out must differ from the model folder")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"output folder {out} is not empty", hint="pick a new --out folder")
+    check_destination(out, device)
     cfg = ModelConfig.from_folder(src)
     if cfg.quantization_config is not None:
         raise ModelError(f"{src} is already quantized "
