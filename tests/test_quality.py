@@ -16,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from hisparse_cli.engine import Engine, SparseConfig
-from hisparse_cli.errors import ConfigError
+from hisparse_cli.errors import ConfigError, ModelError
 from hisparse_cli.quality.aggregate import goal_check, summarize_settings
 from hisparse_cli.quality.capture import logits_at, teacher_forced
 from hisparse_cli.quality.dataset import EvalDocument, LayoutConfig, build_layout
@@ -290,10 +290,11 @@ def test_probe_training_fits_its_target_with_few_parameters(tiny_text_model, tmp
         load_probe(tmp_path / "p.json")
 
 
-def test_probe_files_are_safetensors_and_bad_ones_are_config_errors(tmp_path):
+def test_probe_files_are_safetensors_and_bad_ones_are_clear_errors(tmp_path):
     """save_probe writes the path it is given or refuses it (it once wrote p.bin as
-    p.safetensors); unreadable or mismatched probe files are ConfigError (exit 2), never a
-    SafetensorError / RuntimeError escaping as an internal error."""
+    p.safetensors); a missing sidecar or an unknown format is a ConfigError (exit 2), a
+    corrupt probe file or one that does not match its sidecar a ModelError (exit 4, like
+    corrupt weights), never a SafetensorError / RuntimeError escaping as an internal error."""
     module = ImportanceProbe(64, 2, 2)
     with pytest.raises(ConfigError, match=r"p\.bin must be a \.safetensors file") as err:
         save_probe(module, tmp_path / "p.bin", {})
@@ -302,12 +303,15 @@ def test_probe_files_are_safetensors_and_bad_ones_are_config_errors(tmp_path):
     fake = tmp_path / "fake.safetensors"
     fake.write_bytes(b"\xff" * 64)  # header length far beyond the file
     (tmp_path / "fake.json").write_bytes(sidecar.read_bytes())
-    with pytest.raises(ConfigError, match="cannot read probe"):
+    with pytest.raises(ModelError, match="cannot read weights .*fake.safetensors") as err:
         load_probe(fake)
+    assert "probe train" in err.value.hint
+    with pytest.raises(ConfigError, match="cannot read probe"):
+        load_probe(tmp_path / "nosidecar.safetensors")
     other = json.loads(sidecar.read_text())
     other["hidden_size"] = 4096  # another model's shape: the weights do not fit
     sidecar.write_text(json.dumps(other))
-    with pytest.raises(ConfigError, match="does not match its sidecar"):
+    with pytest.raises(ModelError, match="does not match its sidecar"):
         load_probe(weights)
     sidecar.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="unknown format"):
