@@ -16,11 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
+from helpers_cli import assert_error, run, show
 from helpers_tokenizer import make_tiny_model_dir
 from hisparse_cli import __version__
-from hisparse_cli.cli import app
 from hisparse_cli.scoring import rouge_scores
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,26 +46,6 @@ def doc(tmp_path) -> Path:
     path = tmp_path / "deal.txt"
     path.write_text(TEXT * 2, encoding="utf-8")
     return path
-
-
-def run(*args: str, env: dict | None = None):
-    result = CliRunner().invoke(app, [str(a) for a in args], env=env)
-    return result
-
-
-def show(result) -> str:
-    return (f"exit {result.exit_code}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n"
-            f"{result.stderr}\n--- exception ---\n{result.exception!r}")
-
-
-def assert_error(result, code: int, *needles: str) -> None:
-    assert result.exit_code == code, show(result)
-    assert result.stdout == "", show(result)
-    lines = result.stderr.strip().splitlines()
-    assert lines[0].startswith("Error: ") and lines[1].startswith("Hint: "), show(result)
-    assert "Traceback" not in result.stderr, show(result)
-    for needle in needles:
-        assert needle in result.stderr, show(result)
 
 
 # --- basics ----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import stat
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
+from helpers_cli import assert_error, run, show
 from helpers_tokenizer import make_tiny_model_dir
 from hisparse_cli.cli import app
 
@@ -37,25 +37,6 @@ def doc(tmp_path) -> Path:
     path = tmp_path / "deal.txt"
     path.write_text(TEXT * 2, encoding="utf-8")
     return path
-
-
-def run(*args, env: dict | None = None):
-    return CliRunner().invoke(app, [str(a) for a in args], env=env)
-
-
-def show(result) -> str:
-    return (f"exit {result.exit_code}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n"
-            f"{result.stderr}\n--- exception ---\n{result.exception!r}")
-
-
-def assert_error(result, code: int, *needles: str) -> None:
-    assert result.exit_code == code, show(result)
-    assert result.stdout == "", show(result)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 2, show(result)
-    assert lines[0].startswith("Error: ") and lines[1].startswith("Hint: "), show(result)
-    for needle in needles:
-        assert needle in result.stderr, show(result)
 
 
 # --- summarize --out ---------------------------------------------------------------------------
