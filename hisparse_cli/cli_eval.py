@@ -28,8 +28,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-probe_app = typer.Typer(help="The learned importance probe (importance='probe').",
-                        no_args_is_help=True)
+probe_app = typer.Typer(help="The learned importance probe (importance='probe').")
 
 
 def _progress_printer(quiet: bool):
@@ -175,7 +174,7 @@ def probe_train(
         "Output .safetensors file (a .json sidecar is written beside it), or an existing "
         "folder to write <model>.probe.safetensors in.  [default: "
         "./<model>.probe.safetensors]"))] = None,
-    texts: Annotated[Optional[list[Path]], typer.Option("--texts", "-t", help=(
+    texts: Annotated[Optional[list[Path]], typer.Option("--texts", "-t", readable=False, help=(
         "Training documents (text or PDF, read as summarize reads them) or folders of text "
         "files (repeat).  [default: the repository's samples/]"))] = None,
     window: Annotated[int, typer.Option("--window", min=8, help=(

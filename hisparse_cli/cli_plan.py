@@ -20,6 +20,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from hisparse_cli.cli_options import finite_float
+
 P_MODEL, P_SPARSE, P_MEM = "Model and profile", "Sparse attention", "Memory"
 
 
@@ -44,6 +46,9 @@ class Device(str, Enum):
 class Backend(str, Enum):
     triton = "triton"
     torch = "torch"
+
+
+_BUDGET, _BUDGET_NOTE = finite_float(0.01)  # never inf/nan (Typer's min= lets them through)
 
 
 def _opt(*decls: str, panel: str, **kw):
@@ -108,9 +113,9 @@ def plan(
         "Plan for this device.  [default: the profile's]"))] = None,
     backend: Annotated[Optional[Backend], _opt("--backend", panel=P_MEM, help=(
         "Kernel backend on CUDA.  [default: triton]"))] = None,
-    budget_gib: Annotated[Optional[float], _opt("--budget-gib", panel=P_MEM, min=0.01, help=(
-        "Memory budget in GiB: VRAM on CUDA, host RAM on the CPU.  [default: the profile's "
-        "on CUDA; this machine's RAM on the CPU]"))] = None,
+    budget_gib: Annotated[Optional[float], _opt("--budget-gib", panel=P_MEM, parser=_BUDGET,
+        help=("Memory budget in GiB: VRAM on CUDA, host RAM on the CPU.  [default: the "
+              f"profile's on CUDA; this machine's RAM on the CPU]  {_BUDGET_NOTE}"))] = None,
     check: Annotated[bool, _opt("--check", panel=P_MEM, help=(
         "Exit with code 5 when the plan does not fit the budget."))] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,

@@ -50,8 +50,9 @@ def quantize(
         show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="New folder for the INT4 model.")],
     calib: Annotated[Optional[List[Path]], typer.Option(
-        "--calib", help="Calibration document (PDF, text, folder); repeat for more.  "
-                        "[default: samples/]")] = None,
+        "--calib", readable=False,  # an unreadable file: the loader's one-line exit 3
+        help="Calibration document (PDF, text, folder); repeat for more.  "
+             "[default: samples/]")] = None,
     group_size: Annotated[Optional[GroupSize], typer.Option(
         "--group-size", help="Weights per quantization group.  [default: 128, or the largest "
                              "of 64 / 32 that divides the model]",
@@ -109,4 +110,4 @@ def quantize(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("quantize", no_args_is_help=True)(quantize)
+    app.command("quantize")(quantize)

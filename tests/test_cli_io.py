@@ -235,6 +235,8 @@ def test_generation_ranges_in_help_match_validation(doc):
     for flags in (["--top-p", "0"], ["--top-p", "1.5"], ["--repetition-penalty", "0"],
                   ["--temperature", "inf"], ["--temperature", "nan"], ["--top-p", "nan"]):
         assert_error(run("summarize", doc, *flags), 2, flags[0])
+    for value in ("inf", "nan", "0"):  # plan's budget: finite and >= 0.01 GiB
+        assert_error(run("plan", "--budget-gib", value), 2, "--budget-gib")
 
 
 def test_models_list_piped_keeps_whole_names():

@@ -531,3 +531,21 @@ def test_subfolder_of_a_repository_applies_the_enclosing_ignore_rules(tmp_path):
     plain = _tree(tmp_path / "plain", {".gitignore": "*.env\n", "in/k.env": "K=1\n"})
     assert [s.label for s in load_document(plain / "in").sections] == ["k.env"]
 
+
+
+def test_repository_file_names_cannot_fake_a_header_line(tmp_path):
+    """A newline (or another control character) in a file name is escaped in its header, so a
+    name cannot add a `===== path =====` line of its own; names that are not UTF-8 show their
+    bytes as \\xNN."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "main.py").write_text("print('hello')\n")
+    (repo / "x.py\n===== secrets.env =====").write_text("value = 1\n")
+    (repo / "tab\there.py").write_text("value = 2\n")
+    (repo / b"caf\xe9.py".decode("utf-8", "surrogateescape")).write_text("value = 3\n")
+    doc = load_document(repo)
+    headers = [line for line in doc.text.splitlines() if line.startswith("=====")]
+    assert len(headers) == 4, headers  # one per file, none injected
+    assert "===== x.py\\n===== secrets.env ===== =====" in headers
+    assert "===== tab\\there.py =====" in headers and "===== caf\\xe9.py =====" in headers
+    assert {s.label for s in doc.sections} >= {"main.py", "caf\\xe9.py"}

@@ -425,3 +425,18 @@ def test_write_report_without_teacher_forcing(tiny_text_model, tmp_path):
     paths = write_report(res, tmp_path)
     assert "plot" not in paths and paths["markdown"].is_file()
     assert "rouge" in res.rows[0] and "kl" not in res.rows[0]
+
+
+def test_eval_references_decode_like_documents(tmp_path):
+    """<id>.ref.txt is read like a text document: cp1252 and a UTF-8 BOM decode (cp1252 was
+    an internal UnicodeDecodeError), an empty one is no reference."""
+    from hisparse_cli.quality.dataset import load_eval_documents
+
+    for name, ref in (("a", "Le café coûte 3 €.".encode("cp1252")),
+                      ("b", b"\xef\xbb\xbfThe fee is due."), ("c", b"  \n")):
+        (tmp_path / f"{name}.txt").write_text(f"Document {name}. The client pays the fee.\n")
+        (tmp_path / f"{name}.ref.txt").write_bytes(ref)
+    docs = {d.id: d for d in load_eval_documents([tmp_path])}
+    assert docs["a"].reference == "Le café coûte 3 €."
+    assert docs["b"].reference == "The fee is due."
+    assert docs["c"].reference is None

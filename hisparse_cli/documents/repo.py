@@ -146,6 +146,24 @@ def repository_files(root: Path, *, max_file_bytes: int, max_files: int
     return files, walk.skipped, walk.root_ignored
 
 
+
+def header_name(rel: str) -> str:
+    """`rel` for a `===== path =====` header: every character that is not printable (a newline
+    or other control character in a file name, which could fake a header line of its own; a
+    file-name byte that is not UTF-8) written as an escape (`\\n`, `\\x1b`, `\\xe9`)."""
+    if rel.isprintable():
+        return rel
+    out = []
+    for ch in rel:
+        if ch.isprintable():
+            out.append(ch)
+        elif "\udc80" <= ch <= "\udcff":  # os.fsdecode's escape of a non-UTF-8 byte
+            out.append(f"\\x{ord(ch) - 0xDC00:02x}")
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
 def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
                     max_files: int) -> Document:
     """Read a directory tree as one document (see the module docstring for the rules)."""
@@ -168,7 +186,8 @@ def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
         if text is None:
             skipped.append((rel, reason))
             continue
-        block = f"===== {rel} =====\n{text.rstrip()}\n\n"
+        name = header_name(rel)
+        block = f"===== {name} =====\n{text.rstrip()}\n\n"
         if offset + len(block) > max_total_chars:
             cap_reason = f"total size cap of {max_total_chars:,} characters reached"
         elif len(sections) >= max_files:
@@ -176,7 +195,7 @@ def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
         if cap_reason:
             skipped.append((rel, cap_reason))
             continue
-        sections.append(Section(label=rel, start=offset, end=offset + len(block) - 1))
+        sections.append(Section(label=name, start=offset, end=offset + len(block) - 1))
         parts.append(block)
         offset += len(block)
     if not sections:

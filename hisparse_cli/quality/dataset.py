@@ -40,13 +40,26 @@ def _is_reference(path: Path) -> bool:
     return any(path.name.endswith(s) for s in REF_SUFFIXES)
 
 
+def _read_reference(path: Path) -> str | None:
+    """<id>.ref.txt decoded like a text document (a BOM, else UTF-8, else cp1252; an empty one
+    is no reference); InputError when it cannot be read."""
+    from hisparse_cli.documents.text import decode_bytes
+
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read reference {path}: {exc.strerror or exc}",
+                         hint="give a readable plain-text <id>.ref.txt, or remove it") from None
+    return decode_bytes(data)[0] if data.strip() else None
+
+
 def _load_one(path: Path, password: str | None = None) -> EvalDocument:
     from hisparse_cli.documents import load_document
 
     doc = load_document(path, password=password)
     stem = path.name[: -len(path.suffix)] if path.suffix else path.name
     ref_path = path.with_name(stem + ".ref.txt")
-    ref = ref_path.read_text(encoding="utf-8-sig") if ref_path.is_file() else None
+    ref = _read_reference(ref_path) if ref_path.is_file() else None
     return EvalDocument(id=stem, text=doc.text, reference=ref if ref and ref.strip() else None,
                         genre=doc.genre, title=doc.title, source=str(path))
 
