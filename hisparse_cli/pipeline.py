@@ -214,7 +214,9 @@ class _Run:
         while True:
             ids = self.render(combine_prompt(parts, genre=genre, instructions=instr))
             if len(ids) + self.gen.max_new_tokens <= self.max_pos:
-                return self.generate(ids, self.gen.max_new_tokens, "final summary")
+                text = self.generate(ids, self.gen.max_new_tokens, "final summary")
+                self._record("final summary", level, ids, text)  # every step is in `chunks`
+                return text
             groups: list[list[tuple[str, str]]] = [[]]
             for part in parts:
                 candidate = groups[-1] + [part]

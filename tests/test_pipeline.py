@@ -215,6 +215,9 @@ def test_map_reduce_prompts_cite_pages_and_final_sees_every_part(tokenizer):
     assert all(f"[{p.label}]" in prompts[-1] for p in parts)  # the final combine prompt
     assert result.runs[-1]["step"] == "final summary"
     assert result.summary == "short summary"
+    final = result.chunks[-1]  # every step is listed, the final combine too
+    assert (final.label, final.level) == ("final summary", 1) and len(result.chunks) == \
+        len(parts) + 1 and final.summary == result.summary
 
 
 def test_reduction_recurses_when_summaries_do_not_fit_together(tokenizer):
