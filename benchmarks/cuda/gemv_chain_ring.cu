@@ -1,0 +1,475 @@
+// A persistent INT4 GEMV chain whose weight stream never waits for the data dependencies.
+//
+// What it measures (benchmarks/gpu_cuda_chain.py drives it; BENCHMARKS.md "Runs 93-101" has
+// the numbers): the 8B decoder's 128 INT4 GEMVs of one token, each GEMV's input made from the
+// previous GEMV's output (a real all-to-all dependency, a grid barrier between GEMVs), in ONE
+// launch of one CTA per SM, where a producer warp streams the CTA's share of every GEMV's
+// weights into a shared-memory ring with bulk copies (cp.async.bulk completing on mbarriers)
+// and runs ahead across the grid barriers: weights depend on nothing, so the copy engine keeps
+// DRAM busy while the consumer warps wait for x. Runs 84-85 (Triton, weights 1-3 steps ahead in
+// registers) measured 3.5-6 us a dependency; the question was whether a ring of 100-200 KB a
+// SM hides that. (Answer: the barrier, yes, ~0.3 us; the serial work around each dependency,
+// ~3.2 us, no.)
+//
+// Weights (this benchmark's own format; a loader would convert AWQ's once): items of 128
+// output columns x one group of 128 K rows, 8512 bytes each, the same bytes as AWQ's: 8192
+// bytes of 4-bit words, 256 of fp16 scales, 64 of zero-point nibbles, w = (q - z) s, in one of
+// two layouts (the item math decides which; item_lanes and item_mma below spell them out):
+//   MMA 0 ("lanes"): words [kp / 4][lane][kp % 4], K pairs kp 0..63, lane L owns columns
+//     4 L + i (nibble i of the low half: K row 2 kp, of the high half: 2 kp + 1); scales
+//     [lane][4], zeros [lane] u16.
+//   MMA 1, 2 (mma.sync m16n8k16 fragments): see item_mma.
+// A GEMV's items are ordered (column tile, group); CTA c takes items [c I / P, (c + 1) I / P)
+// of each GEMV, so its share of the chain is a list of contiguous runs, streamed in order. The
+// NW consumer warps form NW / SPLIT groups of SPLIT warps; group i takes every (NW / SPLIT)-th
+// item of the CTA's stream (the ring's slots are a multiple of the groups, so each slot has one
+// owner: see launch()), each warp of a group one part of the item (MMA 0: K pairs, MMA 1, 2:
+// row tiles). A warp's sums of a column tile meet in shared memory (atomicAdd); after the GEMV
+// one fp32 atomicAdd per column and CTA to the output (outputs are zeroed before the launch;
+// the order of atomics is not fixed, so the last bits vary from run to run), then a fence and
+// the CTA's arrival on the grid counter.
+//
+// Between GEMVs (xform in the metadata) x[k] = x0[k mod 4096] + f / 2, f = 0: the previous
+// output's element k, 1 (gate|up -> down): silu(g[k]) u[k] (g, u its two halves); x0 keeps
+// the values O(1) along 128 random GEMVs (without it they decay to 0 by the 40th). Each CTA
+// loads only the x groups its items use.
+//
+// Built with nvcc -O3 -gencode arch=compute_90,code=sm_90 (cp.async.bulk and mbarrier
+// transaction counts need sm_90). CUDA 13.0 here and on the H200. Benchmark code: not used by
+// the engine.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define ITEM_BYTES 8512
+#define WORDS_BYTES 8192
+#define SCALES_OFF 8192
+#define ZEROS_OFF 8448
+#define MAX_K 14336
+#define MAX_G (MAX_K / 128)
+#define RED_TILES 8  // column tiles one CTA may touch in one GEMV (the host checks)
+#define META 8  // per GEMV: K, N, G, T, item_base, out_off, xform, in_off (-1: x0)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.b32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(const unsigned* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void consumers_sync(int nthreads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(nthreads) : "memory");
+}
+__device__ __forceinline__ uint32_t lop3_or_and(uint32_t a, uint32_t mask, uint32_t magic) {
+  uint32_t r;  // (a & mask) | magic
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
+  return r;
+}
+
+struct Range {
+  long long a, b;
+};
+__device__ __forceinline__ Range cta_range(long long items, int c, int P) {
+  return Range{items * c / P, items * (c + 1) / P};
+}
+
+// ---- MMA 0: fp16x2 lane sums. Item words [kp / 4][lane][kp % 4]; lane L owns columns
+// 4 L + i; the warp's part of an item is K pairs [part 64/SPLIT, (part+1) 64/SPLIT).
+template <int SPLIT>
+__device__ __forceinline__ void item_lanes(const uint8_t* it, const __half2* xg2, int part,
+                                           int lane, float* f) {
+  constexpr int KP = 64 / SPLIT;
+  const int kp0 = part * KP;
+  const __half2 inv128 = __float2half2_rn(1.0f / 128.0f);
+  const __half2 inv2048 = __float2half2_rn(1.0f / 2048.0f);
+  const uint4* words = reinterpret_cast<const uint4*>(it);  // [16][32 lanes][4]
+  const uint2 sc = reinterpret_cast<const uint2*>(it + SCALES_OFF)[lane];
+  const uint32_t zw = reinterpret_cast<const uint16_t*>(it + ZEROS_OFF)[lane];
+  // nibble positions 0, 2 (bits 0-3 of each half after no shift / >> 8) read as the fp16
+  // 1024 + q: times 1/128; positions 1, 3 (bits 4-7) as 1024 + 16 q: times 1/2048. Either
+  // way minus (base + z / 128) gives (q - z) / 128 exactly.
+  __half2 zz[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    zz[q] = __float2half2_rn(
+        -((q & 1 ? 0.5f : 8.0f) + (float)((zw >> (4 * q)) & 15) * (1.0f / 128.0f)));
+  const uint4* xg = reinterpret_cast<const uint4*>(xg2 + kp0);  // 4 x pairs each
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+  for (int ch = 0; ch < KP / 8; ++ch) {  // 8 K pairs: 8 products a fp16 lane sum at most
+    __half2 acc[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[q] = __float2half2_rn(0.f);
+#pragma unroll
+    for (int h4 = 0; h4 < 2; ++h4) {
+      const int quad = (kp0 >> 2) + ch * 2 + h4;
+      const uint4 w4 = words[quad * 32 + lane];
+      const uint4 x4 = xg[ch * 2 + h4];
+      const uint32_t wv[4] = {w4.x, w4.y, w4.z, w4.w};
+      const uint32_t xv[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __half2 xp = *reinterpret_cast<const __half2*>(&xv[k]);
+        const uint32_t hi = wv[k] >> 8;
+        uint32_t h[4] = {lop3_or_and(wv[k], 0x000F000Fu, 0x64006400u),
+                         lop3_or_and(wv[k], 0x00F000F0u, 0x64006400u),
+                         lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
+                         lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          __half2 d = __hfma2(*reinterpret_cast<__half2*>(&h[q]), q & 1 ? inv2048 : inv128, zz[q]);
+          acc[q] = __hfma2(d, xp, acc[q]);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float2 a2 = __half22float2(acc[q]);
+      sum[q] += a2.x + a2.y;
+    }
+  }
+  const __half* s4 = reinterpret_cast<const __half*>(&sc);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) f[q] += 128.0f * __half2float(s4[q]) * sum[q];
+}
+
+// ---- MMA 1, 2: mma.sync m16n8k16 (fp16 in, fp32 accumulate), the weights as A (16 rows of
+// output x 16 K), x as B (column 0 the token; the other 7 columns repeat it and are
+// discarded). Item words [rt 0..7][kt / 4][lane][kt % 4] for row tile rt (rows 16 rt..),
+// K tile kt (K 16 kt..); lane L = 4 g + t holds A's fragment for (rt, kt) in one word:
+// nibble pair p = 0..3 (bits 4p..4p+3 low half, 16+4p.. high half) = rows 16 rt + g + 8 (p & 1),
+// K 16 kt + 2 t + 8 (p >> 1) + {0, 1}. Scales [g][rt][row half] fp16, zeros the same as
+// nibbles (one 64-bit word a g). The LOP3 magic gives 1024 + q (p 0, 2) or 1024 + 16 q
+// (p 1, 3); MMA 1 feeds that to the MMA and removes 1024 sum(x) (fp32, the group's x sum)
+// afterwards, MMA 2 subtracts 1024 first (HADD2, exact).
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int SPLIT, bool SUB>
+__device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, float xsum,
+                                         int part, int lane, float* f) {
+  constexpr int NRT = 8 / SPLIT;
+  const int rt0 = part * NRT, g = lane >> 2, t = lane & 3;
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xg2);
+  uint32_t b[16];  // B fragments of the 8 K tiles: pairs 8 kt + t and 8 kt + 4 + t
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) b[2 * kt] = xw[8 * kt + t], b[2 * kt + 1] = xw[8 * kt + 4 + t];
+  const uint4* words = reinterpret_cast<const uint4*>(it);
+  const __half2* s2 = reinterpret_cast<const __half2*>(it + SCALES_OFF) + 8 * g;  // [rt]
+  const uint8_t* z8 = it + ZEROS_OFF + 8 * g;                                     // [rt]
+  const uint32_t sub = 0x64006400u;  // fp16x2 1024
+#pragma unroll
+  for (int r = 0; r < NRT; ++r) {
+    const int rt = rt0 + r;
+    const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
+    const uint32_t w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      const uint32_t hi = w[kt] >> 8;
+      uint32_t a[4] = {lop3_or_and(w[kt], 0x000F000Fu, 0x64006400u),
+                       lop3_or_and(w[kt], 0x00F000F0u, 0x64006400u),
+                       lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
+                       lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
+      if constexpr (SUB) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          __half2 v = __hsub2(*reinterpret_cast<__half2*>(&a[p]),
+                              *reinterpret_cast<const __half2*>(&sub));
+          a[p] = *reinterpret_cast<uint32_t*>(&v);
+        }
+      }
+      mma16816(d, a, b[2 * kt], b[2 * kt + 1]);
+    }
+    // d[0]: row 16 rt + g, d[2]: row 16 rt + g + 8 (column 0 where t == 0)
+    const uint32_t zbits = z8[rt];
+    const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
+    const float2 sf = __half22float2(s2[rt]);
+    const float s0 = sf.x, s1 = sf.y;
+    if constexpr (SUB) {
+      f[2 * r] += s0 * (d[0] - z0 * xsum);
+      f[2 * r + 1] += s1 * (d[2] * (1.0f / 16.0f) - z1 * xsum);
+    } else {
+      f[2 * r] += s0 * (d[0] - (1024.0f + z0) * xsum);
+      f[2 * r + 1] += s1 * ((d[2] - 1024.0f * xsum) * (1.0f / 16.0f) - z1 * xsum);
+    }
+  }
+}
+
+// A warp's running sums of one column tile and their flush into the CTA's tile sums (shared
+// memory; the warps of all groups add into them).
+template <int MMA, int SPLIT>
+struct Acc {
+  static constexpr int N = MMA == 0 ? 4 : 2 * (8 / SPLIT);
+  float f[N] = {};
+  __device__ __forceinline__ void flush(float* tile, int lane, int part) {
+    if constexpr (MMA == 0) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) atomicAdd(&tile[4 * lane + q], f[q]);
+    } else {
+      if ((lane & 3) == 0) {  // column 0 of the MMA's output: rows 16 rt + g and + 8
+        const int g = lane >> 2;
+#pragma unroll
+        for (int r = 0; r < N / 2; ++r) {
+          const int rt = part * (N / 2) + r;
+          atomicAdd(&tile[16 * rt + g], f[2 * r]);
+          atomicAdd(&tile[16 * rt + g + 8], f[2 * r + 1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < N; ++q) f[q] = 0.f;
+  }
+};
+
+// One CTA: NW consumer warps + 1 producer warp. Dynamic shared memory: the ring (S items),
+// then x pairs (MAX_K / 2 half2), the reduction buffer (NW x 128 fp32), then 2 S mbarriers.
+template <int MMA, int SPLIT, int NW>
+__global__ void __launch_bounds__((NW + 1) * 32, 1)
+    gemv_chain_ring(const uint8_t* __restrict__ items, const long long* __restrict__ meta,
+                    const float* __restrict__ x0, float* outs, unsigned* counter, int n_gemv,
+                    int stages, int flags) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  __half2* xs = reinterpret_cast<__half2*>(smem + (size_t)stages * ITEM_BYTES);
+  float* red = reinterpret_cast<float*>(xs + MAX_K / 2);
+  float* xsum = red + RED_TILES * 128;  // [MAX_G] sums of each group's fp16 x (MMA 1, 2)
+  uint64_t* full = reinterpret_cast<uint64_t*>(xsum + MAX_G);
+  uint64_t* empty = full + stages;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int P = gridDim.x, c = blockIdx.x;
+  constexpr int NC = NW * 32;  // consumer threads
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], SPLIT);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int t = threadIdx.x; t < RED_TILES * 128; t += blockDim.x) red[t] = 0.f;
+  __syncthreads();
+
+  const bool wait_barrier = flags & 1, no_weights = flags & 2, skip_items = flags & 4;
+  if (warp == NW) {  // producer: streams the CTA's items of every GEMV, in order
+    if (lane == 0 && !no_weights) {
+      int slot = 0, round = 0;  // ring position; round: how often the ring has wrapped
+      for (int g = 0; g < n_gemv; ++g) {
+        const long long* m = meta + g * META;
+        Range r = cta_range(m[2] * m[3], c, P);
+        const uint8_t* src = items + ((size_t)m[4] + (size_t)r.a) * ITEM_BYTES;
+        for (long long i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
+          if (round > 0) mbar_wait(&empty[slot], (uint32_t)((round - 1) & 1));
+          mbar_arrive_tx(&full[slot], ITEM_BYTES);
+          bulk_g2s(ring + (size_t)slot * ITEM_BYTES, src, ITEM_BYTES, &full[slot]);
+          if (++slot == stages) slot = 0, ++round;
+        }
+      }
+    }
+    return;
+  }
+
+  int pos0 = 0;  // the CTA's position (items streamed so far) at the start of GEMV g
+  for (int g = 0; g < n_gemv; ++g) {
+    const long long* m = meta + g * META;
+    const int K = (int)m[0], G = (int)m[2], xform = (int)m[6];
+    const long long in_off = m[7];
+    float* out = outs + m[5];
+    Range r = cta_range(m[2] * m[3], c, P);
+    const int n = (int)(r.b - r.a), tile0 = (int)(r.a / G), j0 = (int)(r.a % G);
+    if (g > 0 && wait_barrier) {  // every CTA finished GEMV g - 1
+      if (threadIdx.x == 0) {
+        const unsigned target = (unsigned)(g * P);
+        while (ld_acquire(counter) < target) {
+        }
+      }
+    }
+    consumers_sync(NC);
+    // x pairs of the groups this CTA's items use, from the previous output (or x0)
+    if (n > 0) {
+      const int j1 = (int)((r.b - 1) % G);
+      const bool all = n >= G;
+      const float* src = in_off < 0 ? x0 : outs + in_off;
+      const int npairs = all ? K / 2 : ((j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1) * 64);
+      constexpr int U = 4;  // pairs a thread loads before it converts any: one L2 round trip
+      const float2* x02 = reinterpret_cast<const float2*>(x0);
+      const float2* src2 = reinterpret_cast<const float2*>(src);
+      for (int t0 = threadIdx.x; t0 < npairs; t0 += U * NC) {
+        float2 gv[U], uv[U], bv[U];
+        int kps[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int t = t0 + u * NC;
+          kps[u] = t < npairs ? (all ? t : ((j0 * 64 + t) % (K / 2))) : -1;
+          if (kps[u] >= 0) {
+            bv[u] = x02[kps[u] & 2047];
+            if (in_off >= 0) {
+              gv[u] = __ldcg(src2 + kps[u]);
+              if (xform == 1) uv[u] = __ldcg(src2 + K / 2 + kps[u]);
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (kps[u] < 0) continue;
+          float v0 = bv[u].x, v1 = bv[u].y;
+          if (in_off >= 0) {  // x0 + f / 2: stays O(1) along the chain, still depends on
+            float f0 = gv[u].x, f1 = gv[u].y;  // every previous output
+            if (xform == 1) {
+              f0 = f0 / (1.0f + __expf(-f0)) * uv[u].x;
+              f1 = f1 / (1.0f + __expf(-f1)) * uv[u].y;
+            }
+            v0 += 0.5f * f0, v1 += 0.5f * f1;
+          }
+          xs[kps[u]] = __floats2half2_rn(v0, v1);
+        }
+      }
+      if constexpr (MMA != 0) {  // sum of each used group's fp16 x (its 64 pairs), a warp each
+        consumers_sync(NC);
+        const int ng = all ? G : npairs / 64;
+        for (int q = warp; q < ng; q += NW) {
+          const int jj = all ? q : (j0 + q) % G;
+          float2 a = __half22float2(xs[jj * 64 + lane]);
+          float2 b = __half22float2(xs[jj * 64 + 32 + lane]);
+          float v = (a.x + a.y) + (b.x + b.y);
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+          if (lane == 0) xsum[jj] = v;
+        }
+      }
+    }
+    consumers_sync(NC);
+
+    // Items of this GEMV this warp computes: its group's position class, its part of each
+    // (MMA 0: K pairs [part 64/SPLIT, ...); MMA 1, 2: row tiles [part 8/SPLIT, ...)).
+    constexpr int GROUPS = NW / SPLIT;
+    const int part = warp % SPLIT, grp = warp / SPLIT;
+    const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
+    constexpr int step = GROUPS;
+    Acc<MMA, SPLIT> acc;
+    int cur = -1;  // the tile acc belongs to (relative to tile0)
+    for (int e = first; e < n && !skip_items; e += step) {
+      const int pos = pos0 + e, slot = pos % stages;
+      const uint32_t phase = (uint32_t)((pos / stages) & 1);
+      const int rel = (j0 + e) / G, j = (j0 + e) % G;  // tile - tile0, group
+      if (rel != cur) {
+        if (cur >= 0) acc.flush(red + cur * 128, lane, part);
+        cur = rel;
+      }
+      if (!no_weights) mbar_wait(&full[slot], phase);
+      const uint8_t* it = ring + (size_t)slot * ITEM_BYTES;
+      if constexpr (MMA == 0) {
+        item_lanes<SPLIT>(it, xs + j * 64, part, lane, acc.f);
+      } else {
+        item_mma<SPLIT, MMA == 2>(it, xs + j * 64, xsum[j], part, lane, acc.f);
+      }
+      __syncwarp();
+      if (lane == 0 && !no_weights) mbar_arrive(&empty[slot]);
+    }
+    if (cur >= 0) acc.flush(red + cur * 128, lane, part);
+    pos0 += n;
+    consumers_sync(NC);
+    if (n > 0) {  // one atomic per column of the tiles this CTA touched; red back to zero
+      const int span = (int)((r.b - 1) / G) - tile0 + 1;
+      for (int t = threadIdx.x; t < span * 128; t += NC) {
+        atomicAdd(out + (long long)tile0 * 128 + t, red[t]);
+        red[t] = 0.f;
+      }
+    }
+    consumers_sync(NC);
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(counter, 1u);
+    }
+  }
+}
+
+static size_t smem_bytes(int stages) {
+  return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
+         (RED_TILES * 128 + MAX_G) * sizeof(float) + 2 * stages * sizeof(uint64_t);
+}
+
+template <int MMA, int SPLIT, int NW>
+static int launch(const uint8_t* items, const long long* meta, const float* x0, float* outs,
+                  unsigned* counter, int n_gemv, int ctas, int stages, int flags,
+                  cudaStream_t stream) {
+  size_t smem = smem_bytes(stages);
+  // Group i consumes positions i, i + NW/SPLIT, ...; with stages a multiple of NW/SPLIT a slot
+  // is only ever used by one group, which has itself waited for the slot's previous phase
+  // before it waits for the next. Otherwise a group could wait on a slot whose previous load
+  // (another group's) has not landed yet: the parity wait then passes at once (the barrier is
+  // a phase behind), the group reads stale bytes and arrives early, and the ring's phases
+  // come apart (H200 runs 96-97: hangs).
+  if (stages % (NW / SPLIT) != 0) return -2;
+  cudaError_t e = cudaFuncSetAttribute(gemv_chain_ring<MMA, SPLIT, NW>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return 1000 + (int)e;
+  gemv_chain_ring<MMA, SPLIT, NW><<<ctas, (NW + 1) * 32, smem, stream>>>(
+      items, meta, x0, outs, counter, n_gemv, stages, flags);
+  e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : 2000 + (int)e;
+}
+
+extern "C" {
+// 0: launched; -1: no such (mma, split, nw) (mma 0: fp16x2 lane sums, 1: mma.sync with the
+// 1024 offset removed through x sums, 2: mma.sync on (v - 1024); split warps an item; nw
+// consumer warps); -2: stages not a multiple of the groups nw / split; 1000 + e: setting the
+// shared-memory limit failed with cudaError_t e; 2000 + e: the launch failed with e.
+// flags: 1 wait at the grid barriers (0: skip the waits, x read early: a timing floor only);
+// 2 no weight stream (consumers compute on whatever the ring holds); 4 (with 2) no item
+// math either: the x loads, sums and barriers alone.
+int chain_launch(const void* items, const void* meta, const void* x0, void* outs, void* counter,
+                 int n_gemv, int ctas, int mma, int split, int nw, int stages, int flags,
+                 void* stream) {
+  auto i = static_cast<const uint8_t*>(items);
+  auto m = static_cast<const long long*>(meta);
+  auto x = static_cast<const float*>(x0);
+  auto o = static_cast<float*>(outs);
+  auto cnt = static_cast<unsigned*>(counter);
+  auto st = static_cast<cudaStream_t>(stream);
+#define CASE(M, S, N)                       \
+  if (mma == M && split == S && nw == N)    \
+    return launch<M, S, N>(i, m, x, o, cnt, n_gemv, ctas, stages, flags, st);
+  CASE(0, 1, 8) CASE(0, 1, 16) CASE(0, 2, 16) CASE(0, 2, 24)
+  CASE(1, 1, 8) CASE(1, 1, 16) CASE(1, 2, 16) CASE(1, 4, 16)
+  CASE(2, 1, 8) CASE(2, 1, 16) CASE(2, 2, 16)
+#undef CASE
+  return -1;
+}
+// Dynamic shared memory a launch with `stages` ring slots needs.
+long long chain_smem_bytes(int stages) { return (long long)smem_bytes(stages); }
+const char* chain_error_string(int e) { return cudaGetErrorString((cudaError_t)(e % 1000)); }
+}
