@@ -381,10 +381,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     constexpr int step = GROUPS;
     Acc<MMA, SPLIT> acc;
     int cur = -1;  // the tile acc belongs to (relative to tile0)
-    for (int e = first; e < n && !skip_items; e += step) {
-      const int pos = pos0 + e, slot = pos % stages;
-      const uint32_t phase = (uint32_t)((pos / stages) & 1);
-      const int rel = (j0 + e) / G, j = (j0 + e) % G;  // tile - tile0, group
+    // ring slot and parity, column tile (relative to tile0) and group of item `first`; then
+    // advanced by `step` positions an item without divisions (step <= stages, step < G)
+    int slot = (pos0 + first) % stages, rel = (j0 + first) / G, j = (j0 + first) % G;
+    uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
+    for (int e = first; e < n && !skip_items;
+         e += step, slot += step, j += step) {
+      if (slot >= stages) slot -= stages, phase ^= 1u;
+      if (j >= G) j -= G, ++rel;
       if (rel != cur) {
         if (cur >= 0) acc.flush(red + cur * 128, lane, part);
         cur = rel;
