@@ -13,7 +13,9 @@ against an fp32 dequantized matmul of the x the kernel itself used (its input re
 previous GEMV's output), then times rows of (consumer warps, ring slots, barrier on/off):
 barrier off is the same kernel with the waits skipped (x read before it is complete; a timing
 floor only). Per-token milliseconds include zeroing the outputs and the barrier counter (timed
-alone too). Writes DIR/gpu_cuda_chain.json (DIR: --out, else $OUT, else ./out).
+alone too). `--timeline` adds, per variant, one chained run with the kernel's timeline: where
+each GEMV's time goes (barrier wait, x, items, ring waits, flush), per GEMV kind.
+Writes DIR/gpu_cuda_chain.json (DIR: --out, else $OUT, else ./out).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def build(workdir: Path) -> ctypes.CDLL:
         sys.exit(f"nvcc failed:\n{p.stderr}")
     so = ctypes.CDLL(str(lib))
     so.chain_launch.restype = ctypes.c_int
-    so.chain_launch.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    so.chain_launch.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8 + [ctypes.c_void_p] * 2
     so.chain_smem_bytes.restype = ctypes.c_longlong
     so.chain_smem_bytes.argtypes = [ctypes.c_int]
     so.chain_error_string.restype = ctypes.c_char_p
@@ -127,11 +129,11 @@ def x_of(prev: torch.Tensor, k: int, xform: int, x0: torch.Tensor) -> torch.Tens
     return (x0.repeat(k // 4096 + 1)[:k] + 0.5 * f).half()
 
 
-def check(so, items, meta, gemvs, n_out, x0, ctas, v, stages, stream) -> dict:
-    """v: (mma, split, nw)."""
+def check(so, items, meta, gemvs, n_out, x0, ctas, v, stages, stream, flags=1) -> dict:
+    """v: (mma, split, nw, acc); flags: the barrier (1) and any of 16, 32."""
     outs = torch.zeros(n_out, dtype=torch.float32, device=x0.device)
     counter = torch.zeros(1, dtype=torch.int32, device=x0.device)
-    launch(so, items, meta, x0, outs, counter, len(gemvs), ctas, v, stages, 1, stream)
+    launch(so, items, meta, x0, outs, counter, len(gemvs), ctas, v, stages, flags, stream)
     torch.cuda.synchronize()
     worst: dict[str, float] = {}
     peak, notes = 0.0, []
@@ -158,15 +160,19 @@ def check(so, items, meta, gemvs, n_out, x0, ctas, v, stages, stream) -> dict:
             "expected_counter": len(gemvs) * ctas}
 
 
-def launch(so, items, meta, x0, outs, counter, n_gemv, ctas, v, stages, wait, stream):
-    mma, split, nw = v
+def launch(so, items, meta, x0, outs, counter, n_gemv, ctas, v, stages, wait, stream,
+           stamps=None):
+    mma, split, nw, acc = v
     e = so.chain_launch(items.data_ptr(), meta.data_ptr(), x0.data_ptr(), outs.data_ptr(),
-                        counter.data_ptr(), n_gemv, ctas, mma, split, nw, stages, wait, stream)
+                        counter.data_ptr(), n_gemv, ctas, mma, split, nw, acc, stages, wait,
+                        None if stamps is None else stamps.data_ptr(), stream)
     if e:
-        what = {-1: "no such variant", -2: "stages not a multiple of the groups"}.get(
+        what = {-1: "no such variant", -2: "stages not a multiple of the groups",
+                -3: "timeline without stamps"}.get(
             e, f"{'launch' if e >= 2000 else 'smem attribute'}: "
                f"{so.chain_error_string(e).decode()}")
-        raise RuntimeError(f"mma {mma} split {split} nw {nw} stages {stages}: {what} ({e})")
+        raise RuntimeError(f"mma {mma} split {split} nw {nw} acc {acc} stages {stages}: "
+                           f"{what} ({e})")
 
 
 def time_row(so, items, meta, gemvs, n_out, x0, ctas, v, stages, wait, stream, reps) -> float:
@@ -186,12 +192,56 @@ def time_row(so, items, meta, gemvs, n_out, x0, ctas, v, stages, wait, stream, r
     return ev[0].elapsed_time(ev[1]) / reps
 
 
+STAMP_NAMES = ("wait", "x", "items", "ring", "flush")
+
+
+def timeline(so, items, meta, gemvs, n_out, x0, ctas, v, stages, flags, stream) -> dict:
+    """One chained run with the kernel's timeline on (flags | 8): per GEMV kind, the mean over
+    layers of the critical path (last CTA's arrival to last CTA's arrival, globaltimer) and of
+    each CTA's phases (clock64, converted per CTA): barrier wait, x ready, items (mean and
+    slowest CTA), warp 0's wait for ring slots inside the items, flush + arrival."""
+    dev = x0.device
+    outs = torch.zeros(n_out, dtype=torch.float32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    st = torch.zeros(len(gemvs), ctas, 8, dtype=torch.int64, device=dev)
+    launch(so, items, meta, x0, outs, counter, len(gemvs), ctas, v, stages, flags | 8, stream,
+           stamps=st)
+    torch.cuda.synchronize()
+    st = st.cpu().double()
+    ghz = (st[-1, :, 4] - st[0, :, 1]) / (st[-1, :, 7] - st[0, :, 6])  # cycles a ns, per CTA
+    us = lambda cyc: cyc / ghz / 1e3  # noqa: E731 [g, c] cycles -> us
+    phases = {"wait": us(st[:, :, 1] - st[:, :, 0]), "x": us(st[:, :, 2] - st[:, :, 1]),
+              "items": us(st[:, :, 3] - st[:, :, 2]), "ring": us(st[:, :, 5]),
+              "flush": us(st[:, :, 4] - st[:, :, 3])}
+    last = st[:, :, 7].max(dim=1).values
+    crit = torch.empty(len(gemvs), dtype=torch.float64)
+    crit[0] = (last[0] - st[0, :, 6].min()) / 1e3
+    crit[1:] = (last[1:] - last[:-1]) / 1e3
+    out = {"ghz_mean": ghz.mean().item(), "total_us": ((last[-1] - st[0, :, 6].min()) / 1e3).item(),
+           "kinds": {}}
+    for kind in dict.fromkeys(m["name"] for m in gemvs):
+        idx = torch.tensor([i for i, m in enumerate(gemvs) if m["name"] == kind])
+        row = {"crit": crit[idx].mean().item()}
+        for k, t in phases.items():
+            row[k] = t[idx].mean().item()
+        row["items_max"] = phases["items"][idx].max(dim=1).values.mean().item()
+        out["kinds"][kind] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--only", type=int, nargs=3, metavar=("MMA", "SPLIT", "NW"),
+    ap.add_argument("--only", type=int, nargs=4, metavar=("MMA", "SPLIT", "NW", "ACC"),
                     help="this variant alone")
+    ap.add_argument("--variants", type=str, default=None,
+                    help="variants to run, 'mma,split,nw,acc;...' (default: the built-in list)")
+    ap.add_argument("--timeline", type=int, nargs="*", default=None, metavar="FLAGS",
+                    help="per variant, one chained run with the kernel's timeline (flag 8) "
+                         "for each of these flag sets (default 1)")
+    ap.add_argument("--check-flags", type=int, nargs="+", default=[1],
+                    help="flag sets each variant is checked with (1, 17, 33, 49)")
     ap.add_argument("--no-check", action="store_true",
                     help="with --only: no check (for ncu: the first chain launch is then the "
                          "first --flags row's warm-up)")
@@ -226,33 +276,44 @@ def main() -> None:
               "max_stages": smax, "rows": [], "checks": []}
     # (mma, split, nw): mma 0 fp16x2 lane sums, 1 mma.sync with the 1024 offset removed
     # through x sums, 2 mma.sync on (v - 1024); split warps an item; nw consumer warps
-    variants = [(1, 1, 8), (1, 2, 16), (1, 4, 16), (1, 1, 16), (2, 1, 8), (2, 2, 16),
-                (2, 1, 16), (0, 2, 16), (0, 1, 8)]
+    variants = [(1, 4, 16, 1), (1, 4, 16, 2), (1, 8, 16, 1), (1, 8, 16, 2), (1, 8, 16, 4),
+                (1, 4, 12, 1), (1, 4, 12, 2), (1, 4, 12, 4), (1, 8, 8, 2), (1, 8, 8, 4),
+                (0, 2, 16, 1)]
+    if a.variants:
+        variants = [tuple(int(x) for x in t.split(",")) for t in a.variants.split(";")]
     if a.only:
         variants = [tuple(a.only)]
     ok = []
     for v in variants:
         groups = v[2] // v[1]
         st = smax // groups * groups  # a multiple of the groups (the .cu says why)
-        name = f"mma{v[0]} split{v[1]} nw{v[2]:>2} stages{st:>3}"
+        name = f"mma{v[0]} split{v[1]} nw{v[2]:>2} acc{v[3]} stages{st:>3}"
         if a.only and a.no_check:
             ok.append((v, st, name))
             continue
-        try:
-            c = check(so, items, meta, gemvs, n_out, x0, ctas, v, st, stream)
-        except RuntimeError as e:
-            print("check", e, flush=True)
-            result["checks"].append({"variant": v, "error": str(e)})
-            torch.cuda.synchronize()
-            continue
-        ok.append((v, st, name))
-        c.update(variant=v, stages=st)
-        result["checks"].append(c)
-        errs = " ".join(f"{k} {e:.1e}" for k, e in c["max_rel_err"].items())
-        print(f"check {name}: {errs}  finite {c['finite']}  max|y| {c['max_abs_out']:.3g}  "
-              f"counter {c['counter']}/{c['expected_counter']}", flush=True)
-        if c["notes"] and max(c["max_rel_err"].values()) > 1e-2:
-            print("  " + "\n  ".join(c["notes"]), flush=True)
+        passed = True
+        for cf in a.check_flags:
+            try:
+                c = check(so, items, meta, gemvs, n_out, x0, ctas, v, st, stream, cf)
+            except RuntimeError as e:
+                print("check", e, flush=True)
+                result["checks"].append({"variant": v, "flags": cf, "error": str(e)})
+                torch.cuda.synchronize()
+                passed = False
+                break
+            c.update(variant=v, stages=st, flags=cf)
+            result["checks"].append(c)
+            errs = " ".join(f"{k} {e:.1e}" for k, e in c["max_rel_err"].items())
+            bad = max(c["max_rel_err"].values()) > 1e-2 or not c["finite"] or \
+                c["counter"] != c["expected_counter"]
+            print(f"check {name} flags {cf:>2}: {errs}  finite {c['finite']}  max|y| "
+                  f"{c['max_abs_out']:.3g}  counter {c['counter']}/{c['expected_counter']}"
+                  f"{'  FAILED' if bad else ''}", flush=True)
+            if c["notes"] and bad:
+                print("  " + "\n  ".join(c["notes"]), flush=True)
+            passed = passed and not bad
+        if passed:
+            ok.append((v, st, name))
 
     zero = torch.zeros(n_out, dtype=torch.float32, device=dev)
     cnt = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -271,8 +332,23 @@ def main() -> None:
             tbs = total_bytes / (ms * 1e-3) / 1e12
             result["rows"].append(dict(variant=v, stages=st, flags=wait, ms=ms, tb_s=tbs))
             what = {1: "barrier on ", 0: "barrier off", 3: "no weights ", 2: "no w, no b ",
-                    7: "sync only  ", 6: "x+sums only"}[wait]
-            print(f"{name} {what}  {ms:7.3f} ms  {tbs:5.2f} TB/s", flush=True)
+                    7: "sync only  ", 6: "x+sums only"}.get(wait & 7, "?") + \
+                (" +release" if wait & 16 else "") + (" +fused-xsum" if wait & 32 else "")
+            print(f"{name} flags {wait:>2} {what:<32} {ms:7.3f} ms  {tbs:5.2f} TB/s",
+                  flush=True)
+        for tf in [] if a.timeline is None else (a.timeline or [1]):
+            tl = timeline(so, items, meta, gemvs, n_out, x0, ctas, v, st, tf, stream)
+            tl.update(variant=v, stages=st, flags=tf)
+            result.setdefault("timelines", []).append(tl)
+            print(f"timeline {name} flags {tf}: {tl['total_us']:.0f} us, "
+                  f"{tl['ghz_mean']:.2f} GHz; us a GEMV (mean over layers; CTA phases mean "
+                  f"over CTAs)", flush=True)
+            print(f"  {'kind':<8} {'crit':>6} {'wait':>6} {'x':>6} {'items':>6} {'max':>6} "
+                  f"{'ring':>6} {'flush':>6}", flush=True)
+            for kind, r in tl["kinds"].items():
+                print(f"  {kind:<8} {r['crit']:6.2f} {r['wait']:6.2f} {r['x']:6.2f} "
+                      f"{r['items']:6.2f} {r['items_max']:6.2f} {r['ring']:6.2f} "
+                      f"{r['flush']:6.2f}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_cuda_chain.json").write_text(json.dumps(result, indent=1))

@@ -179,7 +179,7 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int SPLIT, bool SUB>
+template <int SPLIT, bool SUB, int ACC>
 __device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, float xsum,
                                          int part, int lane, float* f) {
   constexpr int NRT = 8 / SPLIT;
@@ -197,7 +197,9 @@ __device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, 
     const int rt = rt0 + r;
     const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
     const uint32_t w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    float dd[ACC][4];  // ACC independent MMA accumulator chains (K tile kt -> kt % ACC)
+#pragma unroll
+    for (int a = 0; a < ACC; ++a) dd[a][0] = dd[a][1] = dd[a][2] = dd[a][3] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
       const uint32_t hi = w[kt] >> 8;
@@ -213,8 +215,11 @@ __device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, 
           a[p] = *reinterpret_cast<uint32_t*>(&v);
         }
       }
-      mma16816(d, a, b[2 * kt], b[2 * kt + 1]);
+      mma16816(dd[kt % ACC], a, b[2 * kt], b[2 * kt + 1]);
     }
+    float d[4] = {dd[0][0], dd[0][1], dd[0][2], dd[0][3]};
+#pragma unroll
+    for (int a = 1; a < ACC; ++a) d[0] += dd[a][0], d[2] += dd[a][2];
     // d[0]: row 16 rt + g, d[2]: row 16 rt + g + 8 (column 0 where t == 0)
     const uint32_t zbits = z8[rt];
     const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
@@ -258,17 +263,26 @@ struct Acc {
 
 // One CTA: NW consumer warps + 1 producer warp. Dynamic shared memory: the ring (S items),
 // then x pairs (MAX_K / 2 half2), the reduction buffer (NW x 128 fp32), then 2 S mbarriers.
-template <int MMA, int SPLIT, int NW>
+__device__ __forceinline__ unsigned long long gtimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+template <int MMA, int SPLIT, int NW, int ACC>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     gemv_chain_ring(const uint8_t* __restrict__ items, const long long* __restrict__ meta,
                     const float* __restrict__ x0, float* outs, unsigned* counter, int n_gemv,
-                    int stages, int flags) {
+                    int stages, int flags, unsigned long long* stamps) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   __half2* xs = reinterpret_cast<__half2*>(smem + (size_t)stages * ITEM_BYTES);
   float* red = reinterpret_cast<float*>(xs + MAX_K / 2);
   float* xsum = red + RED_TILES * 128;  // [MAX_G] sums of each group's fp16 x (MMA 1, 2)
-  uint64_t* full = reinterpret_cast<uint64_t*>(xsum + MAX_G);
+  uint64_t* full = reinterpret_cast<uint64_t*>(xsum + 3 * MAX_G);
   uint64_t* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
@@ -284,6 +298,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   __syncthreads();
 
   const bool wait_barrier = flags & 1, no_weights = flags & 2, skip_items = flags & 4;
+  // 8: timeline (stamps[(g * P + c) * 8 + i], see STAMP below); 16: arrive with one
+  // red.release instead of __threadfence + atomicAdd; 32: each group's x sum made by the
+  // warps that convert its x (no separate pass, one CTA sync fewer)
+  const bool timeline = flags & 8, release_arrive = flags & 16, fused_xsum = flags & 32;
   if (warp == NW) {  // producer: streams the CTA's items of every GEMV, in order
     if (lane == 0 && !no_weights) {
       int slot = 0, round = 0;  // ring position; round: how often the ring has wrapped
@@ -310,6 +328,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     float* out = outs + m[5];
     Range r = cta_range(m[2] * m[3], c, P);
     const int n = (int)(r.b - r.a), tile0 = (int)(r.a / G), j0 = (int)(r.a % G);
+    unsigned long long* st = stamps + ((size_t)g * P + c) * 8;
+#define STAMP(i) \
+  if (timeline && threadIdx.x == 0) st[i] = clock64();
+    STAMP(0)
     if (g > 0 && wait_barrier) {  // every CTA finished GEMV g - 1
       if (threadIdx.x == 0) {
         const unsigned target = (unsigned)(g * P);
@@ -318,6 +340,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
     }
     consumers_sync(NC);
+    STAMP(1)
+    if (timeline && threadIdx.x == 0) st[6] = gtimer();
     // x pairs of the groups this CTA's items use, from the previous output (or x0)
     if (n > 0) {
       const int j1 = (int)((r.b - 1) % G);
@@ -356,8 +380,21 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           }
           xs[kps[u]] = __floats2half2_rn(v0, v1);
         }
+        if (MMA != 0 && fused_xsum) {  // a warp's 32 lanes hold half a group's pairs (npairs
+#pragma unroll                          // and the index base are multiples of 32): warp sums
+          for (int u = 0; u < U; ++u) {  // (kps is valid for all 32 lanes or none)
+            if (t0 + u * NC - (int)(threadIdx.x & 31) >= npairs) break;
+            float2 hv = __half22float2(xs[kps[u]]);
+            float v = hv.x + hv.y;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) xsum[MAX_G + kps[u] / 32] = v;  // half sums, after the group sums
+          }
+        }
       }
-      if constexpr (MMA != 0) {  // sum of each used group's fp16 x (its 64 pairs), a warp each
+      if (MMA != 0 && fused_xsum) {
+        // nothing: item_mma adds the two half sums
+      } else if constexpr (MMA != 0) {  // sum of each used group's fp16 x (its 64 pairs), a warp each
         consumers_sync(NC);
         const int ng = all ? G : npairs / 64;
         for (int q = warp; q < ng; q += NW) {
@@ -372,6 +409,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
     }
     consumers_sync(NC);
+    STAMP(2)
+    unsigned long long ring_wait = 0;
 
     // Items of this GEMV this warp computes: its group's position class, its part of each
     // (MMA 0: K pairs [part 64/SPLIT, ...); MMA 1, 2: row tiles [part 8/SPLIT, ...)).
@@ -393,12 +432,21 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         if (cur >= 0) acc.flush(red + cur * 128, lane, part);
         cur = rel;
       }
-      if (!no_weights) mbar_wait(&full[slot], phase);
+      if (!no_weights) {
+        if (timeline && warp == 0) {
+          const unsigned long long w0 = clock64();
+          mbar_wait(&full[slot], phase);
+          ring_wait += clock64() - w0;
+        } else {
+          mbar_wait(&full[slot], phase);
+        }
+      }
       const uint8_t* it = ring + (size_t)slot * ITEM_BYTES;
       if constexpr (MMA == 0) {
         item_lanes<SPLIT>(it, xs + j * 64, part, lane, acc.f);
       } else {
-        item_mma<SPLIT, MMA == 2>(it, xs + j * 64, xsum[j], part, lane, acc.f);
+        const float xs_j = fused_xsum ? xsum[MAX_G + 2 * j] + xsum[MAX_G + 2 * j + 1] : xsum[j];
+        item_mma<SPLIT, MMA == 2, ACC>(it, xs + j * 64, xs_j, part, lane, acc.f);
       }
       __syncwarp();
       if (lane == 0 && !no_weights) mbar_arrive(&empty[slot]);
@@ -406,6 +454,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     if (cur >= 0) acc.flush(red + cur * 128, lane, part);
     pos0 += n;
     consumers_sync(NC);
+    STAMP(3)
+    if (timeline && threadIdx.x == 0) st[5] = ring_wait;
     if (n > 0) {  // one atomic per column of the tiles this CTA touched; red back to zero
       const int span = (int)((r.b - 1) / G) - tile0 + 1;
       for (int t = threadIdx.x; t < span * 128; t += NC) {
@@ -415,21 +465,28 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     }
     consumers_sync(NC);
     if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(counter, 1u);
+      if (release_arrive) {  // release: the CTA's atomics (ordered by the bar.sync) first
+        red_release_add(counter, 1u);
+      } else {
+        __threadfence();
+        atomicAdd(counter, 1u);
+      }
     }
+    STAMP(4)
+    if (timeline && threadIdx.x == 0) st[7] = gtimer();
+#undef STAMP
   }
 }
 
 static size_t smem_bytes(int stages) {
   return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
-         (RED_TILES * 128 + MAX_G) * sizeof(float) + 2 * stages * sizeof(uint64_t);
+         (RED_TILES * 128 + 3 * MAX_G) * sizeof(float) + 2 * stages * sizeof(uint64_t);
 }
 
-template <int MMA, int SPLIT, int NW>
+template <int MMA, int SPLIT, int NW, int ACC>
 static int launch(const uint8_t* items, const long long* meta, const float* x0, float* outs,
                   unsigned* counter, int n_gemv, int ctas, int stages, int flags,
-                  cudaStream_t stream) {
+                  unsigned long long* stamps, cudaStream_t stream) {
   size_t smem = smem_bytes(stages);
   // Group i consumes positions i, i + NW/SPLIT, ...; with stages a multiple of NW/SPLIT a slot
   // is only ever used by one group, which has itself waited for the slot's previous phase
@@ -438,38 +495,44 @@ static int launch(const uint8_t* items, const long long* meta, const float* x0, 
   // a phase behind), the group reads stale bytes and arrives early, and the ring's phases
   // come apart (H200 runs 96-97: hangs).
   if (stages % (NW / SPLIT) != 0) return -2;
-  cudaError_t e = cudaFuncSetAttribute(gemv_chain_ring<MMA, SPLIT, NW>,
+  cudaError_t e = cudaFuncSetAttribute(gemv_chain_ring<MMA, SPLIT, NW, ACC>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return 1000 + (int)e;
-  gemv_chain_ring<MMA, SPLIT, NW><<<ctas, (NW + 1) * 32, smem, stream>>>(
-      items, meta, x0, outs, counter, n_gemv, stages, flags);
+  gemv_chain_ring<MMA, SPLIT, NW, ACC><<<ctas, (NW + 1) * 32, smem, stream>>>(
+      items, meta, x0, outs, counter, n_gemv, stages, flags, stamps);
   e = cudaGetLastError();
   return e == cudaSuccess ? 0 : 2000 + (int)e;
 }
 
 extern "C" {
-// 0: launched; -1: no such (mma, split, nw) (mma 0: fp16x2 lane sums, 1: mma.sync with the
+// 0: launched; -1: no such (mma, split, nw, acc) (mma 0: fp16x2 lane sums, 1: mma.sync with the
 // 1024 offset removed through x sums, 2: mma.sync on (v - 1024); split warps an item; nw
 // consumer warps); -2: stages not a multiple of the groups nw / split; 1000 + e: setting the
 // shared-memory limit failed with cudaError_t e; 2000 + e: the launch failed with e.
 // flags: 1 wait at the grid barriers (0: skip the waits, x read early: a timing floor only);
 // 2 no weight stream (consumers compute on whatever the ring holds); 4 (with 2) no item
-// math either: the x loads, sums and barriers alone.
+// math either: the x loads, sums and barriers alone; 8 timeline into `stamps` (8 u64 per GEMV
+// and CTA: clock64 at the GEMV's start, after the barrier, x ready, items done, arrived; warp
+// 0's cycles waiting for ring slots; globaltimer after the barrier and after the arrival;
+// -3 if stamps is null); 16 arrive with red.release (no __threadfence); 32 group x sums made
+// while x is converted. acc: independent accumulator chains in the MMA item math (1, 2, 4).
 int chain_launch(const void* items, const void* meta, const void* x0, void* outs, void* counter,
-                 int n_gemv, int ctas, int mma, int split, int nw, int stages, int flags,
-                 void* stream) {
+                 int n_gemv, int ctas, int mma, int split, int nw, int acc, int stages,
+                 int flags, void* stamps, void* stream) {
   auto i = static_cast<const uint8_t*>(items);
   auto m = static_cast<const long long*>(meta);
   auto x = static_cast<const float*>(x0);
   auto o = static_cast<float*>(outs);
   auto cnt = static_cast<unsigned*>(counter);
+  auto sp = static_cast<unsigned long long*>(stamps);
   auto st = static_cast<cudaStream_t>(stream);
-#define CASE(M, S, N)                       \
-  if (mma == M && split == S && nw == N)    \
-    return launch<M, S, N>(i, m, x, o, cnt, n_gemv, ctas, stages, flags, st);
-  CASE(0, 1, 8) CASE(0, 1, 16) CASE(0, 2, 16) CASE(0, 2, 24)
-  CASE(1, 1, 8) CASE(1, 1, 16) CASE(1, 2, 16) CASE(1, 4, 16)
-  CASE(2, 1, 8) CASE(2, 1, 16) CASE(2, 2, 16)
+  if ((flags & 8) && !sp) return -3;
+#define CASE(M, S, N, A)                                 \
+  if (mma == M && split == S && nw == N && acc == A)     \
+    return launch<M, S, N, A>(i, m, x, o, cnt, n_gemv, ctas, stages, flags, sp, st);
+  CASE(0, 1, 8, 1) CASE(0, 2, 16, 1) CASE(1, 1, 8, 1)
+  CASE(1, 4, 16, 1) CASE(1, 4, 16, 2) CASE(1, 8, 16, 1) CASE(1, 8, 16, 2) CASE(1, 8, 16, 4)
+  CASE(1, 4, 12, 1) CASE(1, 4, 12, 2) CASE(1, 4, 12, 4) CASE(1, 8, 8, 2) CASE(1, 8, 8, 4)
 #undef CASE
   return -1;
 }
