@@ -1,0 +1,544 @@
+// The skeleton of a whole-step persistent INT4 decode kernel: would one launch a token reach
+// the 2.5x-fp16 target of issue 5?
+//
+// benchmarks/gpu_cuda_step.py drives it (BENCHMARKS.md "Runs 104-" has the numbers). It runs a
+// decode step's data-dependent phases for the 8B decoder in ONE launch of one CTA per SM,
+// with a grid barrier between phases:
+//   per layer: q|k|v GEMV -> sparse attention over paged KV -> o GEMV (its x load combines
+//   the attention's split partials) -> gate|up GEMV -> down GEMV (x = silu(g) u);
+//   then the INT4 lm_head GEMV (4096 -> 128256).
+// As in gemv_chain_ring.cu (whose GEMV item math and ring it reuses: mma.sync m16n8k16, 4
+// warps an item, 16 consumer warps), a producer warp streams everything that does not depend
+// on the token into a shared-memory ring and runs ahead across the barriers: the weights'
+// 8512-byte items AND the attention's KV pages (K and V of 16 tokens of one KV head, 4 KB
+// each, head-major cache [L][capacity][Hkv][16][128] fp16, pages through a block table).
+//
+// Attention phase: unit u = (KV head h, split s) on CTA u (8 x S units, S = 16: 128 of the
+// 132 CTAs), its 4 query heads (GQA 4), pages [s P, (s + 1) P) of the block table; each
+// consumer warp takes every 16th page (lane = key j & 15, half of the dims), online softmax
+// in fp32, then the CTA merges its warps and writes the unit's (unnormalised acc[4][128], m,
+// l). The last split also attends to the current token's k, v (from the q|k|v output).
+// The o GEMV's x load combines the S partials of each head it uses (no separate phase).
+//
+// Left out (the real kernel needs them; this measures the dependency structure and the
+// bytes): RMSNorm and the residual adds (per-CTA work inside the x loads), RoPE and the
+// store of the current k, v into the cache, the importance mass, argmax, the sinks/window
+// edge masks (every page here is full). x between GEMVs: x0 + f / 2 as in gemv_chain_ring.cu.
+// Built with nvcc -O3 -gencode arch=compute_90,code=sm_90. Benchmark code, not the engine.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define ITEM_BYTES 8512
+#define SCALES_OFF 8192
+#define ZEROS_OFF 8448
+#define MAX_K 14336
+#define MAX_G (MAX_K / 128)
+#define RED_TILES 10  // column tiles one CTA may touch in one GEMV (the host checks)
+#define META 10
+#define NW 16       // consumer warps
+#define SPLIT 4     // warps an item (GEMV)
+#define GROUPS (NW / SPLIT)
+#define HD 128      // head dim
+#define GQA 4       // query heads a KV head
+#define PAGE 16     // tokens a page
+#define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc[4][128], m[4], l[4]
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.b32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(const unsigned* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
+}
+__device__ __forceinline__ uint32_t lop3_or_and(uint32_t a, uint32_t mask, uint32_t magic) {
+  uint32_t r;  // (a & mask) | magic
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
+  return r;
+}
+__device__ __forceinline__ unsigned long long gtimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+struct Range {
+  long long a, b;
+};
+__device__ __forceinline__ Range cta_range(long long items, int c, int P) {
+  return Range{items * c / P, items * (c + 1) / P};
+}
+
+// The item math of gemv_chain_ring.cu's MMA 1 (its header and item_mma spell out the layout):
+// this warp's 2 row tiles of one item, the 1024 offset removed through the group's x sum.
+__device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, float xsum,
+                                         int part, int lane, float* f) {
+  constexpr int NRT = 8 / SPLIT;
+  const int rt0 = part * NRT, g = lane >> 2, t = lane & 3;
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xg2);
+  uint32_t b[16];
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) b[2 * kt] = xw[8 * kt + t], b[2 * kt + 1] = xw[8 * kt + 4 + t];
+  const uint4* words = reinterpret_cast<const uint4*>(it);
+  const __half2* s2 = reinterpret_cast<const __half2*>(it + SCALES_OFF) + 8 * g;
+  const uint8_t* z8 = it + ZEROS_OFF + 8 * g;
+#pragma unroll
+  for (int r = 0; r < NRT; ++r) {
+    const int rt = rt0 + r;
+    const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
+    const uint32_t w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      const uint32_t hi = w[kt] >> 8;
+      uint32_t a[4] = {lop3_or_and(w[kt], 0x000F000Fu, 0x64006400u),
+                       lop3_or_and(w[kt], 0x00F000F0u, 0x64006400u),
+                       lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
+                       lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
+      mma16816(d, a, b[2 * kt], b[2 * kt + 1]);
+    }
+    const uint32_t zbits = z8[rt];
+    const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
+    const float2 sf = __half22float2(s2[rt]);
+    f[2 * r] += sf.x * (d[0] - (1024.0f + z0) * xsum);
+    f[2 * r + 1] += sf.y * ((d[2] - 1024.0f * xsum) * (1.0f / 16.0f) - z1 * xsum);
+  }
+}
+
+// One page (16 keys of KV head h) into a warp's online-softmax state for the GQA query heads.
+// Lane L: key j = L & 15, dims [64 (L >> 4), +64) for q.k; then dims 4 (L & 31).. for p.V.
+// qf: the 4 heads' q (fp32, pre-scaled), smem [4][128]. m, l: per head (the same in all lanes);
+// acc[4][4]: head x this lane's 4 dims.
+__device__ __forceinline__ void attend_page(const uint8_t* pg, const float* qf, int lane,
+                                            float* m, float* l, float (*acc)[4]) {
+  const __half* K = reinterpret_cast<const __half*>(pg);
+  const __half* V = reinterpret_cast<const __half*>(pg + PAGE * HD * 2);
+  const int j = lane & 15, half = lane >> 4;
+  float s[GQA] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {  // 8 chunks of 8 dims, rotated by key: no bank conflicts
+    const int ch = (c + j) & 7;
+    const int d0 = half * 64 + ch * 8;
+    const uint4 kv = *reinterpret_cast<const uint4*>(K + j * HD + d0);
+    const __half2* k2 = reinterpret_cast<const __half2*>(&kv);
+    float kf[8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float2 t = __half22float2(k2[e]);
+      kf[2 * e] = t.x, kf[2 * e + 1] = t.y;
+    }
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      const float4 qa = *reinterpret_cast<const float4*>(qf + h * HD + d0);
+      const float4 qb = *reinterpret_cast<const float4*>(qf + h * HD + d0 + 4);
+      s[h] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
+              qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+    }
+  }
+  float p[GQA];
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) {
+    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 16);  // both halves of the dims
+    float mx = s[h];
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float mn = fmaxf(m[h], mx);
+    const float corr = __expf(m[h] - mn);  // m = -inf at the start: 0
+    p[h] = __expf(s[h] - mn);
+    float ps = p[h];
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    l[h] = l[h] * corr + ps;
+    m[h] = mn;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[h][e] *= corr;
+  }
+#pragma unroll 4
+  for (int jj = 0; jj < PAGE; ++jj) {
+    const uint2 vv = *reinterpret_cast<const uint2*>(V + jj * HD + 4 * lane);
+    const float2 v01 = __half22float2(*reinterpret_cast<const __half2*>(&vv.x));
+    const float2 v23 = __half22float2(*reinterpret_cast<const __half2*>(&vv.y));
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      const float pj = __shfl_sync(0xffffffffu, p[h], jj);
+      acc[h][0] += pj * v01.x, acc[h][1] += pj * v01.y;
+      acc[h][2] += pj * v23.x, acc[h][3] += pj * v23.y;
+    }
+  }
+}
+
+// Phase metadata (META int64 each):
+//   GEMV: [0] 0, [1] K, [2] N, [3] G, [4] T, [5] item base, [6] out offset (floats of outs),
+//         [7] xform (0: x0 + f / 2 with f = outs[in..]; 1: f = silu(g) u of outs[in..];
+//         2: f = the attention output combined from the partials at part + in), [8] in (-1: x0)
+//   ATTN: [0] 1, [1] Hkv, [2] S splits, [3] pages a unit, [4] layer, [5] partial offset
+//         (floats of part), [6] q|k|v output offset (floats of outs), [7] Hq
+__global__ void __launch_bounds__((NW + 1) * 32, 1)
+    step_ring(const uint8_t* __restrict__ items, const long long* __restrict__ meta,
+              const __half* __restrict__ kcache, const __half* __restrict__ vcache,
+              const int* __restrict__ block_table, long long capacity,
+              const float* __restrict__ x0, float* outs, float* part, unsigned* counter,
+              int n_phase, int stages, int flags, unsigned long long* stamps) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  __half2* xs = reinterpret_cast<__half2*>(smem + (size_t)stages * ITEM_BYTES);
+  float* red = reinterpret_cast<float*>(xs + MAX_K / 2);  // [RED_TILES][128]
+  float* xsum = red + RED_TILES * 128;                    // [MAX_G]
+  float* wts = xsum + MAX_G;                               // [32 heads][16 splits]: attention
+  float* qf = wts + 32 * 16;                               // [4][128] q of the unit's heads
+  float* merge = qf + GQA * HD;                            // [NW][4][130] warps' states
+  uint64_t* full = reinterpret_cast<uint64_t*>(merge + NW * ATT_STRIDE);
+  uint64_t* empty = full + stages;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int P = gridDim.x, c = blockIdx.x;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], SPLIT);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int t = threadIdx.x; t < RED_TILES * 128; t += blockDim.x) red[t] = 0.f;
+  __syncthreads();
+  const bool wait_barrier = flags & 1, timeline = flags & 8;
+
+  if (warp == NW) {  // producer: the CTA's weight items and KV pages of every phase, in order
+    if (lane == 0) {
+      int slot = 0, round = 0;
+      auto next = [&]() -> uint8_t* {
+        if (round > 0) mbar_wait(&empty[slot], (uint32_t)((round - 1) & 1));
+        uint8_t* dst = ring + (size_t)slot * ITEM_BYTES;
+        return dst;
+      };
+      auto advance = [&]() {
+        if (++slot == stages) slot = 0, ++round;
+      };
+      for (int ph = 0; ph < n_phase; ++ph) {
+        const long long* m = meta + ph * META;
+        if (m[0] == 0) {
+          Range r = cta_range(m[3] * m[4], c, P);
+          const uint8_t* src = items + ((size_t)m[5] + (size_t)r.a) * ITEM_BYTES;
+          for (long long i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
+            uint8_t* dst = next();
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
+            advance();
+          }
+        } else {
+          const int hkv = (int)m[1], S = (int)m[2], npg = (int)m[3], layer = (int)m[4];
+          if (c < hkv * S) {
+            const int h = c / S, s = c % S;
+            for (int q = 0; q < npg; ++q) {
+              const long long blk = block_table[s * npg + q];
+              const size_t off = ((((size_t)layer * capacity + blk) * hkv + h) * PAGE) * HD;
+              uint8_t* dst = next();
+              mbar_arrive_tx(&full[slot], 2 * PAGE * HD * 2);
+              bulk_g2s(dst, kcache + off, PAGE * HD * 2, &full[slot]);
+              bulk_g2s(dst + PAGE * HD * 2, vcache + off, PAGE * HD * 2, &full[slot]);
+              advance();
+            }
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  int pos0 = 0;  // items and pages streamed to this CTA before the current phase
+  for (int ph = 0; ph < n_phase; ++ph) {
+    const long long* m = meta + ph * META;
+    unsigned long long* st = stamps + ((size_t)ph * P + c) * 8;
+    if (timeline && threadIdx.x == 0) st[0] = clock64();
+    if (ph > 0 && wait_barrier && threadIdx.x == 0) {
+      const unsigned target = (unsigned)(ph * P);
+      while (ld_acquire(counter) < target) {
+      }
+    }
+    consumers_sync();
+    if (timeline && threadIdx.x == 0) st[1] = clock64(), st[6] = gtimer();
+    int n_streamed = 0;
+    if (m[0] == 0) {  // ---------------------------------------------------------- GEMV
+      const int K = (int)m[1], G = (int)m[3], xform = (int)m[7];
+      const long long in_off = m[8];
+      float* out = outs + m[6];
+      Range r = cta_range(m[3] * m[4], c, P);
+      const int n = (int)(r.b - r.a), tile0 = (int)(r.a / G), j0 = (int)(r.a % G);
+      n_streamed = n;
+      if (n > 0) {
+        const int j1 = (int)((r.b - 1) % G);
+        const bool all = n >= G;
+        const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
+        const int npairs = ngrp * 64;
+        if (xform == 2) {  // attention: each used head's split weights exp(m_s - M) / L
+          const int S = 16;
+          for (int q = warp; q < ngrp; q += NW) {
+            const int hq = all ? q : (j0 + q) % G;
+            const float* pp = part + in_off + (size_t)((hq / GQA) * S) * ATT_STRIDE;
+            const float ms = lane < S ? __ldcg(pp + lane * ATT_STRIDE + GQA * HD + hq % GQA)
+                                      : -INFINITY;
+            const float ls = lane < S ? __ldcg(pp + lane * ATT_STRIDE + GQA * HD + GQA +
+                                               hq % GQA) : 0.f;
+            float M = ms;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+            const float e = lane < S ? __expf(ms - M) : 0.f;
+            float L = e * ls;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+            if (lane < S) wts[hq * 16 + lane] = e / L;
+          }
+          consumers_sync();
+        }
+        const float* src = in_off < 0 ? x0 : outs + in_off;
+        const float2* x02 = reinterpret_cast<const float2*>(x0);
+        for (int t = threadIdx.x; t < npairs; t += NW * 32) {
+          const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
+          const float2 b = x02[kp & 2047];
+          float v0 = b.x, v1 = b.y;
+          if (in_off >= 0) {
+            float f0, f1;
+            if (xform == 2) {  // pair kp: head hq = kp / 64, dims 2 (kp % 64) + {0, 1}
+              const int hq = kp / 64, d = 2 * (kp % 64);
+              const float* pp = part + in_off + (size_t)((hq / GQA) * 16) * ATT_STRIDE +
+                                (hq % GQA) * HD + d;
+              f0 = f1 = 0.f;
+#pragma unroll
+              for (int s = 0; s < 16; ++s) {
+                const float2 a = __ldcg(reinterpret_cast<const float2*>(pp + s * ATT_STRIDE));
+                const float w = wts[hq * 16 + s];
+                f0 += w * a.x, f1 += w * a.y;
+              }
+            } else {
+              const float2 gv = __ldcg(reinterpret_cast<const float2*>(src) + kp);
+              f0 = gv.x, f1 = gv.y;
+              if (xform == 1) {
+                const float2 uv = __ldcg(reinterpret_cast<const float2*>(src) + K / 2 + kp);
+                f0 = f0 / (1.0f + __expf(-f0)) * uv.x;
+                f1 = f1 / (1.0f + __expf(-f1)) * uv.y;
+              }
+            }
+            v0 += 0.5f * f0, v1 += 0.5f * f1;
+          }
+          xs[kp] = __floats2half2_rn(v0, v1);
+        }
+        consumers_sync();
+        for (int q = warp; q < ngrp; q += NW) {  // each used group's fp16 x sum
+          const int jj = all ? q : (j0 + q) % G;
+          const float2 a = __half22float2(xs[jj * 64 + lane]);
+          const float2 b = __half22float2(xs[jj * 64 + 32 + lane]);
+          float v = (a.x + a.y) + (b.x + b.y);
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+          if (lane == 0) xsum[jj] = v;
+        }
+      }
+      consumers_sync();
+      if (timeline && threadIdx.x == 0) st[2] = clock64();
+      const int part_ = warp % SPLIT, grp = warp / SPLIT;
+      const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
+      float f[2 * (8 / SPLIT)] = {};
+      int cur = -1;
+      int slot = (pos0 + first) % stages, rel = (j0 + first) / G, j = (j0 + first) % G;
+      uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
+      auto flush = [&](int tile) {
+        if ((lane & 3) == 0) {
+          const int g = lane >> 2;
+#pragma unroll
+          for (int rr = 0; rr < 8 / SPLIT; ++rr) {
+            const int rt = part_ * (8 / SPLIT) + rr;
+            atomicAdd(&red[tile * 128 + 16 * rt + g], f[2 * rr]);
+            atomicAdd(&red[tile * 128 + 16 * rt + g + 8], f[2 * rr + 1]);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < 2 * (8 / SPLIT); ++q) f[q] = 0.f;
+      };
+      for (int e = first; e < n; e += GROUPS, slot += GROUPS, j += GROUPS) {
+        if (slot >= stages) slot -= stages, phase ^= 1u;
+        if (j >= G) j -= G, ++rel;
+        if (rel != cur) {
+          if (cur >= 0) flush(cur);
+          cur = rel;
+        }
+        mbar_wait(&full[slot], phase);
+        item_mma(ring + (size_t)slot * ITEM_BYTES, xs + j * 64, xsum[j], part_, lane, f);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);
+      }
+      if (cur >= 0) flush(cur);
+      consumers_sync();
+      if (timeline && threadIdx.x == 0) st[3] = clock64();
+      if (n > 0) {
+        const int span = (int)((r.b - 1) / G) - tile0 + 1;
+        for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
+          atomicAdd(out + (long long)tile0 * 128 + t, red[t]);
+          red[t] = 0.f;
+        }
+      }
+    } else {  // ----------------------------------------------------------- ATTENTION
+      const int hkv = (int)m[1], S = (int)m[2], npg = (int)m[3];
+      const int hq_n = (int)m[7];
+      const long long qkv = m[6];
+      if (timeline && threadIdx.x == 0) st[2] = clock64();
+      if (c < hkv * S) {
+        const int h = c / S, s = c % S;
+        n_streamed = npg;
+        const float scale = rsqrtf((float)HD);
+        for (int t = threadIdx.x; t < GQA * HD; t += NW * 32)
+          qf[t] = __ldcg(outs + qkv + (size_t)h * GQA * HD + t) * scale;
+        consumers_sync();
+        float mm[GQA], ll[GQA], acc[GQA][4];
+#pragma unroll
+        for (int q = 0; q < GQA; ++q) {
+          mm[q] = -INFINITY, ll[q] = 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[q][e] = 0.f;
+        }
+        if (s == S - 1 && warp == 0) {  // the current token: warp 0's starting state
+          const float* kc = outs + qkv + (size_t)hq_n * HD + (size_t)h * HD;
+          const float* vc = kc + (size_t)hkv * HD;
+          const float4 k4 = __ldcg(reinterpret_cast<const float4*>(kc) + lane);
+          const float4 v4 = __ldcg(reinterpret_cast<const float4*>(vc) + lane);
+          // the kernel's K and V are fp16: the current token's too
+          const float kk[4] = {__half2float(__float2half_rn(k4.x)),
+                               __half2float(__float2half_rn(k4.y)),
+                               __half2float(__float2half_rn(k4.z)),
+                               __half2float(__float2half_rn(k4.w))};
+          const float vv[4] = {__half2float(__float2half_rn(v4.x)),
+                               __half2float(__float2half_rn(v4.y)),
+                               __half2float(__float2half_rn(v4.z)),
+                               __half2float(__float2half_rn(v4.w))};
+#pragma unroll
+          for (int q = 0; q < GQA; ++q) {
+            const float4 q4 = *reinterpret_cast<const float4*>(qf + q * HD + 4 * lane);
+            float sc = q4.x * kk[0] + q4.y * kk[1] + q4.z * kk[2] + q4.w * kk[3];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            mm[q] = sc, ll[q] = 1.f;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[q][e] = vv[e];
+          }
+        }
+        // pages: warp w takes the unit's pages w, w + NW, ... (stream positions pos0 + e)
+        const int first = (((warp - pos0) % NW) + NW) % NW;
+        int slot = (pos0 + first) % stages;
+        uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
+        for (int e = first; e < npg; e += NW, slot += NW) {
+          if (slot >= stages) slot -= stages, phase ^= 1u;
+          mbar_wait(&full[slot], phase);
+          attend_page(ring + (size_t)slot * ITEM_BYTES, qf, lane, mm, ll, acc);
+          __syncwarp();
+          if (lane == 0)
+            for (int a = 0; a < SPLIT; ++a) mbar_arrive(&empty[slot]);
+        }
+        float* mw = merge + warp * ATT_STRIDE;
+#pragma unroll
+        for (int q = 0; q < GQA; ++q) {
+          *reinterpret_cast<float4*>(mw + q * HD + 4 * lane) =
+              make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+          if (lane == 0) mw[GQA * HD + q] = mm[q], mw[GQA * HD + GQA + q] = ll[q];
+        }
+        consumers_sync();
+        if (timeline && threadIdx.x == 0) st[3] = clock64();
+        float* pu = part + m[5] + (size_t)c * ATT_STRIDE;
+        for (int t = threadIdx.x; t < GQA * HD; t += NW * 32) {
+          const int q = t / HD;
+          float M = -INFINITY;
+          for (int w = 0; w < NW; ++w) M = fmaxf(M, merge[w * ATT_STRIDE + GQA * HD + q]);
+          float A = 0.f, L = 0.f;
+          for (int w = 0; w < NW; ++w) {
+            const float* mw2 = merge + w * ATT_STRIDE;
+            const float mq = mw2[GQA * HD + q];
+            const float e = mq == -INFINITY ? 0.f : __expf(mq - M);
+            A += e * mw2[t], L += e * mw2[GQA * HD + GQA + q];
+          }
+          pu[t] = A;
+          if (t % HD == 0) pu[GQA * HD + q] = M, pu[GQA * HD + GQA + q] = L;
+        }
+      } else if (timeline && threadIdx.x == 0) {
+        st[3] = clock64();
+      }
+    }
+    pos0 += n_streamed;
+    consumers_sync();
+    if (threadIdx.x == 0) red_release_add(counter, 1u);
+    if (timeline && threadIdx.x == 0) st[4] = clock64(), st[7] = gtimer(), st[5] = 0;
+  }
+}
+
+static size_t smem_bytes(int stages) {
+  return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
+         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + NW * ATT_STRIDE) * sizeof(float) +
+         2 * stages * sizeof(uint64_t);
+}
+
+extern "C" {
+// 0: launched; -2: stages not a multiple of NW (attention pages go one a warp: a slot must
+// keep one owner in every phase, see gemv_chain_ring.cu's launch()); 1000 + e: setting the
+// shared-memory limit failed (cudaError_t e); 2000 + e: the launch failed. flags: 1 wait at
+// the grid barriers; 8 timeline into stamps (8 u64 per phase and CTA: clock64 at the start,
+// after the barrier, inputs ready, work done, arrived; 0; globaltimer after the barrier and
+// after the arrival).
+int step_launch(const void* items, const void* meta, const void* kcache, const void* vcache,
+                const void* block_table, long long capacity, const void* x0, void* outs,
+                void* part, void* counter, int n_phase, int ctas, int stages, int flags,
+                void* stamps, void* stream) {
+  if (stages % NW != 0) return -2;
+  size_t smem = smem_bytes(stages);
+  cudaError_t e = cudaFuncSetAttribute(step_ring, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem);
+  if (e != cudaSuccess) return 1000 + (int)e;
+  step_ring<<<ctas, (NW + 1) * 32, smem, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint8_t*>(items), static_cast<const long long*>(meta),
+      static_cast<const __half*>(kcache), static_cast<const __half*>(vcache),
+      static_cast<const int*>(block_table), capacity, static_cast<const float*>(x0),
+      static_cast<float*>(outs), static_cast<float*>(part), static_cast<unsigned*>(counter),
+      n_phase, stages, flags, static_cast<unsigned long long*>(stamps));
+  e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : 2000 + (int)e;
+}
+long long step_smem_bytes(int stages) { return (long long)smem_bytes(stages); }
+const char* step_error_string(int e) { return cudaGetErrorString((cudaError_t)(e % 1000)); }
+}

@@ -1,0 +1,288 @@
+"""Would a whole-step persistent kernel reach INT4 decode >= 2.5x fp16? The skeleton of one
+decode step of the 8B model (32 x [q|k|v GEMV, sparse attention over paged KV, o, gate|up,
+down] + the INT4 lm_head) in ONE CUDA launch, a producer warp streaming weights and KV pages
+into a shared-memory ring across the grid barriers (benchmarks/cuda/step_ring.cu says what
+it does and what it leaves out).
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_cuda_step.py [--out DIR] [--reps 20] [--keys 4608]
+
+Builds the .cu with the machine's nvcc (sm_90), fills random INT4 items (3.63 GB decoder +
+0.27 GB head, the layout of gemv_chain_ring.cu's MMA 1) and a head-major fp16 KV cache whose
+pages are scattered through a block table (--keys keys a KV head and layer: 4608 = the
+h200-141g profile's 4096 window + 512 globals), checks every phase of one step against a
+torch reference fed with the kernel's own previous output (GEMVs: an fp32 matmul of the
+dequantized weights; attention: softmax(q K^T / sqrt(128)) V over the gathered pages and
+the current token), then times the step (barriers on, and off as a floor) and takes one
+timeline: per phase kind, the critical path and where each CTA's time goes. Writes
+DIR/gpu_cuda_step.json (DIR: --out, else $OUT, else ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gpu_cuda_chain import ITEM_WORDS, x_of  # noqa: E402
+from gpu_cuda_chain import _dequant_mma as dequant  # noqa: E402
+
+SRC = HERE / "cuda" / "step_ring.cu"
+LAYERS, HKV, HQ, HD, PAGE, SPLITS, NW = 32, 8, 32, 128, 16, 16, 16
+ATT_STRIDE = 4 * (HD + 2)
+GEMVS = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]
+VOCAB = 128256
+
+
+def build(workdir: Path) -> ctypes.CDLL:
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    lib = workdir / "libstep_ring.so"
+    cmd = [nvcc, "-O3", "-gencode", "arch=compute_90,code=sm_90", "-Xptxas", "-v", "-shared",
+           "-Xcompiler", "-fPIC", "-o", str(lib), str(SRC)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    regs = [ln.strip() for ln in p.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    print("nvcc:", " ".join(cmd[1:7]), "\n  " + "\n  ".join(regs), flush=True)
+    if p.returncode:
+        sys.exit(f"nvcc failed:\n{p.stderr}")
+    so = ctypes.CDLL(str(lib))
+    so.step_launch.restype = ctypes.c_int
+    so.step_launch.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_longlong] +
+                               [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2)
+    so.step_smem_bytes.restype = ctypes.c_longlong
+    so.step_smem_bytes.argtypes = [ctypes.c_int]
+    so.step_error_string.restype = ctypes.c_char_p
+    so.step_error_string.argtypes = [ctypes.c_int]
+    return so
+
+
+def make_step(dev, keys: int):
+    """Phases (dicts) and their metadata [n, 10], the items, the KV cache and block table."""
+    assert keys % (PAGE * SPLITS) == 0, "keys: a multiple of 16 pages x 16 splits"
+    npg = keys // PAGE // SPLITS
+    phases, item_base, out_off, prev = [], 0, 0, -1
+
+    def gemv(name, k, n, xform, src):
+        nonlocal item_base, out_off
+        t, g = n // 128, k // 128
+        ph = dict(kind=name, type=0, K=k, N=n, G=g, T=t, base=item_base, out=out_off,
+                  xform=xform, src=src)
+        item_base += t * g
+        out_off += n
+        phases.append(ph)
+        return ph
+
+    for layer in range(LAYERS):
+        qkv = gemv("qkv", 4096, 6144, 0, prev)
+        att = dict(kind="attn", type=1, layer=layer, part=layer * HKV * SPLITS * ATT_STRIDE,
+                   qkv=qkv["out"], npg=npg)
+        phases.append(att)
+        o = gemv("o", 4096, 4096, 2, att["part"])
+        gu = gemv("gate|up", 4096, 28672, 0, o["out"])
+        prev = gemv("down", 14336, 4096, 1, gu["out"])["out"]
+    gemv("head", 4096, VOCAB, 0, prev)
+    meta = []
+    for ph in phases:
+        if ph["type"] == 0:
+            meta.append([0, ph["K"], ph["N"], ph["G"], ph["T"], ph["base"], ph["out"],
+                         ph["xform"], ph["src"], 0])
+        else:
+            meta.append([1, HKV, SPLITS, npg, ph["layer"], ph["part"], ph["qkv"], HQ, 0, 0])
+    items = torch.empty(item_base, ITEM_WORDS, dtype=torch.int32, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for ph in phases:
+        if ph["type"]:
+            continue
+        it = items[ph["base"]:ph["base"] + ph["T"] * ph["G"]]
+        it.random_(-2 ** 31, 2 ** 31 - 1, generator=gen)
+        s = (torch.rand(it.shape[0], 128, device=dev, generator=gen) + 0.5) / (
+            ph["K"] * 42.5 * 13 / 12) ** 0.5
+        it[:, 2048:2112] = s.half().view(torch.int32)
+    capacity = 2 * keys // PAGE  # the pages a sequence uses are scattered over twice as many
+    kc = torch.randn(LAYERS, capacity, HKV, PAGE, HD, device=dev, generator=gen).half()
+    vc = torch.randn(LAYERS, capacity, HKV, PAGE, HD, device=dev, generator=gen).half()
+    table = torch.randperm(capacity, device=dev, generator=gen)[:keys // PAGE].int()
+    return (phases, torch.tensor(meta, dtype=torch.int64, device=dev), items, kc, vc, table,
+            out_off)
+
+
+def attention_out(part_l: torch.Tensor) -> torch.Tensor:
+    """[HQ * HD] attention output from one layer's unit partials [HKV * S * ATT_STRIDE]."""
+    p = part_l.view(HKV, SPLITS, ATT_STRIDE)
+    acc = p[..., :4 * HD].reshape(HKV, SPLITS, 4, HD)
+    m, l = p[..., 4 * HD:4 * HD + 4], p[..., 4 * HD + 4:]
+    w = torch.exp(m - m.max(dim=1, keepdim=True).values)  # [HKV, S, 4]
+    out = (w[..., None] * acc).sum(1) / (w * l).sum(1)[..., None]  # [HKV, 4, HD]
+    return out.reshape(HQ * HD)
+
+
+def attention_ref(qkv: torch.Tensor, kc_l, vc_l, table) -> torch.Tensor:
+    q = qkv[:HQ * HD].view(HKV, 4, HD) / math.sqrt(HD)
+    kcur = qkv[HQ * HD:HQ * HD + HKV * HD].view(HKV, 1, HD).half().float()
+    vcur = qkv[HQ * HD + HKV * HD:].view(HKV, 1, HD).half().float()
+    k = kc_l[table.long()].permute(1, 0, 2, 3).reshape(HKV, -1, HD).float()  # [HKV, keys, HD]
+    v = vc_l[table.long()].permute(1, 0, 2, 3).reshape(HKV, -1, HD).float()
+    k, v = torch.cat([k, kcur], 1), torch.cat([v, vcur], 1)
+    p = torch.softmax(q @ k.transpose(1, 2), dim=-1)
+    return (p @ v).reshape(HQ * HD)
+
+
+def launch(so, st, outs, part, counter, ctas, stages, flags, stream, stamps=None):
+    phases, meta, items, kc, vc, table, _ = st
+    e = so.step_launch(items.data_ptr(), meta.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                       table.data_ptr(), kc.shape[1], X0[0].data_ptr(), outs.data_ptr(),
+                       part.data_ptr(), counter.data_ptr(), len(phases), ctas, stages, flags,
+                       None if stamps is None else stamps.data_ptr(), stream)
+    if e:
+        raise RuntimeError(f"launch failed: {e} "
+                           f"{so.step_error_string(e).decode() if e > 0 else 'stages'}")
+
+
+X0: list[torch.Tensor] = []
+
+
+def check(so, st, ctas, stages, stream) -> dict:
+    phases, meta, items, kc, vc, table, n_out = st
+    dev = items.device
+    x0 = X0[0]
+    outs = torch.zeros(n_out, dtype=torch.float32, device=dev)
+    part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    launch(so, st, outs, part, counter, ctas, stages, 1, stream)
+    torch.cuda.synchronize()
+    worst: dict[str, float] = {}
+    for i, ph in enumerate(phases):
+        if ph["type"] == 1:
+            got = attention_out(part[ph["part"]:ph["part"] + HKV * SPLITS * ATT_STRIDE])
+            ref = attention_ref(outs[ph["qkv"]:ph["qkv"] + 6144], kc[ph["layer"]],
+                                vc[ph["layer"]], table)
+        else:
+            if ph["src"] < 0:
+                x = x0.half()
+            elif ph["xform"] == 2:
+                att = attention_out(part[ph["src"]:ph["src"] + HKV * SPLITS * ATT_STRIDE])
+                x = (x0 + 0.5 * att).half()
+            else:
+                prev = phases[i - 1] if phases[i - 1]["type"] == 0 else phases[i - 2]
+                x = x_of(outs[prev["out"]:prev["out"] + prev["N"]], ph["K"], ph["xform"], x0)
+            w = dequant(items[ph["base"]:ph["base"] + ph["T"] * ph["G"]].view(
+                ph["T"], ph["G"], ITEM_WORDS), ph["T"], ph["G"])
+            ref = x.float() @ w
+            got = outs[ph["out"]:ph["out"] + ph["N"]]
+            del w
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        err = err if err == err else float("inf")
+        worst[ph["kind"]] = max(worst.get(ph["kind"], 0.0), err)
+    return {"max_rel_err": worst, "finite": bool(torch.isfinite(outs).all()),
+            "counter": int(counter.item()), "expected_counter": len(phases) * ctas}
+
+
+def time_step(so, st, ctas, stages, flags, stream, reps) -> float:
+    dev = st[2].device
+    outs = torch.zeros(st[6], dtype=torch.float32, device=dev)
+    part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for r in range(reps + 3):
+        if r == 3:
+            ev[0].record()
+        outs.zero_(), counter.zero_()
+        launch(so, st, outs, part, counter, ctas, stages, flags, stream)
+    ev[1].record()
+    torch.cuda.synchronize()
+    return ev[0].elapsed_time(ev[1]) / reps
+
+
+def timeline(so, st, ctas, stages, stream) -> dict:
+    phases = st[0]
+    dev = st[2].device
+    outs = torch.zeros(st[6], dtype=torch.float32, device=dev)
+    part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    stamps = torch.zeros(len(phases), ctas, 8, dtype=torch.int64, device=dev)
+    launch(so, st, outs, part, counter, ctas, stages, 1 | 8, stream, stamps)
+    torch.cuda.synchronize()
+    s = stamps.cpu().double()
+    ghz = (s[-1, :, 4] - s[0, :, 1]) / (s[-1, :, 7] - s[0, :, 6])
+    us = lambda cyc: cyc / ghz / 1e3  # noqa: E731
+    ph = {"wait": us(s[:, :, 1] - s[:, :, 0]), "in": us(s[:, :, 2] - s[:, :, 1]),
+          "work": us(s[:, :, 3] - s[:, :, 2]), "out": us(s[:, :, 4] - s[:, :, 3])}
+    last = s[:, :, 7].max(dim=1).values
+    crit = torch.empty(len(phases), dtype=torch.float64)
+    crit[0] = (last[0] - s[0, :, 6].min()) / 1e3
+    crit[1:] = (last[1:] - last[:-1]) / 1e3
+    res = {"ghz": ghz.mean().item(), "total_us": (last[-1] - s[0, :, 6].min()).item() / 1e3,
+           "kinds": {}}
+    for kind in dict.fromkeys(p["kind"] for p in phases):
+        idx = torch.tensor([i for i, p in enumerate(phases) if p["kind"] == kind])
+        row = {"n": len(idx), "crit": crit[idx].mean().item()}
+        for k, t in ph.items():
+            row[k] = t[idx].mean().item()
+        row["work_max"] = ph["work"][idx].max(dim=1).values.mean().item()
+        res["kinds"][kind] = row
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--keys", type=int, nargs="+", default=[4608],
+                    help="keys a KV head and layer (each a multiple of 256)")
+    ap.add_argument("--stages", type=int, default=16, help="ring slots (a multiple of 16)")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    ctas = torch.cuda.get_device_properties(dev).multi_processor_count
+    so = build(Path(tempfile.mkdtemp()))
+    X0.append(torch.randn(4096, dtype=torch.float32, device=dev))
+    stream = torch.cuda.current_stream().cuda_stream
+    result = {"gpu": torch.cuda.get_device_name(), "ctas": ctas, "stages": a.stages,
+              "smem": so.step_smem_bytes(a.stages), "rows": []}
+    print(f"{ctas} CTAs, {a.stages} slots, {so.step_smem_bytes(a.stages)} B shared", flush=True)
+    for keys in a.keys:
+        st = make_step(dev, keys)
+        weight_bytes = st[2].numel() * 4
+        kv_bytes = 2 * LAYERS * HKV * keys * HD * 2
+        c = check(so, st, ctas, a.stages, stream)
+        errs = " ".join(f"{k} {e:.1e}" for k, e in c["max_rel_err"].items())
+        bad = max(c["max_rel_err"].values()) > 1e-2 or not c["finite"] or \
+            c["counter"] != c["expected_counter"]
+        print(f"keys {keys}: check {errs} finite {c['finite']} counter {c['counter']}/"
+              f"{c['expected_counter']}{'  FAILED' if bad else ''}", flush=True)
+        row = {"keys": keys, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "check": c}
+        if not bad:
+            for flags, what in ((1, "barriers on"), (0, "barriers off (floor, wrong values)")):
+                ms = time_step(so, st, ctas, a.stages, flags, stream, a.reps)
+                row[f"ms_flags{flags}"] = ms
+                print(f"keys {keys}: step {what}: {ms:.3f} ms, "
+                      f"{(weight_bytes + kv_bytes) / ms / 1e9:.2f} TB/s of weights + KV "
+                      f"({(weight_bytes + kv_bytes) / 1e9:.3f} GB)", flush=True)
+            tl = timeline(so, st, ctas, a.stages, stream)
+            row["timeline"] = tl
+            print(f"  timeline: {tl['total_us']:.0f} us at {tl['ghz']:.2f} GHz; us a phase "
+                  f"(mean over layers; CTA parts mean over CTAs)", flush=True)
+            print(f"  {'kind':<8} {'crit':>6} {'wait':>6} {'in':>6} {'work':>6} {'max':>6} "
+                  f"{'out':>6} {'x n':>4} {'sum':>7}", flush=True)
+            for kind, r in tl["kinds"].items():
+                print(f"  {kind:<8} {r['crit']:6.2f} {r['wait']:6.2f} {r['in']:6.2f} "
+                      f"{r['work']:6.2f} {r['work_max']:6.2f} {r['out']:6.2f} {r['n']:4d} "
+                      f"{r['crit'] * r['n']:7.1f}", flush=True)
+        result["rows"].append(row)
+        del st
+        torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_cuda_step.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
