@@ -82,14 +82,14 @@ def make_step(dev, keys: int):
         return ph
 
     for layer in range(LAYERS):
-        qkv = gemv("qkv", 4096, 6144, 0, prev)
+        qkv = gemv("qkv", 4096, 6144, 3, prev)
         att = dict(kind="attn", type=1, layer=layer, part=layer * HKV * SPLITS * ATT_STRIDE,
                    qkv=qkv["out"], npg=npg)
         phases.append(att)
         o = gemv("o", 4096, 4096, 2, att["part"])
-        gu = gemv("gate|up", 4096, 28672, 0, o["out"])
+        gu = gemv("gate|up", 4096, 28672, 3, o["out"])
         prev = gemv("down", 14336, 4096, 1, gu["out"])["out"]
-    gemv("head", 4096, VOCAB, 0, prev)
+    gemv("head", 4096, VOCAB, 3, prev)
     meta = []
     for ph in phases:
         if ph["type"] == 0:
@@ -166,14 +166,18 @@ def check(so, st, ctas, stages, stream) -> dict:
             ref = attention_ref(outs[ph["qkv"]:ph["qkv"] + 6144], kc[ph["layer"]],
                                 vc[ph["layer"]], table)
         else:
-            if ph["src"] < 0:
-                x = x0.half()
+            if ph["xform"] == 3:  # RMSNorm of x0 + f / 2 (f: the previous output)
+                v = x0[:4096] + (0.5 * outs[ph["src"]:ph["src"] + 4096] if ph["src"] >= 0 else 0)
+                x = (v * torch.rsqrt(v.pow(2).mean() + 1e-5) * x0[4096:]).half()
+            elif ph["src"] < 0:
+                x = x0[:4096].half()
             elif ph["xform"] == 2:
                 att = attention_out(part[ph["src"]:ph["src"] + HKV * SPLITS * ATT_STRIDE])
-                x = (x0 + 0.5 * att).half()
+                x = (x0[:4096] + 0.5 * att).half()
             else:
                 prev = phases[i - 1] if phases[i - 1]["type"] == 0 else phases[i - 2]
-                x = x_of(outs[prev["out"]:prev["out"] + prev["N"]], ph["K"], ph["xform"], x0)
+                x = x_of(outs[prev["out"]:prev["out"] + prev["N"]], ph["K"], ph["xform"],
+                         x0[:4096])
             w = dequant(items[ph["base"]:ph["base"] + ph["T"] * ph["G"]].view(
                 ph["T"], ph["G"], ITEM_WORDS), ph["T"], ph["G"])
             ref = x.float() @ w
@@ -215,7 +219,8 @@ def timeline(so, st, ctas, stages, stream) -> dict:
     ghz = (s[-1, :, 4] - s[0, :, 1]) / (s[-1, :, 7] - s[0, :, 6])
     us = lambda cyc: cyc / ghz / 1e3  # noqa: E731
     ph = {"wait": us(s[:, :, 1] - s[:, :, 0]), "in": us(s[:, :, 2] - s[:, :, 1]),
-          "work": us(s[:, :, 3] - s[:, :, 2]), "out": us(s[:, :, 4] - s[:, :, 3])}
+          "work": us(s[:, :, 3] - s[:, :, 2]), "out": us(s[:, :, 4] - s[:, :, 3]),
+          "ring": us(s[:, :, 5])}
     last = s[:, :, 7].max(dim=1).values
     crit = torch.empty(len(phases), dtype=torch.float64)
     crit[0] = (last[0] - s[0, :, 6].min()) / 1e3
@@ -243,7 +248,8 @@ def main() -> None:
     dev = torch.device("cuda")
     ctas = torch.cuda.get_device_properties(dev).multi_processor_count
     so = build(Path(tempfile.mkdtemp()))
-    X0.append(torch.randn(4096, dtype=torch.float32, device=dev))
+    # x0 (4096) then the RMSNorm weights (4096, around 1)
+    X0.append(torch.cat([torch.randn(4096, device=dev), 0.5 + torch.rand(4096, device=dev)]))
     stream = torch.cuda.current_stream().cuda_stream
     result = {"gpu": torch.cuda.get_device_name(), "ctas": ctas, "stages": a.stages,
               "smem": so.step_smem_bytes(a.stages), "rows": []}
@@ -271,11 +277,11 @@ def main() -> None:
             print(f"  timeline: {tl['total_us']:.0f} us at {tl['ghz']:.2f} GHz; us a phase "
                   f"(mean over layers; CTA parts mean over CTAs)", flush=True)
             print(f"  {'kind':<8} {'crit':>6} {'wait':>6} {'in':>6} {'work':>6} {'max':>6} "
-                  f"{'out':>6} {'x n':>4} {'sum':>7}", flush=True)
+                  f"{'ring':>6} {'out':>6} {'x n':>4} {'sum':>7}", flush=True)
             for kind, r in tl["kinds"].items():
                 print(f"  {kind:<8} {r['crit']:6.2f} {r['wait']:6.2f} {r['in']:6.2f} "
-                      f"{r['work']:6.2f} {r['work_max']:6.2f} {r['out']:6.2f} {r['n']:4d} "
-                      f"{r['crit'] * r['n']:7.1f}", flush=True)
+                      f"{r['work']:6.2f} {r['work_max']:6.2f} {r['ring']:6.2f} {r['out']:6.2f} "
+                      f"{r['n']:4d} {r['crit'] * r['n']:7.1f}", flush=True)
         result["rows"].append(row)
         del st
         torch.cuda.empty_cache()

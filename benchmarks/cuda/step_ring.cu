@@ -20,8 +20,10 @@
 // l). The last split also attends to the current token's k, v (from the q|k|v output).
 // The o GEMV's x load combines the S partials of each head it uses (no separate phase).
 //
-// Left out (the real kernel needs them; this measures the dependency structure and the
-// bytes): RMSNorm and the residual adds (per-CTA work inside the x loads), RoPE and the
+// The RMSNorm before q|k|v, gate|up and the head is in their x loads (every CTA reads the
+// whole 4096-vector for its sum of squares). Left out (the real kernel needs them; this
+// measures the dependency structure and the bytes): the residual adds (the GEMVs' atomics
+// would add into the residual stream itself), RoPE and the
 // store of the current k, v into the cache, the importance mass, argmax, the sinks/window
 // edge masks (every page here is full). x between GEMVs: x0 + f / 2 as in gemv_chain_ring.cu.
 // Built with nvcc -O3 -gencode arch=compute_90,code=sm_90. Benchmark code, not the engine.
@@ -147,72 +149,58 @@ __device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, 
   }
 }
 
-// One page (16 keys of KV head h) into a warp's online-softmax state for the GQA query heads.
-// Lane L: key j = L & 15, dims [64 (L >> 4), +64) for q.k; then dims 4 (L & 31).. for p.V.
-// qf: the 4 heads' q (fp32, pre-scaled), smem [4][128]. m, l: per head (the same in all lanes);
-// acc[4][4]: head x this lane's 4 dims.
-__device__ __forceinline__ void attend_page(const uint8_t* pg, const float* qf, int lane,
-                                            float* m, float* l, float (*acc)[4]) {
+// One page (16 keys of KV head h) into a warp's online-softmax state for ONE query head (the
+// 4 warps of a group take the page's 4 GQA heads). Lane L: key j = L & 15, dims
+// [64 (L >> 4), +64) for q.k; then dims 4 L.. for p.V. q: the head's q (fp32, pre-scaled,
+// smem [128]); m, l: the head's running max and sum (the same in all lanes); acc: 4 dims.
+__device__ __forceinline__ void attend_page(const uint8_t* pg, const float* q, int lane,
+                                            float& m, float& l, float* acc) {
   const __half* K = reinterpret_cast<const __half*>(pg);
   const __half* V = reinterpret_cast<const __half*>(pg + PAGE * HD * 2);
   const int j = lane & 15, half = lane >> 4;
-  float s[GQA] = {0.f, 0.f, 0.f, 0.f};
+  float s0 = 0.f, s1 = 0.f;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {  // 8 chunks of 8 dims, rotated by key: no bank conflicts
-    const int ch = (c + j) & 7;
-    const int d0 = half * 64 + ch * 8;
+    const int d0 = half * 64 + ((c + j) & 7) * 8;
     const uint4 kv = *reinterpret_cast<const uint4*>(K + j * HD + d0);
     const __half2* k2 = reinterpret_cast<const __half2*>(&kv);
-    float kf[8];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float2 t = __half22float2(k2[e]);
-      kf[2 * e] = t.x, kf[2 * e + 1] = t.y;
-    }
-#pragma unroll
-    for (int h = 0; h < GQA; ++h) {
-      const float4 qa = *reinterpret_cast<const float4*>(qf + h * HD + d0);
-      const float4 qb = *reinterpret_cast<const float4*>(qf + h * HD + d0 + 4);
-      s[h] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
-              qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
-    }
+    const float4 qa = *reinterpret_cast<const float4*>(q + d0);
+    const float4 qb = *reinterpret_cast<const float4*>(q + d0 + 4);
+    const float2 k01 = __half22float2(k2[0]), k23 = __half22float2(k2[1]);
+    const float2 k45 = __half22float2(k2[2]), k67 = __half22float2(k2[3]);
+    s0 += qa.x * k01.x + qa.y * k01.y + qa.z * k23.x + qa.w * k23.y;
+    s1 += qb.x * k45.x + qb.y * k45.y + qb.z * k67.x + qb.w * k67.y;
   }
-  float p[GQA];
+  float sc = s0 + s1;
+  sc += __shfl_xor_sync(0xffffffffu, sc, 16);  // both halves of the dims
+  float mx = sc;
 #pragma unroll
-  for (int h = 0; h < GQA; ++h) {
-    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 16);  // both halves of the dims
-    float mx = s[h];
+  for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float mn = fmaxf(m, mx);
+  const float corr = __expf(m - mn);  // m = -inf at the start: 0
+  const float p = __expf(sc - mn);
+  float ps = p;
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    const float mn = fmaxf(m[h], mx);
-    const float corr = __expf(m[h] - mn);  // m = -inf at the start: 0
-    p[h] = __expf(s[h] - mn);
-    float ps = p[h];
+  for (int o = 8; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+  l = l * corr + ps;
+  m = mn;
+  float a0 = acc[0] * corr, a1 = acc[1] * corr, a2 = acc[2] * corr, a3 = acc[3] * corr;
 #pragma unroll
-    for (int o = 8; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-    l[h] = l[h] * corr + ps;
-    m[h] = mn;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[h][e] *= corr;
-  }
-#pragma unroll 4
   for (int jj = 0; jj < PAGE; ++jj) {
     const uint2 vv = *reinterpret_cast<const uint2*>(V + jj * HD + 4 * lane);
     const float2 v01 = __half22float2(*reinterpret_cast<const __half2*>(&vv.x));
     const float2 v23 = __half22float2(*reinterpret_cast<const __half2*>(&vv.y));
-#pragma unroll
-    for (int h = 0; h < GQA; ++h) {
-      const float pj = __shfl_sync(0xffffffffu, p[h], jj);
-      acc[h][0] += pj * v01.x, acc[h][1] += pj * v01.y;
-      acc[h][2] += pj * v23.x, acc[h][3] += pj * v23.y;
-    }
+    const float pj = __shfl_sync(0xffffffffu, p, jj);
+    a0 += pj * v01.x, a1 += pj * v01.y, a2 += pj * v23.x, a3 += pj * v23.y;
   }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
 }
 
 // Phase metadata (META int64 each):
 //   GEMV: [0] 0, [1] K, [2] N, [3] G, [4] T, [5] item base, [6] out offset (floats of outs),
 //         [7] xform (0: x0 + f / 2 with f = outs[in..]; 1: f = silu(g) u of outs[in..];
-//         2: f = the attention output combined from the partials at part + in), [8] in (-1: x0)
+//         2: f = the attention output combined from the partials at part + in; 3: RMSNorm
+//         of x0 + f / 2 over all 4096, weights x0[4096..8191]), [8] in (-1: x0)
 //   ATTN: [0] 1, [1] Hkv, [2] S splits, [3] pages a unit, [4] layer, [5] partial offset
 //         (floats of part), [6] q|k|v output offset (floats of outs), [7] Hq
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
@@ -228,8 +216,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   float* xsum = red + RED_TILES * 128;                    // [MAX_G]
   float* wts = xsum + MAX_G;                               // [32 heads][16 splits]: attention
   float* qf = wts + 32 * 16;                               // [4][128] q of the unit's heads
-  float* merge = qf + GQA * HD;                            // [NW][4][130] warps' states
-  uint64_t* full = reinterpret_cast<uint64_t*>(merge + NW * ATT_STRIDE);
+  float* merge = qf + GQA * HD;                            // [GROUPS][4][130] states
+  float* ssum = merge + GROUPS * ATT_STRIDE;                // [NW] the norm's warp sums
+  uint64_t* full = reinterpret_cast<uint64_t*>(ssum + NW);
   uint64_t* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
@@ -290,7 +279,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   for (int ph = 0; ph < n_phase; ++ph) {
     const long long* m = meta + ph * META;
     unsigned long long* st = stamps + ((size_t)ph * P + c) * 8;
-    if (timeline && threadIdx.x == 0) st[0] = clock64();
+    if (timeline && threadIdx.x == 0) st[0] = clock64(), st[5] = 0;
     if (ph > 0 && wait_barrier && threadIdx.x == 0) {
       const unsigned target = (unsigned)(ph * P);
       while (ld_acquire(counter) < target) {
@@ -333,7 +322,35 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         }
         const float* src = in_off < 0 ? x0 : outs + in_off;
         const float2* x02 = reinterpret_cast<const float2*>(x0);
-        for (int t = threadIdx.x; t < npairs; t += NW * 32) {
+        if (xform == 3) {  // RMSNorm: K = 4096 (the host checks), 4 pairs a thread
+          float2 v[4];
+          float ss = 0.f;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int kp = threadIdx.x + u * NW * 32;
+            v[u] = x02[kp];
+            if (in_off >= 0) {
+              const float2 fv = __ldcg(reinterpret_cast<const float2*>(src) + kp);
+              v[u].x += 0.5f * fv.x, v[u].y += 0.5f * fv.y;
+            }
+            ss += v[u].x * v[u].x + v[u].y * v[u].y;
+          }
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+          if (lane == 0) ssum[warp] = ss;
+          consumers_sync();
+          float tot = 0.f;
+#pragma unroll
+          for (int w = 0; w < NW; ++w) tot += ssum[w];
+          const float r = rsqrtf(tot / 4096.0f + 1e-5f);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int kp = threadIdx.x + u * NW * 32;
+            const float2 nw = x02[2048 + kp];
+            xs[kp] = __floats2half2_rn(v[u].x * r * nw.x, v[u].y * r * nw.y);
+          }
+        }
+        for (int t = threadIdx.x; t < npairs && xform != 3; t += NW * 32) {
           const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
           const float2 b = x02[kp & 2047];
           float v0 = b.x, v1 = b.y;
@@ -379,6 +396,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       const int part_ = warp % SPLIT, grp = warp / SPLIT;
       const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
       float f[2 * (8 / SPLIT)] = {};
+      unsigned long long ring_wait = 0;
       int cur = -1;
       int slot = (pos0 + first) % stages, rel = (j0 + first) / G, j = (j0 + first) % G;
       uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
@@ -402,12 +420,19 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           if (cur >= 0) flush(cur);
           cur = rel;
         }
-        mbar_wait(&full[slot], phase);
+        if (timeline && warp == 0) {
+          const unsigned long long w0 = clock64();
+          mbar_wait(&full[slot], phase);
+          ring_wait += clock64() - w0;
+        } else {
+          mbar_wait(&full[slot], phase);
+        }
         item_mma(ring + (size_t)slot * ITEM_BYTES, xs + j * 64, xsum[j], part_, lane, f);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
       }
       if (cur >= 0) flush(cur);
+      if (timeline && threadIdx.x == 0) st[5] = ring_wait;
       consumers_sync();
       if (timeline && threadIdx.x == 0) st[3] = clock64();
       if (n > 0) {
@@ -429,73 +454,64 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t = threadIdx.x; t < GQA * HD; t += NW * 32)
           qf[t] = __ldcg(outs + qkv + (size_t)h * GQA * HD + t) * scale;
         consumers_sync();
-        float mm[GQA], ll[GQA], acc[GQA][4];
-#pragma unroll
-        for (int q = 0; q < GQA; ++q) {
-          mm[q] = -INFINITY, ll[q] = 0.f;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[q][e] = 0.f;
-        }
-        if (s == S - 1 && warp == 0) {  // the current token: warp 0's starting state
+        const int hh = warp % GQA, grp = warp / GQA;  // query head 4 h + hh; page group
+        float mm = -INFINITY, ll = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (s == S - 1 && grp == 0) {  // the current token: group 0's starting state
           const float* kc = outs + qkv + (size_t)hq_n * HD + (size_t)h * HD;
           const float* vc = kc + (size_t)hkv * HD;
           const float4 k4 = __ldcg(reinterpret_cast<const float4*>(kc) + lane);
           const float4 v4 = __ldcg(reinterpret_cast<const float4*>(vc) + lane);
+          const float4 q4 = *reinterpret_cast<const float4*>(qf + hh * HD + 4 * lane);
           // the kernel's K and V are fp16: the current token's too
-          const float kk[4] = {__half2float(__float2half_rn(k4.x)),
-                               __half2float(__float2half_rn(k4.y)),
-                               __half2float(__float2half_rn(k4.z)),
-                               __half2float(__float2half_rn(k4.w))};
-          const float vv[4] = {__half2float(__float2half_rn(v4.x)),
-                               __half2float(__float2half_rn(v4.y)),
-                               __half2float(__float2half_rn(v4.z)),
-                               __half2float(__float2half_rn(v4.w))};
+          float sc = q4.x * __half2float(__float2half_rn(k4.x)) +
+                     q4.y * __half2float(__float2half_rn(k4.y)) +
+                     q4.z * __half2float(__float2half_rn(k4.z)) +
+                     q4.w * __half2float(__float2half_rn(k4.w));
 #pragma unroll
-          for (int q = 0; q < GQA; ++q) {
-            const float4 q4 = *reinterpret_cast<const float4*>(qf + q * HD + 4 * lane);
-            float sc = q4.x * kk[0] + q4.y * kk[1] + q4.z * kk[2] + q4.w * kk[3];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-            mm[q] = sc, ll[q] = 1.f;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[q][e] = vv[e];
-          }
+          for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+          mm = sc, ll = 1.f;
+          acc[0] = __half2float(__float2half_rn(v4.x));
+          acc[1] = __half2float(__float2half_rn(v4.y));
+          acc[2] = __half2float(__float2half_rn(v4.z));
+          acc[3] = __half2float(__float2half_rn(v4.w));
         }
-        // pages: warp w takes the unit's pages w, w + NW, ... (stream positions pos0 + e)
-        const int first = (((warp - pos0) % NW) + NW) % NW;
+        // pages: group g takes the unit's pages g, g + GROUPS, ... (stream positions pos0 + e)
+        const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
         int slot = (pos0 + first) % stages;
         uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
-        for (int e = first; e < npg; e += NW, slot += NW) {
+        unsigned long long page_wait = 0;
+        for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
           if (slot >= stages) slot -= stages, phase ^= 1u;
-          mbar_wait(&full[slot], phase);
-          attend_page(ring + (size_t)slot * ITEM_BYTES, qf, lane, mm, ll, acc);
+          if (timeline && warp == 0) {
+            const unsigned long long w0 = clock64();
+            mbar_wait(&full[slot], phase);
+            page_wait += clock64() - w0;
+          } else {
+            mbar_wait(&full[slot], phase);
+          }
+          attend_page(ring + (size_t)slot * ITEM_BYTES, qf + hh * HD, lane, mm, ll, acc);
           __syncwarp();
-          if (lane == 0)
-            for (int a = 0; a < SPLIT; ++a) mbar_arrive(&empty[slot]);
+          if (lane == 0) mbar_arrive(&empty[slot]);
         }
-        float* mw = merge + warp * ATT_STRIDE;
-#pragma unroll
-        for (int q = 0; q < GQA; ++q) {
-          *reinterpret_cast<float4*>(mw + q * HD + 4 * lane) =
-              make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
-          if (lane == 0) mw[GQA * HD + q] = mm[q], mw[GQA * HD + GQA + q] = ll[q];
-        }
+        if (timeline && threadIdx.x == 0) st[5] = page_wait;
+        float* mw = merge + (grp * GQA + hh) * (HD + 2);  // [group][head][acc 128, m, l]
+        *reinterpret_cast<float4*>(mw + 4 * lane) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        if (lane == 0) mw[HD] = mm, mw[HD + 1] = ll;
         consumers_sync();
         if (timeline && threadIdx.x == 0) st[3] = clock64();
         float* pu = part + m[5] + (size_t)c * ATT_STRIDE;
         for (int t = threadIdx.x; t < GQA * HD; t += NW * 32) {
-          const int q = t / HD;
+          const int q = t / HD, d = t % HD;
           float M = -INFINITY;
-          for (int w = 0; w < NW; ++w) M = fmaxf(M, merge[w * ATT_STRIDE + GQA * HD + q]);
+          for (int g2 = 0; g2 < GROUPS; ++g2) M = fmaxf(M, merge[(g2 * GQA + q) * (HD + 2) + HD]);
           float A = 0.f, L = 0.f;
-          for (int w = 0; w < NW; ++w) {
-            const float* mw2 = merge + w * ATT_STRIDE;
-            const float mq = mw2[GQA * HD + q];
-            const float e = mq == -INFINITY ? 0.f : __expf(mq - M);
-            A += e * mw2[t], L += e * mw2[GQA * HD + GQA + q];
+          for (int g2 = 0; g2 < GROUPS; ++g2) {
+            const float* mw2 = merge + (g2 * GQA + q) * (HD + 2);
+            const float e = mw2[HD] == -INFINITY ? 0.f : __expf(mw2[HD] - M);
+            A += e * mw2[d], L += e * mw2[HD + 1];
           }
           pu[t] = A;
-          if (t % HD == 0) pu[GQA * HD + q] = M, pu[GQA * HD + GQA + q] = L;
+          if (d == 0) pu[GQA * HD + q] = M, pu[GQA * HD + GQA + q] = L;
         }
       } else if (timeline && threadIdx.x == 0) {
         st[3] = clock64();
@@ -504,19 +520,20 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     pos0 += n_streamed;
     consumers_sync();
     if (threadIdx.x == 0) red_release_add(counter, 1u);
-    if (timeline && threadIdx.x == 0) st[4] = clock64(), st[7] = gtimer(), st[5] = 0;
+    if (timeline && threadIdx.x == 0) st[4] = clock64(), st[7] = gtimer();
   }
 }
 
 static size_t smem_bytes(int stages) {
   return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
-         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + NW * ATT_STRIDE) * sizeof(float) +
+         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW) *
+             sizeof(float) +
          2 * stages * sizeof(uint64_t);
 }
 
 extern "C" {
-// 0: launched; -2: stages not a multiple of NW (attention pages go one a warp: a slot must
-// keep one owner in every phase, see gemv_chain_ring.cu's launch()); 1000 + e: setting the
+// 0: launched; -2: stages not a multiple of the 4 consumer groups (a slot must keep one owner,
+// see gemv_chain_ring.cu's launch()); 1000 + e: setting the
 // shared-memory limit failed (cudaError_t e); 2000 + e: the launch failed. flags: 1 wait at
 // the grid barriers; 8 timeline into stamps (8 u64 per phase and CTA: clock64 at the start,
 // after the barrier, inputs ready, work done, arrived; 0; globaltimer after the barrier and
@@ -525,7 +542,7 @@ int step_launch(const void* items, const void* meta, const void* kcache, const v
                 const void* block_table, long long capacity, const void* x0, void* outs,
                 void* part, void* counter, int n_phase, int ctas, int stages, int flags,
                 void* stamps, void* stream) {
-  if (stages % NW != 0) return -2;
+  if (stages % GROUPS != 0) return -2;
   size_t smem = smem_bytes(stages);
   cudaError_t e = cudaFuncSetAttribute(step_ring, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)smem);
