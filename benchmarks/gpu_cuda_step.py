@@ -150,14 +150,14 @@ def launch(so, st, outs, part, counter, ctas, stages, flags, stream, stamps=None
 X0: list[torch.Tensor] = []
 
 
-def check(so, st, ctas, stages, stream) -> dict:
+def check(so, st, ctas, stages, stream, flags=1) -> dict:
     phases, meta, items, kc, vc, table, n_out = st
     dev = items.device
     x0 = X0[0]
     outs = torch.zeros(n_out, dtype=torch.float32, device=dev)
     part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    launch(so, st, outs, part, counter, ctas, stages, 1, stream)
+    launch(so, st, outs, part, counter, ctas, stages, flags, stream)
     torch.cuda.synchronize()
     worst: dict[str, float] = {}
     for i, ph in enumerate(phases):
@@ -206,14 +206,14 @@ def time_step(so, st, ctas, stages, flags, stream, reps) -> float:
     return ev[0].elapsed_time(ev[1]) / reps
 
 
-def timeline(so, st, ctas, stages, stream) -> dict:
+def timeline(so, st, ctas, stages, stream, flags=1) -> dict:
     phases = st[0]
     dev = st[2].device
     outs = torch.zeros(st[6], dtype=torch.float32, device=dev)
     part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    stamps = torch.zeros(len(phases), ctas, 8, dtype=torch.int64, device=dev)
-    launch(so, st, outs, part, counter, ctas, stages, 1 | 8, stream, stamps)
+    stamps = torch.zeros(len(phases), ctas, 12, dtype=torch.int64, device=dev)
+    launch(so, st, outs, part, counter, ctas, stages, flags | 8, stream, stamps)
     torch.cuda.synchronize()
     s = stamps.cpu().double()
     ghz = (s[-1, :, 4] - s[0, :, 1]) / (s[-1, :, 7] - s[0, :, 6])
@@ -233,6 +233,15 @@ def timeline(so, st, ctas, stages, stream) -> dict:
         for k, t in ph.items():
             row[k] = t[idx].mean().item()
         row["work_max"] = ph["work"][idx].max(dim=1).values.mean().item()
+        if kind == "attn":  # the units' CTAs (8 x 16): q load, warp 0's page math, merge
+            u = slice(0, HKV * SPLITS)
+            sa = s[idx][:, u]
+            g = ghz[u]
+            row["q_load"] = ((sa[:, :, 8] - sa[:, :, 2]) / g / 1e3).mean().item()
+            row["page_math_w0"] = (sa[:, :, 9] / g / 1e3).mean().item()
+            row["page_wait_w0"] = (sa[:, :, 5] / g / 1e3).mean().item()
+            row["loop_w0"] = ((sa[:, :, 10] - sa[:, :, 8]) / g / 1e3).mean().item()
+            row["merge"] = ((sa[:, :, 3] - sa[:, :, 10]) / g / 1e3).mean().item()
         res["kinds"][kind] = row
     return res
 
@@ -243,7 +252,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--keys", type=int, nargs="+", default=[4608],
                     help="keys a KV head and layer (each a multiple of 256)")
-    ap.add_argument("--stages", type=int, default=16, help="ring slots (a multiple of 16)")
+    ap.add_argument("--stages", type=int, default=16, help="ring slots (a multiple of 4)")
+    ap.add_argument("--timeline-flags", type=int, default=1,
+                    help="flags of the timeline run (1, or 17: o's x load in one round)")
+    ap.add_argument("--check-flags", type=int, nargs="+", default=[1],
+                    help="flag sets the step is checked with (1, 17)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     ctas = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -258,21 +271,27 @@ def main() -> None:
         st = make_step(dev, keys)
         weight_bytes = st[2].numel() * 4
         kv_bytes = 2 * LAYERS * HKV * keys * HD * 2
-        c = check(so, st, ctas, a.stages, stream)
-        errs = " ".join(f"{k} {e:.1e}" for k, e in c["max_rel_err"].items())
-        bad = max(c["max_rel_err"].values()) > 1e-2 or not c["finite"] or \
-            c["counter"] != c["expected_counter"]
-        print(f"keys {keys}: check {errs} finite {c['finite']} counter {c['counter']}/"
-              f"{c['expected_counter']}{'  FAILED' if bad else ''}", flush=True)
-        row = {"keys": keys, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "check": c}
+        row = {"keys": keys, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "checks": []}
+        bad = False
+        for cf in a.check_flags:
+            c = check(so, st, ctas, a.stages, stream, cf)
+            errs = " ".join(f"{k} {e:.1e}" for k, e in c["max_rel_err"].items())
+            fail = max(c["max_rel_err"].values()) > 1e-2 or not c["finite"] or \
+                c["counter"] != c["expected_counter"]
+            print(f"keys {keys} flags {cf}: check {errs} finite {c['finite']} counter "
+                  f"{c['counter']}/{c['expected_counter']}{'  FAILED' if fail else ''}",
+                  flush=True)
+            row["checks"].append(dict(c, flags=cf))
+            bad = bad or fail
         if not bad:
-            for flags, what in ((1, "barriers on"), (0, "barriers off (floor, wrong values)")):
+            for flags, what in ((1, "barriers on"), (17, "barriers on, o's x in one round"),
+                                (0, "barriers off (floor, wrong values)")):
                 ms = time_step(so, st, ctas, a.stages, flags, stream, a.reps)
                 row[f"ms_flags{flags}"] = ms
                 print(f"keys {keys}: step {what}: {ms:.3f} ms, "
                       f"{(weight_bytes + kv_bytes) / ms / 1e9:.2f} TB/s of weights + KV "
                       f"({(weight_bytes + kv_bytes) / 1e9:.3f} GB)", flush=True)
-            tl = timeline(so, st, ctas, a.stages, stream)
+            tl = timeline(so, st, ctas, a.stages, stream, a.timeline_flags)
             row["timeline"] = tl
             print(f"  timeline: {tl['total_us']:.0f} us at {tl['ghz']:.2f} GHz; us a phase "
                   f"(mean over layers; CTA parts mean over CTAs)", flush=True)
@@ -282,6 +301,10 @@ def main() -> None:
                 print(f"  {kind:<8} {r['crit']:6.2f} {r['wait']:6.2f} {r['in']:6.2f} "
                       f"{r['work']:6.2f} {r['work_max']:6.2f} {r['ring']:6.2f} {r['out']:6.2f} "
                       f"{r['n']:4d} {r['crit'] * r['n']:7.1f}", flush=True)
+            at = tl["kinds"]["attn"]
+            print(f"  attn units: q load {at['q_load']:.2f}, warp 0's page loop "
+                  f"{at['loop_w0']:.2f} (page math {at['page_math_w0']:.2f}, waits "
+                  f"{at['page_wait_w0']:.2f}), merge {at['merge']:.2f} us", flush=True)
         result["rows"].append(row)
         del st
         torch.cuda.empty_cache()

@@ -45,6 +45,7 @@
 #define GQA 4       // query heads a KV head
 #define PAGE 16     // tokens a page
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc[4][128], m[4], l[4]
+#define NSTAMP 12  // timeline entries a phase and CTA (step_launch says which)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   int pos0 = 0;  // items and pages streamed to this CTA before the current phase
   for (int ph = 0; ph < n_phase; ++ph) {
     const long long* m = meta + ph * META;
-    unsigned long long* st = stamps + ((size_t)ph * P + c) * 8;
+    unsigned long long* st = stamps + ((size_t)ph * P + c) * NSTAMP;
     if (timeline && threadIdx.x == 0) st[0] = clock64(), st[5] = 0;
     if (ph > 0 && wait_barrier && threadIdx.x == 0) {
       const unsigned target = (unsigned)(ph * P);
@@ -300,7 +301,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
         const int npairs = ngrp * 64;
-        if (xform == 2) {  // attention: each used head's split weights exp(m_s - M) / L
+        const bool one_round = flags & 16;
+        if (xform == 2 && !one_round) {  // attention: each used head's weights exp(m_s - M) / L
           const int S = 16;
           for (int q = warp; q < ngrp; q += NW) {
             const int hq = all ? q : (j0 + q) % G;
@@ -361,11 +363,33 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               const float* pp = part + in_off + (size_t)((hq / GQA) * 16) * ATT_STRIDE +
                                 (hq % GQA) * HD + d;
               f0 = f1 = 0.f;
+              if (one_round) {  // every load at once: m, l and this pair of all 16 splits
+                const float* pml = pp - (hq % GQA) * HD - d + GQA * HD + hq % GQA;
+                float2 a[16];
+                float ms[16], ls[16];
 #pragma unroll
-              for (int s = 0; s < 16; ++s) {
-                const float2 a = __ldcg(reinterpret_cast<const float2*>(pp + s * ATT_STRIDE));
-                const float w = wts[hq * 16 + s];
-                f0 += w * a.x, f1 += w * a.y;
+                for (int s = 0; s < 16; ++s) {
+                  a[s] = __ldcg(reinterpret_cast<const float2*>(pp + s * ATT_STRIDE));
+                  ms[s] = __ldcg(pml + s * ATT_STRIDE);
+                  ls[s] = __ldcg(pml + s * ATT_STRIDE + GQA);
+                }
+                float M = ms[0];
+#pragma unroll
+                for (int s = 1; s < 16; ++s) M = fmaxf(M, ms[s]);
+                float L = 0.f;
+#pragma unroll
+                for (int s = 0; s < 16; ++s) {
+                  const float e = __expf(ms[s] - M);
+                  L += e * ls[s], f0 += e * a[s].x, f1 += e * a[s].y;
+                }
+                f0 /= L, f1 /= L;
+              } else {
+#pragma unroll
+                for (int s = 0; s < 16; ++s) {
+                  const float2 a = __ldcg(reinterpret_cast<const float2*>(pp + s * ATT_STRIDE));
+                  const float w = wts[hq * 16 + s];
+                  f0 += w * a.x, f1 += w * a.y;
+                }
               }
             } else {
               const float2 gv = __ldcg(reinterpret_cast<const float2*>(src) + kp);
@@ -454,6 +478,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t = threadIdx.x; t < GQA * HD; t += NW * 32)
           qf[t] = __ldcg(outs + qkv + (size_t)h * GQA * HD + t) * scale;
         consumers_sync();
+        if (timeline && threadIdx.x == 0) st[8] = clock64();
         const int hh = warp % GQA, grp = warp / GQA;  // query head 4 h + hh; page group
         float mm = -INFINITY, ll = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (s == S - 1 && grp == 0) {  // the current token: group 0's starting state
@@ -470,6 +495,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
           mm = sc, ll = 1.f;
+          if (timeline && threadIdx.x == 0) st[11] = clock64();
           acc[0] = __half2float(__float2half_rn(v4.x));
           acc[1] = __half2float(__float2half_rn(v4.y));
           acc[2] = __half2float(__float2half_rn(v4.z));
@@ -479,7 +505,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
         int slot = (pos0 + first) % stages;
         uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
-        unsigned long long page_wait = 0;
+        unsigned long long page_wait = 0, page_math = 0;
         for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
           if (slot >= stages) slot -= stages, phase ^= 1u;
           if (timeline && warp == 0) {
@@ -489,11 +515,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           } else {
             mbar_wait(&full[slot], phase);
           }
+          const unsigned long long a0 = timeline && warp == 0 ? clock64() : 0ull;
           attend_page(ring + (size_t)slot * ITEM_BYTES, qf + hh * HD, lane, mm, ll, acc);
           __syncwarp();
+          if (timeline && warp == 0) page_math += clock64() - a0;
           if (lane == 0) mbar_arrive(&empty[slot]);
         }
-        if (timeline && threadIdx.x == 0) st[5] = page_wait;
+        if (timeline && threadIdx.x == 0) st[5] = page_wait, st[9] = page_math, st[10] = clock64();
         float* mw = merge + (grp * GQA + hh) * (HD + 2);  // [group][head][acc 128, m, l]
         *reinterpret_cast<float4*>(mw + 4 * lane) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         if (lane == 0) mw[HD] = mm, mw[HD + 1] = ll;
@@ -535,9 +563,12 @@ extern "C" {
 // 0: launched; -2: stages not a multiple of the 4 consumer groups (a slot must keep one owner,
 // see gemv_chain_ring.cu's launch()); 1000 + e: setting the
 // shared-memory limit failed (cudaError_t e); 2000 + e: the launch failed. flags: 1 wait at
-// the grid barriers; 8 timeline into stamps (8 u64 per phase and CTA: clock64 at the start,
-// after the barrier, inputs ready, work done, arrived; 0; globaltimer after the barrier and
-// after the arrival).
+// the grid barriers; 8 timeline into stamps (NSTAMP u64 per phase and CTA: [0-4] clock64 at
+// the start, after the barrier, inputs ready, work done, arrived; [5] warp 0's cycles waiting
+// for ring slots or pages; [6], [7] globaltimer after the barrier and after the arrival;
+// attention only: [8] clock64 after the q load, [9] warp 0's cycles in attend_page, [10]
+// clock64 after warp 0's page loop, [11] after the current token's score (last split));
+// 16 the o GEMV's x load combines the attention partials in one round of loads.
 int step_launch(const void* items, const void* meta, const void* kcache, const void* vcache,
                 const void* block_table, long long capacity, const void* x0, void* outs,
                 void* part, void* counter, int n_phase, int ctas, int stages, int flags,
