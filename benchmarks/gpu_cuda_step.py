@@ -253,10 +253,14 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[4608],
                     help="keys a KV head and layer (each a multiple of 256)")
     ap.add_argument("--stages", type=int, default=16, help="ring slots (a multiple of 4)")
-    ap.add_argument("--timeline-flags", type=int, default=1,
-                    help="flags of the timeline run (1, or 17: o's x load in one round)")
+    ap.add_argument("--timeline-flags", type=int, nargs="+", default=[1],
+                    help="flag sets of the timeline runs (1; 16: o's x load in one round; 32: "
+                         "mma attention)")
     ap.add_argument("--check-flags", type=int, nargs="+", default=[1],
-                    help="flag sets the step is checked with (1, 17)")
+                    help="flag sets the step is checked with")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 33, 0],
+                    help="flag sets to time (1 barriers, 16 o's x in one round, 32 mma "
+                         "attention; 0 no barriers: a floor with wrong values)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     ctas = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -284,27 +288,30 @@ def main() -> None:
             row["checks"].append(dict(c, flags=cf))
             bad = bad or fail
         if not bad:
-            for flags, what in ((1, "barriers on"), (17, "barriers on, o's x in one round"),
-                                (0, "barriers off (floor, wrong values)")):
+            for flags in a.rows:
+                what = ("barriers on" if flags & 1 else "barriers off (floor, wrong values)") + \
+                    (", o's x in one round" if flags & 16 else "") + \
+                    (", mma attention" if flags & 32 else "")
                 ms = time_step(so, st, ctas, a.stages, flags, stream, a.reps)
                 row[f"ms_flags{flags}"] = ms
                 print(f"keys {keys}: step {what}: {ms:.3f} ms, "
                       f"{(weight_bytes + kv_bytes) / ms / 1e9:.2f} TB/s of weights + KV "
                       f"({(weight_bytes + kv_bytes) / 1e9:.3f} GB)", flush=True)
-            tl = timeline(so, st, ctas, a.stages, stream, a.timeline_flags)
-            row["timeline"] = tl
-            print(f"  timeline: {tl['total_us']:.0f} us at {tl['ghz']:.2f} GHz; us a phase "
-                  f"(mean over layers; CTA parts mean over CTAs)", flush=True)
-            print(f"  {'kind':<8} {'crit':>6} {'wait':>6} {'in':>6} {'work':>6} {'max':>6} "
-                  f"{'ring':>6} {'out':>6} {'x n':>4} {'sum':>7}", flush=True)
-            for kind, r in tl["kinds"].items():
-                print(f"  {kind:<8} {r['crit']:6.2f} {r['wait']:6.2f} {r['in']:6.2f} "
-                      f"{r['work']:6.2f} {r['work_max']:6.2f} {r['ring']:6.2f} {r['out']:6.2f} "
-                      f"{r['n']:4d} {r['crit'] * r['n']:7.1f}", flush=True)
-            at = tl["kinds"]["attn"]
-            print(f"  attn units: q load {at['q_load']:.2f}, warp 0's page loop "
-                  f"{at['loop_w0']:.2f} (page math {at['page_math_w0']:.2f}, waits "
-                  f"{at['page_wait_w0']:.2f}), merge {at['merge']:.2f} us", flush=True)
+            for tf in a.timeline_flags:
+                tl = timeline(so, st, ctas, a.stages, stream, tf)
+                row.setdefault("timelines", []).append(dict(tl, flags=tf))
+                print(f"  timeline (flags {tf}): {tl['total_us']:.0f} us at {tl['ghz']:.2f} GHz; "
+                      f"us a phase (mean over layers; CTA parts mean over CTAs)", flush=True)
+                print(f"  {'kind':<8} {'crit':>6} {'wait':>6} {'in':>6} {'work':>6} {'max':>6} "
+                      f"{'ring':>6} {'out':>6} {'x n':>4} {'sum':>7}", flush=True)
+                for kind, r in tl["kinds"].items():
+                    print(f"  {kind:<8} {r['crit']:6.2f} {r['wait']:6.2f} {r['in']:6.2f} "
+                          f"{r['work']:6.2f} {r['work_max']:6.2f} {r['ring']:6.2f} {r['out']:6.2f} "
+                          f"{r['n']:4d} {r['crit'] * r['n']:7.1f}", flush=True)
+                at = tl["kinds"]["attn"]
+                print(f"  attn units: q load {at['q_load']:.2f}, warp 0's page loop "
+                      f"{at['loop_w0']:.2f} (page math {at['page_math_w0']:.2f}, waits "
+                      f"{at['page_wait_w0']:.2f}), merge {at['merge']:.2f} us", flush=True)
         result["rows"].append(row)
         del st
         torch.cuda.empty_cache()

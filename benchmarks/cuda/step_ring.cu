@@ -204,6 +204,141 @@ __device__ __forceinline__ void attend_page(const uint8_t* pg, const float* q, i
   acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
 }
 
+// ---- Attention with mma.sync (flag 32). The 4 query heads are rows 0-3 of the m16 tiles
+// (rows 4-15 zero). Page slot layout: K [16 keys][128] fp16 (4096 B, as in the cache), then
+// V rows padded to 272 B (16 copies of 256 B; ldmatrix.trans reads 8 keys' rows of one dim
+// chunk, which would all hit the same banks at a 256-B stride).
+// q.K: the dims are visited in a permuted order (the same for q and every key, so the dot
+// products are unchanged): in K tile s lane (g, t) holds words w(s, t) = 16 t + 2 s (b0 / a0)
+// and 16 t + 2 s + 1 (b1 / a2) of a 64-word row, so its 16 words of a key row are contiguous
+// (4 LDS.128, chunk c = K tiles 2c, 2c+1), read in the rotated order c = (i + f) & 3,
+// f = (t >> 1) + 2 (g & 1), which spreads every quarter warp over all 32 banks. The q
+// fragments are staged once per unit in qfrag [lane][4 chunks][4 words] (chunk c of lane L at
+// word 16 L + 4 ((c + (L >> 1)) & 3): conflict-free LDS.128 too).
+// P.V: the q.K accumulators (row g = head, keys 2t, 2t+1 of each n tile) are P's A fragment
+// as they are (FA2's register reuse); V's B fragments come from ldmatrix.x4.trans. A warp of
+// a group computes q.K for the whole page (all 4 warps the same) and P.V for its 32 dims.
+#define VROW 272
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+// o[4][4]: this warp's 4 n tiles (dims d0 + 8 j + 2 t, +1 in o[j][0], o[j][1]; rows g + 8 in
+// o[j][2..3] are unused); m, l of head g (lanes g < 4; the other lanes carry junk rows).
+__device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_t* qfrag,
+                                                int lane, int d0, float& m, float& l,
+                                                float (*o)[4]) {
+  const uint32_t* K = reinterpret_cast<const uint32_t*>(pg);
+  const int g = lane >> 2, t = lane & 3, f = (t >> 1) + 2 * (g & 1);
+  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};  // keys 0-7, 8-15
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = (i + f) & 3;
+    const uint4 qa =
+        *reinterpret_cast<const uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3));
+    const uint4 k0 = *reinterpret_cast<const uint4*>(K + g * 64 + 16 * t + 4 * c);
+    const uint4 k1 = *reinterpret_cast<const uint4*>(K + (g + 8) * 64 + 16 * t + 4 * c);
+    const uint32_t a01[4] = {qa.x, 0u, qa.y, 0u}, a23[4] = {qa.z, 0u, qa.w, 0u};
+    mma16816(s0, a01, k0.x, k0.y);
+    mma16816(s0, a23, k0.z, k0.w);
+    mma16816(s1, a01, k1.x, k1.y);
+    mma16816(s1, a23, k1.z, k1.w);
+  }
+  float mx = fmaxf(fmaxf(s0[0], s0[1]), fmaxf(s1[0], s1[1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mn = fmaxf(m, mx);
+  const float corr = __expf(m - mn);
+  const float p00 = __expf(s0[0] - mn), p01 = __expf(s0[1] - mn);
+  const float p10 = __expf(s1[0] - mn), p11 = __expf(s1[1] - mn);
+  float ps = (p00 + p01) + (p10 + p11);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+  l = l * corr + ps;
+  m = mn;
+  const uint32_t pa[4] = {pack_half2(p00, p01), 0u, pack_half2(p10, p11), 0u};
+  const uint8_t* V = pg + PAGE * HD * 2;
+  const int key = (lane & 7) + 8 * ((lane >> 3) & 1), chunk = lane >> 4;
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj) {
+    uint32_t b[4];
+    ldsm_x4_trans(b, V + key * VROW + (d0 + 16 * jj + 8 * chunk) * 2);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o[2 * jj][q] *= corr, o[2 * jj + 1][q] *= corr;
+    mma16816(o[2 * jj], pa, b[0], b[1]);
+    mma16816(o[2 * jj + 1], pa, b[2], b[3]);
+  }
+}
+
+// One attention unit with mma.sync (flag 32): this warp's share, then its states into merge
+// ([group][head][acc 128, m, l], as the FMA path writes them).
+__device__ __forceinline__ void attention_unit_mma(
+    uint8_t* ring, uint64_t* full, uint64_t* empty, const float* qf, uint32_t* qfrag,
+    float* merge, const float* outs, long long qkv, int hq_n, int hkv, int h, bool last,
+    int npg, int pos0, int stages, int warp, int lane, bool timeline, unsigned long long* st) {
+  const int grp = warp / GQA, qd = warp % GQA, d0 = 32 * qd, g = lane >> 2, t = lane & 3;
+  if (warp == 0) {  // q fragments (fp16), chunk c of lane L at 16 L + 4 ((c + (L >> 1)) & 3)
+    for (int c = 0; c < 4; ++c) {
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // e: a0(2c), a2(2c), a0(2c+1), a2(2c+1)
+        const int ks = 2 * c + (e >> 1), d = 32 * t + 4 * ks + 2 * (e & 1);
+        w[e] = g < GQA ? pack_half2(qf[g * HD + d], qf[g * HD + d + 1]) : 0u;
+      }
+      *reinterpret_cast<uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3)) =
+          make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  consumers_sync();
+  float m = -INFINITY, l = 0.f, o[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  if (last && grp == 0) {  // the current token: group 0's starting state
+    const float* kc = outs + qkv + (size_t)hq_n * HD + (size_t)h * HD;
+    const float* vc = kc + (size_t)hkv * HD;
+    float sc = 0.f;  // head g, dims 32 t .. 32 t + 31 (lanes g < 4)
+    if (g < GQA) {
+#pragma unroll 8
+      for (int d = 32 * t; d < 32 * t + 32; ++d)
+        sc += qf[g * HD + d] * __half2float(__float2half_rn(__ldcg(kc + d)));
+    }
+    sc += __shfl_xor_sync(0xffffffffu, sc, 1);
+    sc += __shfl_xor_sync(0xffffffffu, sc, 2);
+    m = sc, l = 1.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o[j][0] = __half2float(__float2half_rn(__ldcg(vc + d0 + 8 * j + 2 * t)));
+      o[j][1] = __half2float(__float2half_rn(__ldcg(vc + d0 + 8 * j + 2 * t + 1)));
+    }
+  }
+  const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
+  int slot = (pos0 + first) % stages;
+  uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
+  unsigned long long page_wait = 0, page_math = 0;
+  for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
+    if (slot >= stages) slot -= stages, phase ^= 1u;
+    const unsigned long long w0 = timeline && warp == 0 ? clock64() : 0ull;
+    warp_wait(&full[slot], phase);
+    const unsigned long long a0 = timeline && warp == 0 ? clock64() : 0ull;
+    attend_page_mma(ring + (size_t)slot * ITEM_BYTES, qfrag, lane, d0, m, l, o);
+    __syncwarp();
+    if (timeline && warp == 0) page_wait += a0 - w0, page_math += clock64() - a0;
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+  if (timeline && threadIdx.x == 0) st[5] = page_wait, st[9] = page_math, st[10] = clock64();
+  if (g < GQA) {
+    float* mw = merge + (grp * GQA + g) * (HD + 2);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<float2*>(mw + d0 + 8 * j + 2 * t) = make_float2(o[j][0], o[j][1]);
+    if (qd == 0 && t == 0) mw[HD] = m, mw[HD + 1] = l;
+  }
+}
+
 // Phase metadata (META int64 each):
 //   GEMV: [0] 0, [1] K, [2] N, [3] G, [4] T, [5] item base, [6] out offset (floats of outs),
 //         [7] xform (0: x0 + f / 2 with f = outs[in..]; 1: f = silu(g) u of outs[in..];
@@ -226,7 +361,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   float* qf = wts + 32 * 16;                               // [4][128] q of the unit's heads
   float* merge = qf + GQA * HD;                            // [GROUPS][4][130] states
   float* ssum = merge + GROUPS * ATT_STRIDE;                // [NW] the norm's warp sums
-  uint64_t* full = reinterpret_cast<uint64_t*>(ssum + NW);
+  uint32_t* qfrag = reinterpret_cast<uint32_t*>(ssum + NW);  // [32 lanes][16] (flag 32)
+  uint64_t* full = reinterpret_cast<uint64_t*>(qfrag + 512);
   uint64_t* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
@@ -239,7 +375,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   }
   for (int t = threadIdx.x; t < RED_TILES * 128; t += blockDim.x) red[t] = 0.f;
   __syncthreads();
-  const bool wait_barrier = flags & 1, timeline = flags & 8;
+  const bool wait_barrier = flags & 1, timeline = flags & 8, mma_attention = flags & 32;
 
   if (warp == NW) {  // producer: the CTA's weight items and KV pages of every phase, in order
     if (lane == 0) {
@@ -273,7 +409,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               uint8_t* dst = next();
               mbar_arrive_tx(&full[slot], 2 * PAGE * HD * 2);
               bulk_g2s(dst, kcache + off, PAGE * HD * 2, &full[slot]);
-              bulk_g2s(dst + PAGE * HD * 2, vcache + off, PAGE * HD * 2, &full[slot]);
+              if (mma_attention) {  // V rows at a 272-byte stride (see attend_page_mma)
+                for (int r = 0; r < PAGE; ++r)
+                  bulk_g2s(dst + PAGE * HD * 2 + r * VROW, vcache + off + r * HD, HD * 2,
+                           &full[slot]);
+              } else {
+                bulk_g2s(dst + PAGE * HD * 2, vcache + off, PAGE * HD * 2, &full[slot]);
+              }
               advance();
             }
           }
@@ -487,6 +629,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         consumers_sync();
         if (timeline && threadIdx.x == 0) st[8] = clock64();
         const int hh = warp % GQA, grp = warp / GQA;  // query head 4 h + hh; page group
+        if (mma_attention) {
+          attention_unit_mma(ring, full, empty, qf, qfrag, merge, outs, qkv, hq_n, hkv, h,
+                             s == S - 1, npg, pos0, stages, warp, lane, timeline, st);
+        } else {
         float mm = -INFINITY, ll = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (s == S - 1 && grp == 0) {  // the current token: group 0's starting state
           const float* kc = outs + qkv + (size_t)hq_n * HD + (size_t)h * HD;
@@ -532,6 +678,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         float* mw = merge + (grp * GQA + hh) * (HD + 2);  // [group][head][acc 128, m, l]
         *reinterpret_cast<float4*>(mw + 4 * lane) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         if (lane == 0) mw[HD] = mm, mw[HD + 1] = ll;
+        }
         consumers_sync();
         if (timeline && threadIdx.x == 0) st[3] = clock64();
         float* pu = part + m[5] + (size_t)c * ATT_STRIDE;
@@ -561,7 +708,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 
 static size_t smem_bytes(int stages) {
   return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
-         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW) *
+         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW + 512) *
              sizeof(float) +
          2 * stages * sizeof(uint64_t);
 }
@@ -575,7 +722,8 @@ extern "C" {
 // for ring slots or pages; [6], [7] globaltimer after the barrier and after the arrival;
 // attention only: [8] clock64 after the q load, [9] warp 0's cycles in attend_page, [10]
 // clock64 after warp 0's page loop, [11] after the current token's score (last split));
-// 16 the o GEMV's x load combines the attention partials in one round of loads.
+// 16 the o GEMV's x load combines the attention partials in one round of loads; 32 the
+// attention math with mma.sync (attend_page_mma) instead of fp32 FMAs.
 int step_launch(const void* items, const void* meta, const void* kcache, const void* vcache,
                 const void* block_table, long long capacity, const void* x0, void* outs,
                 void* part, void* counter, int n_phase, int ctas, int stages, int flags,
