@@ -211,8 +211,9 @@ __device__ __forceinline__ void attend_page(const uint8_t* pg, const float* q, i
 // q.K: the dims are visited in a permuted order (the same for q and every key, so the dot
 // products are unchanged): in K tile s lane (g, t) holds words w(s, t) = 16 t + 2 s (b0 / a0)
 // and 16 t + 2 s + 1 (b1 / a2) of a 64-word row, so its 16 words of a key row are contiguous
-// (4 LDS.128, chunk c = K tiles 2c, 2c+1), read in the rotated order c = (i + f) & 3,
-// f = (t >> 1) + 2 (g & 1), which spreads every quarter warp over all 32 banks. The q
+// (4 LDS.128, chunk c = K tiles 2c, 2c+1), read in the rotated order c = (i + (t >> 1)) & 3
+// (2-way bank conflicts between keys g and g + 1; a rotation by g would break the mma's
+// pairing of A and B lanes). The q
 // fragments are staged once per unit in qfrag [lane][4 chunks][4 words] (chunk c of lane L at
 // word 16 L + 4 ((c + (L >> 1)) & 3): conflict-free LDS.128 too).
 // P.V: the q.K accumulators (row g = head, keys 2t, 2t+1 of each n tile) are P's A fragment
@@ -233,7 +234,9 @@ __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_
                                                 int lane, int d0, float& m, float& l,
                                                 float (*o)[4]) {
   const uint32_t* K = reinterpret_cast<const uint32_t*>(pg);
-  const int g = lane >> 2, t = lane & 3, f = (t >> 1) + 2 * (g & 1);
+  // the chunk order may depend on t only: an mma pairs lane (g, t)'s A with lane (g', t)'s
+  // B, so both must hold the same dims (run 109 rotated by g too: wrong scores)
+  const int g = lane >> 2, t = lane & 3, f = t >> 1;
   float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};  // keys 0-7, 8-15
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
