@@ -112,7 +112,17 @@ def make_step(dev, keys: int):
     vc = torch.randn(LAYERS, capacity, HKV, PAGE, HD, device=dev, generator=gen).half()
     table = torch.randperm(capacity, device=dev, generator=gen)[:keys // PAGE].int()
     return (phases, torch.tensor(meta, dtype=torch.int64, device=dev), items, kc, vc, table,
-            out_off)
+            out_off, swizzle_v(vc))
+
+
+def swizzle_v(vc: torch.Tensor) -> torch.Tensor:
+    """The V cache as the mma attention (flag 32) reads it: in each page row r (a key) the
+    16-byte chunk j (dims 8 j .. 8 j + 7) is stored at position j ^ (r & 7)."""
+    r = torch.arange(PAGE, device=vc.device).view(PAGE, 1)
+    src = torch.arange(HD // 8, device=vc.device).view(1, HD // 8) ^ (r & 7)  # [row, position]
+    v = vc.view(*vc.shape[:-1], HD // 8, 8)
+    idx = src.view(1, 1, 1, PAGE, HD // 8, 1).expand(*v.shape)
+    return torch.gather(v, -2, idx).view(vc.shape)
 
 
 def attention_out(part_l: torch.Tensor) -> torch.Tensor:
@@ -137,7 +147,9 @@ def attention_ref(qkv: torch.Tensor, kc_l, vc_l, table) -> torch.Tensor:
 
 
 def launch(so, st, outs, part, counter, ctas, stages, flags, stream, stamps=None):
-    phases, meta, items, kc, vc, table, _ = st
+    phases, meta, items, kc, vc, table, _, vc_swizzled = st
+    if flags & 32:
+        vc = vc_swizzled
     e = so.step_launch(items.data_ptr(), meta.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                        table.data_ptr(), kc.shape[1], X0[0].data_ptr(), outs.data_ptr(),
                        part.data_ptr(), counter.data_ptr(), len(phases), ctas, stages, flags,
@@ -151,7 +163,7 @@ X0: list[torch.Tensor] = []
 
 
 def check(so, st, ctas, stages, stream, flags=1) -> dict:
-    phases, meta, items, kc, vc, table, n_out = st
+    phases, meta, items, kc, vc, table, n_out, _ = st
     dev = items.device
     x0 = X0[0]
     outs = torch.zeros(n_out, dtype=torch.float32, device=dev)

@@ -205,9 +205,11 @@ __device__ __forceinline__ void attend_page(const uint8_t* pg, const float* q, i
 }
 
 // ---- Attention with mma.sync (flag 32). The 4 query heads are rows 0-3 of the m16 tiles
-// (rows 4-15 zero). Page slot layout: K [16 keys][128] fp16 (4096 B, as in the cache), then
-// V rows padded to 272 B (16 copies of 256 B; ldmatrix.trans reads 8 keys' rows of one dim
-// chunk, which would all hit the same banks at a 256-B stride).
+// (rows 4-15 zero). Page slot layout: K [16 keys][128] fp16, then V [16 keys][128] fp16 with
+// its 16-byte chunks swizzled IN THE CACHE (chunk j of key row r stored at j ^ (r & 7)): the
+// kernel owns the cache layout, and ldmatrix.trans reads 8 keys' rows of one dim chunk, which
+// would all hit the same banks at a 256-B stride. (Run 110 padded the rows in shared memory
+// instead, with 16 bulk copies of 256 B a page: the page stream slowed by ~3 us a layer.)
 // q.K: the dims are visited in a permuted order (the same for q and every key, so the dot
 // products are unchanged): in K tile s lane (g, t) holds words w(s, t) = 16 t + 2 s (b0 / a0)
 // and 16 t + 2 s + 1 (b1 / a2) of a 64-word row, so its 16 words of a key row are contiguous
@@ -219,7 +221,6 @@ __device__ __forceinline__ void attend_page(const uint8_t* pg, const float* q, i
 // P.V: the q.K accumulators (row g = head, keys 2t, 2t+1 of each n tile) are P's A fragment
 // as they are (FA2's register reuse); V's B fragments come from ldmatrix.x4.trans. A warp of
 // a group computes q.K for the whole page (all 4 warps the same) and P.V for its 32 dims.
-#define VROW 272
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
@@ -269,7 +270,8 @@ __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_
 #pragma unroll
   for (int jj = 0; jj < 2; ++jj) {
     uint32_t b[4];
-    ldsm_x4_trans(b, V + key * VROW + (d0 + 16 * jj + 8 * chunk) * 2);
+    const int jc = (d0 + 16 * jj + 8 * chunk) >> 3;  // 16-byte chunk of the row, swizzled
+    ldsm_x4_trans(b, V + key * (HD * 2) + ((jc ^ (key & 7)) << 4));
 #pragma unroll
     for (int q = 0; q < 4; ++q) o[2 * jj][q] *= corr, o[2 * jj + 1][q] *= corr;
     mma16816(o[2 * jj], pa, b[0], b[1]);
@@ -412,13 +414,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               uint8_t* dst = next();
               mbar_arrive_tx(&full[slot], 2 * PAGE * HD * 2);
               bulk_g2s(dst, kcache + off, PAGE * HD * 2, &full[slot]);
-              if (mma_attention) {  // V rows at a 272-byte stride (see attend_page_mma)
-                for (int r = 0; r < PAGE; ++r)
-                  bulk_g2s(dst + PAGE * HD * 2 + r * VROW, vcache + off + r * HD, HD * 2,
-                           &full[slot]);
-              } else {
-                bulk_g2s(dst + PAGE * HD * 2, vcache + off, PAGE * HD * 2, &full[slot]);
-              }
+              bulk_g2s(dst + PAGE * HD * 2, vcache + off, PAGE * HD * 2, &full[slot]);
               advance();
             }
           }
