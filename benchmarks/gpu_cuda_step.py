@@ -89,16 +89,25 @@ def make_step(dev, keys: int):
         o = gemv("o", 4096, 4096, 2, att["part"])
         gu = gemv("gate|up", 4096, 28672, 3, o["out"])
         prev = gemv("down", 14336, 4096, 1, gu["out"])["out"]
-    gemv("head", 4096, VOCAB, 3, prev)
+    head = gemv("head", 4096, VOCAB, 3, prev)
+    phases.append(dict(kind="argmax", type=2, logits=head["out"]))
+    capacity = 2 * keys // PAGE  # the pages a sequence uses are scattered over twice as many
+    gen = torch.Generator(device=dev).manual_seed(0)
+    table = torch.randperm(capacity, device=dev, generator=gen)[:keys // PAGE].int()
+    unused = sorted(set(range(capacity)) - set(table.tolist()))
+    cur_blk = unused[0]  # the current token's block (row 5), outside the table's pages
     meta = []
     for ph in phases:
         if ph["type"] == 0:
             meta.append([0, ph["K"], ph["N"], ph["G"], ph["T"], ph["base"], ph["out"],
                          ph["xform"], ph["src"], 0])
+        elif ph["type"] == 1:
+            ph["cur_blk"] = cur_blk
+            meta.append([1, HKV, SPLITS, npg, ph["layer"], ph["part"], ph["qkv"], HQ, 0,
+                         cur_blk])
         else:
-            meta.append([1, HKV, SPLITS, npg, ph["layer"], ph["part"], ph["qkv"], HQ, 0, 0])
+            meta.append([2, VOCAB, ph["logits"], 0, 0, 0, 0, 0, 0, 0])
     items = torch.empty(item_base, ITEM_WORDS, dtype=torch.int32, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
     for ph in phases:
         if ph["type"]:
             continue
@@ -107,10 +116,8 @@ def make_step(dev, keys: int):
         s = (torch.rand(it.shape[0], 128, device=dev, generator=gen) + 0.5) / (
             ph["K"] * 42.5 * 13 / 12) ** 0.5
         it[:, 2048:2112] = s.half().view(torch.int32)
-    capacity = 2 * keys // PAGE  # the pages a sequence uses are scattered over twice as many
     kc = torch.randn(LAYERS, capacity, HKV, PAGE, HD, device=dev, generator=gen).half()
     vc = torch.randn(LAYERS, capacity, HKV, PAGE, HD, device=dev, generator=gen).half()
-    table = torch.randperm(capacity, device=dev, generator=gen)[:keys // PAGE].int()
     return (phases, torch.tensor(meta, dtype=torch.int64, device=dev), items, kc, vc, table,
             out_off, swizzle_v(vc))
 
@@ -135,9 +142,23 @@ def attention_out(part_l: torch.Tensor) -> torch.Tensor:
     return out.reshape(HQ * HD)
 
 
-def attention_ref(qkv: torch.Tensor, kc_l, vc_l, table) -> torch.Tensor:
-    q = qkv[:HQ * HD].view(HKV, 4, HD) / math.sqrt(HD)
-    kcur = qkv[HQ * HD:HQ * HD + HKV * HD].view(HKV, 1, HD).half().float()
+def rope(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over the last dim (128) with cs = [cos 64, sin 64]."""
+    c, s = cs[:64], cs[64:]
+    a, b = x[..., :64], x[..., 64:]
+    return torch.cat([a * c - b * s, b * c + a * s], -1)
+
+
+def rope_table(pos: int, base: float = 500000.0) -> torch.Tensor:
+    inv = base ** (-torch.arange(0, HD, 2, dtype=torch.float64) / HD)
+    ang = pos * inv
+    return torch.cat([torch.cos(ang), torch.sin(ang)]).float()
+
+
+def attention_ref(qkv: torch.Tensor, kc_l, vc_l, table, cs) -> torch.Tensor:
+    """Keys and values of the pages in table, plus the current token (RoPE on q and its k)."""
+    q = rope(qkv[:HQ * HD].view(HKV, 4, HD), cs) / math.sqrt(HD)
+    kcur = rope(qkv[HQ * HD:HQ * HD + HKV * HD].view(HKV, 1, HD), cs).half().float()
     vcur = qkv[HQ * HD + HKV * HD:].view(HKV, 1, HD).half().float()
     k = kc_l[table.long()].permute(1, 0, 2, 3).reshape(HKV, -1, HD).float()  # [HKV, keys, HD]
     v = vc_l[table.long()].permute(1, 0, 2, 3).reshape(HKV, -1, HD).float()
@@ -168,15 +189,34 @@ def check(so, st, ctas, stages, stream, flags=1) -> dict:
     x0 = X0[0]
     outs = torch.zeros(n_out, dtype=torch.float32, device=dev)
     part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
-    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    counter = torch.zeros(4, dtype=torch.int32, device=dev)
+    vcache = st[7] if flags & 32 else vc
+    kc[:, :, :, 5].zero_(), vcache[:, :, :, 5].zero_()  # the current token's row (see below)
     launch(so, st, outs, part, counter, ctas, stages, flags, stream)
     torch.cuda.synchronize()
     worst: dict[str, float] = {}
+    cs = x0[8192:8320]
+    stored_ok = True
     for i, ph in enumerate(phases):
+        if ph["type"] == 2:  # the greedy token: argmax of the kernel's own logits
+            key = counter[2:4].view(torch.int64).item() & 0xFFFFFFFFFFFFFFFF
+            got_tok = 0xFFFFFFFF - (key & 0xFFFFFFFF)
+            ref_tok = int(torch.argmax(outs[ph["logits"]:ph["logits"] + VOCAB]).item())
+            worst["argmax"] = 0.0 if got_tok == ref_tok else float("inf")
+            continue
         if ph["type"] == 1:
+            qkv = outs[ph["qkv"]:ph["qkv"] + 6144]
             got = attention_out(part[ph["part"]:ph["part"] + HKV * SPLITS * ATT_STRIDE])
-            ref = attention_ref(outs[ph["qkv"]:ph["qkv"] + 6144], kc[ph["layer"]],
-                                vc[ph["layer"]], table)
+            ref = attention_ref(qkv, kc[ph["layer"]], vc[ph["layer"]], table, cs)
+            # the current token's rotated k and its v, stored in the cache (fp16)
+            k_ref = rope(qkv[HQ * HD:HQ * HD + HKV * HD].view(HKV, HD), cs).half()
+            v_ref = qkv[HQ * HD + HKV * HD:].view(HKV, HD).half()
+            v_got = vcache[ph["layer"], ph["cur_blk"], :, 5]
+            if flags & 32:  # row 5 of the swizzled V: position p holds chunk p ^ 5
+                v_got = v_got.view(HKV, 16, 8)[:, torch.arange(16, device=dev) ^ 5].reshape(
+                    HKV, HD)
+            stored_ok = stored_ok and torch.equal(kc[ph["layer"], ph["cur_blk"], :, 5], k_ref) \
+                and torch.equal(v_got, v_ref)
         else:
             if ph["xform"] == 3:  # RMSNorm of x0 + f / 2 (f: the previous output)
                 v = x0[:4096] + (0.5 * outs[ph["src"]:ph["src"] + 4096] if ph["src"] >= 0 else 0)
@@ -199,14 +239,15 @@ def check(so, st, ctas, stages, stream, flags=1) -> dict:
         err = err if err == err else float("inf")
         worst[ph["kind"]] = max(worst.get(ph["kind"], 0.0), err)
     return {"max_rel_err": worst, "finite": bool(torch.isfinite(outs).all()),
-            "counter": int(counter.item()), "expected_counter": len(phases) * ctas}
+            "counter": int(counter[0].item()), "expected_counter": len(phases) * ctas,
+            "stored_kv_exact": stored_ok}
 
 
 def time_step(so, st, ctas, stages, flags, stream, reps) -> float:
     dev = st[2].device
     outs = torch.zeros(st[6], dtype=torch.float32, device=dev)
     part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
-    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    counter = torch.zeros(4, dtype=torch.int32, device=dev)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     for r in range(reps + 3):
         if r == 3:
@@ -223,7 +264,7 @@ def timeline(so, st, ctas, stages, stream, flags=1) -> dict:
     dev = st[2].device
     outs = torch.zeros(st[6], dtype=torch.float32, device=dev)
     part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
-    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    counter = torch.zeros(4, dtype=torch.int32, device=dev)
     stamps = torch.zeros(len(phases), ctas, 12, dtype=torch.int64, device=dev)
     launch(so, st, outs, part, counter, ctas, stages, flags | 8, stream, stamps)
     torch.cuda.synchronize()
@@ -265,6 +306,7 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[4608],
                     help="keys a KV head and layer (each a multiple of 256)")
     ap.add_argument("--stages", type=int, default=16, help="ring slots (a multiple of 4)")
+    ap.add_argument("--position", type=int, default=32768, help="the token's RoPE position")
     ap.add_argument("--timeline-flags", type=int, nargs="+", default=[1],
                     help="flag sets of the timeline runs (1; 16: o's x load in one round; 32: "
                          "mma attention)")
@@ -278,7 +320,8 @@ def main() -> None:
     ctas = torch.cuda.get_device_properties(dev).multi_processor_count
     so = build(Path(tempfile.mkdtemp()))
     # x0 (4096) then the RMSNorm weights (4096, around 1)
-    X0.append(torch.cat([torch.randn(4096, device=dev), 0.5 + torch.rand(4096, device=dev)]))
+    X0.append(torch.cat([torch.randn(4096, device=dev), 0.5 + torch.rand(4096, device=dev),
+                         rope_table(a.position).to(dev)]))
     stream = torch.cuda.current_stream().cuda_stream
     result = {"gpu": torch.cuda.get_device_name(), "ctas": ctas, "stages": a.stages,
               "smem": so.step_smem_bytes(a.stages), "rows": []}
@@ -293,9 +336,10 @@ def main() -> None:
             c = check(so, st, ctas, a.stages, stream, cf)
             errs = " ".join(f"{k} {e:.1e}" for k, e in c["max_rel_err"].items())
             fail = max(c["max_rel_err"].values()) > 1e-2 or not c["finite"] or \
-                c["counter"] != c["expected_counter"]
+                c["counter"] != c["expected_counter"] or not c["stored_kv_exact"]
             print(f"keys {keys} flags {cf}: check {errs} finite {c['finite']} counter "
-                  f"{c['counter']}/{c['expected_counter']}{'  FAILED' if fail else ''}",
+                  f"{c['counter']}/{c['expected_counter']} stored k, v exact "
+                  f"{c['stored_kv_exact']}{'  FAILED' if fail else ''}",
                   flush=True)
             row["checks"].append(dict(c, flags=cf))
             bad = bad or fail

@@ -21,11 +21,13 @@
 // The o GEMV's x load combines the S partials of each head it uses (no separate phase).
 //
 // The RMSNorm before q|k|v, gate|up and the head is in their x loads (every CTA reads the
-// whole 4096-vector for its sum of squares). Left out (the real kernel needs them; this
-// measures the dependency structure and the bytes): the residual adds (the GEMVs' atomics
-// would add into the residual stream itself), RoPE and the
-// store of the current k, v into the cache, the importance mass, argmax, the sinks/window
-// edge masks (every page here is full). x between GEMVs: x0 + f / 2 as in gemv_chain_ring.cu.
+// whole 4096-vector for its sum of squares). The attention phase applies RoPE to q and the
+// current k and stores the current k, v into the cache; a last phase takes the greedy argmax
+// of the logits. Left out (the real kernel needs them; this measures the dependency
+// structure and the bytes): the residual adds (the GEMVs' atomics would add into the
+// residual stream itself), the importance mass, the sinks/window edge masks (every page
+// here is full), the embedding row of the next token (the next step's first x load).
+// x between GEMVs: x0 + f / 2 as in gemv_chain_ring.cu.
 // Built with nvcc -O3 -gencode arch=compute_90,code=sm_90. Benchmark code, not the engine.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -283,8 +285,8 @@ __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_
 // ([group][head][acc 128, m, l], as the FMA path writes them).
 __device__ __forceinline__ void attention_unit_mma(
     uint8_t* ring, uint64_t* full, uint64_t* empty, const float* qf, uint32_t* qfrag,
-    float* merge, const float* outs, long long qkv, int hq_n, int hkv, int h, bool last,
-    int npg, int pos0, int stages, int warp, int lane, bool timeline, unsigned long long* st) {
+    float* merge, const float* kc, const float* vc, bool last, int npg, int pos0, int stages,
+    int warp, int lane, bool timeline, unsigned long long* st) {
   const int grp = warp / GQA, qd = warp % GQA, d0 = 32 * qd, g = lane >> 2, t = lane & 3;
   if (warp == 0) {  // q fragments (fp16), chunk c of lane L at 16 L + 4 ((c + (L >> 1)) & 3)
     for (int c = 0; c < 4; ++c) {
@@ -303,21 +305,19 @@ __device__ __forceinline__ void attention_unit_mma(
 #pragma unroll
   for (int j = 0; j < 4; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   if (last && grp == 0) {  // the current token: group 0's starting state
-    const float* kc = outs + qkv + (size_t)hq_n * HD + (size_t)h * HD;
-    const float* vc = kc + (size_t)hkv * HD;
-    float sc = 0.f;  // head g, dims 32 t .. 32 t + 31 (lanes g < 4)
+    float sc = 0.f;  // head g, dims 32 t .. 32 t + 31 (lanes g < 4); kc, vc: fp16 values
     if (g < GQA) {
 #pragma unroll 8
       for (int d = 32 * t; d < 32 * t + 32; ++d)
-        sc += qf[g * HD + d] * __half2float(__float2half_rn(__ldcg(kc + d)));
+        sc += qf[g * HD + d] * kc[d];
     }
     sc += __shfl_xor_sync(0xffffffffu, sc, 1);
     sc += __shfl_xor_sync(0xffffffffu, sc, 2);
     m = sc, l = 1.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      o[j][0] = __half2float(__float2half_rn(__ldcg(vc + d0 + 8 * j + 2 * t)));
-      o[j][1] = __half2float(__float2half_rn(__ldcg(vc + d0 + 8 * j + 2 * t + 1)));
+      o[j][0] = vc[d0 + 8 * j + 2 * t];
+      o[j][1] = vc[d0 + 8 * j + 2 * t + 1];
     }
   }
   const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
@@ -350,10 +350,13 @@ __device__ __forceinline__ void attention_unit_mma(
 //         2: f = the attention output combined from the partials at part + in; 3: RMSNorm
 //         of x0 + f / 2 over all 4096, weights x0[4096..8191]), [8] in (-1: x0)
 //   ATTN: [0] 1, [1] Hkv, [2] S splits, [3] pages a unit, [4] layer, [5] partial offset
-//         (floats of part), [6] q|k|v output offset (floats of outs), [7] Hq
+//         (floats of part), [6] q|k|v output offset (floats of outs), [7] Hq, [9] the cache
+//         block of the current token (row 5; its rotated k and v are stored there)
+//   ARGMAX: [0] 2, [1] vocabulary, [2] logits offset (floats of outs); the token goes to
+//         counter[2..3] as (order-preserving value bits << 32 | ~index)
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     step_ring(const uint8_t* __restrict__ items, const long long* __restrict__ meta,
-              const __half* __restrict__ kcache, const __half* __restrict__ vcache,
+              __half* __restrict__ kcache, __half* __restrict__ vcache,
               const int* __restrict__ block_table, long long capacity,
               const float* __restrict__ x0, float* outs, float* part, unsigned* counter,
               int n_phase, int stages, int flags, unsigned long long* stamps) {
@@ -367,7 +370,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   float* merge = qf + GQA * HD;                            // [GROUPS][4][130] states
   float* ssum = merge + GROUPS * ATT_STRIDE;                // [NW] the norm's warp sums
   uint32_t* qfrag = reinterpret_cast<uint32_t*>(ssum + NW);  // [32 lanes][16] (flag 32)
-  uint64_t* full = reinterpret_cast<uint64_t*>(qfrag + 512);
+  float* kcur_s = reinterpret_cast<float*>(qfrag + 512);     // [128] rotated k, fp16 values
+  float* vcur_s = kcur_s + HD;                                // [128] v
+  uint64_t* full = reinterpret_cast<uint64_t*>(vcur_s + HD);
   uint64_t* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
@@ -404,7 +409,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
             advance();
           }
-        } else {
+        } else if (m[0] == 1) {
           const int hkv = (int)m[1], S = (int)m[2], npg = (int)m[3], layer = (int)m[4];
           if (c < hkv * S) {
             const int h = c / S, s = c % S;
@@ -614,6 +619,28 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           red[t] = 0.f;
         }
       }
+    } else if (m[0] == 2) {  // ------------------------------------------------- ARGMAX
+      // greedy sampling: the CTA's share of the logits, then one 64-bit atomicMax of
+      // (order-preserving bits of the value, ~index: the lowest index wins ties)
+      if (timeline && threadIdx.x == 0) st[2] = clock64();
+      const long long nv = m[1];
+      const float* lg = outs + m[2];
+      Range r = cta_range(nv, c, P);
+      unsigned long long best = 0ull;
+      for (long long i = r.a + threadIdx.x; i < r.b; i += NW * 32) {
+        const uint32_t b = __float_as_uint(__ldcg(lg + i));
+        const uint32_t key = b & 0x80000000u ? ~b : b | 0x80000000u;
+        const unsigned long long k =
+            ((unsigned long long)key << 32) | (0xffffffffu - (uint32_t)i);
+        best = k > best ? k : best;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+      }
+      if (lane == 0 && best) atomicMax(reinterpret_cast<unsigned long long*>(counter + 2), best);
+      if (timeline && threadIdx.x == 0) st[3] = clock64();
     } else {  // ----------------------------------------------------------- ATTENTION
       const int hkv = (int)m[1], S = (int)m[2], npg = (int)m[3];
       const int hq_n = (int)m[7];
@@ -623,35 +650,45 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int h = c / S, s = c % S;
         n_streamed = npg;
         const float scale = rsqrtf((float)HD);
-        for (int t = threadIdx.x; t < GQA * HD; t += NW * 32)
-          qf[t] = __ldcg(outs + qkv + (size_t)h * GQA * HD + t) * scale;
+        // RoPE (rotate-half pairs d, d +- 64) at this token's position: cos, sin of the 64
+        // frequencies at x0[8192..8319] (the engine keeps such a table too)
+        const float* rope = x0 + 8192;
+        for (int t = threadIdx.x; t < GQA * HD; t += NW * 32) {
+          const int d = t % HD, i = d & 63;
+          const float* qh = outs + qkv + (size_t)h * GQA * HD + (t - d);
+          const float a = __ldcg(qh + d), b = __ldcg(qh + (d ^ 64));
+          qf[t] = (a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]) * scale;
+        }
+        if (s == S - 1 && threadIdx.x < HD) {  // the current token: k rotated, k and v fp16,
+          const int d = threadIdx.x, i = d & 63;  // into the cache slot (block cur_blk, row 5)
+          const float* kh = outs + qkv + (size_t)hq_n * HD + (size_t)h * HD;
+          const float a = __ldcg(kh + d), b = __ldcg(kh + (d ^ 64));
+          const __half kq = __float2half_rn(a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]);
+          const __half vq = __float2half_rn(__ldcg(kh + (size_t)hkv * HD + d));
+          kcur_s[d] = __half2float(kq), vcur_s[d] = __half2float(vq);
+          const size_t base = ((((size_t)m[4] * capacity + m[9]) * hkv + h) * PAGE + 5) * HD;
+          kcache[base + d] = kq;
+          // the mma attention's V cache is chunk-swizzled by row (row 5: chunk j at j ^ 5)
+          vcache[base + (mma_attention ? ((((d >> 3) ^ 5) << 3) | (d & 7)) : d)] = vq;
+        }
         consumers_sync();
         if (timeline && threadIdx.x == 0) st[8] = clock64();
         const int hh = warp % GQA, grp = warp / GQA;  // query head 4 h + hh; page group
         if (mma_attention) {
-          attention_unit_mma(ring, full, empty, qf, qfrag, merge, outs, qkv, hq_n, hkv, h,
+          attention_unit_mma(ring, full, empty, qf, qfrag, merge, kcur_s, vcur_s,
                              s == S - 1, npg, pos0, stages, warp, lane, timeline, st);
         } else {
         float mm = -INFINITY, ll = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (s == S - 1 && grp == 0) {  // the current token: group 0's starting state
-          const float* kc = outs + qkv + (size_t)hq_n * HD + (size_t)h * HD;
-          const float* vc = kc + (size_t)hkv * HD;
-          const float4 k4 = __ldcg(reinterpret_cast<const float4*>(kc) + lane);
-          const float4 v4 = __ldcg(reinterpret_cast<const float4*>(vc) + lane);
+          const float4 k4 = *reinterpret_cast<const float4*>(kcur_s + 4 * lane);
+          const float4 v4 = *reinterpret_cast<const float4*>(vcur_s + 4 * lane);
           const float4 q4 = *reinterpret_cast<const float4*>(qf + hh * HD + 4 * lane);
-          // the kernel's K and V are fp16: the current token's too
-          float sc = q4.x * __half2float(__float2half_rn(k4.x)) +
-                     q4.y * __half2float(__float2half_rn(k4.y)) +
-                     q4.z * __half2float(__float2half_rn(k4.z)) +
-                     q4.w * __half2float(__float2half_rn(k4.w));
+          float sc = q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
           mm = sc, ll = 1.f;
           if (timeline && threadIdx.x == 0) st[11] = clock64();
-          acc[0] = __half2float(__float2half_rn(v4.x));
-          acc[1] = __half2float(__float2half_rn(v4.y));
-          acc[2] = __half2float(__float2half_rn(v4.z));
-          acc[3] = __half2float(__float2half_rn(v4.w));
+          acc[0] = v4.x, acc[1] = v4.y, acc[2] = v4.z, acc[3] = v4.w;
         }
         // pages: group g takes the unit's pages g, g + GROUPS, ... (stream positions pos0 + e)
         const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
@@ -707,7 +744,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 
 static size_t smem_bytes(int stages) {
   return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
-         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW + 512) *
+         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW + 512 + 2 * HD) *
              sizeof(float) +
          2 * stages * sizeof(uint64_t);
 }
@@ -723,7 +760,7 @@ extern "C" {
 // clock64 after warp 0's page loop, [11] after the current token's score (last split));
 // 16 the o GEMV's x load combines the attention partials in one round of loads; 32 the
 // attention math with mma.sync (attend_page_mma) instead of fp32 FMAs.
-int step_launch(const void* items, const void* meta, const void* kcache, const void* vcache,
+int step_launch(const void* items, const void* meta, void* kcache, void* vcache,
                 const void* block_table, long long capacity, const void* x0, void* outs,
                 void* part, void* counter, int n_phase, int ctas, int stages, int flags,
                 void* stamps, void* stream) {
@@ -734,7 +771,7 @@ int step_launch(const void* items, const void* meta, const void* kcache, const v
   if (e != cudaSuccess) return 1000 + (int)e;
   step_ring<<<ctas, (NW + 1) * 32, smem, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint8_t*>(items), static_cast<const long long*>(meta),
-      static_cast<const __half*>(kcache), static_cast<const __half*>(vcache),
+      static_cast<__half*>(kcache), static_cast<__half*>(vcache),
       static_cast<const int*>(block_table), capacity, static_cast<const float*>(x0),
       static_cast<float*>(outs), static_cast<float*>(part), static_cast<unsigned*>(counter),
       n_phase, stages, flags, static_cast<unsigned long long*>(stamps));
