@@ -220,7 +220,7 @@ def check(so, st, ctas, stages, stream, flags=1) -> dict:
         else:
             if ph["xform"] == 3:  # RMSNorm of x0 + f / 2 (f: the previous output)
                 v = x0[:4096] + (0.5 * outs[ph["src"]:ph["src"] + 4096] if ph["src"] >= 0 else 0)
-                x = (v * torch.rsqrt(v.pow(2).mean() + 1e-5) * x0[4096:]).half()
+                x = (v * torch.rsqrt(v.pow(2).mean() + 1e-5) * x0[4096:8192]).half()
             elif ph["src"] < 0:
                 x = x0[:4096].half()
             elif ph["xform"] == 2:
