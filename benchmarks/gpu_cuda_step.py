@@ -215,8 +215,11 @@ def check(so, st, ctas, stages, stream, flags=1) -> dict:
             if flags & 32:  # row 5 of the swizzled V: position p holds chunk p ^ 5
                 v_got = v_got.view(HKV, 16, 8)[:, torch.arange(16, device=dev) ^ 5].reshape(
                     HKV, HD)
-            stored_ok = stored_ok and torch.equal(kc[ph["layer"], ph["cur_blk"], :, 5], k_ref) \
-                and torch.equal(v_got, v_ref)
+            # k: the kernel's fp32 rotation may contract to an FMA (1 fp32 ulp) before the
+            # fp16 rounding, so allow one fp16 ulp; v is only rounded, so bit-equal
+            k_got = kc[ph["layer"], ph["cur_blk"], :, 5].float()
+            k_err = ((k_got - k_ref.float()).abs() / k_ref.float().abs().clamp_min(6e-5)).max()
+            stored_ok = stored_ok and k_err.item() <= 2 ** -10 and torch.equal(v_got, v_ref)
         else:
             if ph["xform"] == 3:  # RMSNorm of x0 + f / 2 (f: the previous output)
                 v = x0[:4096] + (0.5 * outs[ph["src"]:ph["src"] + 4096] if ph["src"] >= 0 else 0)
