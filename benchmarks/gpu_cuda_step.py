@@ -191,7 +191,9 @@ def check(so, st, ctas, stages, stream, flags=1) -> dict:
     part = torch.zeros(LAYERS * HKV * SPLITS * ATT_STRIDE, dtype=torch.float32, device=dev)
     counter = torch.zeros(4, dtype=torch.int32, device=dev)
     vcache = st[7] if flags & 32 else vc
-    kc[:, :, :, 5].zero_(), vcache[:, :, :, 5].zero_()  # the current token's row (see below)
+    # row 5 of every block: the kernel stores the current token there (checked below); the
+    # V copy it does not read must agree with the one it does (the reference reads vc)
+    kc[:, :, :, 5].zero_(), vc[:, :, :, 5].zero_(), st[7][:, :, :, 5].zero_()
     launch(so, st, outs, part, counter, ctas, stages, flags, stream)
     torch.cuda.synchronize()
     worst: dict[str, float] = {}
