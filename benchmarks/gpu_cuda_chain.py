@@ -40,17 +40,23 @@ SHAPES = [("qkv", 4096, 6144, 0), ("o", 4096, 4096, 0), ("gate|up", 4096, 28672,
 AWQ_BYTES_PER_ITEM = 128 * 128 // 2 + 128 * 2 + 128 // 2  # words + scales + zeros = 8512
 
 
-def build(workdir: Path) -> ctypes.CDLL:
+def compile_so(src: Path, workdir: Path) -> ctypes.CDLL:
+    """Build a .cu into a shared library with the machine's nvcc (sm_90), print ptxas's
+    register and spill lines, load it."""
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    lib = workdir / "libgemv_chain_ring.so"
+    lib = workdir / f"lib{src.stem}.so"
     cmd = [nvcc, "-O3", "-gencode", "arch=compute_90,code=sm_90", "-Xptxas", "-v", "-shared",
-           "-Xcompiler", "-fPIC", "-o", str(lib), str(SRC)]
+           "-Xcompiler", "-fPIC", "-o", str(lib), str(src)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     regs = [ln.strip() for ln in p.stderr.splitlines() if "registers" in ln or "spill" in ln]
     print("nvcc:", " ".join(cmd[1:7]), "\n  " + "\n  ".join(regs), flush=True)
     if p.returncode:
         sys.exit(f"nvcc failed:\n{p.stderr}")
-    so = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+def build(workdir: Path) -> ctypes.CDLL:
+    so = compile_so(SRC, workdir)
     so.chain_launch.restype = ctypes.c_int
     so.chain_launch.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8 + [ctypes.c_void_p] * 2
     so.chain_smem_bytes.restype = ctypes.c_longlong

@@ -24,8 +24,6 @@ import ctypes
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +32,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpu_cuda_chain import ITEM_WORDS, x_of  # noqa: E402
+from gpu_cuda_chain import ITEM_WORDS, compile_so, x_of  # noqa: E402
 from gpu_cuda_chain import _dequant_mma as dequant  # noqa: E402
 
 SRC = HERE / "cuda" / "step_ring.cu"
@@ -45,16 +43,7 @@ VOCAB = 128256
 
 
 def build(workdir: Path) -> ctypes.CDLL:
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    lib = workdir / "libstep_ring.so"
-    cmd = [nvcc, "-O3", "-gencode", "arch=compute_90,code=sm_90", "-Xptxas", "-v", "-shared",
-           "-Xcompiler", "-fPIC", "-o", str(lib), str(SRC)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    regs = [ln.strip() for ln in p.stderr.splitlines() if "registers" in ln or "spill" in ln]
-    print("nvcc:", " ".join(cmd[1:7]), "\n  " + "\n  ".join(regs), flush=True)
-    if p.returncode:
-        sys.exit(f"nvcc failed:\n{p.stderr}")
-    so = ctypes.CDLL(str(lib))
+    so = compile_so(SRC, workdir)
     so.step_launch.restype = ctypes.c_int
     so.step_launch.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_longlong] +
                                [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2)

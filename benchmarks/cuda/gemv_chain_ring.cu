@@ -14,7 +14,8 @@
 // Weights (this benchmark's own format; a loader would convert AWQ's once): items of 128
 // output columns x one group of 128 K rows, 8512 bytes each, the same bytes as AWQ's: 8192
 // bytes of 4-bit words, 256 of fp16 scales, 64 of zero-point nibbles, w = (q - z) s, in one of
-// two layouts (the item math decides which; item_lanes and item_mma below spell them out):
+// two layouts (the item math decides which; item_lanes below and item_mma in
+// ring_common.cuh spell them out):
 //   MMA 0 ("lanes"): words [kp / 4][lane][kp % 4], K pairs kp 0..63, lane L owns columns
 //     4 L + i (nibble i of the low half: K row 2 kp, of the high half: 2 kp + 1); scales
 //     [lane][4], zeros [lane] u16.
@@ -41,65 +42,14 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#define ITEM_BYTES 8512
+#include "ring_common.cuh"
+
 #define WORDS_BYTES 8192
-#define SCALES_OFF 8192
-#define ZEROS_OFF 8448
-#define MAX_K 14336
-#define MAX_G (MAX_K / 128)
 #define RED_TILES 8  // column tiles one CTA may touch in one GEMV (the host checks)
 #define META 8  // per GEMV: K, N, G, T, item_base, out_off, xform, in_off (-1: x0)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.b32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-  return ok != 0;
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes,
-                                         uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire(const unsigned* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ void consumers_sync(int nthreads) {
   asm volatile("bar.sync 1, %0;" ::"r"(nthreads) : "memory");
-}
-__device__ __forceinline__ uint32_t lop3_or_and(uint32_t a, uint32_t mask, uint32_t magic) {
-  uint32_t r;  // (a & mask) | magic
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
-  return r;
-}
-
-struct Range {
-  long long a, b;
-};
-__device__ __forceinline__ Range cta_range(long long items, int c, int P) {
-  return Range{items * c / P, items * (c + 1) / P};
 }
 
 // ---- MMA 0: fp16x2 lane sums. Item words [kp / 4][lane][kp % 4]; lane L owns columns
@@ -162,79 +112,6 @@ __device__ __forceinline__ void item_lanes(const uint8_t* it, const __half2* xg2
   for (int q = 0; q < 4; ++q) f[q] += 128.0f * __half2float(s4[q]) * sum[q];
 }
 
-// ---- MMA 1, 2: mma.sync m16n8k16 (fp16 in, fp32 accumulate), the weights as A (16 rows of
-// output x 16 K), x as B (column 0 the token; the other 7 columns repeat it and are
-// discarded). Item words [rt 0..7][kt / 4][lane][kt % 4] for row tile rt (rows 16 rt..),
-// K tile kt (K 16 kt..); lane L = 4 g + t holds A's fragment for (rt, kt) in one word:
-// nibble pair p = 0..3 (bits 4p..4p+3 low half, 16+4p.. high half) = rows 16 rt + g + 8 (p & 1),
-// K 16 kt + 2 t + 8 (p >> 1) + {0, 1}. Scales [g][rt][row half] fp16, zeros the same as
-// nibbles (one 64-bit word a g). The LOP3 magic gives 1024 + q (p 0, 2) or 1024 + 16 q
-// (p 1, 3); MMA 1 feeds that to the MMA and removes 1024 sum(x) (fp32, the group's x sum)
-// afterwards, MMA 2 subtracts 1024 first (HADD2, exact).
-__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <int SPLIT, bool SUB, int ACC>
-__device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, float xsum,
-                                         int part, int lane, float* f) {
-  constexpr int NRT = 8 / SPLIT;
-  const int rt0 = part * NRT, g = lane >> 2, t = lane & 3;
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xg2);
-  uint32_t b[16];  // B fragments of the 8 K tiles: pairs 8 kt + t and 8 kt + 4 + t
-#pragma unroll
-  for (int kt = 0; kt < 8; ++kt) b[2 * kt] = xw[8 * kt + t], b[2 * kt + 1] = xw[8 * kt + 4 + t];
-  const uint4* words = reinterpret_cast<const uint4*>(it);
-  const __half2* s2 = reinterpret_cast<const __half2*>(it + SCALES_OFF) + 8 * g;  // [rt]
-  const uint8_t* z8 = it + ZEROS_OFF + 8 * g;                                     // [rt]
-  const uint32_t sub = 0x64006400u;  // fp16x2 1024
-#pragma unroll
-  for (int r = 0; r < NRT; ++r) {
-    const int rt = rt0 + r;
-    const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
-    const uint32_t w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-    float dd[ACC][4];  // ACC independent MMA accumulator chains (K tile kt -> kt % ACC)
-#pragma unroll
-    for (int a = 0; a < ACC; ++a) dd[a][0] = dd[a][1] = dd[a][2] = dd[a][3] = 0.f;
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      const uint32_t hi = w[kt] >> 8;
-      uint32_t a[4] = {lop3_or_and(w[kt], 0x000F000Fu, 0x64006400u),
-                       lop3_or_and(w[kt], 0x00F000F0u, 0x64006400u),
-                       lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
-                       lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
-      if constexpr (SUB) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          __half2 v = __hsub2(*reinterpret_cast<__half2*>(&a[p]),
-                              *reinterpret_cast<const __half2*>(&sub));
-          a[p] = *reinterpret_cast<uint32_t*>(&v);
-        }
-      }
-      mma16816(dd[kt % ACC], a, b[2 * kt], b[2 * kt + 1]);
-    }
-    float d[4] = {dd[0][0], dd[0][1], dd[0][2], dd[0][3]};
-#pragma unroll
-    for (int a = 1; a < ACC; ++a) d[0] += dd[a][0], d[2] += dd[a][2];
-    // d[0]: row 16 rt + g, d[2]: row 16 rt + g + 8 (column 0 where t == 0)
-    const uint32_t zbits = z8[rt];
-    const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
-    const float2 sf = __half22float2(s2[rt]);
-    const float s0 = sf.x, s1 = sf.y;
-    if constexpr (SUB) {
-      f[2 * r] += s0 * (d[0] - z0 * xsum);
-      f[2 * r + 1] += s1 * (d[2] * (1.0f / 16.0f) - z1 * xsum);
-    } else {
-      f[2 * r] += s0 * (d[0] - (1024.0f + z0) * xsum);
-      f[2 * r + 1] += s1 * ((d[2] - 1024.0f * xsum) * (1.0f / 16.0f) - z1 * xsum);
-    }
-  }
-}
-
 // A warp's running sums of one column tile and their flush into the CTA's tile sums (shared
 // memory; the warps of all groups add into them).
 template <int MMA, int SPLIT>
@@ -263,15 +140,6 @@ struct Acc {
 
 // One CTA: NW consumer warps + 1 producer warp. Dynamic shared memory: the ring (S items),
 // then x pairs (MAX_K / 2 half2), the reduction buffer (NW x 128 fp32), then 2 S mbarriers.
-__device__ __forceinline__ unsigned long long gtimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 template <int MMA, int SPLIT, int NW, int ACC>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     gemv_chain_ring(const uint8_t* __restrict__ items, const long long* __restrict__ meta,
@@ -287,13 +155,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
   constexpr int NC = NW * 32;  // consumer threads
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], SPLIT);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  ring_init(full, empty, stages, SPLIT);
   for (int t = threadIdx.x; t < RED_TILES * 128; t += blockDim.x) red[t] = 0.f;
   __syncthreads();
 
@@ -394,7 +256,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
       if (MMA != 0 && fused_xsum) {
         // nothing: item_mma adds the two half sums
-      } else if constexpr (MMA != 0) {  // sum of each used group's fp16 x (its 64 pairs), a warp each
+      } else if constexpr (MMA != 0) {  // each used group's fp16 x sum (64 pairs), a warp each
         consumers_sync(NC);
         const int ng = all ? G : npairs / 64;
         for (int q = warp; q < ng; q += NW) {

@@ -33,11 +33,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#define ITEM_BYTES 8512
-#define SCALES_OFF 8192
-#define ZEROS_OFF 8448
-#define MAX_K 14336
-#define MAX_G (MAX_K / 128)
+#include "ring_common.cuh"
+
 #define RED_TILES 10  // column tiles one CTA may touch in one GEMV (the host checks)
 #define META 10
 #define NW 16       // consumer warps
@@ -49,114 +46,8 @@
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc[4][128], m[4], l[4]
 #define NSTAMP 12  // timeline entries a phase and CTA (step_launch says which)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.b32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-  return ok != 0;
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-// A consumer warp's wait for a ring slot: the spin can end on different iterations in
-// different lanes, so the warp reconverges before its shuffles (without this, every shuffle
-// of the attention math compiled to a WARPSYNC.COLLECTIVE loop: run 107, 1.7 us a page).
-__device__ __forceinline__ void warp_wait(uint64_t* bar, uint32_t parity) {
-  mbar_wait(bar, parity);
-  __syncwarp();
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes,
-                                         uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire(const unsigned* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
-}
-__device__ __forceinline__ uint32_t lop3_or_and(uint32_t a, uint32_t mask, uint32_t magic) {
-  uint32_t r;  // (a & mask) | magic
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
-  return r;
-}
-__device__ __forceinline__ unsigned long long gtimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-struct Range {
-  long long a, b;
-};
-__device__ __forceinline__ Range cta_range(long long items, int c, int P) {
-  return Range{items * c / P, items * (c + 1) / P};
-}
-
-// The item math of gemv_chain_ring.cu's MMA 1 (its header and item_mma spell out the layout):
-// this warp's 2 row tiles of one item, the 1024 offset removed through the group's x sum.
-__device__ __forceinline__ void item_mma(const uint8_t* it, const __half2* xg2, float xsum,
-                                         int part, int lane, float* f) {
-  constexpr int NRT = 8 / SPLIT;
-  const int rt0 = part * NRT, g = lane >> 2, t = lane & 3;
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(xg2);
-  uint32_t b[16];
-#pragma unroll
-  for (int kt = 0; kt < 8; ++kt) b[2 * kt] = xw[8 * kt + t], b[2 * kt + 1] = xw[8 * kt + 4 + t];
-  const uint4* words = reinterpret_cast<const uint4*>(it);
-  const __half2* s2 = reinterpret_cast<const __half2*>(it + SCALES_OFF) + 8 * g;
-  const uint8_t* z8 = it + ZEROS_OFF + 8 * g;
-#pragma unroll
-  for (int r = 0; r < NRT; ++r) {
-    const int rt = rt0 + r;
-    const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
-    const uint32_t w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      const uint32_t hi = w[kt] >> 8;
-      uint32_t a[4] = {lop3_or_and(w[kt], 0x000F000Fu, 0x64006400u),
-                       lop3_or_and(w[kt], 0x00F000F0u, 0x64006400u),
-                       lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
-                       lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
-      mma16816(d, a, b[2 * kt], b[2 * kt + 1]);
-    }
-    const uint32_t zbits = z8[rt];
-    const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
-    const float2 sf = __half22float2(s2[rt]);
-    f[2 * r] += sf.x * (d[0] - (1024.0f + z0) * xsum);
-    f[2 * r + 1] += sf.y * ((d[2] - 1024.0f * xsum) * (1.0f / 16.0f) - z1 * xsum);
-  }
 }
 
 // One page (16 keys of KV head h) into a warp's online-softmax state for ONE query head (the
@@ -281,6 +172,37 @@ __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_
   }
 }
 
+// A consumer group's pass over the attention unit's pages: group grp takes the unit's pages
+// grp, grp + GROUPS, ... (stream positions pos0 + e); page(bytes) runs on each; warp 0 times
+// its waits and its math (stamps [5], [9], [10]).
+template <class F>
+__device__ __forceinline__ void page_loop(uint8_t* ring, uint64_t* full, uint64_t* empty,
+                                          int pos0, int grp, int npg, int stages, int warp,
+                                          int lane, bool timeline, unsigned long long* st,
+                                          F&& page) {
+  int slot;
+  uint32_t phase;
+  const int first = ring_start(pos0, grp, GROUPS, stages, slot, phase);
+  unsigned long long page_wait = 0, page_math = 0;
+  for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
+    if (slot >= stages) slot -= stages, phase ^= 1u;
+    if (timeline && warp == 0) {  // warp 0 times its waits and its math
+      const unsigned long long w0 = clock64();
+      warp_wait(&full[slot], phase);
+      const unsigned long long a0 = clock64();
+      page(ring + (size_t)slot * ITEM_BYTES);
+      __syncwarp();
+      page_wait += a0 - w0, page_math += clock64() - a0;
+    } else {
+      warp_wait(&full[slot], phase);
+      page(ring + (size_t)slot * ITEM_BYTES);
+      __syncwarp();
+    }
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+  if (timeline && threadIdx.x == 0) st[5] = page_wait, st[9] = page_math, st[10] = clock64();
+}
+
 // One attention unit with mma.sync (flag 32): this warp's share, then its states into merge
 // ([group][head][acc 128, m, l], as the FMA path writes them).
 __device__ __forceinline__ void attention_unit_mma(
@@ -320,21 +242,8 @@ __device__ __forceinline__ void attention_unit_mma(
       o[j][1] = vc[d0 + 8 * j + 2 * t + 1];
     }
   }
-  const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
-  int slot = (pos0 + first) % stages;
-  uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
-  unsigned long long page_wait = 0, page_math = 0;
-  for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
-    if (slot >= stages) slot -= stages, phase ^= 1u;
-    const unsigned long long w0 = timeline && warp == 0 ? clock64() : 0ull;
-    warp_wait(&full[slot], phase);
-    const unsigned long long a0 = timeline && warp == 0 ? clock64() : 0ull;
-    attend_page_mma(ring + (size_t)slot * ITEM_BYTES, qfrag, lane, d0, m, l, o);
-    __syncwarp();
-    if (timeline && warp == 0) page_wait += a0 - w0, page_math += clock64() - a0;
-    if (lane == 0) mbar_arrive(&empty[slot]);
-  }
-  if (timeline && threadIdx.x == 0) st[5] = page_wait, st[9] = page_math, st[10] = clock64();
+  page_loop(ring, full, empty, pos0, grp, npg, stages, warp, lane, timeline, st,
+            [&](const uint8_t* pg) { attend_page_mma(pg, qfrag, lane, d0, m, l, o); });
   if (g < GQA) {
     float* mw = merge + (grp * GQA + g) * (HD + 2);
 #pragma unroll
@@ -376,13 +285,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   uint64_t* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], SPLIT);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  ring_init(full, empty, stages, SPLIT);
   for (int t = threadIdx.x; t < RED_TILES * 128; t += blockDim.x) red[t] = 0.f;
   __syncthreads();
   const bool wait_barrier = flags & 1, timeline = flags & 8, mma_attention = flags & 32;
@@ -604,7 +507,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         } else {
           warp_wait(&full[slot], phase);
         }
-        item_mma(ring + (size_t)slot * ITEM_BYTES, xs + j * 64, xsum[j], part_, lane, f);
+        item_mma<SPLIT, false, 1>(ring + (size_t)slot * ITEM_BYTES, xs + j * 64, xsum[j], part_,
+                                 lane, f);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
       }
@@ -690,27 +594,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           if (timeline && threadIdx.x == 0) st[11] = clock64();
           acc[0] = v4.x, acc[1] = v4.y, acc[2] = v4.z, acc[3] = v4.w;
         }
-        // pages: group g takes the unit's pages g, g + GROUPS, ... (stream positions pos0 + e)
-        const int first = (((grp - pos0) % GROUPS) + GROUPS) % GROUPS;
-        int slot = (pos0 + first) % stages;
-        uint32_t phase = (uint32_t)(((pos0 + first) / stages) & 1);
-        unsigned long long page_wait = 0, page_math = 0;
-        for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
-          if (slot >= stages) slot -= stages, phase ^= 1u;
-          if (timeline && warp == 0) {
-            const unsigned long long w0 = clock64();
-            warp_wait(&full[slot], phase);
-            page_wait += clock64() - w0;
-          } else {
-            warp_wait(&full[slot], phase);
-          }
-          const unsigned long long a0 = timeline && warp == 0 ? clock64() : 0ull;
-          attend_page(ring + (size_t)slot * ITEM_BYTES, qf + hh * HD, lane, mm, ll, acc);
-          __syncwarp();
-          if (timeline && warp == 0) page_math += clock64() - a0;
-          if (lane == 0) mbar_arrive(&empty[slot]);
-        }
-        if (timeline && threadIdx.x == 0) st[5] = page_wait, st[9] = page_math, st[10] = clock64();
+        page_loop(ring, full, empty, pos0, grp, npg, stages, warp, lane, timeline, st,
+                  [&](const uint8_t* pg) { attend_page(pg, qf + hh * HD, lane, mm, ll, acc); });
         float* mw = merge + (grp * GQA + hh) * (HD + 2);  // [group][head][acc 128, m, l]
         *reinterpret_cast<float4*>(mw + 4 * lane) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         if (lane == 0) mw[HD] = mm, mw[HD + 1] = ll;
