@@ -46,7 +46,7 @@ def build(workdir: Path) -> ctypes.CDLL:
     so = compile_so(SRC, workdir)
     so.step_launch.restype = ctypes.c_int
     so.step_launch.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_longlong] +
-                               [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2)
+                               [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3)
     so.step_smem_bytes.restype = ctypes.c_longlong
     so.step_smem_bytes.argtypes = [ctypes.c_int]
     so.step_error_string.restype = ctypes.c_char_p
@@ -76,6 +76,7 @@ def make_step(dev, keys: int):
                    qkv=qkv["out"], npg=npg)
         phases.append(att)
         o = gemv("o", 4096, 4096, 2, att["part"])
+        o["att_layer"] = layer
         gu = gemv("gate|up", 4096, 28672, 3, o["out"])
         prev = gemv("down", 14336, 4096, 1, gu["out"])["out"]
     head = gemv("head", 4096, VOCAB, 3, prev)
@@ -87,9 +88,9 @@ def make_step(dev, keys: int):
     cur_blk = unused[0]  # the current token's block (row 5), outside the table's pages
     meta = []
     for ph in phases:
-        if ph["type"] == 0:
+        if ph["type"] == 0:  # [9] of o: its attention's layer | pages a unit << 16 (the mass)
             meta.append([0, ph["K"], ph["N"], ph["G"], ph["T"], ph["base"], ph["out"],
-                         ph["xform"], ph["src"], 0])
+                         ph["xform"], ph["src"], ph.get("att_layer", 0) | npg << 16])
         elif ph["type"] == 1:
             ph["cur_blk"] = cur_blk
             meta.append([1, HKV, SPLITS, npg, ph["layer"], ph["part"], ph["qkv"], HQ, 0,
@@ -107,6 +108,9 @@ def make_step(dev, keys: int):
         it[:, 2048:2112] = s.half().view(torch.int32)
     kc = torch.randn(LAYERS, capacity, HKV, PAGE, HD, device=dev, generator=gen).half()
     vc = torch.randn(LAYERS, capacity, HKV, PAGE, HD, device=dev, generator=gen).half()
+    MASS.clear()
+    MASS.append(torch.zeros(LAYERS, capacity, HKV, PAGE, dtype=torch.float32, device=dev))
+    assert npg <= 32 and HKV == 8, "the kernel's MASS_PAGES and HKV_N"
     return (phases, torch.tensor(meta, dtype=torch.int64, device=dev), items, kc, vc, table,
             out_off, swizzle_v(vc))
 
@@ -144,16 +148,20 @@ def rope_table(pos: int, base: float = 500000.0) -> torch.Tensor:
     return torch.cat([torch.cos(ang), torch.sin(ang)]).float()
 
 
-def attention_ref(qkv: torch.Tensor, kc_l, vc_l, table, cs) -> torch.Tensor:
-    """Keys and values of the pages in table, plus the current token (RoPE on q and its k)."""
+def attention_ref(qkv: torch.Tensor, kc_l, vc_l, table, cs):
+    """Keys and values of the pages in table, plus the current token (RoPE on q and its k):
+    the output [HQ * HD] and each page key's probability summed over its 4 query heads."""
     q = rope(qkv[:HQ * HD].view(HKV, 4, HD), cs) / math.sqrt(HD)
     kcur = rope(qkv[HQ * HD:HQ * HD + HKV * HD].view(HKV, 1, HD), cs).half().float()
     vcur = qkv[HQ * HD + HKV * HD:].view(HKV, 1, HD).half().float()
     k = kc_l[table.long()].permute(1, 0, 2, 3).reshape(HKV, -1, HD).float()  # [HKV, keys, HD]
     v = vc_l[table.long()].permute(1, 0, 2, 3).reshape(HKV, -1, HD).float()
     k, v = torch.cat([k, kcur], 1), torch.cat([v, vcur], 1)
-    p = torch.softmax(q @ k.transpose(1, 2), dim=-1)
-    return (p @ v).reshape(HQ * HD)
+    p = torch.softmax(q @ k.transpose(1, 2), dim=-1)  # [HKV, 4, keys + 1]
+    return (p @ v).reshape(HQ * HD), p[:, :, :-1].sum(1)  # output; the pages' keys' mass
+
+
+MASS: list[torch.Tensor] = []  # [L, capacity, HKV, PAGE] fp32: the importance mass (flag 64)
 
 
 def launch(so, st, outs, part, counter, ctas, stages, flags, stream, stamps=None):
@@ -163,7 +171,8 @@ def launch(so, st, outs, part, counter, ctas, stages, flags, stream, stamps=None
     e = so.step_launch(items.data_ptr(), meta.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                        table.data_ptr(), kc.shape[1], X0[0].data_ptr(), outs.data_ptr(),
                        part.data_ptr(), counter.data_ptr(), len(phases), ctas, stages, flags,
-                       None if stamps is None else stamps.data_ptr(), stream)
+                       None if stamps is None else stamps.data_ptr(),
+                       MASS[0].data_ptr() if flags & 64 else None, stream)
     if e:
         raise RuntimeError(f"launch failed: {e} "
                            f"{so.step_error_string(e).decode() if e > 0 else 'stages'}")
@@ -183,6 +192,7 @@ def check(so, st, ctas, stages, stream, flags=1) -> dict:
     # row 5 of every block: the kernel stores the current token there (checked below); the
     # V copy it does not read must agree with the one it does (the reference reads vc)
     kc[:, :, :, 5].zero_(), vc[:, :, :, 5].zero_(), st[7][:, :, :, 5].zero_()
+    MASS[0].zero_()
     launch(so, st, outs, part, counter, ctas, stages, flags, stream)
     torch.cuda.synchronize()
     worst: dict[str, float] = {}
@@ -198,7 +208,11 @@ def check(so, st, ctas, stages, stream, flags=1) -> dict:
         if ph["type"] == 1:
             qkv = outs[ph["qkv"]:ph["qkv"] + 6144]
             got = attention_out(part[ph["part"]:ph["part"] + HKV * SPLITS * ATT_STRIDE])
-            ref = attention_ref(qkv, kc[ph["layer"]], vc[ph["layer"]], table, cs)
+            ref, mass_ref = attention_ref(qkv, kc[ph["layer"]], vc[ph["layer"]], table, cs)
+            if flags & 64:  # each page key's probability summed over its 4 query heads
+                mass_got = MASS[0][ph["layer"]][table.long()].permute(1, 0, 2).reshape(HKV, -1)
+                e = ((mass_got - mass_ref).abs().max() / mass_ref.abs().max()).item()
+                worst["mass"] = max(worst.get("mass", 0.0), e if e == e else float("inf"))
             # the current token's rotated k and its v, stored in the cache (fp16)
             v_ref = qkv[HQ * HD + HKV * HD:].view(HKV, HD).half()
             v_got = vcache[ph["layer"], ph["cur_blk"], :, 5]
@@ -345,7 +359,8 @@ def main() -> None:
             for flags in a.rows:
                 what = ("barriers on" if flags & 1 else "barriers off (floor, wrong values)") + \
                     (", o's x in one round" if flags & 16 else "") + \
-                    (", mma attention" if flags & 32 else "")
+                    (", mma attention" if flags & 32 else "") + \
+                    (", importance mass" if flags & 64 else "")
                 ms = time_step(so, st, ctas, a.stages, flags, stream, a.reps)
                 row[f"ms_flags{flags}"] = ms
                 print(f"keys {keys}: step {what}: {ms:.3f} ms, "

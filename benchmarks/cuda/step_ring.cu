@@ -23,10 +23,11 @@
 // The RMSNorm before q|k|v, gate|up and the head is in their x loads (every CTA reads the
 // whole 4096-vector for its sum of squares). The attention phase applies RoPE to q and the
 // current k and stores the current k, v into the cache; a last phase takes the greedy argmax
-// of the logits. Left out (the real kernel needs them; this measures the dependency
+// of the logits; with flag 64 (the mma attention) the o phase also adds each key's
+// importance mass. Left out (the real kernel needs them; this measures the dependency
 // structure and the bytes): the residual adds (the GEMVs' atomics would add into the
-// residual stream itself), the importance mass, the sinks/window edge masks (every page
-// here is full), the embedding row of the next token (the next step's first x load).
+// residual stream itself), the globals' own mass slots, the sinks/window edge masks (every
+// page here is full), the embedding row of the next token (the next step's first x load).
 // x between GEMVs: x0 + f / 2 as in gemv_chain_ring.cu.
 // Built with nvcc -O3 -gencode arch=compute_90,code=sm_90. Benchmark code, not the engine.
 #include <cuda_fp16.h>
@@ -45,6 +46,9 @@
 #define PAGE 16     // tokens a page
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc[4][128], m[4], l[4]
 #define NSTAMP 12  // timeline entries a phase and CTA (step_launch says which)
+#define HKV_N 8   // KV heads (the mass buffer's layout; the host checks)
+#define HKV_UNITS (HKV_N * 16)  // attention units: KV heads x 16 splits
+#define MASS_PAGES 32  // pages a unit may have with the importance mass on (flag 64)
 
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
@@ -126,7 +130,7 @@ __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
 // o[j][2..3] are unused); m, l of head g (lanes g < 4; the other lanes carry junk rows).
 __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_t* qfrag,
                                                 int lane, int d0, float& m, float& l,
-                                                float (*o)[4]) {
+                                                float (*o)[4], float* sc_out) {
   const uint32_t* K = reinterpret_cast<const uint32_t*>(pg);
   // the chunk order may depend on t only: an mma pairs lane (g, t)'s A with lane (g', t)'s
   // B, so both must hold the same dims (run 109 rotated by g too: wrong scores)
@@ -144,6 +148,11 @@ __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_
     mma16816(s0, a23, k0.z, k0.w);
     mma16816(s1, a01, k1.x, k1.y);
     mma16816(s1, a23, k1.z, k1.w);
+  }
+  if (sc_out && (lane >> 2) < GQA) {  // the page's scores [head][16 keys] for the mass
+    float* so = sc_out + (lane >> 2) * PAGE;
+    *reinterpret_cast<float2*>(so + 2 * t) = make_float2(s0[0], s0[1]);
+    *reinterpret_cast<float2*>(so + 8 + 2 * t) = make_float2(s1[0], s1[1]);
   }
   float mx = fmaxf(fmaxf(s0[0], s0[1]), fmaxf(s1[0], s1[1]));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -190,12 +199,12 @@ __device__ __forceinline__ void page_loop(uint8_t* ring, uint64_t* full, uint64_
       const unsigned long long w0 = clock64();
       warp_wait(&full[slot], phase);
       const unsigned long long a0 = clock64();
-      page(ring + (size_t)slot * ITEM_BYTES);
+      page(ring + (size_t)slot * ITEM_BYTES, e);
       __syncwarp();
       page_wait += a0 - w0, page_math += clock64() - a0;
     } else {
       warp_wait(&full[slot], phase);
-      page(ring + (size_t)slot * ITEM_BYTES);
+      page(ring + (size_t)slot * ITEM_BYTES, e);
       __syncwarp();
     }
     if (lane == 0) mbar_arrive(&empty[slot]);
@@ -208,7 +217,7 @@ __device__ __forceinline__ void page_loop(uint8_t* ring, uint64_t* full, uint64_
 __device__ __forceinline__ void attention_unit_mma(
     uint8_t* ring, uint64_t* full, uint64_t* empty, const float* qf, uint32_t* qfrag,
     float* merge, const float* kc, const float* vc, bool last, int npg, int pos0, int stages,
-    int warp, int lane, bool timeline, unsigned long long* st) {
+    int warp, int lane, bool timeline, unsigned long long* st, float* scores) {
   const int grp = warp / GQA, qd = warp % GQA, d0 = 32 * qd, g = lane >> 2, t = lane & 3;
   if (warp == 0) {  // q fragments (fp16), chunk c of lane L at 16 L + 4 ((c + (L >> 1)) & 3)
     for (int c = 0; c < 4; ++c) {
@@ -243,7 +252,10 @@ __device__ __forceinline__ void attention_unit_mma(
     }
   }
   page_loop(ring, full, empty, pos0, grp, npg, stages, warp, lane, timeline, st,
-            [&](const uint8_t* pg) { attend_page_mma(pg, qfrag, lane, d0, m, l, o); });
+            [&](const uint8_t* pg, int e) {
+              attend_page_mma(pg, qfrag, lane, d0, m, l, o,
+                              scores && qd == 0 ? scores + e * GQA * PAGE : nullptr);
+            });
   if (g < GQA) {
     float* mw = merge + (grp * GQA + g) * (HD + 2);
 #pragma unroll
@@ -263,12 +275,15 @@ __device__ __forceinline__ void attention_unit_mma(
 //         block of the current token (row 5; its rotated k and v are stored there)
 //   ARGMAX: [0] 2, [1] vocabulary, [2] logits offset (floats of outs); the token goes to
 //         counter[2..3] as (order-preserving value bits << 32 | ~index)
+// MASS: the importance mass (flag 64 picks this instance; it spills a few bytes at the
+// 96-register cap, the other instance does not)
+template <bool MASS>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     step_ring(const uint8_t* __restrict__ items, const long long* __restrict__ meta,
               __half* __restrict__ kcache, __half* __restrict__ vcache,
               const int* __restrict__ block_table, long long capacity,
               const float* __restrict__ x0, float* outs, float* part, unsigned* counter,
-              int n_phase, int stages, int flags, unsigned long long* stamps) {
+              int n_phase, int stages, int flags, unsigned long long* stamps, float* mass) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   __half2* xs = reinterpret_cast<__half2*>(smem + (size_t)stages * ITEM_BYTES);
@@ -281,7 +296,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   uint32_t* qfrag = reinterpret_cast<uint32_t*>(ssum + NW);  // [32 lanes][16] (flag 32)
   float* kcur_s = reinterpret_cast<float*>(qfrag + 512);     // [128] rotated k, fp16 values
   float* vcur_s = kcur_s + HD;                                // [128] v
-  uint64_t* full = reinterpret_cast<uint64_t*>(vcur_s + HD);
+  float* scores_s = vcur_s + HD;  // [MASS_PAGES][4][16] the unit's scores (flag 64)
+  float* mlbuf = scores_s + MASS_PAGES * GQA * PAGE;  // [16 splits][m 4, l 4], M 4, 1/L 4
+  uint64_t* full = reinterpret_cast<uint64_t*>(mlbuf + 17 * 2 * GQA);
   uint64_t* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
@@ -289,6 +306,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   for (int t = threadIdx.x; t < RED_TILES * 128; t += blockDim.x) red[t] = 0.f;
   __syncthreads();
   const bool wait_barrier = flags & 1, timeline = flags & 8, mma_attention = flags & 32;
+  const bool with_mass = MASS && mma_attention;
 
   if (warp == NW) {  // producer: the CTA's weight items and KV pages of every phase, in order
     if (lane == 0) {
@@ -352,6 +370,18 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       Range r = cta_range(m[3] * m[4], c, P);
       const int n = (int)(r.b - r.a), tile0 = (int)(r.a / G), j0 = (int)(r.a % G);
       n_streamed = n;
+      // importance mass of the attention unit this CTA ran (o's phase: every split's m, l is
+      // out now): its m, l loads go out here, the mass is made after the items
+      const bool mass_here = with_mass && xform == 2 && c < HKV_UNITS;
+      if (mass_here && threadIdx.x < 32) {  // [split][m 4, l 4] of this KV head, straight
+        // into shared memory with cp.async (no register held across the items)
+        const int sp = threadIdx.x >> 1, hf = threadIdx.x & 1;
+        const float* src =
+            part + in_off + (size_t)((c / 16) * 16 + sp) * ATT_STRIDE + GQA * HD + 4 * hf;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                         smem_u32(mlbuf + sp * 2 * GQA + 4 * hf)), "l"(src) : "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+      }
       if (n > 0) {
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
@@ -514,7 +544,31 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
       if (cur >= 0) flush(cur);
       if (timeline && threadIdx.x == 0) st[5] = ring_wait;
+      if (mass_here && threadIdx.x < 32) asm volatile("cp.async.wait_all;" ::: "memory");
       consumers_sync();
+      if (mass_here) {  // key k of page e: sum over the 4 heads of exp(s - M) / L
+        const int layer = (int)(m[9] & 0xffff), npg = (int)(m[9] >> 16), sp = c % 16;
+        if (threadIdx.x < GQA) {  // head q's M and 1 / L over the 16 splits, into mlbuf[128..]
+          const int q = threadIdx.x;
+          float M = -INFINITY, L = 0.f;
+          for (int s2 = 0; s2 < 16; ++s2) M = fmaxf(M, mlbuf[s2 * 2 * GQA + q]);
+          for (int s2 = 0; s2 < 16; ++s2)
+            L += mlbuf[s2 * 2 * GQA + GQA + q] * __expf(mlbuf[s2 * 2 * GQA + q] - M);
+          mlbuf[16 * 2 * GQA + q] = M, mlbuf[16 * 2 * GQA + GQA + q] = 1.0f / L;
+        }
+        consumers_sync();
+        const float* Mh = mlbuf + 16 * 2 * GQA;
+        const float* Lh = Mh + GQA;
+        for (int t = threadIdx.x; t < npg * PAGE; t += NW * 32) {
+          const int e = t / PAGE, row = t % PAGE;
+          float v = 0.f;
+#pragma unroll
+          for (int q = 0; q < GQA; ++q)
+            v += __expf(scores_s[(e * GQA + q) * PAGE + row] - Mh[q]) * Lh[q];
+          const long long blk = block_table[sp * npg + e];
+          mass[(((size_t)layer * capacity + blk) * HKV_N + c / 16) * PAGE + row] += v;
+        }
+      }
       if (timeline && threadIdx.x == 0) st[3] = clock64();
       if (n > 0) {
         const int span = (int)((r.b - 1) / G) - tile0 + 1;
@@ -580,7 +634,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int hh = warp % GQA, grp = warp / GQA;  // query head 4 h + hh; page group
         if (mma_attention) {
           attention_unit_mma(ring, full, empty, qf, qfrag, merge, kcur_s, vcur_s,
-                             s == S - 1, npg, pos0, stages, warp, lane, timeline, st);
+                             s == S - 1, npg, pos0, stages, warp, lane, timeline, st,
+                             with_mass ? scores_s : nullptr);
         } else {
         float mm = -INFINITY, ll = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
         if (s == S - 1 && grp == 0) {  // the current token: group 0's starting state
@@ -595,7 +650,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           acc[0] = v4.x, acc[1] = v4.y, acc[2] = v4.z, acc[3] = v4.w;
         }
         page_loop(ring, full, empty, pos0, grp, npg, stages, warp, lane, timeline, st,
-                  [&](const uint8_t* pg) { attend_page(pg, qf + hh * HD, lane, mm, ll, acc); });
+                  [&](const uint8_t* pg, int) {
+                    attend_page(pg, qf + hh * HD, lane, mm, ll, acc);
+                  });
         float* mw = merge + (grp * GQA + hh) * (HD + 2);  // [group][head][acc 128, m, l]
         *reinterpret_cast<float4*>(mw + 4 * lane) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         if (lane == 0) mw[HD] = mm, mw[HD + 1] = ll;
@@ -629,7 +686,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 
 static size_t smem_bytes(int stages) {
   return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
-         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW + 512 + 2 * HD) *
+         (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW + 512 + 2 * HD +
+              MASS_PAGES * GQA * PAGE + 17 * 2 * GQA) *
              sizeof(float) +
          2 * stages * sizeof(uint64_t);
 }
@@ -644,22 +702,27 @@ extern "C" {
 // attention only: [8] clock64 after the q load, [9] warp 0's cycles in attend_page, [10]
 // clock64 after warp 0's page loop, [11] after the current token's score (last split));
 // 16 the o GEMV's x load combines the attention partials in one round of loads; 32 the
-// attention math with mma.sync (attend_page_mma) instead of fp32 FMAs.
+// attention math with mma.sync (attend_page_mma) instead of fp32 FMAs; 64 (with 32) the
+// importance mass: each key's attention probability summed over its 4 query heads, added
+// into mass [L][capacity][Hkv][16] (the unit's scores kept in shared memory, the mass made
+// in the o phase once every split's m, l is out; no extra dependency).
 int step_launch(const void* items, const void* meta, void* kcache, void* vcache,
                 const void* block_table, long long capacity, const void* x0, void* outs,
                 void* part, void* counter, int n_phase, int ctas, int stages, int flags,
-                void* stamps, void* stream) {
+                void* stamps, void* mass, void* stream) {
   if (stages % GROUPS != 0) return -2;
   size_t smem = smem_bytes(stages);
-  cudaError_t e = cudaFuncSetAttribute(step_ring, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto kernel = (flags & 64) ? step_ring<true> : step_ring<false>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        (int)smem);
   if (e != cudaSuccess) return 1000 + (int)e;
-  step_ring<<<ctas, (NW + 1) * 32, smem, static_cast<cudaStream_t>(stream)>>>(
+  kernel<<<ctas, (NW + 1) * 32, smem, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint8_t*>(items), static_cast<const long long*>(meta),
       static_cast<__half*>(kcache), static_cast<__half*>(vcache),
       static_cast<const int*>(block_table), capacity, static_cast<const float*>(x0),
       static_cast<float*>(outs), static_cast<float*>(part), static_cast<unsigned*>(counter),
-      n_phase, stages, flags, static_cast<unsigned long long*>(stamps));
+      n_phase, stages, flags, static_cast<unsigned long long*>(stamps),
+      static_cast<float*>(mass));
   e = cudaGetLastError();
   return e == cudaSuccess ? 0 : 2000 + (int)e;
 }
