@@ -566,7 +566,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           for (int q = 0; q < GQA; ++q)
             v += __expf(scores_s[(e * GQA + q) * PAGE + row] - Mh[q]) * Lh[q];
           const long long blk = block_table[sp * npg + e];
-          mass[(((size_t)layer * capacity + blk) * HKV_N + c / 16) * PAGE + row] += v;
+          // a reduction (no return value): no L2 round trip on this CTA's path
+          atomicAdd(&mass[(((size_t)layer * capacity + blk) * HKV_N + c / 16) * PAGE + row], v);
         }
       }
       if (timeline && threadIdx.x == 0) st[3] = clock64();
