@@ -40,6 +40,14 @@ def _mapped(table: torch.Tensor) -> bool:
     return is_mapped(table)
 
 
+def decode_kernel() -> str:
+    """"persistent" (the whole step in one kernel, kernels/cuda_step.py, where it applies) or
+    "layers" (the default: one kernel per operation): HISPARSE_DECODE_KERNEL."""
+    import os
+
+    return "persistent" if os.environ.get("HISPARSE_DECODE_KERNEL") == "persistent" else "layers"
+
+
 PAD_START = 1 << 30  # start position of padding blocks: later than any query, so masked (the
 # kernels compute key positions in int32, so the pad start + block offsets must stay < 2**31)
 
@@ -178,6 +186,24 @@ class GraphDecoder:
         self.logits: torch.Tensor | None = None
         self.steps = 0
         self.captures = 0  # graphs captured by this decoder (1 at most; 0 with capture=False)
+        # the persistent decode kernel (kernels/cuda_step.py) in place of the layer-by-layer
+        # forward, where asked for (decode_kernel()) and where it applies
+        self.cuda_step = None
+        self.cuda_step_reason: str | None = None
+        if decode_kernel() == "persistent":
+            self.cuda_step_reason = self._persistent_unsupported()
+            if self.cuda_step_reason is None:
+                from hisparse_cli.kernels.cuda_step import CudaDecodeStep
+
+                self.cuda_step = CudaDecodeStep(model, run, self.dev, self.tok, self.nb_max)
+
+    def _persistent_unsupported(self) -> str | None:
+        """Why this decoder cannot run the persistent kernel (None: it can)."""
+        if self.host_table and not self.host_gather:
+            return "the host embedding table is read by the host (not registered)"
+        from hisparse_cli.kernels.cuda_step import unsupported
+
+        return unsupported(self.model, self.run)
 
     @staticmethod
     def padded_blocks(run: KVRun, total_tokens: int) -> int:
@@ -208,6 +234,8 @@ class GraphDecoder:
             if done is not None:
                 done.synchronize()  # the last run's copies out of the pinned buffers
         self.run = self.ctx.run = run
+        if self.cuda_step is not None:  # its launch reads only what was checked equal above
+            self.cuda_step.run = run
         self._span, self._blocks = None, None
         self._version, self._buf_version = 0, [-1, -1]
         self.steps = 0
@@ -256,6 +284,8 @@ class GraphDecoder:
             done.record()
 
     def _body(self) -> torch.Tensor:
+        if self.cuda_step is not None:  # the whole step in one kernel (it reads the token's
+            return self.cuda_step()     # embedding row itself)
         if self.host_table:
             if self.host_gather:  # the row read from host memory by a kernel in the graph
                 from hisparse_cli.kernels.host_rows import gather_rows

@@ -220,6 +220,11 @@ class Engine:
         if graph:
             out, reason, reused = self._decode_graph(run, logits, gen, eos, ids.numel(), progress)
             extra["cuda_graph"] = "reused" if reused else "new"
+            dec = self._decode_state.decoder if self._decode_state is not None else None
+            if dec is not None:
+                extra["decode_kernel"] = "persistent" if dec.cuda_step is not None else "layers"
+                if dec.cuda_step_reason:
+                    extra["decode_kernel_note"] = dec.cuda_step_reason
         else:
             out, reason = self._decode_eager(run, logits, gen, eos, Sampler(gen, self.device),
                                              progress)

@@ -1,0 +1,210 @@
+"""The persistent decode step (kernels/cuda_step.py, kernels/cuda/decode_step.cu) on the GPU:
+checked against the engine's layer-by-layer Triton step, then timed inside the engine.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_cuda_decode.py [--out DIR] [--skip-time]
+        [--contexts 32768] [--decode-tokens 256] [--profiles h200-141g,4060ti-6g]
+
+(a) check: small random AWQ INT4 Llamas (weights in the item layout, INT4 head and fp16 head),
+    a sparse run with sinks, a window, global slots and the attention-mass importance; after a
+    Triton prefill, each decode step runs the Triton step and the persistent kernel from the
+    same state (the cache, scores, global masses restored between them) and compares the
+    logits, the K/V stored at the token's slot in every layer, and the score / global mass /
+    global seen each added; then the run goes on from the kernel's state.
+(b) time (skipped with --skip-time): the Llama-3-8B shape with random weights, fp16 and INT4 +
+    INT4 head (items), one kept Engine each as `hisparse batch` keeps one (the repeats replay the
+    kept graph); decode tok/s of fp16 (layers), INT4 (layers) and INT4 (persistent) per profile
+    and context, and the ratios to fp16 of the same call.
+Writes DIR/gpu_cuda_decode.json (DIR: --out, else $OUT, else ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from hisparse_cli.engine.config import SparseConfig  # noqa: E402
+from hisparse_cli.model.config import ModelConfig  # noqa: E402
+
+SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 1024,
+         "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+         "rope_theta": 500000.0, "tie_word_embeddings": False}
+
+
+def to_items(model) -> None:
+    """Every AWQ linear of the model (the head too, when INT4) into the item layout."""
+    from hisparse_cli.model.awq import AWQLinear
+
+    for mod in model.modules():
+        if isinstance(mod, AWQLinear):
+            mod.set_layout("items")
+
+
+CHECKS = (  # (INT4 head, window, globals, prompt): one unit page a split / several
+    (True, 256, 32, 700),
+    (False, 1024, 64, 1500),
+)
+
+
+def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, steps: int,
+              prompt_len: int, dev) -> dict:
+    from gpu_engine import build_ours, prompt
+
+    from hisparse_cli.engine.block_pool import BlockPool
+    from hisparse_cli.engine.cuda_graph import GraphDecoder
+    from hisparse_cli.engine.runner import KVRun
+    from hisparse_cli.kernels.cuda_step import CudaDecodeStep, unsupported
+    from hisparse_cli.kernels.dispatch import select_backend
+
+    model = build_ours(cfg, dev, awq=True, host_emb=False, awq_lm_head=head_int4, seed=3)
+    to_items(model)
+    sparse = SparseConfig(sink_tokens=4, window_size=window, global_tokens=globals_,
+                          block_size=16, recalibrate_every=128, recalibrate_topk=globals_,
+                          prefill_chunk=256, importance="attention")
+    backend = select_backend("cuda")
+    model.backend = backend
+    pool = BlockPool(None)
+    total = prompt_len + steps + 1
+    run = KVRun(cfg, sparse, dev, torch.float16, backend, pool, total_tokens=total)
+    ids = torch.tensor(prompt(prompt_len, cfg.vocab_size, seed=5), device=dev)
+    with torch.inference_mode(), run:
+        logits = None
+        for s in range(0, prompt_len, sparse.prefill_chunk):
+            logits = run.step(model, ids[s:s + sparse.prefill_chunk])
+        dec = GraphDecoder(model, run, total, capture=False)
+        why = unsupported(model, run)
+        assert why is None, why
+        step = CudaDecodeStep(model, run, dec.dev, dec.tok, dec.nb_max)
+        cache = run.cache
+        state = [t for t in (cache.k, cache.v, cache.score, cache.gmass, cache.gseen)]
+        worst = {"logits": 0.0, "k": 0.0, "v": 0.0, "score": 0.0, "gmass": 0.0, "gseen": 0.0}
+        agree = 0
+        tok = logits[-1].argmax().reshape(1)
+        for i in range(steps):
+            dec._prepare()
+            dec.tok.copy_(tok)
+            before = [t.clone() for t in state]
+            ref = model(dec.tok, dec.dev[0:1], dec.ctx).clone()
+            after_ref = [t.clone() for t in state]
+            for t, b in zip(state, before):
+                t.copy_(b)
+            got = step().clone()
+            torch.cuda.synchronize()
+            scale = ref.abs().max().item()
+            worst["logits"] = max(worst["logits"], (got - ref).abs().max().item() / scale)
+            agree += int(got.argmax().item() == ref.argmax().item())
+            slot = int(dec.dev[1].item())
+            bs = sparse.block_size
+            for name, t, r in (("k", cache.k, after_ref[0]), ("v", cache.v, after_ref[1])):
+                a = t[:, slot // bs, slot % bs].float()
+                b = r[:, slot // bs, slot % bs].float()
+                worst[name] = max(worst[name], ((a - b).abs() / b.abs().clamp(min=1e-2)).max().item())
+            for name, t, r, b0 in (("score", cache.score, after_ref[2], before[2]),
+                                   ("gmass", cache.gmass, after_ref[3], before[3]),
+                                   ("gseen", cache.gseen, after_ref[4], before[4])):
+                d_got, d_ref = t - b0, r - b0
+                den = d_ref.abs().max().item() or 1.0
+                worst[name] = max(worst[name], (d_got - d_ref).abs().max().item() / den)
+            dec.steps += 1
+            dec._after_step()
+            tok = got[-1].argmax().reshape(1)
+    return {"head": "int4" if head_int4 else "fp16", "window": window, "globals": globals_,
+            "steps": steps, "prompt": prompt_len, "unit_pages": step.unit_pages,
+            "argmax_agree": agree, "worst_rel": worst, "ctas": step.ctas, "splits": step.S,
+            "smem": step.smem}
+
+
+def time_rows(a, dev) -> list[dict]:
+    from gpu_engine import build_ours, prompt, run_ours
+
+    from hisparse_cli.engine.engine import Engine
+    from hisparse_cli.kernels.dispatch import select_backend
+    from hisparse_cli.planner_shapes import SHAPES
+    from hisparse_cli.profiles import load_profile
+
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
+    backend = "triton"
+    rows = []
+    for label, awq, kernel in (("fp16", False, "layers"), ("int4+head", True, "layers"),
+                               ("int4+head", True, "persistent")):
+        model = build_ours(cfg, dev, awq=awq, host_emb=False, awq_lm_head=awq)
+        if awq:
+            to_items(model)
+        os.environ["HISPARSE_DECODE_KERNEL"] = kernel
+        kw = dict(weight_format="awq-int4" if awq else "fp16", awq_lm_head=awq)
+        for prof in a.profiles.split(","):
+            sparse = load_profile(prof).sparse_config()
+            for ctx in [int(c) for c in a.contexts.split(",")]:
+                eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                             backend=select_backend("cuda"))
+                seen, notes = [], []
+                for _ in range(a.repeat):
+                    r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
+                                 a.decode_tokens, backend, dev, engine=eng, **kw)
+                    seen.append(r["decode_tok_s"])
+                    notes.append(r.get("cuda_graph"))
+                kernel_used = eng._decode_state.decoder.cuda_step is not None
+                eng.release_cached_state()
+                del eng
+                row = {"system": label, "kernel": kernel, "persistent_ran": kernel_used,
+                       "profile": prof, "context": ctx, "decode_tok_s": seen[-1],
+                       "decode_tok_s_repeats": seen, "graphs": notes}
+                rows.append(row)
+                print(f"{label:10s} {kernel:10s} {prof:10s} {ctx:6d}: "
+                      f"{', '.join(f'{x:.1f}' for x in seen)} tok/s "
+                      f"(persistent ran: {kernel_used})", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    os.environ.pop("HISPARSE_DECODE_KERNEL", None)
+    for r in rows:
+        fp = next(x for x in rows if x["system"] == "fp16" and x["profile"] == r["profile"]
+                  and x["context"] == r["context"])
+        r["vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"]
+    print("\nsystem     kernel     profile    context  tok/s   x fp16")
+    for r in rows:
+        print(f"{r['system']:10s} {r['kernel']:10s} {r['profile']:10s} {r['context']:7d} "
+              f"{r['decode_tok_s']:6.1f} {r['vs_fp16']:6.2f}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-time", action="store_true")
+    ap.add_argument("--check-steps", type=int, default=40)
+    ap.add_argument("--contexts", default="32768")
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--profiles", default="h200-141g,4060ti-6g")
+    a = ap.parse_args()
+    out = Path(a.out or os.environ.get("OUT") or "out")
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "check": []}
+    cfg = ModelConfig.from_dict(SMALL)
+    for head_int4, window, globals_, prompt_len in CHECKS:
+        r = check_one(cfg, head_int4, window, globals_, a.check_steps, prompt_len, dev)
+        res["check"].append(r)
+        w = r["worst_rel"]
+        print(f"check head {r['head']} window {window} globals {globals_} ({r['unit_pages']} "
+              f"pages a split): argmax agree {r['argmax_agree']}/{r['steps']}, worst rel "
+              + " ".join(f"{k} {v:.2e}" for k, v in w.items()), flush=True)
+    print(f"check done in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not a.skip_time:
+        res["time"] = time_rows(a, dev)
+    (out / "gpu_cuda_decode.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,774 @@
+// One whole decode step of a Llama-family INT4 model in ONE persistent launch (sm_90).
+//
+// Why: the engine's kernel-per-operation decode (~345 launches a token, chained with
+// programmatic dependent launch) spends ~1/3 of an INT4 step between kernels: ramps, tails and
+// dependency latency that the 3.6x smaller INT4 weights expose (BENCHMARKS.md, runs 84-118).
+// Here one CTA per SM runs every phase of the step with a grid barrier between phases, and a
+// producer warp per CTA streams everything that does not depend on the token (the INT4 weight
+// items and the attention's KV pages) into a shared-memory ring ahead of the barriers, so the
+// weights stream through the dependencies. The benchmark skeleton it grew from
+// (benchmarks/cuda/step_ring.cu) measured 2.45-2.55x the fp16 engine at 32K context.
+//
+// Phases (a table of META int64 rows built by kernels/cuda_step.py):
+//   per layer: q|k|v GEMV (x = RMSNorm(h); layer 0 reads the token's embedding row and writes
+//   h) -> ATTENTION (RoPE of q and the current k, K/V store into the paged cache, sparse
+//   attention over the step's block list + the layer's global slots + the current token,
+//   split-K partials) -> o GEMV (its x load combines the partials; it adds into h, the
+//   residual stream, kept in fp32; with the importance mass, each attention unit's keys'
+//   probabilities are added to the run's score / global mass here) -> gate|up GEMV (x =
+//   RMSNorm(h)) -> down GEMV (x = silu(g) u; adds into h);
+//   then either the INT4 lm_head GEMV (x = RMSNorm(h) with the final norm) into the logits, or
+//   FINAL_NORM (the normed hidden state in fp16 for an fp16 head run by the host after this).
+//
+// Semantics are the engine's (kernels/attention_ref.py is the oracle): a query at position q
+// sees key position k iff k <= q and (k < sinks or k > q - window), plus every global slot of
+// its KV head whose position is >= 0; decode importance mass = each key's attention
+// probability summed over the query heads of its KV head, added to score[block, offset, head]
+// for the listed keys (at least `min_distance` positions back, SnapKV), to global_mass for the
+// globals, and 1 to every global_seen. The current token's K/V are written to its slot; the
+// producer may have streamed that slot's stale row with its page, so the page loop masks
+// position q and the last split adds the current token from registers.
+//
+// Layouts:
+//   INT4 items (kernels/awq_items.py): a linear's weights as items of one 128-row input group x
+//   128 output columns (8512 bytes: mma.sync A fragments, scales, zero points), item index =
+//   column tile * G + group, G = in / 128.
+//   KV cache [L, capacity, block_size, Hkv, 128] fp16 (the engine's), read page by page (16
+//   keys of one KV head) with TMA tensor maps over [L * capacity * block_size, Hkv, 128]: K
+//   plain, V with the 128-byte swizzle (16-byte chunk j of key row r at j ^ (r & 7) inside each
+//   128-byte half-row), which makes ldmatrix.trans conflict-free; globals [L, Hkv, G, 128]
+//   through maps of the same form (Hkv = 1, rows = L * Hkv * G).
+//
+// No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
+// raw 16-bit values with PTX conversions. Compile-time: GQA (query heads a KV head, <= 8).
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#ifndef GQA
+#define GQA 4
+#endif
+#define HD 128           // head dim (one item column tile = one head)
+#define NW 16            // consumer warps
+#define SPLIT 4          // warps an item (each two of its 8 row tiles)
+#define GROUPS (NW / SPLIT)  // consumer groups; an attention page goes to one group too
+#define ITEM_BYTES 8512  // 128 x 128 INT4 words (8192 B), scales (256 B), zero points (64 B)
+#define SCALES_OFF 8192
+#define ZEROS_OFF 8448
+#define SLOT 9216        // ring slot stride: 1024-aligned slots (the V pages' 128-byte swizzle
+                         // repeats every 1024 bytes) holding an item or a page (K 4 KB, V 4 KB)
+#define PAGE 16          // keys a page
+#define MAX_K 14336      // longest GEMV input (x in shared memory as fp16)
+#define MAX_G (MAX_K / 128)
+#define MAX_S 32         // splits a KV head
+#define MAX_HQ 64        // query heads (the o GEMV's per-head split weights)
+#define MAX_UNIT_PAGES 1024  // pages one attention unit may read (validity masks in smem)
+#define MASS_PAGES 32    // pages a unit may read with the importance mass (its scores in smem)
+#define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc [GQA][128], m, l
+#define META 12
+
+#define K_GEMV 0
+#define K_ATTN 1
+#define K_FINAL_NORM 2
+#define X_NORM 0      // x = RMSNorm(h) * w
+#define X_SILU 1      // x = silu(g) * u of the gate|up output
+#define X_ATT 2       // x = the attention output combined from the split partials
+#define X_NORM_EMB 3  // x = RMSNorm(embedding row) * w, and h = the row (layer 0)
+
+#define F_BARRIER 1   // wait at the grid barriers (off only to time the phases' floor)
+#define F_MASS 2      // importance mass (the MASS instance)
+
+struct StepParams {
+  const i64* meta;      // [n_phase][META]
+  const i64* dev;       // [2 + 2 nb]: position, slot, block ids (nb), block starts (nb)
+  const i64* tok;       // [1] the token at this position
+  const u16* embed;     // [vocab, hidden] fp16 (device memory or mapped host memory)
+  float* h;             // [hidden] residual stream
+  float* part;          // [Hkv * S][ATT_STRIDE] attention partials (one layer at a time)
+  unsigned* counter;    // grid barrier (zeroed before each launch)
+  const float* inv_freq;  // [64] RoPE inverse frequencies
+  u16* kcache;          // [L, capacity, bs, Hkv, 128]
+  u16* vcache;
+  const i64* gpos;      // [L, Hkv, G] (-1: empty slot)
+  float* score;         // [L, capacity, bs, Hkv] importance mass
+  float* gmass;         // [L, Hkv, G]
+  float* gseen;         // [L, Hkv, G]
+  i64 capacity;
+  int n_phase, stages, red_tiles, flags;
+  int nb, bs, hkv, hq, hidden, G, S;
+  int sinks, window, min_distance;  // window < 0: none
+  float scale, eps, rope_scaling;
+};
+
+struct __align__(64) TensorMap {
+  u64 opaque[16];
+};
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float h2f(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float rh(float f) { return h2f(f2h(f)); }  // fp16 rounding
+__device__ __forceinline__ float2 h22f2(u32 v) {
+  return make_float2(h2f((u16)(v & 0xffffu)), h2f((u16)(v >> 16)));
+}
+__device__ __forceinline__ u32 f22h2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float ex(float x) { return __expf(x); }
+
+// ---- mbarrier ring, bulk and tensor copies, grid barrier ----------------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive_tx(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
+  u32 ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.b32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+// a consumer warp's wait: lanes may leave the spin on different iterations; reconverge before
+// the shuffles and mma.sync that follow
+__device__ __forceinline__ void warp_wait(u64* bar, u32 parity) {
+  mbar_wait(bar, parity);
+  __syncwarp();
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void tma_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
+                                       u64* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire(const unsigned* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ float2 ldcg2(const float* p) {
+  return __ldcg(reinterpret_cast<const float2*>(p));
+}
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
+}
+__device__ __forceinline__ u32 lop3_or_and(u32 a, u32 mask, u32 magic) {
+  u32 r;  // (a & mask) | magic
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
+  return r;
+}
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+struct Range {
+  i64 a, b;
+};
+__device__ __forceinline__ Range cta_range(i64 n, int c, int P) {
+  return Range{n * c / P, n * (c + 1) / P};
+}
+// where consumer unit `unit` of `units` (each taking every units-th stream position) starts in a
+// phase whose first ring entry is stream position pos0: its first phase-relative index
+// (returned), that entry's slot and the parity to wait for
+__device__ __forceinline__ int ring_start(int pos0, int unit, int units, int stages, int& slot,
+                                          u32& parity) {
+  const int first = (((unit - pos0) % units) + units) % units;
+  slot = (pos0 + first) % stages;
+  parity = (u32)(((pos0 + first) / stages) & 1);
+  return first;
+}
+
+// ---- GEMV item math: mma.sync m16n8k16, the item's 16 output rows x 16 K as A, x as B ------
+// Item words [rt 0..7][kt / 4][lane][kt % 4]; lane L = 4 g + t holds A's fragment of (rt, kt)
+// in one word: nibble pair p = 0..3 (bits 4p.. = even K, 16 + 4p.. = odd K) is row
+// 16 rt + g + 8 (p & 1), K 16 kt + 2 t + 8 (p >> 1) + {0, 1}. Scales fp16 [g][rt][row half],
+// zero points one byte per (g, rt) (low nibble row 16 rt + g, high row + 8). The LOP3 magic
+// turns nibble q into the fp16 1024 + q (p 0, 2) or 1024 + 16 q (p 1, 3); 1024 sum(x) is taken
+// off afterwards with the group's x sum. This warp (part of 4) does row tiles 2 part, +1.
+__device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum, int part,
+                                         int lane, float* f) {
+  const int g = lane >> 2, t = lane & 3;
+  u32 b[16];  // B fragments of the 8 K tiles
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) b[2 * kt] = xw[8 * kt + t], b[2 * kt + 1] = xw[8 * kt + 4 + t];
+  const uint4* words = reinterpret_cast<const uint4*>(it);
+  const u32* s2 = reinterpret_cast<const u32*>(it + SCALES_OFF) + 8 * g;
+  const u8* z8 = it + ZEROS_OFF + 8 * g;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int rt = 2 * part + r;
+    const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
+    const u32 w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      const u32 hi = w[kt] >> 8;
+      const u32 a[4] = {lop3_or_and(w[kt], 0x000F000Fu, 0x64006400u),
+                        lop3_or_and(w[kt], 0x00F000F0u, 0x64006400u),
+                        lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
+                        lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
+      mma16816(d, a, b[2 * kt], b[2 * kt + 1]);
+    }
+    const u32 zbits = z8[rt];
+    const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
+    const float2 sf = h22f2(s2[rt]);
+    f[2 * r] += sf.x * (d[0] - (1024.0f + z0) * xsum);
+    f[2 * r + 1] += sf.y * ((d[2] - 1024.0f * xsum) * (1.0f / 16.0f) - z1 * xsum);
+  }
+}
+
+// ---- attention page math (mma.sync) -------------------------------------------------------
+// The GQA query heads are rows 0..GQA-1 of the m16 tiles (the rest zero). q.K: K page [16 keys]
+// [128] fp16 in the slot; the dims are visited in a permuted order (the same for q and every
+// key): in K tile s lane (g, t) holds words 16 t + 2 s (b0 / a0) and 16 t + 2 s + 1 (b1 / a2)
+// of a 64-word row, read as chunks c = (i + (t >> 1)) & 3 (2-way conflicts). The q fragments
+// are staged once per unit in qfrag [lane][4 chunks][4 words] (chunk c of lane L at word
+// 16 L + 4 ((c + (L >> 1)) & 3)). P.V: the q.K accumulators are P's A fragment as they are;
+// V's B fragments come from ldmatrix.x4.trans of the swizzled V page ([2 halves][16 keys][64
+// dims], 16-byte chunk j of key r at j ^ (r & 7)). A warp of a group computes q.K for the page
+// (all 4 warps the same) and P.V for its 32 dims. valid: bit j = key j is visible.
+__device__ __forceinline__ void attend_page(const u8* pg, const u32* qfrag, int lane, int d0,
+                                            u32 valid, float scale, float& m, float& l,
+                                            float (*o)[4], float* sc_out) {
+  const u32* K = reinterpret_cast<const u32*>(pg);
+  const int g = lane >> 2, t = lane & 3, f = t >> 1;
+  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};  // keys 0-7, 8-15
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = (i + f) & 3;
+    const uint4 qa = *reinterpret_cast<const uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3));
+    const uint4 k0 = *reinterpret_cast<const uint4*>(K + g * 64 + 16 * t + 4 * c);
+    const uint4 k1 = *reinterpret_cast<const uint4*>(K + (g + 8) * 64 + 16 * t + 4 * c);
+    const u32 a01[4] = {qa.x, 0u, qa.y, 0u}, a23[4] = {qa.z, 0u, qa.w, 0u};
+    mma16816(s0, a01, k0.x, k0.y);
+    mma16816(s0, a23, k0.z, k0.w);
+    mma16816(s1, a01, k1.x, k1.y);
+    mma16816(s1, a23, k1.z, k1.w);
+  }
+  const float ninf = neg_inf();
+  // lane (g, t) holds keys 2t, 2t + 1 (s0) and 8 + 2t, 9 + 2t (s1) of head g
+  const float x00 = (valid >> (2 * t)) & 1 ? s0[0] * scale : ninf;
+  const float x01 = (valid >> (2 * t + 1)) & 1 ? s0[1] * scale : ninf;
+  const float x10 = (valid >> (8 + 2 * t)) & 1 ? s1[0] * scale : ninf;
+  const float x11 = (valid >> (9 + 2 * t)) & 1 ? s1[1] * scale : ninf;
+  if (sc_out && g < GQA) {  // the page's scores [head][16 keys] for the mass
+    float* so = sc_out + g * PAGE;
+    *reinterpret_cast<float2*>(so + 2 * t) = make_float2(x00, x01);
+    *reinterpret_cast<float2*>(so + 8 + 2 * t) = make_float2(x10, x11);
+  }
+  float mx = fmaxf(fmaxf(x00, x01), fmaxf(x10, x11));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mn = fmaxf(m, mx);
+  const float base = mn == ninf ? 0.f : mn;  // nothing visible yet: keep exp() finite
+  const float corr = ex(m - base);
+  const float p00 = ex(x00 - base), p01 = ex(x01 - base);
+  const float p10 = ex(x10 - base), p11 = ex(x11 - base);
+  float ps = (p00 + p01) + (p10 + p11);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+  l = l * corr + ps;
+  m = mn;
+  const u32 pa[4] = {f22h2(p00, p01), 0u, f22h2(p10, p11), 0u};
+  const u8* V = pg + PAGE * HD * 2;
+  const int key = (lane & 7) + 8 * ((lane >> 3) & 1), chunk = lane >> 4;
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj) {
+    u32 b[4];
+    const int jc = (d0 + 16 * jj + 8 * chunk) >> 3;  // 16-byte chunk of the 256-byte row
+    const int half = jc >> 3, j8 = jc & 7;
+    ldsm_x4_trans(b, V + half * (PAGE * 128) + key * 128 + ((j8 ^ (key & 7)) << 4));
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o[2 * jj][q] *= corr, o[2 * jj + 1][q] *= corr;
+    mma16816(o[2 * jj], pa, b[0], b[1]);
+    mma16816(o[2 * jj + 1], pa, b[2], b[3]);
+  }
+}
+
+// the 16 keys of unit page e: visible (bit j)? Cache pages come first (page e of the block list,
+// pages_per_block of them a block), then the layer's global slots, 16 a page.
+__device__ __forceinline__ u32 page_valid(const StepParams& p, int layer, int kvh, int e,
+                                          int n_cache_pages, int ppb, i64 q, int lane) {
+  bool ok = false;
+  if (lane < PAGE) {
+    if (e < n_cache_pages) {
+      const i64 start = p.dev[2 + p.nb + e / ppb] + (e % ppb) * PAGE + lane;
+      ok = start < q && (start < p.sinks || p.window < 0 || start > q - p.window);
+    } else {
+      const i64 idx = (i64)(e - n_cache_pages) * PAGE + lane;
+      ok = p.gpos[((i64)layer * p.hkv + kvh) * p.G + idx] >= 0;
+    }
+  }
+  return __ballot_sync(0xffffffffu, ok) & 0xffffu;
+}
+
+template <bool MASS>
+__global__ void __launch_bounds__((NW + 1) * 32, 1)
+    decode_step(const StepParams p, const __grid_constant__ TensorMap kmap,
+                const __grid_constant__ TensorMap vmap, const __grid_constant__ TensorMap gkmap,
+                const __grid_constant__ TensorMap gvmap) {
+  extern __shared__ u8 smem_raw[];
+  u8* ring = reinterpret_cast<u8*>(((size_t)smem_raw + 1023) & ~(size_t)1023);
+  u32* xs = reinterpret_cast<u32*>(ring + (size_t)p.stages * SLOT);  // [MAX_K / 2] fp16 pairs
+  float* red = reinterpret_cast<float*>(xs + MAX_K / 2);              // [red_tiles][128]
+  float* xsum = red + p.red_tiles * 128;                              // [MAX_G]
+  float* wts = xsum + MAX_G;                                          // [MAX_HQ][MAX_S]
+  float* qf = wts + MAX_HQ * MAX_S;                                   // [GQA][128]
+  float* merge = qf + GQA * HD;                                       // [GROUPS][ATT_STRIDE]
+  float* ssum = merge + GROUPS * ATT_STRIDE;                          // [NW]
+  float* rope = ssum + NW;                                            // [128] cos 64, sin 64
+  float* kcur = rope + HD;                                            // [128]
+  float* vcur = kcur + HD;                                            // [128]
+  float* scur = vcur + HD;                                            // [8] current token
+  float* mlh = scur + 8;                                              // [16] mass: M, 1 / L
+  u32* qfrag = reinterpret_cast<u32*>(mlh + 16);                      // [32][16]
+  u32* vmask = qfrag + 512;                                           // [MAX_UNIT_PAGES]
+  float* scores = reinterpret_cast<float*>(vmask + MAX_UNIT_PAGES);   // [MASS_PAGES][GQA][16]
+  u64* full = reinterpret_cast<u64*>(scores + (MASS ? MASS_PAGES * GQA * PAGE : 0));
+  u64* empty = full + p.stages;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int P = gridDim.x, c = blockIdx.x;
+  const int stages = p.stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], SPLIT);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int t = threadIdx.x; t < p.red_tiles * 128; t += blockDim.x) red[t] = 0.f;
+  __syncthreads();
+
+  const i64 q_pos = p.dev[0], slot_q = p.dev[1];
+  const int ppb = p.bs / PAGE;
+  const int n_cache_pages = p.nb * ppb, n_pages = n_cache_pages + p.G / PAGE;
+  const int S = p.S, units = p.hkv * S;
+  const int unit_pages = (n_pages + S - 1) / S;
+
+  if (warp == NW) {  // producer: every phase's weight items and KV pages of this CTA, in order
+    if (lane == 0) {
+      int slot = 0, round = 0;
+      auto next = [&]() -> u8* {
+        if (round > 0) mbar_wait(&empty[slot], (u32)((round - 1) & 1));
+        return ring + (size_t)slot * SLOT;
+      };
+      auto advance = [&]() {
+        if (++slot == stages) slot = 0, ++round;
+      };
+      for (int ph = 0; ph < p.n_phase; ++ph) {
+        const i64* m = p.meta + ph * META;
+        if (m[0] == K_GEMV) {
+          const Range r = cta_range(m[3] * m[4], c, P);
+          const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
+          for (i64 i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
+            u8* dst = next();
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
+            advance();
+          }
+        } else if (m[0] == K_ATTN && c < units) {
+          const int layer = (int)m[1], kvh = c / S, s = c % S;
+          const int e0 = s * unit_pages, e1 = min(n_pages, e0 + unit_pages);
+          for (int e = e0; e < e1; ++e) {
+            u8* dst = next();
+            mbar_arrive_tx(&full[slot], 2 * PAGE * HD * 2);
+            if (e < n_cache_pages) {
+              const i64 blk = p.dev[2 + e / ppb];
+              const int row = (int)(((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE);
+              tma_3d(dst, &kmap, 0, kvh, row, &full[slot]);
+              tma_3d(dst + PAGE * HD * 2, &vmap, 0, kvh, row, &full[slot]);
+              tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &vmap, 64, kvh, row, &full[slot]);
+            } else {
+              const int row = (int)((((i64)layer * p.hkv + kvh) * p.G) +
+                                    (e - n_cache_pages) * PAGE);
+              tma_3d(dst, &gkmap, 0, 0, row, &full[slot]);
+              tma_3d(dst + PAGE * HD * 2, &gvmap, 0, 0, row, &full[slot]);
+              tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &gvmap, 64, 0, row, &full[slot]);
+            }
+            advance();
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  int pos0 = 0;  // ring entries streamed to this CTA before the current phase
+  for (int ph = 0; ph < p.n_phase; ++ph) {
+    const i64* m = p.meta + ph * META;
+    if (ph > 0 && (p.flags & F_BARRIER) && threadIdx.x == 0) {
+      const unsigned target = (unsigned)(ph * P);
+      while (ld_acquire(p.counter) < target) {
+      }
+    }
+    consumers_sync();
+    int n_streamed = 0;
+    if (m[0] == K_GEMV) {  // ---------------------------------------------------------- GEMV
+      // [1] K [2] N [3] G [4] T [5] items [6] out (fp32, added into) [7] xform [8] in (fp32)
+      // [9] norm weight (fp16) [10] layer (X_ATT with the mass)
+      const int K = (int)m[1], G = (int)m[3], xform = (int)m[7];
+      float* out = reinterpret_cast<float*>(m[6]);
+      const float* in = reinterpret_cast<const float*>(m[8]);
+      const u16* nw = reinterpret_cast<const u16*>(m[9]);
+      const Range r = cta_range(m[3] * m[4], c, P);
+      const int n = (int)(r.b - r.a), tile0 = (int)(r.a / G), j0 = (int)(r.a % G);
+      n_streamed = n;
+      const bool mass_here = MASS && xform == X_ATT && c < units;
+      if (n > 0) {
+        const int j1 = (int)((r.b - 1) % G);
+        const bool all = n >= G;
+        const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
+        if (xform == X_ATT) {  // each used head's split weights exp(m_s - M) / L
+          for (int q = warp; q < ngrp; q += NW) {
+            const int hq = all ? q : (j0 + q) % G;
+            const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + GQA * HD;
+            const float ms = lane < S ? ldcg(pp + lane * ATT_STRIDE + hq % GQA) : neg_inf();
+            const float ls = lane < S ? ldcg(pp + lane * ATT_STRIDE + GQA + hq % GQA) : 0.f;
+            float M = ms;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+            const float e = lane < S && ms != neg_inf() ? ex(ms - M) : 0.f;
+            float L = e * ls;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+            if (lane < S) wts[hq * MAX_S + lane] = e / L;
+          }
+          consumers_sync();
+        }
+        if (xform == X_NORM || xform == X_NORM_EMB) {  // RMSNorm over all K (= hidden)
+          const float* src = in;
+          const u16* erow = xform == X_NORM_EMB ? p.embed + (size_t)p.tok[0] * K : nullptr;
+          float ss = 0.f;
+          for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32) {
+            float2 v;
+            if (erow) {
+              v = h22f2(reinterpret_cast<const u32*>(erow)[kp]);
+              if (c == 0) reinterpret_cast<float2*>(p.h)[kp] = v;
+            } else {
+              v = ldcg2(src + 2 * kp);
+            }
+            ss += v.x * v.x + v.y * v.y;
+          }
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+          if (lane == 0) ssum[warp] = ss;
+          consumers_sync();
+          float tot = 0.f;
+#pragma unroll
+          for (int w = 0; w < NW; ++w) tot += ssum[w];
+          const float rs = rsqrtf(tot / (float)K + p.eps);
+          for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32) {
+            const float2 v = erow ? h22f2(reinterpret_cast<const u32*>(erow)[kp])
+                                  : ldcg2(src + 2 * kp);
+            const float2 w = h22f2(reinterpret_cast<const u32*>(nw)[kp]);
+            xs[kp] = f22h2(rh(v.x * rs) * w.x, rh(v.y * rs) * w.y);
+          }
+        } else {  // the used groups' pairs only
+          const int npairs = ngrp * 64;
+          for (int t = threadIdx.x; t < npairs; t += NW * 32) {
+            const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
+            float f0, f1;
+            if (xform == X_ATT) {  // pair kp: head hq = kp / 64, dims 2 (kp % 64) + {0, 1}
+              const int hq = kp / 64, d = 2 * (kp % 64);
+              const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
+              f0 = f1 = 0.f;
+              for (int s = 0; s < S; ++s) {
+                const float w = wts[hq * MAX_S + s];
+                if (w != 0.f) {
+                  const float2 a = ldcg2(pp + s * ATT_STRIDE);
+                  f0 += w * a.x, f1 += w * a.y;
+                }
+              }
+            } else {  // X_SILU: in = the gate|up output [g (K), u (K)]
+              const float2 gv = ldcg2(in + 2 * kp), uv = ldcg2(in + K + 2 * kp);
+              const float g0 = rh(gv.x), g1 = rh(gv.y);
+              f0 = rh(g0 / (1.0f + ex(-g0))) * rh(uv.x);
+              f1 = rh(g1 / (1.0f + ex(-g1))) * rh(uv.y);
+            }
+            xs[kp] = f22h2(f0, f1);
+          }
+        }
+        consumers_sync();
+        for (int q = warp; q < ngrp; q += NW) {  // each used group's fp16 x sum
+          const int jj = all ? q : (j0 + q) % G;
+          const float2 a = h22f2(xs[jj * 64 + lane]), b = h22f2(xs[jj * 64 + 32 + lane]);
+          float v = (a.x + a.y) + (b.x + b.y);
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+          if (lane == 0) xsum[jj] = v;
+        }
+      }
+      consumers_sync();
+      // items: group grp takes phase items grp, grp + GROUPS, ... (whole ring slots)
+      const int part_ = warp % SPLIT, grp = warp / SPLIT;
+      int slot;
+      u32 phase;
+      const int first = ring_start(pos0, grp, GROUPS, stages, slot, phase);
+      float f[4] = {0.f, 0.f, 0.f, 0.f};
+      int cur = -1, rel = (j0 + first) / G, j = (j0 + first) % G;
+      auto flush = [&](int tile) {
+        if ((lane & 3) == 0) {
+          const int g = lane >> 2;
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int rt = part_ * 2 + rr;
+            atomicAdd(&red[tile * 128 + 16 * rt + g], f[2 * rr]);
+            atomicAdd(&red[tile * 128 + 16 * rt + g + 8], f[2 * rr + 1]);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) f[q] = 0.f;
+      };
+      for (int e = first; e < n; e += GROUPS, slot += GROUPS, j += GROUPS) {
+        if (slot >= stages) slot -= stages, phase ^= 1u;
+        while (j >= G) j -= G, ++rel;
+        if (rel != cur) {
+          if (cur >= 0) flush(cur);
+          cur = rel;
+        }
+        warp_wait(&full[slot], phase);
+        item_mma(ring + (size_t)slot * SLOT, xs + j * 64, xsum[j], part_, lane, f);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);
+      }
+      if (cur >= 0) flush(cur);
+      consumers_sync();
+      if (MASS && mass_here) {  // this CTA's attention unit: each visible key's probability
+        const int layer = (int)m[10], kvh = c / S, s = c % S;
+        const float* pk = p.part + (size_t)(kvh * S) * ATT_STRIDE + GQA * HD;
+        if (threadIdx.x < GQA) {  // head q: M and 1 / L over the splits
+          const int q = threadIdx.x;
+          float M = neg_inf(), L = 0.f;
+          for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, ldcg(pk + s2 * ATT_STRIDE + q));
+          for (int s2 = 0; s2 < S; ++s2) {
+            const float ms = ldcg(pk + s2 * ATT_STRIDE + q);
+            if (ms != neg_inf()) L += ldcg(pk + s2 * ATT_STRIDE + GQA + q) * ex(ms - M);
+          }
+          mlh[q] = M, mlh[GQA + q] = 1.0f / L;
+        }
+        consumers_sync();
+        const float* Mh = mlh;
+        const float* Lh = Mh + GQA;
+        const int e0 = s * unit_pages, npg = max(0, min(n_pages, e0 + unit_pages) - e0);
+        for (int t = threadIdx.x; t < npg * PAGE; t += NW * 32) {
+          const int e = e0 + t / PAGE, row = t % PAGE;
+          float v = 0.f;
+#pragma unroll
+          for (int q = 0; q < GQA; ++q)
+            v += ex(scores[((t / PAGE) * GQA + q) * PAGE + row] - Mh[q]) * Lh[q];
+          if (v == 0.f) continue;  // invisible (score -inf)
+          if (e < n_cache_pages) {
+            const i64 pos = p.dev[2 + p.nb + e / ppb] + (e % ppb) * PAGE + row;
+            if (q_pos - pos < p.min_distance) continue;
+            const i64 blk = p.dev[2 + e / ppb];
+            atomicAdd(&p.score[((((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE + row) *
+                                p.hkv) + kvh], v);
+          } else {
+            const i64 idx = (i64)(e - n_cache_pages) * PAGE + row;
+            atomicAdd(&p.gmass[((i64)layer * p.hkv + kvh) * p.G + idx], v);
+          }
+        }
+        if (s == S - 1 && threadIdx.x == 0 && p.min_distance <= 0) {  // the current token
+          float v = 0.f;
+          for (int q = 0; q < GQA; ++q) v += ex(scur[q] - Mh[q]) * Lh[q];
+          atomicAdd(&p.score[((i64)layer * p.capacity * p.bs + slot_q) * p.hkv + kvh], v);
+        }
+        if (s == 0)
+          for (int t = threadIdx.x; t < p.G; t += NW * 32)
+            p.gseen[((i64)layer * p.hkv + kvh) * p.G + t] += 1.0f;
+      }
+      if (n > 0) {
+        const int span = (int)((r.b - 1) / G) - tile0 + 1;
+        for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
+          atomicAdd(out + (i64)tile0 * 128 + t, red[t]);
+          red[t] = 0.f;
+        }
+      }
+    } else if (m[0] == K_ATTN) {  // ------------------------------------------------ ATTENTION
+      // [1] layer [2] q|k|v output (fp32 sums [Hq + 2 Hkv][128])
+      const int layer = (int)m[1];
+      const float* qkv = reinterpret_cast<const float*>(m[2]);
+      if (c < units) {
+        const int kvh = c / S, s = c % S;
+        const int e0 = s * unit_pages, e1 = min(n_pages, e0 + unit_pages);
+        const int npg = max(0, e1 - e0);
+        n_streamed = npg;
+        if (threadIdx.x < HD / 2) {  // RoPE at this position (fp16 tables, as the engine's)
+          const float a = (float)q_pos * p.inv_freq[threadIdx.x];
+          rope[threadIdx.x] = rh(cosf(a) * p.rope_scaling);
+          rope[HD / 2 + threadIdx.x] = rh(sinf(a) * p.rope_scaling);
+        }
+        for (int e = warp; e < npg; e += NW) {  // the unit's pages' visibility masks
+          const u32 v = page_valid(p, layer, kvh, e0 + e, n_cache_pages, ppb, q_pos, lane);
+          if (lane == 0) vmask[e] = v;
+        }
+        consumers_sync();
+        // rotate-half RoPE: x'[d] = x[d] cos[d] + (d < 64 ? -x[d + 64] : x[d - 64]) sin[d]
+        for (int t = threadIdx.x; t < GQA * HD; t += NW * 32) {
+          const int d = t % HD, i = d & 63;
+          const float* qh = qkv + (size_t)kvh * GQA * HD + (t - d);
+          const float a = rh(ldcg(qh + d)), b = rh(ldcg(qh + (d ^ 64)));
+          qf[t] = rh(a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]);
+        }
+        const bool last = s == S - 1;
+        if (last && threadIdx.x < HD) {  // the current token's k (rotated) and v, to its slot
+          const int d = threadIdx.x, i = d & 63;
+          const float* kh = qkv + (size_t)p.hq * HD + (size_t)kvh * HD;
+          const float a = rh(ldcg(kh + d)), b = rh(ldcg(kh + (d ^ 64)));
+          const u16 kq = f2h(a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]);
+          const u16 vq = f2h(ldcg(kh + (size_t)p.hkv * HD + d));
+          kcur[d] = h2f(kq), vcur[d] = h2f(vq);
+          const size_t at = (((size_t)layer * p.capacity * p.bs + slot_q) * p.hkv + kvh) * HD + d;
+          p.kcache[at] = kq;
+          p.vcache[at] = vq;
+        }
+        consumers_sync();
+        // q fragments (fp16): chunk c of lane L at 16 L + 4 ((c + (L >> 1)) & 3)
+        const int g = lane >> 2, t = lane & 3;
+        if (warp == 0) {
+          for (int cc = 0; cc < 4; ++cc) {
+            u32 w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // e: a0(2cc), a2(2cc), a0(2cc+1), a2(2cc+1)
+              const int ks = 2 * cc + (e >> 1), d = 32 * t + 4 * ks + 2 * (e & 1);
+              w[e] = g < GQA ? f22h2(qf[g * HD + d], qf[g * HD + d + 1]) : 0u;
+            }
+            *reinterpret_cast<uint4*>(qfrag + 16 * lane + 4 * ((cc + (lane >> 1)) & 3)) =
+                make_uint4(w[0], w[1], w[2], w[3]);
+          }
+        }
+        consumers_sync();
+        const int grp = warp / 4, d0 = 32 * (warp % 4);
+        float mm = neg_inf(), ll = 0.f, o[4][4];
+#pragma unroll
+        for (int jx = 0; jx < 4; ++jx) o[jx][0] = o[jx][1] = o[jx][2] = o[jx][3] = 0.f;
+        if (last && grp == 0) {  // the current token: group 0's starting state
+          float sc = 0.f;  // head g, dims 32 t .. 32 t + 31
+          if (g < GQA) {
+#pragma unroll 8
+            for (int d = 32 * t; d < 32 * t + 32; ++d) sc += qf[g * HD + d] * kcur[d];
+          }
+          sc += __shfl_xor_sync(0xffffffffu, sc, 1);
+          sc += __shfl_xor_sync(0xffffffffu, sc, 2);
+          sc *= p.scale;
+          if (MASS && warp == 0 && t == 0 && g < GQA) scur[g] = sc;
+          mm = sc, ll = 1.f;
+#pragma unroll
+          for (int jx = 0; jx < 4; ++jx) {
+            o[jx][0] = vcur[d0 + 8 * jx + 2 * t];
+            o[jx][1] = vcur[d0 + 8 * jx + 2 * t + 1];
+          }
+        }
+        {  // group grp takes the unit's pages grp, grp + GROUPS, ... (whole ring slots)
+          int slot;
+          u32 phase;
+          const int first = ring_start(pos0, grp, GROUPS, stages, slot, phase);
+          for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
+            if (slot >= stages) slot -= stages, phase ^= 1u;
+            warp_wait(&full[slot], phase);
+            attend_page(ring + (size_t)slot * SLOT, qfrag, lane, d0, vmask[e], p.scale, mm, ll,
+                        o, MASS && warp % 4 == 0 && e < MASS_PAGES ? scores + e * GQA * PAGE
+                                                                   : nullptr);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[slot]);
+          }
+        }
+        if (g < GQA) {  // this warp's state into merge [group][head][acc 128, m, l]
+          float* mw = merge + (grp * GQA + g) * (HD + 2);
+#pragma unroll
+          for (int jx = 0; jx < 4; ++jx)
+            *reinterpret_cast<float2*>(mw + d0 + 8 * jx + 2 * t) = make_float2(o[jx][0], o[jx][1]);
+          if (warp % 4 == 0 && t == 0) mw[HD] = mm, mw[HD + 1] = ll;
+        }
+        consumers_sync();
+        float* pu = p.part + (size_t)c * ATT_STRIDE;  // the unit's partial: acc, m, l
+        for (int t2 = threadIdx.x; t2 < GQA * HD; t2 += NW * 32) {
+          const int q = t2 / HD, d = t2 % HD;
+          float M = neg_inf();
+          for (int g2 = 0; g2 < GROUPS; ++g2) M = fmaxf(M, merge[(g2 * GQA + q) * (HD + 2) + HD]);
+          float A = 0.f, L = 0.f;
+          for (int g2 = 0; g2 < GROUPS; ++g2) {
+            const float* mw2 = merge + (g2 * GQA + q) * (HD + 2);
+            const float e = mw2[HD] == neg_inf() ? 0.f : ex(mw2[HD] - M);
+            A += e * mw2[d], L += e * mw2[HD + 1];
+          }
+          pu[t2] = A;
+          if (d == 0) pu[GQA * HD + q] = M, pu[GQA * HD + GQA + q] = L;
+        }
+      }
+    } else if (m[0] == K_FINAL_NORM) {  // ---------------------------------------- FINAL NORM
+      // [1] hidden [6] out (fp16 [hidden]) [9] norm weight: CTA 0 writes RMSNorm(h) * w
+      if (c == 0) {
+        const int K = (int)m[1];
+        const u16* nw = reinterpret_cast<const u16*>(m[9]);
+        u32* out = reinterpret_cast<u32*>(m[6]);
+        float ss = 0.f;
+        for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32) {
+          const float2 v = ldcg2(p.h + 2 * kp);
+          ss += v.x * v.x + v.y * v.y;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) ssum[warp] = ss;
+        consumers_sync();
+        float tot = 0.f;
+        for (int w = 0; w < NW; ++w) tot += ssum[w];
+        const float rs = rsqrtf(tot / (float)K + p.eps);
+        for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32) {
+          const float2 v = ldcg2(p.h + 2 * kp);
+          const float2 w = h22f2(reinterpret_cast<const u32*>(nw)[kp]);
+          out[kp] = f22h2(rh(v.x * rs) * w.x, rh(v.y * rs) * w.y);
+        }
+      }
+    }
+    pos0 += n_streamed;
+    consumers_sync();
+    if (threadIdx.x == 0) red_release_add(p.counter, 1u);
+  }
+}
+

@@ -1,0 +1,262 @@
+"""The persistent decode step (kernels/cuda/decode_step.cu) for the engine's CUDA-graph decoder:
+when it applies, how its launch is laid out, and the launch itself.
+
+`CudaDecodeStep(model, run, dev, tok)` replaces the model's forward of one decode token in
+`GraphDecoder` (engine/cuda_graph.py): the same inputs (the decoder's static `dev` buffer:
+position, slot, padded block ids and starts; the token), the same effects on the run's state
+(the current K/V in the paged cache, the importance mass in score / global mass / global seen)
+and the same output (logits [1, V] fp32 for the sampler). Everything is one memset of the
+step's workspace plus one kernel launch (plus the fp16 head's matmul when the head is not
+INT4), all on the current stream, so the graph captures it like the Triton step.
+
+`unsupported(model, run)` says why a model/run cannot take it (None when it can): sm_90 with
+NVRTC, Llama-family layers whose linears are AWQ INT4 held as items (kernels/awq_items.py,
+group size 128), no biases or q/k norms, head dim 128, at most 8 query heads a KV head, fp16
+activations and KV cache, 16-token pages, global slots in whole pages, and the attention,
+SnapKV or uniform importance (the learned probe reads hidden states the kernel does not make).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cuda") / "decode_step.cu"
+HD, NW, GROUPS, PAGE = 128, 16, 4, 16
+ITEM_BYTES, ITEM_WORDS, SLOT = 8512, 2128, 9216
+MAX_K, MAX_S, MAX_HQ, MAX_UNIT_PAGES, MASS_PAGES = 14336, 32, 64, 1024, 32
+META = 12
+K_GEMV, K_ATTN, K_FINAL_NORM = 0, 1, 2
+X_NORM, X_SILU, X_ATT, X_NORM_EMB = 0, 1, 2, 3
+F_BARRIER, F_MASS = 1, 2
+STAGES = 16  # ring slots (a multiple of the 4 consumer groups: a slot keeps one owner)
+
+
+class StepParams(ctypes.Structure):
+    """decode_step.cu's `StepParams`, field for field (passed by value)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "meta", "dev", "tok", "embed", "h", "part", "counter", "inv_freq", "kcache", "vcache",
+        "gpos", "score", "gmass", "gseen")] + [("capacity", ctypes.c_longlong)] + [
+        (name, ctypes.c_int) for name in (
+            "n_phase", "stages", "red_tiles", "flags", "nb", "bs", "hkv", "hq", "hidden", "G",
+            "S", "sinks", "window", "min_distance")] + [
+        (name, ctypes.c_float) for name in ("scale", "eps", "rope_scaling")]
+
+
+def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
+    """Dynamic shared memory of a launch (decode_step.cu's carve-up, 1024 for the alignment)."""
+    att_stride = gqa * (HD + 2)
+    floats = (red_tiles * 128 + MAX_K // 128 + MAX_HQ * MAX_S + gqa * HD + GROUPS * att_stride
+              + NW + 3 * HD + 8 + 16 + 512 + MAX_UNIT_PAGES
+              + (MASS_PAGES * gqa * PAGE if mass else 0))
+    return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8
+
+
+def red_tiles_needed(phases: list[tuple[int, int]], ctas: int) -> int:
+    """Most 128-column tiles one CTA touches in one GEMV (G groups x T tiles each)."""
+    most = 1
+    for g, t in phases:
+        n = g * t
+        for c in range(ctas):
+            a, b = n * c // ctas, n * (c + 1) // ctas
+            if b > a:
+                most = max(most, (b - 1) // g - a // g + 1)
+    return most
+
+
+def _items_of(lin) -> torch.Tensor | None:
+    return getattr(lin, "items", None) if getattr(lin, "layout", None) == "items" else None
+
+
+def unsupported(model, run) -> str | None:
+    """Why this model and run cannot use the persistent step (None: they can)."""
+    from hisparse_cli.kernels import cuda_rt
+
+    dev = run.device
+    if dev.type != "cuda":
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        return "needs sm_90 (Hopper): the kernel streams with TMA and bulk copies"
+    if not cuda_rt.nvrtc_available():
+        return cuda_rt.unavailable_reason()
+    cfg = model.cfg
+    if cfg.head_dim != HD:
+        return f"head dim {cfg.head_dim} (the kernel is built for {HD})"
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if hq % hkv or hq // hkv > 8 or hq > MAX_HQ:
+        return f"{hq} query heads over {hkv} KV heads (at most 8 a KV head, {MAX_HQ} in all)"
+    if model.compute_dtype != torch.float16 or run.cache.dtype != torch.float16:
+        return "fp16 activations and KV cache only"
+    if cfg.hidden_size % 128 or cfg.hidden_size > MAX_K or cfg.intermediate_size > MAX_K:
+        return "hidden / intermediate sizes must be multiples of 128 up to 14336"
+    if run.sparse.block_size % PAGE:
+        return f"block size {run.sparse.block_size} (a multiple of {PAGE})"
+    if run.cache.G % PAGE:
+        return f"{run.cache.G} global tokens (a multiple of {PAGE})"
+    if run.token_scorer is not None:
+        return "the learned importance probe"
+    for i, layer in enumerate(model.model.layers):
+        att, mlp = layer.self_attn, layer.mlp
+        if att.q_norm is not None:
+            return "q/k norms"
+        for name, lin in (("qkv_proj", att.qkv_proj), ("o_proj", att.o_proj),
+                          ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
+            if lin is None or _items_of(lin) is None:
+                return f"layer {i} {name} is not an INT4 linear in the item layout"
+            if lin.bias is not None:
+                return f"layer {i} {name} has a bias"
+    head = model.lm_head
+    if _items_of(head) is None and not (isinstance(head, torch.nn.Linear) and head.bias is None):
+        return "the lm_head is neither INT4 items nor an fp16 linear without bias"
+    table = model.model.embed_tokens.weight
+    if table.device.type == "cpu":
+        from hisparse_cli.kernels.host_rows import is_mapped
+
+        if not is_mapped(table):
+            return "the host embedding table is not registered for device access"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _module(gqa: int, device_index: int):
+    from hisparse_cli.kernels import cuda_rt
+
+    arch = torch.cuda.get_device_capability(device_index)
+    names = ["decode_step<false>", "decode_step<true>"]
+    compiled = cuda_rt.compile_cubin(SOURCE.read_text(), arch=arch, name_expressions=names,
+                                     options=[f"-DGQA={gqa}"])
+    with torch.cuda.device(device_index):
+        module = cuda_rt.Module(compiled)
+        return {False: module.function(names[0]), True: module.function(names[1])}
+
+
+class CudaDecodeStep:
+    """One run's persistent decode step (module doc). dev: the decoder's [2 + 2 nb] int64
+    inputs; tok: [1] int64 token."""
+
+    def __init__(self, model, run, dev: torch.Tensor, tok: torch.Tensor, nb: int) -> None:
+        from hisparse_cli.kernels import cuda_rt
+
+        why = unsupported(model, run)
+        assert why is None, why
+        cfg, cache, device = model.cfg, run.cache, run.device
+        self.model, self.run, self.dev, self.tok, self.nb = model, run, dev, tok, nb
+        hq, hkv, hidden, inter = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                  cfg.hidden_size, cfg.intermediate_size)
+        self.gqa = hq // hkv
+        props = torch.cuda.get_device_properties(device)
+        self.ctas = props.multi_processor_count
+        self.S = min(MAX_S, self.ctas // hkv)
+        n_pages = nb * run.sparse.block_size // PAGE + cache.G // PAGE
+        unit_pages = self.unit_pages = -(-n_pages // self.S)
+        if unit_pages > MAX_UNIT_PAGES:
+            raise ValueError(f"{unit_pages} pages a split (the kernel takes {MAX_UNIT_PAGES})")
+        self.mass = run.track_scores
+        if self.mass and unit_pages > MASS_PAGES:
+            raise ValueError(f"{unit_pages} pages a split with the importance mass "
+                             f"(the kernel keeps {MASS_PAGES})")
+        L = cfg.num_hidden_layers
+        qkv_n, gu_n = (hq + 2 * hkv) * HD, 2 * inter
+        head_items = _items_of(model.lm_head)
+        self.vocab = cfg.vocab_size
+        # per step zeroed: the barrier counter (4 floats' room), each layer's q|k|v and gate|up
+        # sums, the INT4 head's logits
+        self.off_qkv = 4
+        self.off_gu = self.off_qkv + L * qkv_n
+        self.off_logits = self.off_gu + L * gu_n
+        n_ws = self.off_logits + (self.vocab if head_items is not None else 0)
+        self.ws = torch.zeros(n_ws, dtype=torch.float32, device=device)
+        self.h = torch.zeros(hidden, dtype=torch.float32, device=device)
+        self.part = torch.zeros(hkv * self.S * self.gqa * (HD + 2), dtype=torch.float32,
+                                device=device)
+        self.normed = None if head_items is not None else torch.zeros(
+            (1, hidden), dtype=torch.float16, device=device)
+        ws = self.ws.data_ptr()
+
+        def f32_at(off: int) -> int:
+            return ws + 4 * off
+
+        rows, gemv_shapes = [], []
+
+        def gemv(lin, k: int, n: int, out: int, xform: int, src: int, norm: int, layer: int = 0):
+            items = _items_of(lin)
+            assert items.is_contiguous() and items.shape == (n // 128 * (k // 128), ITEM_WORDS)
+            rows.append([K_GEMV, k, n, k // 128, n // 128, items.data_ptr(), out, xform, src,
+                         norm, layer, 0])
+            gemv_shapes.append((k // 128, n // 128))
+
+        h = self.h.data_ptr()
+        for i, layer in enumerate(model.model.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            qkv = f32_at(self.off_qkv + i * qkv_n)
+            gu = f32_at(self.off_gu + i * gu_n)
+            gemv(att.qkv_proj, hidden, qkv_n, qkv, X_NORM_EMB if i == 0 else X_NORM, h,
+                 layer.input_layernorm.weight.data_ptr())
+            rows.append([K_ATTN, i, qkv] + [0] * (META - 3))
+            gemv(att.o_proj, hq * HD, hidden, h, X_ATT, 0, 0, i)
+            gemv(mlp.gate_up_proj, hidden, gu_n, gu, X_NORM, h,
+                 layer.post_attention_layernorm.weight.data_ptr())
+            gemv(mlp.down_proj, inter, hidden, h, X_SILU, gu, 0)
+        final_w = model.model.norm.weight.data_ptr()
+        if head_items is not None:
+            gemv(model.lm_head, hidden, self.vocab, f32_at(self.off_logits), X_NORM, h, final_w)
+        else:
+            rows.append([K_FINAL_NORM, hidden, 0, 0, 0, 0, self.normed.data_ptr(), 0, 0,
+                         final_w, 0, 0])
+        self.meta = torch.tensor(rows, dtype=torch.int64, device=device)
+        red_tiles = red_tiles_needed(gemv_shapes, self.ctas)
+        self.smem = smem_bytes(STAGES, red_tiles, self.gqa, self.mass)
+        self.function = _module(self.gqa, device.index if device.index is not None
+                                else torch.cuda.current_device())[self.mass]
+        self.function.set_max_dynamic_shared_memory(self.smem)
+
+        table = model.model.embed_tokens.weight
+        seq = run.seq
+        G = cache.G
+        p = StepParams()
+        p.meta, p.dev, p.tok = self.meta.data_ptr(), dev.data_ptr(), tok.data_ptr()
+        p.embed, p.h, p.part, p.counter = table.data_ptr(), h, self.part.data_ptr(), ws
+        p.inv_freq = model.rope.inv_freq.data_ptr()
+        p.kcache, p.vcache = cache.k.data_ptr(), cache.v.data_ptr()
+        p.gpos = cache.gpos.data_ptr() if G else 0
+        p.score = cache.score.data_ptr() if cache.score is not None else 0
+        p.gmass = cache.gmass.data_ptr() if G else 0
+        p.gseen = cache.gseen.data_ptr() if G else 0
+        p.capacity = cache.capacity
+        p.n_phase, p.stages, p.red_tiles = len(rows), STAGES, red_tiles
+        p.flags = F_BARRIER | (F_MASS if self.mass else 0)
+        p.nb, p.bs, p.hkv, p.hq, p.hidden, p.G, p.S = (
+            nb, run.sparse.block_size, hkv, hq, hidden, G, self.S)
+        p.sinks = seq.sinks
+        p.window = seq.window if seq.window is not None else -1
+        p.min_distance = run.score_kwargs.get("score_min_distance", 0)
+        p.scale, p.eps = run.scale, float(model.model.norm.eps)
+        p.rope_scaling = float(model.rope.scaling)
+        self.params = p
+        # TMA maps: the cache as [L * capacity * bs rows, Hkv, 128], K plain, V 128-B swizzled
+        # in two 64-dim boxes; the globals as [L * Hkv * G rows, 1, 128] the same way
+        rows_kv = L * cache.capacity * run.sparse.block_size
+        enc = cuda_rt.encode_tensor_map
+        kv_strides = [HD * 2, hkv * HD * 2]
+        self.maps = [enc(cache.k, [HD, hkv, rows_kv], kv_strides, [HD, 1, PAGE]),
+                     enc(cache.v, [HD, hkv, rows_kv], kv_strides, [64, 1, PAGE], swizzle="128B")]
+        if G:
+            g_rows = L * hkv * G
+            self.maps += [enc(cache.gk, [HD, 1, g_rows], [HD * 2, HD * 2], [HD, 1, PAGE]),
+                          enc(cache.gv, [HD, 1, g_rows], [HD * 2, HD * 2], [64, 1, PAGE],
+                              swizzle="128B")]
+        else:  # never read (no global pages): any valid map
+            self.maps += self.maps[:2]
+
+    def __call__(self) -> torch.Tensor:
+        """One step on the current stream -> logits [1, V] fp32 (a static buffer)."""
+        self.ws.zero_()
+        self.function.launch((self.ctas, 1, 1), ((NW + 1) * 32, 1, 1), self.smem,
+                             [self.params, *self.maps])
+        if self.normed is None:
+            return self.ws[self.off_logits:].view(1, -1)
+        return torch.nn.functional.linear(self.normed, self.model.lm_head.weight).float()
