@@ -615,11 +615,12 @@ def _kernel_params(args: tuple[KernelArg, ...]) -> ctypes.Array:
     for i, arg in enumerate(args):
         if isinstance(arg, TensorMap):
             params[i] = arg.address
-        elif isinstance(arg, _SCALARS):
-            params[i] = ctypes.addressof(arg)
+        elif isinstance(arg, (*_SCALARS, ctypes.Structure)):  # a Structure: a struct
+            params[i] = ctypes.addressof(arg)  # parameter passed by value, field for field
         else:
             raise TypeError(f"kernel argument {i} is a {type(arg).__name__}: give each value "
-                            "its width (ptr(tensor), i32, u32, i64, u64, f32) or a TensorMap")
+                            "its width (ptr(tensor), i32, u32, i64, u64, f32), a TensorMap "
+                            "or a ctypes.Structure")
     return params
 
 

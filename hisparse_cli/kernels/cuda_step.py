@@ -82,7 +82,7 @@ def unsupported(model, run) -> str | None:
     if torch.cuda.get_device_capability(dev) < (9, 0):
         return "needs sm_90 (Hopper): the kernel streams with TMA and bulk copies"
     if not cuda_rt.nvrtc_available():
-        return cuda_rt.unavailable_reason()
+        return cuda_rt.nvrtc_unavailable_reason()
     cfg = model.cfg
     if cfg.head_dim != HD:
         return f"head dim {cfg.head_dim} (the kernel is built for {HD})"
@@ -129,9 +129,8 @@ def _module(gqa: int, device_index: int):
     names = ["decode_step<false>", "decode_step<true>"]
     compiled = cuda_rt.compile_cubin(SOURCE.read_text(), arch=arch, name_expressions=names,
                                      options=[f"-DGQA={gqa}"])
-    with torch.cuda.device(device_index):
-        module = cuda_rt.Module(compiled)
-        return {False: module.function(names[0]), True: module.function(names[1])}
+    module = cuda_rt.load_module(compiled, device_index)
+    return {False: module.function(names[0]), True: module.function(names[1])}
 
 
 class CudaDecodeStep:
