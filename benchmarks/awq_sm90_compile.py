@@ -1,5 +1,6 @@
-"""Compile the K-major AWQ kernels for sm_90 without a GPU (Triton's bundled ptxas) and print
-registers, spills, shared memory and the SASS instruction mix of each configuration.
+"""Compile the K-major AWQ kernels and the item layout's dequantize for sm_90 without a GPU
+(Triton's bundled ptxas) and print registers, spills, shared memory and the SASS instruction
+mix of each configuration.
 
     python benchmarks/awq_sm90_compile.py [--sass-dir DIR] [--all | --packed]
 
@@ -30,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from hisparse_cli.kernels import awq_gemm_k as agk  # noqa: E402
 from hisparse_cli.kernels import awq_gemv as ag  # noqa: E402
+from hisparse_cli.kernels import awq_items_triton as ait  # noqa: E402
 from hisparse_cli.kernels import awq_triton as at  # noqa: E402
 from hisparse_cli.kernels.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noqa: E402
                                              GEMV_CANDIDATES, GemvConfig)
@@ -203,6 +205,13 @@ def main() -> None:
                             ("qt_ptr", "qz_ptr", "s_ptr", "w_ptr", "N", "KW", "W8", "n0",
                              "stride_wn"))
             report(f"dequant {dt[1:]} bn{bn} bkw{bkw} w{warps}", k, a.sass_dir)
+        for brt, warps in ((8, 8), (8, 4), (4, 4), (2, 2)):  # the item layout's dequantize
+            k = compile_one(ait._dequant_items_kernel,
+                            dict(it_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", w_ptr=dt, G="i32",
+                                 tile0="i32", stride_wn="i32"),
+                            dict(ITEM=2128, SCALES=2048, ZEROS=2112, BLOCK_RT=brt), warps,
+                            ("it_ptr", "s_ptr", "z_ptr", "w_ptr", "stride_wn"), stages=1)
+            report(f"dequant items {dt[1:]} brt{brt} w{warps}", k, a.sass_dir)
     gemm_sig = dict(x_ptr="*fp16", qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16",
                     y_ptr="*fp16", M="i32", N="i32", KW="i32", W8="i32", stride_xm="i32",
                     stride_ym="i32")
