@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,11 +149,16 @@ def time_rows(a, dev) -> list[dict]:
                 eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                              backend=select_backend("cuda"))
                 seen, notes = [], []
-                for _ in range(a.repeat):
-                    r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
-                                 a.decode_tokens, backend, dev, engine=eng, **kw)
-                    seen.append(r["decode_tok_s"])
-                    notes.append(r.get("cuda_graph"))
+                try:
+                    for _ in range(a.repeat):
+                        r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
+                                     a.decode_tokens, backend, dev, engine=eng, **kw)
+                        seen.append(r["decode_tok_s"])
+                        notes.append(r.get("cuda_graph"))
+                except Exception:
+                    traceback.print_exc()
+                    eng.release_cached_state()
+                    continue
                 kernel_used = eng._decode_state.decoder.cuda_step is not None
                 eng.release_cached_state()
                 del eng
@@ -167,9 +173,9 @@ def time_rows(a, dev) -> list[dict]:
         torch.cuda.empty_cache()
     os.environ.pop("HISPARSE_DECODE_KERNEL", None)
     for r in rows:
-        fp = next(x for x in rows if x["system"] == "fp16" and x["profile"] == r["profile"]
-                  and x["context"] == r["context"])
-        r["vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"]
+        fp = next((x for x in rows if x["system"] == "fp16" and x["profile"] == r["profile"]
+                   and x["context"] == r["context"]), None)
+        r["vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"] if fp else float("nan")
     print("\nsystem     kernel     profile    context  tok/s   x fp16")
     for r in rows:
         print(f"{r['system']:10s} {r['kernel']:10s} {r['profile']:10s} {r['context']:7d} "
@@ -194,7 +200,13 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "check": []}
     cfg = ModelConfig.from_dict(SMALL)
     for head_int4, window, globals_, prompt_len in CHECKS:
-        r = check_one(cfg, head_int4, window, globals_, a.check_steps, prompt_len, dev)
+        try:
+            r = check_one(cfg, head_int4, window, globals_, a.check_steps, prompt_len, dev)
+        except Exception:  # reported, and the timing still runs
+            traceback.print_exc()
+            res["check"].append({"head_int4": head_int4, "window": window,
+                                 "error": traceback.format_exc()})
+            continue
         res["check"].append(r)
         w = r["worst_rel"]
         print(f"check head {r['head']} window {window} globals {globals_} ({r['unit_pages']} "

@@ -206,6 +206,10 @@ class AWQLinear(nn.Module):
 
     def checkpoint_qweight(self) -> torch.Tensor:
         """qweight in the AutoAWQ GEMM layout [in, out/8], whatever the run-time layout."""
+        if self.layout == "items":
+            from hisparse_cli.kernels.awq_items import items_to_awq
+
+            return items_to_awq(self.qweight, self.in_features, self.out_features)[0]
         if self.layout == "tiled":
             return kmajor_to_awq(awq_layout.untile_kmajor(self.qweight, self.group_size))
         return kmajor_to_awq(self.qweight) if self.layout == "kmajor" else self.qweight
@@ -227,6 +231,38 @@ class AWQLinear(nn.Module):
         self._prepared = self._prepared_key = None
         return True
 
+    def set_layout(self, layout: str) -> bool:
+        """layout "items": the persistent decode kernel's layout (kernels/awq_items.py: group
+        size 128, in and out features multiples of 128), which packs the scales and zero
+        points into the items, so qweight becomes the items [T * G, 2128] and qzeros / scales
+        are dropped; any other layout is reached through the AutoAWQ tensors. True when the
+        layout is then the one asked for. One linear's conversion at a time (chunked)."""
+        from hisparse_cli.kernels import awq_items
+
+        if layout == self.layout:
+            return True
+        if layout == "items":
+            if self.group_size != 128 or self.in_features % 128 or self.out_features % 128:
+                return False
+            qweight = self.checkpoint_qweight()
+            self.qweight = None  # the run-time copy goes before the items are made
+            self.qweight = awq_items.items_from_awq(qweight, self.qzeros, self.scales)
+            del qweight
+            self.qzeros = self.scales = None
+            self.layout = "items"
+        elif self.layout == "items":
+            qweight, qzeros, scales = awq_items.items_to_awq(self.qweight, self.in_features,
+                                                             self.out_features)
+            self.qweight, self.qzeros, self.scales, self.layout = qweight, qzeros, scales, "awq"
+            if layout != "awq":
+                self.qweight = repack_kmajor(qweight, self.group_size if layout == "tiled"
+                                             else None)
+                self.layout = layout
+        else:
+            return self.set_tiled(layout == "tiled")
+        self._prepared = self._prepared_key = None
+        return True
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                    dtype: torch.dtype | None = None) -> "AWQLinear":
@@ -239,6 +275,10 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
+        if self.layout == "items":  # dequantize column chunks, then matmul (any T)
+            from hisparse_cli.kernels.awq_items import items_linear
+
+            return items_linear(x, self.qweight, self.in_features, self.out_features, self.bias)
         backend = select_backend(x.device.type)
         if self.layout not in ("kmajor", "tiled"):
             pack = self.int4pack

@@ -323,9 +323,11 @@ def _stack_linears(lins: list[nn.Module]) -> nn.Module | None:
         # AWQ layout qweight [in, out/8]: outputs along dim 1; K-major [out, in/8]: dim 0 (and
         # tiled: whole 64-row tiles, so the pieces' tiles follow one another)
         fused.register_buffer("qweight", torch.cat(
-            [m.qweight for m in lins], dim=0 if fused.layout in ("kmajor", "tiled") else 1))
-        fused.register_buffer("qzeros", torch.cat([m.qzeros for m in lins], dim=1))
-        fused.register_buffer("scales", torch.cat([m.scales for m in lins], dim=1))
+            [m.qweight for m in lins], dim=0 if fused.layout in ("kmajor", "tiled", "items")
+            else 1))  # items: column tile-major, so the pieces' tiles follow one another too
+        items = fused.layout == "items"  # (scales and zero points inside the items)
+        fused.register_buffer("qzeros", None if items else torch.cat([m.qzeros for m in lins], 1))
+        fused.register_buffer("scales", None if items else torch.cat([m.scales for m in lins], 1))
         fused.register_buffer("bias", bias)
         fused.register_buffer("int4pack", None, persistent=False)
         fused.register_buffer("int4pack_sz", None, persistent=False)
