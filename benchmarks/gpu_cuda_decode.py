@@ -129,7 +129,6 @@ def time_rows(a, dev) -> list[dict]:
     from gpu_engine import build_ours, prompt, run_ours
 
     from hisparse_cli.engine.engine import Engine
-    from hisparse_cli.kernels.dispatch import select_backend
     from hisparse_cli.planner_shapes import SHAPES
     from hisparse_cli.profiles import load_profile
 
@@ -147,7 +146,7 @@ def time_rows(a, dev) -> list[dict]:
             sparse = load_profile(prof).sparse_config()
             for ctx in [int(c) for c in a.contexts.split(",")]:
                 eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
-                             backend=select_backend("cuda"))
+                             backend=backend)
                 seen, notes = [], []
                 try:
                     for _ in range(a.repeat):

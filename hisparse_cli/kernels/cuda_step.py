@@ -69,7 +69,8 @@ def red_tiles_needed(phases: list[tuple[int, int]], ctas: int) -> int:
 
 
 def _items_of(lin) -> torch.Tensor | None:
-    return getattr(lin, "items", None) if getattr(lin, "layout", None) == "items" else None
+    """An AWQLinear's items (held as its qweight in the item layout), else None."""
+    return lin.qweight if getattr(lin, "layout", None) == "items" else None
 
 
 def unsupported(model, run) -> str | None:
