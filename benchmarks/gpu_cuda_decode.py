@@ -57,6 +57,49 @@ CHECKS = (  # (INT4 head, window, globals, prompt): one unit page a split / seve
 )
 
 
+def phase_check(model, run, dec, step) -> dict:
+    """The kernel stopped after its first phase (layer 0's q|k|v) and after its second (the
+    attention: the current K/V stored), against torch on the kernel's own inputs."""
+    from hisparse_cli.kernels.awq_items import dequantize_items_ref
+    from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope
+
+    cfg, cache = model.cfg, run.cache
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    layer = model.model.layers[0]
+    lin = layer.self_attn.qkv_proj
+    out = {}
+    saved = [t.clone() for t in (cache.k, cache.v)]
+    full = step.params.n_phase
+    try:
+        step.params.n_phase = 1
+        step()
+        torch.cuda.synchronize()
+        n = (hq + 2 * hkv) * 128
+        got = step.ws[step.off_qkv:step.off_qkv + n].clone()
+        x = rms_norm(model.model.embed_tokens.weight[dec.tok], layer.input_layernorm.weight,
+                     layer.input_layernorm.eps).float()
+        w = dequantize_items_ref(lin.qweight, lin.in_features, lin.out_features)
+        ref = (x @ w.t())[0]
+        out["qkv"] = ((got - ref).abs().max() / ref.abs().max()).item()
+        out["h"] = (step.h - model.model.embed_tokens.weight[dec.tok][0].float()).abs().max().item()
+        step.params.n_phase = 2
+        step()
+        torch.cuda.synchronize()
+        qkv = step.ws[step.off_qkv:step.off_qkv + n].half()
+        cos, sin = model.rope.cos_sin(dec.dev[0:1], torch.float16)
+        k = rope(qkv[hq * 128:(hq + hkv) * 128].view(1, hkv, 128), cos, sin)
+        v = qkv[(hq + hkv) * 128:].view(hkv, 128)
+        slot, bs = int(dec.dev[1].item()), run.sparse.block_size
+        ks, vs = cache.k[0, slot // bs, slot % bs], cache.v[0, slot // bs, slot % bs]
+        out["k_store"] = ((ks.float() - k[0].float()).abs().max() / k.float().abs().max()).item()
+        out["v_store"] = ((vs.float() - v.float()).abs().max() / v.float().abs().max()).item()
+    finally:
+        step.params.n_phase = full
+        for t, b in zip((cache.k, cache.v), saved):
+            t.copy_(b)
+    return out
+
+
 def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, steps: int,
               prompt_len: int, dev) -> dict:
     from gpu_engine import build_ours, prompt
@@ -94,6 +137,8 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
         for i in range(steps):
             dec._prepare()
             dec.tok.copy_(tok)
+            if i == 0:
+                print("phases:", phase_check(model, run, dec, step), flush=True)
             before = [t.clone() for t in state]
             ref = model(dec.tok, dec.dev[0:1], dec.ctx).clone()
             after_ref = [t.clone() for t in state]
