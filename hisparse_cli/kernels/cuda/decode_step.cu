@@ -459,6 +459,11 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       const int n = (int)(r.b - r.a), tile0 = (int)(r.a / G), j0 = (int)(r.a % G);
       n_streamed = n;
       const bool mass_here = MASS && xform == X_ATT && c < units;
+      if (xform == X_NORM_EMB && c == 0) {  // h = the token's embedding row (every CTA
+        const u32* erow = reinterpret_cast<const u32*>(p.embed + (size_t)p.tok[0] * K);
+        for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32)  // may have no items here)
+          reinterpret_cast<float2*>(p.h)[kp] = h22f2(erow[kp]);
+      }
       if (n > 0) {
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
@@ -488,7 +493,6 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             float2 v;
             if (erow) {
               v = h22f2(reinterpret_cast<const u32*>(erow)[kp]);
-              if (c == 0) reinterpret_cast<float2*>(p.h)[kp] = v;
             } else {
               v = ldcg2(src + 2 * kp);
             }
