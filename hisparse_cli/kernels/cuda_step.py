@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("cuda") / "decode_step.cu"
 HD, NW, GROUPS, PAGE = 128, 16, 4, 16
 ITEM_BYTES, ITEM_WORDS, SLOT = 8512, 2128, 9216
 MAX_K, MAX_S, MAX_HQ, MAX_UNIT_PAGES, MASS_PAGES = 14336, 32, 64, 1024, 32
+MAX_HIDDEN = 8192  # the RMSNorm's x loads stay in registers (NORM_PAIRS)
 META = 12
 K_GEMV, K_ATTN, K_FINAL_NORM = 0, 1, 2
 X_NORM, X_SILU, X_ATT, X_NORM_EMB = 0, 1, 2, 3
@@ -92,8 +93,10 @@ def unsupported(model, run) -> str | None:
         return f"{hq} query heads over {hkv} KV heads (at most 8 a KV head, {MAX_HQ} in all)"
     if model.compute_dtype != torch.float16 or run.cache.dtype != torch.float16:
         return "fp16 activations and KV cache only"
-    if cfg.hidden_size % 128 or cfg.hidden_size > MAX_K or cfg.intermediate_size > MAX_K:
-        return "hidden / intermediate sizes must be multiples of 128 up to 14336"
+    if (cfg.hidden_size % 128 or cfg.intermediate_size % 128 or cfg.hidden_size > MAX_HIDDEN
+            or cfg.intermediate_size > MAX_K):
+        return (f"hidden {cfg.hidden_size} / intermediate {cfg.intermediate_size} (multiples of "
+                f"128 up to {MAX_HIDDEN} / {MAX_K})")
     if run.sparse.block_size % PAGE:
         return f"block size {run.sparse.block_size} (a multiple of {PAGE})"
     if run.cache.G % PAGE:

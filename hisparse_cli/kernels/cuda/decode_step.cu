@@ -68,6 +68,7 @@ typedef long long i64;
 #define MASS_PAGES 32    // pages a unit may read with the importance mass (its scores in smem)
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc [GQA][128], m, l
 #define META 12
+#define NORM_PAIRS 8     // hidden <= 2 x 8 x 512 = 8192 (RMSNorm x loads in registers)
 
 #define K_GEMV 0
 #define K_ATTN 1
@@ -485,18 +486,19 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           }
           consumers_sync();
         }
-        if (xform == X_NORM || xform == X_NORM_EMB) {  // RMSNorm over all K (= hidden)
-          const float* src = in;
-          const u16* erow = xform == X_NORM_EMB ? p.embed + (size_t)p.tok[0] * K : nullptr;
+        if (xform == X_NORM || xform == X_NORM_EMB) {  // RMSNorm over all K (= hidden <=
+          // 8192: at most NORM_PAIRS pairs a thread, held in registers between the two passes)
+          const u32* erow = xform == X_NORM_EMB
+                                ? reinterpret_cast<const u32*>(p.embed + (size_t)p.tok[0] * K)
+                                : nullptr;
+          float2 v[NORM_PAIRS];
           float ss = 0.f;
-          for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32) {
-            float2 v;
-            if (erow) {
-              v = h22f2(reinterpret_cast<const u32*>(erow)[kp]);
-            } else {
-              v = ldcg2(src + 2 * kp);
-            }
-            ss += v.x * v.x + v.y * v.y;
+#pragma unroll
+          for (int u = 0; u < NORM_PAIRS; ++u) {
+            const int kp = threadIdx.x + u * NW * 32;
+            v[u] = make_float2(0.f, 0.f);
+            if (kp < K / 2) v[u] = erow ? h22f2(erow[kp]) : ldcg2(in + 2 * kp);
+            ss += v[u].x * v[u].x + v[u].y * v[u].y;
           }
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -506,11 +508,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 #pragma unroll
           for (int w = 0; w < NW; ++w) tot += ssum[w];
           const float rs = rsqrtf(tot / (float)K + p.eps);
-          for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32) {
-            const float2 v = erow ? h22f2(reinterpret_cast<const u32*>(erow)[kp])
-                                  : ldcg2(src + 2 * kp);
-            const float2 w = h22f2(reinterpret_cast<const u32*>(nw)[kp]);
-            xs[kp] = f22h2(rh(v.x * rs) * w.x, rh(v.y * rs) * w.y);
+#pragma unroll
+          for (int u = 0; u < NORM_PAIRS; ++u) {
+            const int kp = threadIdx.x + u * NW * 32;
+            if (kp < K / 2) {
+              const float2 w = h22f2(reinterpret_cast<const u32*>(nw)[kp]);
+              xs[kp] = f22h2(rh(v[u].x * rs) * w.x, rh(v[u].y * rs) * w.y);
+            }
           }
         } else {  // the used groups' pairs only
           const int npairs = ngrp * 64;
