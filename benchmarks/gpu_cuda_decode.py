@@ -173,13 +173,14 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
 
 def event_ms(fn, reps: int = 30) -> float:
     """ms a call of fn, by CUDA events over reps calls after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
+    with torch.inference_mode():
+        for _ in range(3):
+            fn()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
 
