@@ -52,7 +52,7 @@ def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
     """Dynamic shared memory of a launch (decode_step.cu's carve-up, 1024 for the alignment)."""
     att_stride = gqa * (HD + 2)
     floats = (red_tiles * 128 + MAX_K // 128 + MAX_HQ * MAX_S + gqa * HD + GROUPS * att_stride
-              + NW + 3 * HD + 8 + 16 + 512 + MAX_UNIT_PAGES
+              + NW + 3 * HD + 8 + 16 + MAX_S * 16 + 512 + MAX_UNIT_PAGES
               + (MASS_PAGES * gqa * PAGE if mass else 0))
     return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8
 

@@ -366,7 +366,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   float* vcur = kcur + HD;                                            // [128]
   float* scur = vcur + HD;                                            // [8] current token
   float* mlh = scur + 8;                                              // [16] mass: M, 1 / L
-  u32* qfrag = reinterpret_cast<u32*>(mlh + 16);                      // [32][16]
+  float* mls = mlh + 16;                                  // [MAX_S][m 8, l 8] mass: the splits'
+  u32* qfrag = reinterpret_cast<u32*>(mls + MAX_S * 16);              // [32][16]
   u32* vmask = qfrag + 512;                                           // [MAX_UNIT_PAGES]
   float* scores = reinterpret_cast<float*>(vmask + MAX_UNIT_PAGES);   // [MASS_PAGES][GQA][16]
   u64* full = reinterpret_cast<u64*>(scores + (MASS ? MASS_PAGES * GQA * PAGE : 0));
@@ -383,9 +384,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   for (int t = threadIdx.x; t < p.red_tiles * 128; t += blockDim.x) red[t] = 0.f;
+  const i64 q_pos = p.dev[0], slot_q = p.dev[1];
+  if (threadIdx.x < HD / 2) {  // RoPE at this position (fp16 tables, as the engine's): once
+    const float a = (float)q_pos * p.inv_freq[threadIdx.x];
+    rope[threadIdx.x] = rh(cosf(a) * p.rope_scaling);
+    rope[HD / 2 + threadIdx.x] = rh(sinf(a) * p.rope_scaling);
+  }
   __syncthreads();
 
-  const i64 q_pos = p.dev[0], slot_q = p.dev[1];
   const int ppb = p.bs / PAGE;
   const int n_cache_pages = p.nb * ppb, n_pages = n_cache_pages + p.G / PAGE;
   const int S = p.S, units = p.hkv * S;
@@ -442,6 +448,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   int pos0 = 0;  // ring entries streamed to this CTA before the current phase
   for (int ph = 0; ph < p.n_phase; ++ph) {
     const i64* m = p.meta + ph * META;
+    if (m[0] == K_ATTN && c < units) {  // before the barrier (they do not depend on the
+      // step's results): the visibility masks of this unit's pages
+      const int e0 = (c % S) * unit_pages, npg = max(0, min(n_pages, e0 + unit_pages) - e0);
+      for (int e = warp; e < npg; e += NW) {
+        const u32 v = page_valid(p, (int)m[1], c / S, e0 + e, n_cache_pages, ppb, q_pos, lane);
+        if (lane == 0) vmask[e] = v;
+      }
+    }
     if (ph > 0 && (p.flags & F_BARRIER) && threadIdx.x == 0) {
       const unsigned target = (unsigned)(ph * P);
       while (ld_acquire(p.counter) < target) {
@@ -460,6 +474,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       const int n = (int)(r.b - r.a), tile0 = (int)(r.a / G), j0 = (int)(r.a % G);
       n_streamed = n;
       const bool mass_here = MASS && xform == X_ATT && c < units;
+      if (mass_here && threadIdx.x < S * GQA) {  // the splits' m, l of this CTA's KV head (for
+        // the mass after the items): loaded now, alongside the x load
+        const int s2 = threadIdx.x / GQA, q = threadIdx.x % GQA;
+        const float* pm = p.part + (size_t)((c / S) * S + s2) * ATT_STRIDE + GQA * HD;
+        mls[s2 * 16 + q] = ldcg(pm + q);
+        mls[s2 * 16 + 8 + q] = ldcg(pm + GQA + q);
+      }
       if (xform == X_NORM_EMB && c == 0) {  // h = the token's embedding row (every CTA
         const u32* erow = reinterpret_cast<const u32*>(p.embed + (size_t)p.tok[0] * K);
         for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32)  // may have no items here)
@@ -525,11 +546,15 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               const int hq = kp / 64, d = 2 * (kp % 64);
               const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
               f0 = f1 = 0.f;
-              for (int s = 0; s < S; ++s) {
-                const float w = wts[hq * MAX_S + s];
-                if (w != 0.f) {
-                  const float2 a = ldcg2(pp + s * ATT_STRIDE);
-                  f0 += w * a.x, f1 += w * a.y;
+              for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
+                float2 a[16];
+#pragma unroll
+                for (int s = 0; s < 16; ++s)
+                  a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
+#pragma unroll
+                for (int s = 0; s < 16; ++s) {
+                  const float w = s0 + s < S ? wts[hq * MAX_S + s0 + s] : 0.f;
+                  f0 += w * a[s].x, f1 += w * a[s].y;
                 }
               }
             } else {  // X_SILU: in = the gate|up output [g (K), u (K)]
@@ -588,14 +613,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       consumers_sync();
       if (MASS && mass_here) {  // this CTA's attention unit: each visible key's probability
         const int layer = (int)m[10], kvh = c / S, s = c % S;
-        const float* pk = p.part + (size_t)(kvh * S) * ATT_STRIDE + GQA * HD;
         if (threadIdx.x < GQA) {  // head q: M and 1 / L over the splits
           const int q = threadIdx.x;
           float M = neg_inf(), L = 0.f;
-          for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, ldcg(pk + s2 * ATT_STRIDE + q));
+          for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, mls[s2 * 16 + q]);
           for (int s2 = 0; s2 < S; ++s2) {
-            const float ms = ldcg(pk + s2 * ATT_STRIDE + q);
-            if (ms != neg_inf()) L += ldcg(pk + s2 * ATT_STRIDE + GQA + q) * ex(ms - M);
+            const float ms = mls[s2 * 16 + q];
+            if (ms != neg_inf()) L += mls[s2 * 16 + 8 + q] * ex(ms - M);
           }
           mlh[q] = M, mlh[GQA + q] = 1.0f / L;
         }
@@ -646,16 +670,6 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int e0 = s * unit_pages, e1 = min(n_pages, e0 + unit_pages);
         const int npg = max(0, e1 - e0);
         n_streamed = npg;
-        if (threadIdx.x < HD / 2) {  // RoPE at this position (fp16 tables, as the engine's)
-          const float a = (float)q_pos * p.inv_freq[threadIdx.x];
-          rope[threadIdx.x] = rh(cosf(a) * p.rope_scaling);
-          rope[HD / 2 + threadIdx.x] = rh(sinf(a) * p.rope_scaling);
-        }
-        for (int e = warp; e < npg; e += NW) {  // the unit's pages' visibility masks
-          const u32 v = page_valid(p, layer, kvh, e0 + e, n_cache_pages, ppb, q_pos, lane);
-          if (lane == 0) vmask[e] = v;
-        }
-        consumers_sync();
         // rotate-half RoPE: x'[d] = x[d] cos[d] + (d < 64 ? -x[d + 64] : x[d - 64]) sin[d]
         for (int t = threadIdx.x; t < GQA * HD; t += NW * 32) {
           const int d = t % HD, i = d & 63;
