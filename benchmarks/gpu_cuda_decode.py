@@ -185,6 +185,32 @@ def event_ms(fn, reps: int = 30) -> float:
     return start.elapsed_time(end) / reps
 
 
+KINDS = ("qkv", "attn", "o", "gate|up", "down")
+
+
+def phase_table(step) -> dict:
+    """One step's timeline by phase kind (us summed over the step): crit = the phase's share
+    of the critical path (last arrival minus the previous phase's last arrival); then CTA
+    means of the barrier wait, the x (or q) load, the items (or pages) and the flush."""
+    st = step.timeline().double() / 1e3  # [n_phase, CTAs, 5] us
+    n_phase = st.shape[0]
+    kinds = [KINDS[i % 5] for i in range(n_phase - 1)] + ["head"]
+    end = st[:, :, 4].max(dim=1).values
+    out: dict = {}
+    for i, kind in enumerate(kinds):
+        r = out.setdefault(kind, {"crit": 0.0, "wait": 0.0, "x": 0.0, "work": 0.0, "flush": 0.0})
+        row = st[i]
+        has = row[:, 2] > 0
+        r["crit"] += (end[i] - (end[i - 1] if i else row[:, 0].min())).item()
+        r["wait"] += (row[:, 1] - row[:, 0]).mean().item()
+        if has.any():
+            h = row[has]
+            r["x"] += (h[:, 2] - h[:, 1]).mean().item()
+            r["work"] += (h[:, 3] - h[:, 2]).mean().item()
+            r["flush"] += (h[:, 4] - h[:, 3]).mean().item()
+    return out
+
+
 def time_rows(a, dev) -> list[dict]:
     from gpu_engine import build_ours, prompt, run_ours
 
@@ -226,7 +252,12 @@ def time_rows(a, dev) -> list[dict]:
                     dec.cuda_step.params.flags &= ~1
                     timing["no_barrier_ms"] = event_ms(dec.cuda_step)
                     dec.cuda_step.params.flags |= 1
-                print("   ", {k: round(v, 4) for k, v in timing.items()}, flush=True)
+                    with torch.inference_mode():
+                        timing["phases_us"] = phase_table(dec.cuda_step)
+                print("   ", {k: round(v, 4) for k, v in timing.items() if k != "phases_us"},
+                      flush=True)
+                for kind, r in timing.get("phases_us", {}).items():
+                    print(f"      {kind:8s} " + " ".join(f"{k} {v:7.1f}" for k, v in r.items()))
                 eng.release_cached_state()
                 del eng
                 row = {"system": label, "kernel": kernel, "persistent_ran": kernel_used, **timing,

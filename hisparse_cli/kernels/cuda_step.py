@@ -32,7 +32,7 @@ MAX_HIDDEN = 8192  # the RMSNorm's x loads stay in registers (NORM_PAIRS)
 META = 12
 K_GEMV, K_ATTN, K_FINAL_NORM = 0, 1, 2
 X_NORM, X_SILU, X_ATT, X_NORM_EMB = 0, 1, 2, 3
-F_BARRIER, F_MASS = 1, 2
+F_BARRIER, F_MASS, F_TIMELINE = 1, 2, 4
 STAGES = 16  # ring slots (a multiple of the 4 consumer groups: a slot keeps one owner)
 
 
@@ -41,7 +41,7 @@ class StepParams(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "meta", "dev", "tok", "embed", "h", "part", "counter", "inv_freq", "kcache", "vcache",
-        "gpos", "score", "gmass", "gseen")] + [("capacity", ctypes.c_longlong)] + [
+        "gpos", "score", "gmass", "gseen", "stamps")] + [("capacity", ctypes.c_longlong)] + [
         (name, ctypes.c_int) for name in (
             "n_phase", "stages", "red_tiles", "flags", "nb", "bs", "hkv", "hq", "hidden", "G",
             "S", "sinks", "window", "min_distance")] + [
@@ -254,6 +254,20 @@ class CudaDecodeStep:
                               swizzle="128B")]
         else:  # never read (no global pages): any valid map
             self.maps += self.maps[:2]
+
+    def timeline(self) -> torch.Tensor:
+        """One step with the kernel's stamps -> int64 [n_phase, CTAs, 5] globaltimer ns: phase
+        start, past the barrier, x (or the attention's q) ready, items (or pages) done,
+        arrived (benchmarks; 0 where a CTA had no such point)."""
+        stamps = torch.zeros((self.params.n_phase, self.ctas, 5), dtype=torch.int64,
+                             device=self.ws.device)
+        self.params.stamps, self.params.flags = stamps.data_ptr(), self.params.flags | F_TIMELINE
+        try:
+            self()
+            torch.cuda.synchronize(self.ws.device)
+        finally:
+            self.params.stamps, self.params.flags = 0, self.params.flags & ~F_TIMELINE
+        return stamps
 
     def __call__(self) -> torch.Tensor:
         """One step on the current stream -> logits [1, V] fp32 (a static buffer)."""

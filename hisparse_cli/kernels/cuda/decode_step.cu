@@ -80,6 +80,7 @@ typedef long long i64;
 
 #define F_BARRIER 1   // wait at the grid barriers (off only to time the phases' floor)
 #define F_MASS 2      // importance mass (the MASS instance)
+#define F_TIMELINE 4  // stamps: phase start, past the barrier, x ready, items done, arrived
 
 struct StepParams {
   const i64* meta;      // [n_phase][META]
@@ -96,6 +97,7 @@ struct StepParams {
   float* score;         // [L, capacity, bs, Hkv] importance mass
   float* gmass;         // [L, Hkv, G]
   float* gseen;         // [L, Hkv, G]
+  u64* stamps;          // F_TIMELINE: [n_phase][CTAs][5] globaltimer (ns)
   i64 capacity;
   int n_phase, stages, red_tiles, flags;
   int nb, bs, hkv, hq, hidden, G, S;
@@ -173,6 +175,11 @@ __device__ __forceinline__ void tma_3d(void* dst, const TensorMap* map, int c0, 
       " [%0], [%1, {%2, %3, %4}], [%5];"
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
+}
+__device__ __forceinline__ u64 gtimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
 }
 __device__ __forceinline__ u32 ld_acquire(const unsigned* p) {
   u32 v;
@@ -448,6 +455,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   int pos0 = 0;  // ring entries streamed to this CTA before the current phase
   for (int ph = 0; ph < p.n_phase; ++ph) {
     const i64* m = p.meta + ph * META;
+    u64* st = (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
+    if (st && threadIdx.x == 0) st[0] = gtimer(), st[2] = st[3] = 0;
     if (m[0] == K_ATTN && c < units) {  // before the barrier (they do not depend on the
       // step's results): the visibility masks of this unit's pages
       const int e0 = (c % S) * unit_pages, npg = max(0, min(n_pages, e0 + unit_pages) - e0);
@@ -462,6 +471,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
     }
     consumers_sync();
+    if (st && threadIdx.x == 0) st[1] = gtimer();
     int n_streamed = 0;
     if (m[0] == K_GEMV) {  // ---------------------------------------------------------- GEMV
       // [1] K [2] N [3] G [4] T [5] items [6] out (fp32, added into) [7] xform [8] in (fp32)
@@ -577,6 +587,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         }
       }
       consumers_sync();
+      if (st && threadIdx.x == 0) st[2] = gtimer();
       // items: group grp takes phase items grp, grp + GROUPS, ... (whole ring slots)
       const int part_ = warp % SPLIT, grp = warp / SPLIT;
       int slot;
@@ -611,6 +622,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
       if (cur >= 0) flush(cur);
       consumers_sync();
+      if (st && threadIdx.x == 0) st[3] = gtimer();
       if (MASS && mass_here) {  // this CTA's attention unit: each visible key's probability
         const int layer = (int)m[10], kvh = c / S, s = c % S;
         if (threadIdx.x < GQA) {  // head q: M and 1 / L over the splits
@@ -705,6 +717,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           }
         }
         consumers_sync();
+        if (st && threadIdx.x == 0) st[2] = gtimer();
         const int grp = warp / 4, d0 = 32 * (warp % 4);
         float mm = neg_inf(), ll = 0.f, o[4][4];
 #pragma unroll
@@ -748,6 +761,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           if (warp % 4 == 0 && t == 0) mw[HD] = mm, mw[HD + 1] = ll;
         }
         consumers_sync();
+        if (st && threadIdx.x == 0) st[3] = gtimer();
         float* pu = p.part + (size_t)c * ATT_STRIDE;  // the unit's partial: acc, m, l
         for (int t2 = threadIdx.x; t2 < GQA * HD; t2 += NW * 32) {
           const int q = t2 / HD, d = t2 % HD;
@@ -791,6 +805,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     pos0 += n_streamed;
     consumers_sync();
     if (threadIdx.x == 0) red_release_add(p.counter, 1u);
+    if (st && threadIdx.x == 0) st[4] = gtimer();
   }
 }
 
