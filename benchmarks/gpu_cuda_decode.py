@@ -221,8 +221,11 @@ def time_rows(a, dev) -> list[dict]:
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     backend = "triton"
     rows = []
-    for label, awq, kernel in (("fp16", False, "layers"), ("int4+head", True, "layers"),
-                               ("int4+head", True, "persistent")):
+    systems = (("fp16", False, "layers"), ("int4+head", True, "layers"),
+               ("int4+head", True, "persistent"))
+    for label, awq, kernel in systems:
+        if a.systems and f"{label}/{kernel}" not in a.systems.split(","):
+            continue
         model = build_ours(cfg, dev, awq=awq, host_emb=False, awq_lm_head=awq)
         if kernel == "persistent":  # the layer-by-layer rows keep the engine's tiled layout
             to_items(model)
@@ -290,6 +293,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profiles", default="h200-141g,4060ti-6g")
+    ap.add_argument("--systems", default="", help="e.g. int4+head/persistent (default: all)")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
