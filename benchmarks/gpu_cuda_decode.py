@@ -257,6 +257,11 @@ def time_rows(a, dev) -> list[dict]:
                     dec.cuda_step.params.flags |= 1
                     with torch.inference_mode():
                         timing["phases_us"] = phase_table(dec.cuda_step)
+                    for var in filter(None, a.variants.split(";")):  # other builds, same run
+                        opts = tuple(f"-D{d}" for d in var.split(","))
+                        dec.cuda_step.use_variant(opts)
+                        timing[f"step_ms[{var}]"] = event_ms(dec.cuda_step)
+                    dec.cuda_step.use_variant(())
                 print("   ", {k: round(v, 4) for k, v in timing.items() if k != "phases_us"},
                       flush=True)
                 for kind, r in timing.get("phases_us", {}).items():
@@ -293,6 +298,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profiles", default="h200-141g,4060ti-6g")
+    ap.add_argument("--variants", default="", help="builds of the persistent kernel timed "
+                    "too, ';'-separated, each ','-separated defines: SILU_BATCH=4;SILU_BATCH=1")
     ap.add_argument("--systems", default="", help="e.g. int4+head/persistent (default: all)")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or "out")

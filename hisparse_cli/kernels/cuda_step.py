@@ -126,13 +126,16 @@ def unsupported(model, run) -> str | None:
 
 
 @lru_cache(maxsize=None)
-def _module(gqa: int, device_index: int):
+def _module(gqa: int, norm_pairs: int, device_index: int, extra: tuple[str, ...] = ()):
+    """The kernel built for this GQA and hidden size (x pairs a thread in the RMSNorm); extra:
+    more compiler options (benchmarks' variants, e.g. "-DSILU_BATCH=4")."""
     from hisparse_cli.kernels import cuda_rt
 
     arch = torch.cuda.get_device_capability(device_index)
     names = ["decode_step<false>", "decode_step<true>"]
     compiled = cuda_rt.compile_cubin(SOURCE.read_text(), arch=arch, name_expressions=names,
-                                     options=[f"-DGQA={gqa}"])
+                                     options=[f"-DGQA={gqa}", f"-DNORM_PAIRS={norm_pairs}",
+                                              *extra])
     module = cuda_rt.load_module(compiled, device_index)
     return {False: module.function(names[0]), True: module.function(names[1])}
 
@@ -213,9 +216,9 @@ class CudaDecodeStep:
         self.meta = torch.tensor(rows, dtype=torch.int64, device=device)
         red_tiles = red_tiles_needed(gemv_shapes, self.ctas)
         self.smem = smem_bytes(STAGES, red_tiles, self.gqa, self.mass)
-        self.function = _module(self.gqa, device.index if device.index is not None
-                                else torch.cuda.current_device())[self.mass]
-        self.function.set_max_dynamic_shared_memory(self.smem)
+        self.device_index = (device.index if device.index is not None
+                             else torch.cuda.current_device())
+        self.use_variant(())
 
         table = model.model.embed_tokens.weight
         seq = run.seq
@@ -254,6 +257,13 @@ class CudaDecodeStep:
                               swizzle="128B")]
         else:  # never read (no global pages): any valid map
             self.maps += self.maps[:2]
+
+    def use_variant(self, extra: tuple[str, ...]) -> None:
+        """Launch the kernel built with these extra compiler options from now on (benchmarks;
+        () is the default build)."""
+        self.function = _module(self.gqa, -(-self.model.cfg.hidden_size // 1024),
+                                self.device_index, tuple(extra))[self.mass]
+        self.function.set_max_dynamic_shared_memory(self.smem)
 
     def timeline(self) -> torch.Tensor:
         """One step with the kernel's stamps -> int64 [n_phase, CTAs, 5] globaltimer ns: phase

@@ -68,7 +68,12 @@ typedef long long i64;
 #define MASS_PAGES 32    // pages a unit may read with the importance mass (its scores in smem)
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc [GQA][128], m, l
 #define META 12
-#define NORM_PAIRS 8     // hidden <= 2 x 8 x 512 = 8192 (RMSNorm x loads in registers)
+#ifndef SILU_BATCH
+#define SILU_BATCH 2     // silu(g) u pairs a thread loads at once
+#endif
+#ifndef NORM_PAIRS
+#define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
+#endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
 
 #define K_GEMV 0
 #define K_ATTN 1
@@ -354,6 +359,16 @@ __device__ __forceinline__ u32 page_valid(const StepParams& p, int layer, int kv
   return __ballot_sync(0xffffffffu, ok) & 0xffffu;
 }
 
+// a warp's 32 consecutive x pairs (half of a 128-row group, kp >> 6) into the group's x sum
+// (the fp16 values, as the item math reads them)
+__device__ __forceinline__ void group_sum(float* xsum, int kp, u32 x2, int lane) {
+  const float2 f = h22f2(x2);
+  float v = f.x + f.y;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) atomicAdd(&xsum[kp >> 6], v);
+}
+
 template <bool MASS>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     decode_step(const StepParams p, const __grid_constant__ TensorMap kmap,
@@ -457,6 +472,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const i64* m = p.meta + ph * META;
     u64* st = (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
     if (st && threadIdx.x == 0) st[0] = gtimer(), st[2] = st[3] = 0;
+    if (m[0] == K_GEMV)  // the x loads add each group's x sum here
+      for (int t = threadIdx.x; t < (int)m[3]; t += NW * 32) xsum[t] = 0.f;
     if (m[0] == K_ATTN && c < units) {  // before the barrier (they do not depend on the
       // step's results): the visibility masks of this unit's pages
       const int e0 = (c % S) * unit_pages, npg = max(0, min(n_pages, e0 + unit_pages) - e0);
@@ -518,17 +535,23 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           consumers_sync();
         }
         if (xform == X_NORM || xform == X_NORM_EMB) {  // RMSNorm over all K (= hidden <=
-          // 8192: at most NORM_PAIRS pairs a thread, held in registers between the two passes)
+          // 8192: at most NORM_PAIRS pairs a thread, held in registers between the two passes;
+          // the norm weights are loaded with x, so the second pass reads nothing)
           const u32* erow = xform == X_NORM_EMB
                                 ? reinterpret_cast<const u32*>(p.embed + (size_t)p.tok[0] * K)
                                 : nullptr;
           float2 v[NORM_PAIRS];
+          u32 wv[NORM_PAIRS];
           float ss = 0.f;
 #pragma unroll
           for (int u = 0; u < NORM_PAIRS; ++u) {
             const int kp = threadIdx.x + u * NW * 32;
             v[u] = make_float2(0.f, 0.f);
-            if (kp < K / 2) v[u] = erow ? h22f2(erow[kp]) : ldcg2(in + 2 * kp);
+            wv[u] = 0u;
+            if (kp < K / 2) {
+              v[u] = erow ? h22f2(erow[kp]) : ldcg2(in + 2 * kp);
+              wv[u] = reinterpret_cast<const u32*>(nw)[kp];
+            }
             ss += v[u].x * v[u].x + v[u].y * v[u].y;
           }
 #pragma unroll
@@ -542,48 +565,59 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 #pragma unroll
           for (int u = 0; u < NORM_PAIRS; ++u) {
             const int kp = threadIdx.x + u * NW * 32;
-            if (kp < K / 2) {
-              const float2 w = h22f2(reinterpret_cast<const u32*>(nw)[kp]);
-              xs[kp] = f22h2(rh(v[u].x * rs) * w.x, rh(v[u].y * rs) * w.y);
+            if (kp < K / 2) {  // (K / 2 is a multiple of 64: whole warps in or out)
+              const float2 w = h22f2(wv[u]);
+              const u32 x2 = f22h2(rh(v[u].x * rs) * w.x, rh(v[u].y * rs) * w.y);
+              xs[kp] = x2;
+              group_sum(xsum, kp, x2, lane);
             }
           }
-        } else {  // the used groups' pairs only
+        } else if (xform == X_SILU) {  // the used groups' pairs, 4 a thread loaded at once
+          const int npairs = ngrp * 64;
+          for (int t0 = threadIdx.x; t0 < npairs; t0 += SILU_BATCH * NW * 32) {
+            float2 gv[SILU_BATCH], uv[SILU_BATCH];
+#pragma unroll
+            for (int u = 0; u < SILU_BATCH; ++u) {
+              const int t = t0 + u * NW * 32;
+              const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
+              if (t < npairs) gv[u] = ldcg2(in + 2 * kp), uv[u] = ldcg2(in + K + 2 * kp);
+            }
+#pragma unroll
+            for (int u = 0; u < SILU_BATCH; ++u) {
+              const int t = t0 + u * NW * 32;
+              if (t < npairs) {  // (npairs: whole groups, so whole warps in or out)
+                const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
+                const float g0 = rh(gv[u].x), g1 = rh(gv[u].y);
+                const u32 x2 = f22h2(rh(g0 / (1.0f + ex(-g0))) * rh(uv[u].x),
+                                     rh(g1 / (1.0f + ex(-g1))) * rh(uv[u].y));
+                xs[kp] = x2;
+                group_sum(xsum, kp, x2, lane);
+              }
+            }
+          }
+        } else {  // X_ATT: the used heads' pairs, combined from the split partials
           const int npairs = ngrp * 64;
           for (int t = threadIdx.x; t < npairs; t += NW * 32) {
             const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
-            float f0, f1;
-            if (xform == X_ATT) {  // pair kp: head hq = kp / 64, dims 2 (kp % 64) + {0, 1}
-              const int hq = kp / 64, d = 2 * (kp % 64);
-              const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
-              f0 = f1 = 0.f;
-              for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
-                float2 a[16];
+            // pair kp: head hq = kp / 64, dims 2 (kp % 64) + {0, 1}
+            const int hq = kp / 64, d = 2 * (kp % 64);
+            const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
+            float f0 = 0.f, f1 = 0.f;
+            for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
+              float2 a[16];
 #pragma unroll
-                for (int s = 0; s < 16; ++s)
-                  a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
+              for (int s = 0; s < 16; ++s)
+                a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
 #pragma unroll
-                for (int s = 0; s < 16; ++s) {
-                  const float w = s0 + s < S ? wts[hq * MAX_S + s0 + s] : 0.f;
-                  f0 += w * a[s].x, f1 += w * a[s].y;
-                }
+              for (int s = 0; s < 16; ++s) {
+                const float w = s0 + s < S ? wts[hq * MAX_S + s0 + s] : 0.f;
+                f0 += w * a[s].x, f1 += w * a[s].y;
               }
-            } else {  // X_SILU: in = the gate|up output [g (K), u (K)]
-              const float2 gv = ldcg2(in + 2 * kp), uv = ldcg2(in + K + 2 * kp);
-              const float g0 = rh(gv.x), g1 = rh(gv.y);
-              f0 = rh(g0 / (1.0f + ex(-g0))) * rh(uv.x);
-              f1 = rh(g1 / (1.0f + ex(-g1))) * rh(uv.y);
             }
-            xs[kp] = f22h2(f0, f1);
+            const u32 x2 = f22h2(f0, f1);
+            xs[kp] = x2;
+            group_sum(xsum, kp, x2, lane);
           }
-        }
-        consumers_sync();
-        for (int q = warp; q < ngrp; q += NW) {  // each used group's fp16 x sum
-          const int jj = all ? q : (j0 + q) % G;
-          const float2 a = h22f2(xs[jj * 64 + lane]), b = h22f2(xs[jj * 64 + 32 + lane]);
-          float v = (a.x + a.y) + (b.x + b.y);
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-          if (lane == 0) xsum[jj] = v;
         }
       }
       consumers_sync();
