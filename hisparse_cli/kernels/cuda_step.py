@@ -271,12 +271,15 @@ class CudaDecodeStep:
         arrived (benchmarks; 0 where a CTA had no such point)."""
         stamps = torch.zeros((self.params.n_phase, self.ctas, 5), dtype=torch.int64,
                              device=self.ws.device)
+        function = self.function
+        self.use_variant(("-DTIMELINE=1",))
         self.params.stamps, self.params.flags = stamps.data_ptr(), self.params.flags | F_TIMELINE
         try:
             self()
             torch.cuda.synchronize(self.ws.device)
         finally:
             self.params.stamps, self.params.flags = 0, self.params.flags & ~F_TIMELINE
+            self.function = function
         return stamps
 
     def __call__(self) -> torch.Tensor:

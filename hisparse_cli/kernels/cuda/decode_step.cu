@@ -69,7 +69,7 @@ typedef long long i64;
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc [GQA][128], m, l
 #define META 12
 #ifndef SILU_BATCH
-#define SILU_BATCH 2     // silu(g) u pairs a thread loads at once
+#define SILU_BATCH 1     // silu(g) u pairs a thread loads at once (2 and 4 spill: slower)
 #endif
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
@@ -86,6 +86,9 @@ typedef long long i64;
 #define F_BARRIER 1   // wait at the grid barriers (off only to time the phases' floor)
 #define F_MASS 2      // importance mass (the MASS instance)
 #define F_TIMELINE 4  // stamps: phase start, past the barrier, x ready, items done, arrived
+#ifndef TIMELINE
+#define TIMELINE 0    // the stamps are compiled in only with -DTIMELINE=1 (registers)
+#endif
 
 struct StepParams {
   const i64* meta;      // [n_phase][META]
@@ -470,7 +473,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   int pos0 = 0;  // ring entries streamed to this CTA before the current phase
   for (int ph = 0; ph < p.n_phase; ++ph) {
     const i64* m = p.meta + ph * META;
-    u64* st = (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
+    u64* st = TIMELINE && (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
     if (st && threadIdx.x == 0) st[0] = gtimer(), st[2] = st[3] = 0;
     if (m[0] == K_GEMV)  // the x loads add each group's x sum here
       for (int t = threadIdx.x; t < (int)m[3]; t += NW * 32) xsum[t] = 0.f;
