@@ -57,6 +57,15 @@ def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
     return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8
 
 
+def ring_stages(red_tiles: int, gqa: int, mass: bool, limit: int) -> int | None:
+    """Most ring slots (STAGES at most, a multiple of the 4 consumer groups, at least 8) whose
+    launch fits `limit` bytes of shared memory a block; None when 8 do not."""
+    stages = STAGES
+    while stages >= 8 and smem_bytes(stages, red_tiles, gqa, mass) > limit:
+        stages -= GROUPS
+    return stages if stages >= 8 else None
+
+
 def red_tiles_needed(phases: list[tuple[int, int]], ctas: int) -> int:
     """Most 128-column tiles one CTA touches in one GEMV (G groups x T tiles each)."""
     most = 1
@@ -215,7 +224,11 @@ class CudaDecodeStep:
                          final_w, 0, 0])
         self.meta = torch.tensor(rows, dtype=torch.int64, device=device)
         red_tiles = red_tiles_needed(gemv_shapes, self.ctas)
-        self.smem = smem_bytes(STAGES, red_tiles, self.gqa, self.mass)
+        limit = props.shared_memory_per_block_optin
+        self.stages = ring_stages(red_tiles, self.gqa, self.mass, limit)
+        if self.stages is None:
+            raise ValueError(f"the kernel's buffers do not fit {limit} bytes of shared memory")
+        self.smem = smem_bytes(self.stages, red_tiles, self.gqa, self.mass)
         self.device_index = (device.index if device.index is not None
                              else torch.cuda.current_device())
         self.use_variant(())
@@ -233,7 +246,7 @@ class CudaDecodeStep:
         p.gmass = cache.gmass.data_ptr() if G else 0
         p.gseen = cache.gseen.data_ptr() if G else 0
         p.capacity = cache.capacity
-        p.n_phase, p.stages, p.red_tiles = len(rows), STAGES, red_tiles
+        p.n_phase, p.stages, p.red_tiles = len(rows), self.stages, red_tiles
         p.flags = F_BARRIER | (F_MASS if self.mass else 0)
         p.nb, p.bs, p.hkv, p.hq, p.hidden, p.G, p.S = (
             nb, run.sparse.block_size, hkv, hq, hidden, G, self.S)

@@ -1,0 +1,216 @@
+"""The persistent decode step (kernels/cuda_step.py, kernels/cuda/decode_step.cu) and the item
+layout of AWQLinear it reads.
+
+CPU: the host mirror of the kernel's parameter struct, the CTA ranges behind the reduction
+buffer's size, why a model/run is refused, AWQLinear's item layout against its other layouts,
+and (where libnvrtc is found) that the kernel compiles for the GQA / hidden sizes it serves.
+GPU (H200): every decode step of small random INT4 Llamas through the kernel against the
+engine's layer-by-layer Triton step from the same state (benchmarks/gpu_cuda_decode.py's
+check), and an Engine.generate that runs it inside the CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hisparse_cli.kernels import cuda_step
+from hisparse_cli.model.awq import AWQLinear
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+SM90 = CUDA and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _c_struct_fields() -> list[tuple[str, str]]:
+    """(name, C type) of decode_step.cu's StepParams, in declaration order."""
+    src = cuda_step.SOURCE.read_text()
+    body = re.search(r"struct StepParams \{(.*?)\n\};", src, re.S).group(1)
+    out = []
+    for line in body.splitlines():
+        code = line.split("//")[0].strip().rstrip(";")
+        if not code:
+            continue
+        m = re.match(r"(const\s+)?([\w]+)\s*(\*?)\s*(.*)", code)
+        ctype = m.group(2) + m.group(3)
+        for name in m.group(4).split(","):
+            name = name.strip().lstrip("*")
+            out.append((name, ctype + ("*" if "*" in code.split(name)[0][-2:] else "")))
+    return out
+
+
+def test_step_params_mirror_the_kernel_struct():
+    fields = _c_struct_fields()
+    assert [n for n, _ in fields] == [n for n, _ in cuda_step.StepParams._fields_]
+    width = {ctypes.c_void_p: "ptr", ctypes.c_longlong: "i64", ctypes.c_int: "int",
+             ctypes.c_float: "float"}
+    for (name, ctype), (_, pytype) in zip(fields, cuda_step.StepParams._fields_):
+        kind = "ptr" if "*" in ctype else {"i64": "i64", "int": "int", "float": "float"}[ctype]
+        assert width[pytype] == kind, name
+    # the C layout: 15 pointers, an int64, 14 ints, 3 floats, padded to 8
+    assert ctypes.sizeof(cuda_step.StepParams) == 15 * 8 + 8 + 14 * 4 + 3 * 4 + 4
+
+
+def test_red_tiles_cover_every_cta_range():
+    # the kernel's CTA c takes items [n c / P, n (c + 1) / P) of a GEMV with G groups a tile
+    for ctas in (34, 132):
+        for g, t in ((32, 48), (112, 32), (32, 224), (32, 1002), (8, 12)):
+            need = cuda_step.red_tiles_needed([(g, t)], ctas)
+            spans = []
+            n = g * t
+            for c in range(ctas):
+                a, b = n * c // ctas, n * (c + 1) // ctas
+                if b > a:
+                    spans.append(len({i // g for i in range(a, b)}))
+            assert need == max(spans)
+
+
+def test_ring_stages_fit_the_shared_memory():
+    # an H200 block may opt in to 227 KiB: 16 slots for GQA 4; GQA 8 with the mass (its
+    # scores' buffer is larger) gives up 4 slots; too little memory for 8 slots is refused
+    limit = 227 * 1024
+    assert cuda_step.ring_stages(10, 4, True, limit) == 16
+    assert cuda_step.ring_stages(10, 8, True, limit) == 12
+    for gqa in (4, 8):
+        for mass in (False, True):
+            st = cuda_step.ring_stages(10, gqa, mass, limit)
+            assert st % 4 == 0 and cuda_step.smem_bytes(st, 10, gqa, mass) <= limit
+    assert cuda_step.ring_stages(10, 4, True, 100 * 1024) is None
+
+
+def test_unsupported_says_why_on_the_cpu():
+    class Run:
+        device = torch.device("cpu")
+
+    assert cuda_step.unsupported(object(), Run()) == "not a CUDA device"
+
+
+def _awq(out_f: int, in_f: int, seed: int = 0) -> AWQLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g)
+    return AWQLinear.from_float(w, None, 128, dtype=torch.float32)
+
+
+def test_awq_linear_item_layout_round_trip_and_forward():
+    lin = _awq(384, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    qw, qz, sc = lin.checkpoint_qweight().clone(), lin.qzeros.clone(), lin.scales.clone()
+    from hisparse_cli.kernels.awq_ref import dequantize_weight
+
+    ref = x @ dequantize_weight(qw, qz, sc, 128).float()  # the AutoAWQ tensors' own meaning
+    assert lin.set_layout("items") and lin.layout == "items"
+    assert lin.qweight.shape == (3 * 2, 2128) and lin.qzeros is None and lin.scales is None
+    assert torch.allclose(lin(x), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(lin.checkpoint_qweight(), qw)
+    assert lin.set_layout("awq") and lin.layout == "awq"
+    assert torch.equal(lin.qweight, qw) and torch.equal(lin.qzeros, qz)
+    assert torch.equal(lin.scales, sc)
+
+
+def test_item_layout_refuses_other_group_sizes():
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
+    lin = AWQLinear.from_float(w, None, 64, dtype=torch.float32)
+    assert not lin.set_layout("items") and lin.layout != "items"
+
+
+def test_stacked_item_linears_equal_their_parts():
+    from hisparse_cli.model.llama import _stack_linears
+
+    parts = [_awq(256, 256, 3), _awq(128, 256, 4), _awq(128, 256, 5)]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    for p in parts:
+        assert p.set_layout("items")
+    want = torch.cat([p(x) for p in parts], dim=1)
+    fused = _stack_linears(parts)
+    assert fused.layout == "items" and fused.out_features == 512
+    assert torch.allclose(fused(x), want, rtol=1e-5, atol=1e-5)
+
+
+def _nvrtc() -> bool:
+    from hisparse_cli.kernels import cuda_rt
+
+    return cuda_rt.nvrtc_available()
+
+
+@pytest.mark.skipif(not _nvrtc(), reason="no libnvrtc found (HISPARSE_NVRTC points at one)")
+@pytest.mark.parametrize("gqa,norm_pairs", [(4, 4), (7, 4), (8, 8), (3, 1)])
+def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, tmp_path, monkeypatch):
+    from hisparse_cli.kernels import cuda_rt
+
+    monkeypatch.setenv("HISPARSE_HOME", str(tmp_path))
+    names = ["decode_step<false>", "decode_step<true>"]
+    c = cuda_rt.compile_cubin(cuda_step.SOURCE.read_text(), arch=(9, 0), name_expressions=names,
+                              options=[f"-DGQA={gqa}", f"-DNORM_PAIRS={norm_pairs}"])
+    assert len(c.cubin) > 10000 and set(c.lowered) == set(names)
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_cuda_decode", ROOT / "benchmarks" / "gpu_cuda_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", range(2))
+def test_kernel_step_equals_the_triton_step(case):
+    """Each step from the same state: logits, stored K/V, masses. Bounds: fp16 activations
+    rounded in other places (the kernel keeps the residual stream in fp32) move logits by
+    ~2e-3 of their range after 4 layers (measured 1.9-2.5e-3); 1e-2 leaves room, while a
+    wrong head, mask or key would be off by O(1)."""
+    from hisparse_cli.model.config import ModelConfig
+
+    bench = _bench()
+    head_int4, window, globals_, prompt = bench.CHECKS[case]
+    r = bench.check_one(ModelConfig.from_dict(bench.SMALL), head_int4, window, globals_, 12,
+                        prompt, torch.device("cuda"))
+    w = r["worst_rel"]
+    assert r["argmax_agree"] == 12
+    assert w["logits"] < 1e-2 and w["k"] < 1e-2 and w["v"] < 1e-2
+    assert w["score"] < 1e-2 and w["gmass"] < 1e-2 and w["gseen"] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_engine_generate_runs_the_kernel_in_its_graph(monkeypatch):
+    """HISPARSE_DECODE_KERNEL=persistent: the captured graph runs the kernel (the run says
+    so) and greedy decoding gives the layer-by-layer path's tokens (the per-step check above
+    agreed on every argmax of these models; a near-tie could part them late, so the first 8
+    are compared)."""
+    layers, extra_l = _engine_tokens("layers", monkeypatch)
+    persistent, extra_p = _engine_tokens("persistent", monkeypatch)
+    assert extra_l["decode_kernel"] == "layers"
+    assert extra_p["decode_kernel"] == "persistent", extra_p
+    assert len(persistent) == 24 and persistent[:8] == layers[:8]
+
+
+def _engine_tokens(kernel: str, monkeypatch) -> tuple[list[int], dict]:
+    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.engine.engine import Engine
+    from hisparse_cli.model.config import ModelConfig
+
+    import sys
+
+    bench = _bench()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_engine import build_ours, prompt
+
+    monkeypatch.setenv("HISPARSE_DECODE_KERNEL", kernel)
+    cfg = ModelConfig.from_dict(bench.SMALL)
+    dev = torch.device("cuda")
+    model = build_ours(cfg, dev, awq=True, host_emb=False, awq_lm_head=True, seed=7)
+    bench.to_items(model)
+    sparse = SparseConfig(sink_tokens=4, window_size=256, global_tokens=32, block_size=16,
+                          recalibrate_every=128, recalibrate_topk=32, prefill_chunk=256)
+    eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                 backend="triton")
+    res = eng.generate(prompt(600, cfg.vocab_size, seed=8), max_new_tokens=24, min_new_tokens=24)
+    eng.release_cached_state()
+    return res.token_ids, res.extra
