@@ -236,13 +236,14 @@ def time_rows(a, dev) -> list[dict]:
             for ctx in [int(c) for c in a.contexts.split(",")]:
                 eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                              backend=backend)
-                seen, notes = [], []
+                seen, notes, pre = [], [], []
                 try:
                     for _ in range(a.repeat):
                         r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
                                      a.decode_tokens, backend, dev, engine=eng, **kw)
                         seen.append(r["decode_tok_s"])
                         notes.append(r.get("cuda_graph"))
+                        pre.append(r["prefill_tok_s"])
                 except Exception:
                     traceback.print_exc()
                     eng.release_cached_state()
@@ -270,6 +271,7 @@ def time_rows(a, dev) -> list[dict]:
                 del eng
                 row = {"system": label, "kernel": kernel, "persistent_ran": kernel_used, **timing,
                        "profile": prof, "context": ctx, "decode_tok_s": seen[-1],
+                       "prefill_tok_s": pre[-1],
                        "decode_tok_s_repeats": seen, "graphs": notes}
                 rows.append(row)
                 print(f"{label:10s} {kernel:10s} {prof:10s} {ctx:6d}: "
@@ -282,10 +284,12 @@ def time_rows(a, dev) -> list[dict]:
         fp = next((x for x in rows if x["system"] == "fp16" and x["profile"] == r["profile"]
                    and x["context"] == r["context"]), None)
         r["vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"] if fp else float("nan")
-    print("\nsystem     kernel     profile    context  tok/s   x fp16")
+        r["prefill_vs_fp16"] = r["prefill_tok_s"] / fp["prefill_tok_s"] if fp else float("nan")
+    print("\nsystem     kernel     profile    context  decode  x fp16  prefill  x fp16")
     for r in rows:
         print(f"{r['system']:10s} {r['kernel']:10s} {r['profile']:10s} {r['context']:7d} "
-              f"{r['decode_tok_s']:6.1f} {r['vs_fp16']:6.2f}")
+              f"{r['decode_tok_s']:6.1f} {r['vs_fp16']:6.2f} {r['prefill_tok_s']:8.0f} "
+              f"{r['prefill_vs_fp16']:6.2f}")
     return rows
 
 
