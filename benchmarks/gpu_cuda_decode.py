@@ -43,12 +43,11 @@ SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 1024,
 
 
 def to_items(model) -> None:
-    """Every AWQ linear of the model (the head too, when INT4) into the item layout."""
-    from hisparse_cli.model.awq import AWQLinear
+    """Every AWQ linear of the model (the head too, when INT4) into the item layout (as the
+    Engine does itself with HISPARSE_DECODE_KERNEL=persistent on sm_90)."""
+    from hisparse_cli.kernels.cuda_step import use_item_layout
 
-    for mod in model.modules():
-        if isinstance(mod, AWQLinear):
-            mod.set_layout("items")
+    use_item_layout(model)
 
 
 CHECKS = (  # (INT4 head, window, globals, prompt): one unit page a split / several

@@ -27,6 +27,7 @@ from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.engine.sampling import Sampler
 from hisparse_cli.kernels.dispatch import select_backend
 from hisparse_cli.model.config import ModelConfig
+from hisparse_cli.engine.cuda_graph import decode_kernel
 from hisparse_cli.model.llama import CausalLM, fuse_projections
 from hisparse_cli.model.loader import load_model
 from hisparse_cli.model.row_split import split_row_products
@@ -94,6 +95,11 @@ class Engine:
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)
         self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
+        if (device.type == "cuda" and decode_kernel() == "persistent"
+                and torch.cuda.get_device_capability(device) >= (9, 0)):
+            from hisparse_cli.kernels.cuda_step import use_item_layout
+
+            use_item_layout(self.model)  # the persistent decode kernel reads INT4 as items
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
 

@@ -134,6 +134,19 @@ def unsupported(model, run) -> str | None:
     return None
 
 
+def use_item_layout(model) -> int:
+    """Every AWQ INT4 linear of the model that the kernel can read (group size 128, sizes in
+    whole 128s) into the item layout, one linear at a time; the count converted. Prefill then
+    runs them through a dequantize + matmul of item chunks (AWQLinear.forward)."""
+    from hisparse_cli.model.awq import AWQLinear
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, AWQLinear) and mod.layout != "items" and mod.set_layout("items"):
+            n += 1
+    return n
+
+
 @lru_cache(maxsize=None)
 def _module(gqa: int, norm_pairs: int, device_index: int, extra: tuple[str, ...] = ()):
     """The kernel built for this GQA and hidden size (x pairs a thread in the RMSNorm); extra:
