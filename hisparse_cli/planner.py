@@ -127,6 +127,13 @@ def graph_decode_enabled() -> bool:
     return os.environ.get("HISPARSE_CUDA_GRAPH") != "0"
 
 
+def persistent_decode_enabled() -> bool:
+    """HISPARSE_DECODE_KERNEL=persistent (engine/cuda_graph.py: decode_kernel)."""
+    from hisparse_cli.engine.cuda_graph import decode_kernel
+
+    return decode_kernel() == "persistent"
+
+
 def residual_chain_enabled() -> bool:
     """Whether a CUDA run with the Triton kernels chains its layers' residual adds into the
     next norm (model/llama.py:FUSE_RESIDUAL_NORM)."""
@@ -203,6 +210,17 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     if cuda:
         items.append(LineItem("workspace.cublas", workspace,
                               "torch's cuBLAS workspace (caching allocator; calibrated constant)"))
+    if graph and awq and persistent_decode_enabled():  # kernels/cuda_step.py's buffers
+        from hisparse_cli.kernels.cuda_step import buffer_bytes
+
+        pb = buffer_bytes(model_cfg, awq_lm_head, num_sms)
+        workspace += pb
+        items.append(LineItem(
+            "workspace.persistent_decode", pb,
+            "the persistent decode kernel's buffers (HISPARSE_DECODE_KERNEL=persistent): its "
+            "zeroed workspace (each layer's q|k|v and gate|up sums, the INT4 head's logits), "
+            "residual stream, attention partials, phase table; the layer-by-layer decode "
+            "activations are still counted (an upper bound)"))
     items += _run_items(run, shape, context_tokens)
     peak = weights + workspace + run.peak
     assert sum(i.bytes for i in items if i.counted) == peak

@@ -214,3 +214,32 @@ def _engine_tokens(kernel: str, monkeypatch) -> tuple[list[int], dict]:
     res = eng.generate(prompt(600, cfg.vocab_size, seed=8), max_new_tokens=24, min_new_tokens=24)
     eng.release_cached_state()
     return res.token_ids, res.extra
+
+
+def test_planner_counts_the_persistent_buffers(monkeypatch):
+    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.planner import plan_memory
+    from hisparse_cli.planner_shapes import shape_config
+
+    cfg = shape_config("llama-3-8b-awq")
+    # by hand, 132 SMs: workspace 4 + 32 (6144 + 28672) + 128256 floats (INT4 head), rounded up
+    # to 512 B; residual 4096 floats; partials 8 KV heads x 16 splits x 4 x 130 floats; phase
+    # table 161 x 12 int64, rounded up to 512 B
+    ws = 4 * (4 + 32 * (6144 + 28672) + 128256)
+    want = -(-ws // 512) * 512 + 4 * 4096 + 4 * 8 * 16 * 4 * 130 + -(-8 * 12 * 161 // 512) * 512
+    assert cuda_step.buffer_bytes(cfg, True, 132) == want == 5268480
+
+    def plan():
+        return plan_memory(cfg, weight_format="awq-int4", awq_lm_head=True,
+                           sparse=SparseConfig(), context_tokens=4096, max_new_tokens=16,
+                           kv_dtype="float16", compute_dtype="float16", device_kind="cuda",
+                           backend="triton", num_sms=132)
+
+    monkeypatch.delenv("HISPARSE_DECODE_KERNEL", raising=False)
+    base = plan()
+    monkeypatch.setenv("HISPARSE_DECODE_KERNEL", "persistent")
+    with_kernel = plan()
+    items = {i.name: i.bytes for i in with_kernel.items}
+    assert items["workspace.persistent_decode"] == want
+    assert "workspace.persistent_decode" not in {i.name for i in base.items}
+    assert with_kernel.peak_allocated_bytes - base.peak_allocated_bytes == want

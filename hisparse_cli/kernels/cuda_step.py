@@ -57,6 +57,24 @@ def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
     return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8
 
 
+def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
+    """Device bytes of one CudaDecodeStep's own buffers (as the caching allocator counts
+    them): the step's zeroed workspace (barrier, each layer's q|k|v and gate|up sums, the INT4
+    head's logits), the residual stream, the attention partials, the phase table, and the
+    fp16 head's normed input. The memory planner adds them under
+    HISPARSE_DECODE_KERNEL=persistent (planner.py)."""
+    from hisparse_cli.planner_trace import cuda_block_bytes
+
+    L, hq, hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    S = min(MAX_S, ctas // hkv)
+    ws = 4 + L * ((hq + 2 * hkv) * HD + 2 * inter) + (cfg.vocab_size if int4_head else 0)
+    parts = [4 * ws, 4 * hidden, 4 * hkv * S * (hq // hkv) * (HD + 2), 8 * META * (5 * L + 1)]
+    if not int4_head:
+        parts.append(2 * hidden)
+    return sum(cuda_block_bytes(b) for b in parts)
+
+
 def ring_stages(red_tiles: int, gqa: int, mass: bool, limit: int) -> int | None:
     """Most ring slots (STAGES at most, a multiple of the 4 consumer groups, at least 8) whose
     launch fits `limit` bytes of shared memory a block; None when 8 do not."""
