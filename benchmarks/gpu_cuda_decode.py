@@ -100,7 +100,7 @@ def phase_check(model, run, dec, step) -> dict:
 
 
 def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, steps: int,
-              prompt_len: int, dev) -> dict:
+              prompt_len: int, dev, variant: str = "") -> dict:
     from gpu_engine import build_ours, prompt
 
     from hisparse_cli.engine.block_pool import BlockPool
@@ -128,6 +128,8 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
         why = unsupported(model, run)
         assert why is None, why
         step = CudaDecodeStep(model, run, dec.dev, dec.tok, dec.nb_max)
+        if variant:  # another build of the kernel (--check-variants)
+            step.use_variant(tuple(f"-D{d}" for d in variant.split(",")))
         cache = run.cache
         state = [t for t in (cache.k, cache.v, cache.score, cache.gmass, cache.gseen)]
         worst = {"logits": 0.0, "k": 0.0, "v": 0.0, "score": 0.0, "gmass": 0.0, "gseen": 0.0}
@@ -165,6 +167,7 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
             dec._after_step()
             tok = got[-1].argmax().reshape(1)
     return {"head": "int4" if head_int4 else "fp16", "window": window, "globals": globals_,
+            "variant": variant,
             "steps": steps, "prompt": prompt_len, "unit_pages": step.unit_pages,
             "argmax_agree": agree, "worst_rel": worst, "ctas": step.ctas, "splits": step.S,
             "smem": step.smem}
@@ -303,6 +306,8 @@ def main() -> None:
     ap.add_argument("--profiles", default="h200-141g,4060ti-6g")
     ap.add_argument("--variants", default="", help="builds of the persistent kernel timed "
                     "too, ';'-separated, each ','-separated defines: SILU_BATCH=4;SILU_BATCH=1")
+    ap.add_argument("--check-variants", default="", help="builds checked too (same form as "
+                    "--variants)")
     ap.add_argument("--systems", default="", help="e.g. int4+head/persistent (default: all)")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or "out")
@@ -311,9 +316,12 @@ def main() -> None:
     t0 = time.perf_counter()
     res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "check": []}
     cfg = ModelConfig.from_dict(SMALL)
-    for head_int4, window, globals_, prompt_len in CHECKS:
+    checks = [(c, v) for v in [""] + list(filter(None, a.check_variants.split(";")))
+              for c in CHECKS]
+    for (head_int4, window, globals_, prompt_len), variant in checks:
         try:
-            r = check_one(cfg, head_int4, window, globals_, a.check_steps, prompt_len, dev)
+            r = check_one(cfg, head_int4, window, globals_, a.check_steps, prompt_len, dev,
+                          variant)
         except Exception:  # reported, and the timing still runs
             traceback.print_exc()
             res["check"].append({"head_int4": head_int4, "window": window,
@@ -321,7 +329,8 @@ def main() -> None:
             continue
         res["check"].append(r)
         w = r["worst_rel"]
-        print(f"check head {r['head']} window {window} globals {globals_} ({r['unit_pages']} "
+        print(f"check [{variant or 'default'}] head {r['head']} window {window} globals "
+              f"{globals_} ({r['unit_pages']} "
               f"pages a split): argmax agree {r['argmax_agree']}/{r['steps']}, worst rel "
               + " ".join(f"{k} {v:.2e}" for k, v in w.items()), flush=True)
     print(f"check done in {time.perf_counter() - t0:.1f} s", flush=True)

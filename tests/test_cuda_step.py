@@ -138,14 +138,18 @@ def _nvrtc() -> bool:
 
 
 @pytest.mark.skipif(not _nvrtc(), reason="no libnvrtc found (HISPARSE_NVRTC points at one)")
-@pytest.mark.parametrize("gqa,norm_pairs", [(4, 4), (7, 4), (8, 8), (3, 1)])
-def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("gqa,norm_pairs,extra", [
+    (4, 4, ()), (7, 4, ()), (8, 8, ()), (3, 1, ()), (4, 4, ("-DTIMELINE=1",)),
+    (4, 4, ("-DL2_PREFETCH=1", "-DSILU_VEC=1")), (4, 4, ("-DSILU_BATCH=4",))])
+def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, extra, tmp_path,
+                                                  monkeypatch):
+    """The shapes and the benchmark's variant builds compile with NVRTC (no CUDA headers)."""
     from hisparse_cli.kernels import cuda_rt
 
     monkeypatch.setenv("HISPARSE_HOME", str(tmp_path))
     names = ["decode_step<false>", "decode_step<true>"]
     c = cuda_rt.compile_cubin(cuda_step.SOURCE.read_text(), arch=(9, 0), name_expressions=names,
-                              options=[f"-DGQA={gqa}", f"-DNORM_PAIRS={norm_pairs}"])
+                              options=[f"-DGQA={gqa}", f"-DNORM_PAIRS={norm_pairs}", *extra])
     assert len(c.cubin) > 10000 and set(c.lowered) == set(names)
 
 

@@ -71,6 +71,12 @@ typedef long long i64;
 #ifndef SILU_BATCH
 #define SILU_BATCH 1     // silu(g) u pairs a thread loads at once (2 and 4 spill: slower)
 #endif
+#ifndef L2_PREFETCH
+#define L2_PREFETCH 0    // 1: the producer prefetches each RMSNorm's weights (and layer 0's
+#endif                   // embedding row) into L2 when it starts the phase's items (variant)
+#ifndef SILU_VEC
+#define SILU_VEC 0       // 1: the silu(g) u x load reads 2 pairs a 16-byte load (variant)
+#endif
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -175,6 +181,9 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, 
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
       ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void tma_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
                                        u64* bar) {
@@ -436,6 +445,12 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const i64* m = p.meta + ph * META;
         if (m[0] == K_GEMV) {
           const Range r = cta_range(m[3] * m[4], c, P);
+          if (L2_PREFETCH && (m[7] == X_NORM || m[7] == X_NORM_EMB) && r.b > r.a) {
+            // the phase's x load reads these (8 KB a layer for 4096): fetched from HBM behind
+            // the weight stream otherwise, on every CTA's critical path
+            prefetch_l2(reinterpret_cast<const void*>(m[9]), (u32)(m[1] * 2));
+            if (m[7] == X_NORM_EMB) prefetch_l2(p.embed + (size_t)p.tok[0] * m[1], (u32)(m[1] * 2));
+          }
           const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
           for (i64 i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
             u8* dst = next();
@@ -575,7 +590,27 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               group_sum(xsum, kp, x2, lane);
             }
           }
-        } else if (xform == X_SILU) {  // the used groups' pairs, 4 a thread loaded at once
+        } else if (xform == X_SILU && SILU_VEC) {  // 2 pairs a thread and 16-byte load: a
+          // warp's 64 pairs are one group
+          const int npairs = ngrp * 64;
+          for (int t = 2 * threadIdx.x; t < npairs; t += 2 * NW * 32) {
+            const int kp = all ? t : ((j0 * 64 + t) % (K / 2));  // even: 16-byte aligned
+            const float4 gv = __ldcg(reinterpret_cast<const float4*>(in + 2 * kp));
+            const float4 uv = __ldcg(reinterpret_cast<const float4*>(in + K + 2 * kp));
+            const float g[4] = {rh(gv.x), rh(gv.y), rh(gv.z), rh(gv.w)};
+            const float u[4] = {uv.x, uv.y, uv.z, uv.w};
+            float x[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) x[i] = rh(rh(g[i] / (1.0f + ex(-g[i]))) * rh(u[i]));
+            const u32 a = f22h2(x[0], x[1]), b = f22h2(x[2], x[3]);
+            *reinterpret_cast<uint2*>(xs + kp) = make_uint2(a, b);
+            const float2 fa = h22f2(a), fb = h22f2(b);
+            float v = (fa.x + fa.y) + (fb.x + fb.y);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) atomicAdd(&xsum[kp >> 6], v);
+          }
+        } else if (xform == X_SILU) {  // the used groups' pairs, SILU_BATCH a thread at once
           const int npairs = ngrp * 64;
           for (int t0 = threadIdx.x; t0 < npairs; t0 += SILU_BATCH * NW * 32) {
             float2 gv[SILU_BATCH], uv[SILU_BATCH];
