@@ -148,7 +148,7 @@ def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, extra, tmp_pa
 
     monkeypatch.setenv("HISPARSE_HOME", str(tmp_path))
     names = ["decode_step<false>", "decode_step<true>"]
-    c = cuda_rt.compile_cubin(cuda_step.SOURCE.read_text(), arch=(9, 0), name_expressions=names,
+    c = cuda_rt.compile_cubin(cuda_step.source(), arch=(9, 0), name_expressions=names,
                               options=[f"-DGQA={gqa}", f"-DNORM_PAIRS={norm_pairs}", *extra])
     assert len(c.cubin) > 10000 and set(c.lowered) == set(names)
 

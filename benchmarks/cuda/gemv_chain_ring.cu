@@ -150,8 +150,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   __half2* xs = reinterpret_cast<__half2*>(smem + (size_t)stages * ITEM_BYTES);
   float* red = reinterpret_cast<float*>(xs + MAX_K / 2);
   float* xsum = red + RED_TILES * 128;  // [MAX_G] sums of each group's fp16 x (MMA 1, 2)
-  uint64_t* full = reinterpret_cast<uint64_t*>(xsum + 3 * MAX_G);
-  uint64_t* empty = full + stages;
+  u64* full = reinterpret_cast<u64*>(xsum + 3 * MAX_G);
+  u64* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
   constexpr int NC = NW * 32;  // consumer threads
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 
 static size_t smem_bytes(int stages) {
   return (size_t)stages * ITEM_BYTES + (MAX_K / 2) * sizeof(__half2) +
-         (RED_TILES * 128 + 3 * MAX_G) * sizeof(float) + 2 * stages * sizeof(uint64_t);
+         (RED_TILES * 128 + 3 * MAX_G) * sizeof(float) + 2 * stages * sizeof(u64);
 }
 
 template <int MMA, int SPLIT, int NW, int ACC>

@@ -118,10 +118,6 @@ __device__ __forceinline__ void attend_page(const uint8_t* pg, const float* q, i
 // P.V: the q.K accumulators (row g = head, keys 2t, 2t+1 of each n tile) are P's A fragment
 // as they are (FA2's register reuse); V's B fragments come from ldmatrix.x4.trans. A warp of
 // a group computes q.K for the whole page (all 4 warps the same) and P.V for its 32 dims.
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
 __device__ __forceinline__ uint32_t pack_half2(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -185,7 +181,7 @@ __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_
 // grp, grp + GROUPS, ... (stream positions pos0 + e); page(bytes) runs on each; warp 0 times
 // its waits and its math (stamps [5], [9], [10]).
 template <class F>
-__device__ __forceinline__ void page_loop(uint8_t* ring, uint64_t* full, uint64_t* empty,
+__device__ __forceinline__ void page_loop(uint8_t* ring, u64* full, u64* empty,
                                           int pos0, int grp, int npg, int stages, int warp,
                                           int lane, bool timeline, unsigned long long* st,
                                           F&& page) {
@@ -215,7 +211,7 @@ __device__ __forceinline__ void page_loop(uint8_t* ring, uint64_t* full, uint64_
 // One attention unit with mma.sync (flag 32): this warp's share, then its states into merge
 // ([group][head][acc 128, m, l], as the FMA path writes them).
 __device__ __forceinline__ void attention_unit_mma(
-    uint8_t* ring, uint64_t* full, uint64_t* empty, const float* qf, uint32_t* qfrag,
+    uint8_t* ring, u64* full, u64* empty, const float* qf, uint32_t* qfrag,
     float* merge, const float* kc, const float* vc, bool last, int npg, int pos0, int stages,
     int warp, int lane, bool timeline, unsigned long long* st, float* scores) {
   const int grp = warp / GQA, qd = warp % GQA, d0 = 32 * qd, g = lane >> 2, t = lane & 3;
@@ -298,8 +294,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   float* vcur_s = kcur_s + HD;                                // [128] v
   float* scores_s = vcur_s + HD;  // [MASS_PAGES][4][16] the unit's scores (flag 64)
   float* mlbuf = scores_s + MASS_PAGES * GQA * PAGE;  // [16 splits][m 4, l 4], M 4, 1/L 4
-  uint64_t* full = reinterpret_cast<uint64_t*>(mlbuf + 17 * 2 * GQA);
-  uint64_t* empty = full + stages;
+  u64* full = reinterpret_cast<u64*>(mlbuf + 17 * 2 * GQA);
+  u64* empty = full + stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int P = gridDim.x, c = blockIdx.x;
   ring_init(full, empty, stages, SPLIT);
@@ -690,7 +686,7 @@ static size_t smem_bytes(int stages) {
          (RED_TILES * 128 + MAX_G + 32 * 16 + GQA * HD + GROUPS * ATT_STRIDE + NW + 512 + 2 * HD +
               MASS_PAGES * GQA * PAGE + 17 * 2 * GQA) *
              sizeof(float) +
-         2 * stages * sizeof(uint64_t);
+         2 * stages * sizeof(u64);
 }
 
 extern "C" {

@@ -19,12 +19,19 @@ SnapKV or uniform importance (the learned probe reads hidden states the kernel d
 from __future__ import annotations
 
 import ctypes
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_step.cu"
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
+
+
+def source() -> str:
+    """decode_step.cu with its local includes (ring.cuh) inlined: NVRTC gets one string."""
+    return _INCLUDE.sub(lambda m: (SOURCE.parent / m.group(1)).read_text(), SOURCE.read_text())
 HD, NW, GROUPS, PAGE = 128, 16, 4, 16
 ITEM_BYTES, ITEM_WORDS, SLOT = 8512, 2128, 9216
 MAX_K, MAX_S, MAX_HQ, MAX_UNIT_PAGES, MASS_PAGES = 14336, 32, 64, 1024, 32
@@ -173,7 +180,7 @@ def _module(gqa: int, norm_pairs: int, device_index: int, extra: tuple[str, ...]
 
     arch = torch.cuda.get_device_capability(device_index)
     names = ["decode_step<false>", "decode_step<true>"]
-    compiled = cuda_rt.compile_cubin(SOURCE.read_text(), arch=arch, name_expressions=names,
+    compiled = cuda_rt.compile_cubin(source(), arch=arch, name_expressions=names,
                                      options=[f"-DGQA={gqa}", f"-DNORM_PAIRS={norm_pairs}",
                                               *extra])
     module = cuda_rt.load_module(compiled, device_index)

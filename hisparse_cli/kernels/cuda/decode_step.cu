@@ -40,12 +40,11 @@
 //   through maps of the same form (Hkv = 1, rows = L * Hkv * G).
 //
 // No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
-// raw 16-bit values with PTX conversions. Compile-time: GQA (query heads a KV head, <= 8).
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
+// raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
+// kernels/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS (hidden /
+// 1024), and the benchmarks' variants below (SILU_BATCH, L2_PREFETCH, SILU_VEC, TIMELINE).
+
+#include "ring.cuh"
 
 #ifndef GQA
 #define GQA 4
@@ -119,10 +118,6 @@ struct StepParams {
   float scale, eps, rope_scaling;
 };
 
-struct __align__(64) TensorMap {
-  u64 opaque[16];
-};
-
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float h2f(u16 h) {
   float f;
@@ -145,67 +140,6 @@ __device__ __forceinline__ u32 f22h2(float lo, float hi) {
 }
 __device__ __forceinline__ float ex(float x) { return __expf(x); }
 
-// ---- mbarrier ring, bulk and tensor copies, grid barrier ----------------------------------
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive_tx(u64* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
-  u32 ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.b32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-  return ok != 0;
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-// a consumer warp's wait: lanes may leave the spin on different iterations; reconverge before
-// the shuffles and mma.sync that follow
-__device__ __forceinline__ void warp_wait(u64* bar, u32 parity) {
-  mbar_wait(bar, parity);
-  __syncwarp();
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tma_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
-                                       u64* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];"
-      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ u64 gtimer() {
-  u64 t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ u32 ld_acquire(const unsigned* p) {
-  u32 v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float2 ldcg2(const float* p) {
   return __ldcg(reinterpret_cast<const float2*>(p));
@@ -213,39 +147,7 @@ __device__ __forceinline__ float2 ldcg2(const float* p) {
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
 }
-__device__ __forceinline__ u32 lop3_or_and(u32 a, u32 mask, u32 magic) {
-  u32 r;  // (a & mask) | magic
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(mask), "r"(magic));
-  return r;
-}
-__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldsm_x4_trans(u32* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
 
-struct Range {
-  i64 a, b;
-};
-__device__ __forceinline__ Range cta_range(i64 n, int c, int P) {
-  return Range{n * c / P, n * (c + 1) / P};
-}
-// where consumer unit `unit` of `units` (each taking every units-th stream position) starts in a
-// phase whose first ring entry is stream position pos0: its first phase-relative index
-// (returned), that entry's slot and the parity to wait for
-__device__ __forceinline__ int ring_start(int pos0, int unit, int units, int stages, int& slot,
-                                          u32& parity) {
-  const int first = (((unit - pos0) % units) + units) % units;
-  slot = (pos0 + first) % stages;
-  parity = (u32)(((pos0 + first) / stages) & 1);
-  return first;
-}
 
 // ---- GEMV item math: mma.sync m16n8k16, the item's 16 output rows x 16 K as A, x as B ------
 // Item words [rt 0..7][kt / 4][lane][kt % 4]; lane L = 4 g + t holds A's fragment of (rt, kt)
