@@ -215,18 +215,7 @@ __device__ __forceinline__ void attention_unit_mma(
     float* merge, const float* kc, const float* vc, bool last, int npg, int pos0, int stages,
     int warp, int lane, bool timeline, unsigned long long* st, float* scores) {
   const int grp = warp / GQA, qd = warp % GQA, d0 = 32 * qd, g = lane >> 2, t = lane & 3;
-  if (warp == 0) {  // q fragments (fp16), chunk c of lane L at 16 L + 4 ((c + (L >> 1)) & 3)
-    for (int c = 0; c < 4; ++c) {
-      uint32_t w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // e: a0(2c), a2(2c), a0(2c+1), a2(2c+1)
-        const int ks = 2 * c + (e >> 1), d = 32 * t + 4 * ks + 2 * (e & 1);
-        w[e] = g < GQA ? pack_half2(qf[g * HD + d], qf[g * HD + d + 1]) : 0u;
-      }
-      *reinterpret_cast<uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3)) =
-          make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  }
+  if (warp == 0) stage_qfrag<GQA>(qf, qfrag, lane);  // q fragments (fp16), ring.cuh
   consumers_sync();
   float m = -INFINITY, l = 0.f, o[4][4];
 #pragma unroll

@@ -119,25 +119,6 @@ struct StepParams {
 };
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-__device__ __forceinline__ float h2f(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-  u16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-__device__ __forceinline__ float rh(float f) { return h2f(f2h(f)); }  // fp16 rounding
-__device__ __forceinline__ float2 h22f2(u32 v) {
-  return make_float2(h2f((u16)(v & 0xffffu)), h2f((u16)(v >> 16)));
-}
-__device__ __forceinline__ u32 f22h2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 __device__ __forceinline__ float ex(float x) { return __expf(x); }
 
 __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
@@ -676,20 +657,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           p.vcache[at] = vq;
         }
         consumers_sync();
-        // q fragments (fp16): chunk c of lane L at 16 L + 4 ((c + (L >> 1)) & 3)
         const int g = lane >> 2, t = lane & 3;
-        if (warp == 0) {
-          for (int cc = 0; cc < 4; ++cc) {
-            u32 w[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {  // e: a0(2cc), a2(2cc), a0(2cc+1), a2(2cc+1)
-              const int ks = 2 * cc + (e >> 1), d = 32 * t + 4 * ks + 2 * (e & 1);
-              w[e] = g < GQA ? f22h2(qf[g * HD + d], qf[g * HD + d + 1]) : 0u;
-            }
-            *reinterpret_cast<uint4*>(qfrag + 16 * lane + 4 * ((cc + (lane >> 1)) & 3)) =
-                make_uint4(w[0], w[1], w[2], w[3]);
-          }
-        }
+        if (warp == 0) stage_qfrag<GQA>(qf, qfrag, lane);
         consumers_sync();
         if (st && threadIdx.x == 0) st[2] = gtimer();
         const int grp = warp / 4, d0 = 32 * (warp % 4);

@@ -107,3 +107,44 @@ __device__ __forceinline__ int ring_start(int pos0, int unit, int units, int sta
   parity = (u32)(((pos0 + first) / stages) & 1);
   return first;
 }
+
+// ---- fp16 as raw 16-bit values (no cuda_fp16.h) ----------------------------------------------
+__device__ __forceinline__ float h2f(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float rh(float f) { return h2f(f2h(f)); }  // fp16 rounding
+__device__ __forceinline__ float2 h22f2(u32 v) {
+  return make_float2(h2f((u16)(v & 0xffffu)), h2f((u16)(v >> 16)));
+}
+__device__ __forceinline__ u32 f22h2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// The q fragments of an attention unit's NH (<= 8) query heads as mma.sync A operands (rows
+// 0..NH-1 of the m16 tiles, fp16), staged once per unit by one warp: qf [NH][128] (fp32 holding
+// fp16 values) -> qfrag [32 lanes][4 chunks][4 words], chunk c of lane L at word
+// 16 L + 4 ((c + (L >> 1)) & 3) (conflict-free 16-byte loads); the dims are visited in the
+// permuted order the page math reads K in (words 16 t + 2 s, +1 of a 64-word row in K tile s).
+template <int NH>
+__device__ __forceinline__ void stage_qfrag(const float* qf, u32* qfrag, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  for (int c = 0; c < 4; ++c) {
+    u32 w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e: a0(2c), a2(2c), a0(2c+1), a2(2c+1)
+      const int ks = 2 * c + (e >> 1), d = 32 * t + 4 * ks + 2 * (e & 1);
+      w[e] = g < NH ? f22h2(qf[g * 128 + d], qf[g * 128 + d + 1]) : 0u;
+    }
+    *reinterpret_cast<uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3)) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
