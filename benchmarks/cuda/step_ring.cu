@@ -118,51 +118,23 @@ __device__ __forceinline__ void attend_page(const uint8_t* pg, const float* q, i
 // P.V: the q.K accumulators (row g = head, keys 2t, 2t+1 of each n tile) are P's A fragment
 // as they are (FA2's register reuse); V's B fragments come from ldmatrix.x4.trans. A warp of
 // a group computes q.K for the whole page (all 4 warps the same) and P.V for its 32 dims.
-__device__ __forceinline__ uint32_t pack_half2(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
 // o[4][4]: this warp's 4 n tiles (dims d0 + 8 j + 2 t, +1 in o[j][0], o[j][1]; rows g + 8 in
 // o[j][2..3] are unused); m, l of head g (lanes g < 4; the other lanes carry junk rows).
 __device__ __forceinline__ void attend_page_mma(const uint8_t* pg, const uint32_t* qfrag,
                                                 int lane, int d0, float& m, float& l,
                                                 float (*o)[4], float* sc_out) {
-  const uint32_t* K = reinterpret_cast<const uint32_t*>(pg);
-  // the chunk order may depend on t only: an mma pairs lane (g, t)'s A with lane (g', t)'s
-  // B, so both must hold the same dims (run 109 rotated by g too: wrong scores)
-  const int g = lane >> 2, t = lane & 3, f = t >> 1;
-  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};  // keys 0-7, 8-15
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = (i + f) & 3;
-    const uint4 qa =
-        *reinterpret_cast<const uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3));
-    const uint4 k0 = *reinterpret_cast<const uint4*>(K + g * 64 + 16 * t + 4 * c);
-    const uint4 k1 = *reinterpret_cast<const uint4*>(K + (g + 8) * 64 + 16 * t + 4 * c);
-    const uint32_t a01[4] = {qa.x, 0u, qa.y, 0u}, a23[4] = {qa.z, 0u, qa.w, 0u};
-    mma16816(s0, a01, k0.x, k0.y);
-    mma16816(s0, a23, k0.z, k0.w);
-    mma16816(s1, a01, k1.x, k1.y);
-    mma16816(s1, a23, k1.z, k1.w);
-  }
+  // q.K in ring.cuh (the chunk order may depend on t only; run 109 rotated by g too: wrong
+  // scores)
+  const int t = lane & 3;
+  float s0[4], s1[4];  // keys 0-7, 8-15
+  page_qk(pg, qfrag, lane, s0, s1);
   if (sc_out && (lane >> 2) < GQA) {  // the page's scores [head][16 keys] for the mass
     float* so = sc_out + (lane >> 2) * PAGE;
     *reinterpret_cast<float2*>(so + 2 * t) = make_float2(s0[0], s0[1]);
     *reinterpret_cast<float2*>(so + 8 + 2 * t) = make_float2(s1[0], s1[1]);
   }
-  float mx = fmaxf(fmaxf(s0[0], s0[1]), fmaxf(s1[0], s1[1]));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float mn = fmaxf(m, mx);
-  const float corr = __expf(m - mn);
-  const float p00 = __expf(s0[0] - mn), p01 = __expf(s0[1] - mn);
-  const float p10 = __expf(s1[0] - mn), p11 = __expf(s1[1] - mn);
-  float ps = (p00 + p01) + (p10 + p11);
-  ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-  ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-  l = l * corr + ps;
-  m = mn;
-  const uint32_t pa[4] = {pack_half2(p00, p01), 0u, pack_half2(p10, p11), 0u};
+  uint32_t pa[4];
+  const float corr = page_softmax(s0[0], s0[1], s1[0], s1[1], m, l, pa);  // ring.cuh
   const uint8_t* V = pg + PAGE * HD * 2;
   const int key = (lane & 7) + 8 * ((lane >> 3) & 1), chunk = lane >> 4;
 #pragma unroll

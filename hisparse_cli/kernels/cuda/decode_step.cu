@@ -118,8 +118,6 @@ struct StepParams {
   float scale, eps, rope_scaling;
 };
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-__device__ __forceinline__ float ex(float x) { return __expf(x); }
 
 __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float2 ldcg2(const float* p) {
@@ -182,21 +180,9 @@ __device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum
 __device__ __forceinline__ void attend_page(const u8* pg, const u32* qfrag, int lane, int d0,
                                             u32 valid, float scale, float& m, float& l,
                                             float (*o)[4], float* sc_out) {
-  const u32* K = reinterpret_cast<const u32*>(pg);
-  const int g = lane >> 2, t = lane & 3, f = t >> 1;
-  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};  // keys 0-7, 8-15
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = (i + f) & 3;
-    const uint4 qa = *reinterpret_cast<const uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3));
-    const uint4 k0 = *reinterpret_cast<const uint4*>(K + g * 64 + 16 * t + 4 * c);
-    const uint4 k1 = *reinterpret_cast<const uint4*>(K + (g + 8) * 64 + 16 * t + 4 * c);
-    const u32 a01[4] = {qa.x, 0u, qa.y, 0u}, a23[4] = {qa.z, 0u, qa.w, 0u};
-    mma16816(s0, a01, k0.x, k0.y);
-    mma16816(s0, a23, k0.z, k0.w);
-    mma16816(s1, a01, k1.x, k1.y);
-    mma16816(s1, a23, k1.z, k1.w);
-  }
+  const int g = lane >> 2, t = lane & 3;
+  float s0[4], s1[4];  // keys 0-7, 8-15
+  page_qk(pg, qfrag, lane, s0, s1);
   const float ninf = neg_inf();
   // lane (g, t) holds keys 2t, 2t + 1 (s0) and 8 + 2t, 9 + 2t (s1) of head g
   const float x00 = (valid >> (2 * t)) & 1 ? s0[0] * scale : ninf;
@@ -208,20 +194,8 @@ __device__ __forceinline__ void attend_page(const u8* pg, const u32* qfrag, int 
     *reinterpret_cast<float2*>(so + 2 * t) = make_float2(x00, x01);
     *reinterpret_cast<float2*>(so + 8 + 2 * t) = make_float2(x10, x11);
   }
-  float mx = fmaxf(fmaxf(x00, x01), fmaxf(x10, x11));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float mn = fmaxf(m, mx);
-  const float base = mn == ninf ? 0.f : mn;  // nothing visible yet: keep exp() finite
-  const float corr = ex(m - base);
-  const float p00 = ex(x00 - base), p01 = ex(x01 - base);
-  const float p10 = ex(x10 - base), p11 = ex(x11 - base);
-  float ps = (p00 + p01) + (p10 + p11);
-  ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-  ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-  l = l * corr + ps;
-  m = mn;
-  const u32 pa[4] = {f22h2(p00, p01), 0u, f22h2(p10, p11), 0u};
+  u32 pa[4];
+  const float corr = page_softmax(x00, x01, x10, x11, m, l, pa);
   const u8* V = pg + PAGE * HD * 2;
   const int key = (lane & 7) + 8 * ((lane >> 3) & 1), chunk = lane >> 4;
 #pragma unroll

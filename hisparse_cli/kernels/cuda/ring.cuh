@@ -108,6 +108,9 @@ __device__ __forceinline__ int ring_start(int pos0, int unit, int units, int sta
   return first;
 }
 
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float ex(float x) { return __expf(x); }
+
 // ---- fp16 as raw 16-bit values (no cuda_fp16.h) ----------------------------------------------
 __device__ __forceinline__ float h2f(u16 h) {
   float f;
@@ -147,4 +150,56 @@ __device__ __forceinline__ void stage_qfrag(const float* qf, u32* qfrag, int lan
     *reinterpret_cast<uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3)) =
         make_uint4(w[0], w[1], w[2], w[3]);
   }
+}
+
+// ---- one 16-key page of attention with mma.sync (the unit's heads are rows 0.. of the tiles)
+// q.K: the page's K [16 keys][128] fp16 at pg, the q fragments from stage_qfrag; lane (g, t)
+// gets head g's scores of keys 2t, 2t + 1 (s0[0..1]) and 8 + 2t, 9 + 2t (s1[0..1]). The dims
+// are visited in a permuted order (the same for q and every key, so the dot products are
+// unchanged): in K tile s lane (g, t) holds words 16 t + 2 s and 16 t + 2 s + 1 of a 64-word
+// row, so its 16 words of a key row are contiguous (4 LDS.128, chunk c = K tiles 2c, 2c + 1),
+// read in the rotated order c = (i + (t >> 1)) & 3 (2-way bank conflicts between keys g and
+// g + 1). The order may depend on t only: an mma pairs lane (g, t)'s A with lane (g', t)'s B,
+// so both must hold the same dims.
+__device__ __forceinline__ void page_qk(const u8* pg, const u32* qfrag, int lane, float* s0,
+                                        float* s1) {
+  const u32* K = reinterpret_cast<const u32*>(pg);
+  const int g = lane >> 2, t = lane & 3, f = t >> 1;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s0[j] = s1[j] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = (i + f) & 3;
+    const uint4 qa =
+        *reinterpret_cast<const uint4*>(qfrag + 16 * lane + 4 * ((c + (lane >> 1)) & 3));
+    const uint4 k0 = *reinterpret_cast<const uint4*>(K + g * 64 + 16 * t + 4 * c);
+    const uint4 k1 = *reinterpret_cast<const uint4*>(K + (g + 8) * 64 + 16 * t + 4 * c);
+    const u32 a01[4] = {qa.x, 0u, qa.y, 0u}, a23[4] = {qa.z, 0u, qa.w, 0u};
+    mma16816(s0, a01, k0.x, k0.y);
+    mma16816(s0, a23, k0.z, k0.w);
+    mma16816(s1, a01, k1.x, k1.y);
+    mma16816(s1, a23, k1.z, k1.w);
+  }
+}
+// The online softmax over the page's scores this lane holds (x00, x01: keys 2t, 2t + 1; x10,
+// x11: 8 + 2t, 9 + 2t; -inf = invisible): m, l (head g's running max and sum) updated; P as
+// the P.V mma's A fragment (fp16) in pa; returns the factor the old accumulators take. While
+// nothing is visible (m = -inf) exp() is kept finite (0 for every invisible key).
+__device__ __forceinline__ float page_softmax(float x00, float x01, float x10, float x11,
+                                              float& m, float& l, u32* pa) {
+  float mx = fmaxf(fmaxf(x00, x01), fmaxf(x10, x11));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mn = fmaxf(m, mx);
+  const float base = mn == neg_inf() ? 0.f : mn;
+  const float corr = ex(m - base);
+  const float p00 = ex(x00 - base), p01 = ex(x01 - base);
+  const float p10 = ex(x10 - base), p11 = ex(x11 - base);
+  float ps = (p00 + p01) + (p10 + p11);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+  l = l * corr + ps;
+  m = mn;
+  pa[0] = f22h2(p00, p01), pa[1] = 0u, pa[2] = f22h2(p10, p11), pa[3] = 0u;
+  return corr;
 }
