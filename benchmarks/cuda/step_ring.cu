@@ -380,14 +380,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             }
             ss += v[u].x * v[u].x + v[u].y * v[u].y;
           }
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-          if (lane == 0) ssum[warp] = ss;
-          consumers_sync();
-          float tot = 0.f;
-#pragma unroll
-          for (int w = 0; w < NW; ++w) tot += ssum[w];
-          const float r = rsqrtf(tot / 4096.0f + 1e-5f);
+          const float r = rsqrtf(consumers_sum<NW>(ss, ssum, warp, lane) / 4096.0f + 1e-5f);
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int kp = threadIdx.x + u * NW * 32;

@@ -429,14 +429,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             }
             ss += v[u].x * v[u].x + v[u].y * v[u].y;
           }
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-          if (lane == 0) ssum[warp] = ss;
-          consumers_sync();
-          float tot = 0.f;
-#pragma unroll
-          for (int w = 0; w < NW; ++w) tot += ssum[w];
-          const float rs = rsqrtf(tot / (float)K + p.eps);
+          const float rs = rsqrtf(consumers_sum<NW>(ss, ssum, warp, lane) / (float)K + p.eps);
 #pragma unroll
           for (int u = 0; u < NORM_PAIRS; ++u) {
             const int kp = threadIdx.x + u * NW * 32;
@@ -705,13 +698,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           const float2 v = ldcg2(p.h + 2 * kp);
           ss += v.x * v.x + v.y * v.y;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) ssum[warp] = ss;
-        consumers_sync();
-        float tot = 0.f;
-        for (int w = 0; w < NW; ++w) tot += ssum[w];
-        const float rs = rsqrtf(tot / (float)K + p.eps);
+        const float rs = rsqrtf(consumers_sum<NW>(ss, ssum, warp, lane) / (float)K + p.eps);
         for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32) {
           const float2 v = ldcg2(p.h + 2 * kp);
           const float2 w = h22f2(reinterpret_cast<const u32*>(nw)[kp]);

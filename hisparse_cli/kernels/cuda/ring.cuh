@@ -111,6 +111,20 @@ __device__ __forceinline__ int ring_start(int pos0, int unit, int units, int sta
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float ex(float x) { return __expf(x); }
 
+// The sum of each consumer thread's v over the NWARPS consumer warps (named barrier 1, which
+// the producer warp never joins); every consumer thread gets it. ssum: [NWARPS] shared floats.
+template <int NWARPS>
+__device__ __forceinline__ float consumers_sum(float v, float* ssum, int warp, int lane) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) ssum[warp] = v;
+  asm volatile("bar.sync 1, %0;" ::"r"(NWARPS * 32) : "memory");
+  float tot = 0.f;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) tot += ssum[w];
+  return tot;
+}
+
 // ---- fp16 as raw 16-bit values (no cuda_fp16.h) ----------------------------------------------
 __device__ __forceinline__ float h2f(u16 h) {
   float f;
