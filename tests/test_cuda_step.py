@@ -90,6 +90,46 @@ def test_unsupported_says_why_on_the_cpu():
     assert cuda_step.unsupported(object(), Run()) == "not a CUDA device"
 
 
+def test_settings_the_kernel_serves():
+    from hisparse_cli.engine.config import SparseConfig
+
+    ok = SparseConfig(block_size=16, global_tokens=64, importance="attention")
+    assert cuda_step.settings_unsupported(ok, torch.float16) is None
+    assert "fp16" in cuda_step.settings_unsupported(ok, torch.float32)
+    assert "block size 8" in cuda_step.settings_unsupported(
+        SparseConfig(block_size=8), torch.float16)
+    assert "40 global" in cuda_step.settings_unsupported(
+        SparseConfig(global_tokens=40, recalibrate_topk=40), torch.float16)
+    assert "probe" in cuda_step.settings_unsupported(
+        SparseConfig(importance="probe"), torch.float16)
+    # dense attention has no globals: their count does not matter
+    assert cuda_step.settings_unsupported(
+        SparseConfig(window_size=None, global_tokens=40, recalibrate_topk=40),
+        torch.float16) is None
+
+
+def test_engine_keeps_the_layout_where_the_kernel_cannot_run(monkeypatch):
+    """HISPARSE_DECODE_KERNEL=persistent on a CPU engine: the note says why and the INT4
+    linears keep their layout (items would make every decode product a dequantize + matmul)."""
+    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.engine.engine import Engine
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.model.llama import CausalLM
+
+    monkeypatch.setenv("HISPARSE_DECODE_KERNEL", "persistent")
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
+                                 "intermediate_size": 256, "num_hidden_layers": 1,
+                                 "num_attention_heads": 1, "num_key_value_heads": 1,
+                                 "max_position_embeddings": 512})
+    model = CausalLM(cfg)
+    model.model.layers[0].mlp.down_proj = _awq(128, 256)
+    model.init_rope(torch.device("cpu"))
+    eng = Engine(model, cfg, sparse=SparseConfig(), device=torch.device("cpu"),
+                 kv_dtype=torch.float32)
+    assert eng.decode_kernel_note  # CUDA-graph decode is off on the CPU
+    assert eng.model.model.layers[0].mlp.down_proj.layout != "items"
+
+
 def _awq(out_f: int, in_f: int, seed: int = 0) -> AWQLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g)

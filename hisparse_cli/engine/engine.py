@@ -95,13 +95,26 @@ class Engine:
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)
         self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
-        if (device.type == "cuda" and decode_kernel() == "persistent"
-                and torch.cuda.get_device_capability(device) >= (9, 0)):
-            from hisparse_cli.kernels.cuda_step import use_item_layout
-
-            use_item_layout(self.model)  # the persistent decode kernel reads INT4 as items
+        self.decode_kernel_note = None  # why HISPARSE_DECODE_KERNEL=persistent is not taken
+        if decode_kernel() == "persistent":
+            self._prepare_persistent()
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
+
+    def _prepare_persistent(self) -> None:
+        """The INT4 linears into the persistent decode kernel's item layout, only where it
+        will run (CUDA-graph decode, a model and settings it serves): in the item layout a
+        linear's one-token product is a dequantize + matmul, far slower than the layer-by-layer
+        GEMV, so a model the kernel cannot take keeps its layout (the note says why)."""
+        from hisparse_cli.kernels.cuda_step import (model_unsupported, settings_unsupported,
+                                                    use_item_layout)
+
+        why = (None if self._graph_enabled() else "CUDA-graph decode is off") or \
+            model_unsupported(self.model, self.device, convert=True) or \
+            settings_unsupported(self.sparse, self.kv_dtype)
+        self.decode_kernel_note = why
+        if why is None:
+            use_item_layout(self.model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -229,8 +242,9 @@ class Engine:
             dec = self._decode_state.decoder if self._decode_state is not None else None
             if dec is not None:
                 extra["decode_kernel"] = "persistent" if dec.cuda_step is not None else "layers"
-                if dec.cuda_step_reason:
-                    extra["decode_kernel_note"] = dec.cuda_step_reason
+                note = self.decode_kernel_note or dec.cuda_step_reason
+                if note and decode_kernel() == "persistent":
+                    extra["decode_kernel_note"] = note
         else:
             out, reason = self._decode_eager(run, logits, gen, eos, Sampler(gen, self.device),
                                              progress)
@@ -241,6 +255,9 @@ class Engine:
     def _use_graph(self, gen: GenerationConfig) -> bool:
         """CUDA-graph decode: CUDA + Triton attention (with a host-resident embedding table
         too: the graph then starts after the lookup). HISPARSE_CUDA_GRAPH=0 turns it off."""
+        return self._graph_enabled()
+
+    def _graph_enabled(self) -> bool:
         import os
 
         return (self.device.type == "cuda" and self.backend.attention == "triton"

@@ -108,14 +108,26 @@ def _items_of(lin) -> torch.Tensor | None:
     return lin.qweight if getattr(lin, "layout", None) == "items" else None
 
 
-def unsupported(model, run) -> str | None:
-    """Why this model and run cannot use the persistent step (None: they can)."""
+def _readable(lin, convert: bool) -> bool:
+    """Whether the kernel reads this linear: INT4 items, or (convert) an AWQ linear that
+    set_layout("items") would turn into them."""
+    if _items_of(lin) is not None:
+        return True
+    from hisparse_cli.model.awq import AWQLinear
+
+    return (convert and isinstance(lin, AWQLinear) and lin.group_size == 128
+            and lin.in_features % 128 == 0 and lin.out_features % 128 == 0)
+
+
+def model_unsupported(model, device: torch.device, convert: bool = False) -> str | None:
+    """Why the kernel cannot run this model on `device` (None: it can), whatever the run's
+    settings; convert: AWQ linears still to be put in the item layout count as readable (the
+    Engine asks before converting, so that a model the kernel cannot run keeps its layout)."""
     from hisparse_cli.kernels import cuda_rt
 
-    dev = run.device
-    if dev.type != "cuda":
+    if device.type != "cuda":
         return "not a CUDA device"
-    if torch.cuda.get_device_capability(dev) < (9, 0):
+    if torch.cuda.get_device_capability(device) < (9, 0):
         return "needs sm_90 (Hopper): the kernel streams with TMA and bulk copies"
     if not cuda_rt.nvrtc_available():
         return cuda_rt.nvrtc_unavailable_reason()
@@ -125,37 +137,63 @@ def unsupported(model, run) -> str | None:
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     if hq % hkv or hq // hkv > 8 or hq > MAX_HQ:
         return f"{hq} query heads over {hkv} KV heads (at most 8 a KV head, {MAX_HQ} in all)"
-    if model.compute_dtype != torch.float16 or run.cache.dtype != torch.float16:
-        return "fp16 activations and KV cache only"
+    if model.compute_dtype != torch.float16:
+        return "fp16 activations only"
     if (cfg.hidden_size % 128 or cfg.intermediate_size % 128 or cfg.hidden_size > MAX_HIDDEN
             or cfg.intermediate_size > MAX_K):
         return (f"hidden {cfg.hidden_size} / intermediate {cfg.intermediate_size} (multiples of "
                 f"128 up to {MAX_HIDDEN} / {MAX_K})")
-    if run.sparse.block_size % PAGE:
-        return f"block size {run.sparse.block_size} (a multiple of {PAGE})"
-    if run.cache.G % PAGE:
-        return f"{run.cache.G} global tokens (a multiple of {PAGE})"
-    if run.token_scorer is not None:
-        return "the learned importance probe"
     for i, layer in enumerate(model.model.layers):
         att, mlp = layer.self_attn, layer.mlp
         if att.q_norm is not None:
             return "q/k norms"
         for name, lin in (("qkv_proj", att.qkv_proj), ("o_proj", att.o_proj),
                           ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
-            if lin is None or _items_of(lin) is None:
-                return f"layer {i} {name} is not an INT4 linear in the item layout"
+            if lin is None or not _readable(lin, convert):
+                return (f"layer {i} {name} is not an AWQ INT4 linear of group size 128 "
+                        f"(in the item layout)")
             if lin.bias is not None:
                 return f"layer {i} {name} has a bias"
     head = model.lm_head
-    if _items_of(head) is None and not (isinstance(head, torch.nn.Linear) and head.bias is None):
-        return "the lm_head is neither INT4 items nor an fp16 linear without bias"
+    if not _readable(head, convert) and not (isinstance(head, torch.nn.Linear)
+                                             and head.bias is None):
+        return "the lm_head is neither INT4 (group size 128) nor an fp16 linear without bias"
     table = model.model.embed_tokens.weight
     if table.device.type == "cpu":
         from hisparse_cli.kernels.host_rows import is_mapped
 
         if not is_mapped(table):
             return "the host embedding table is not registered for device access"
+    return None
+
+
+def settings_unsupported(sparse, kv_dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot serve runs with these sparse settings (None: it can)."""
+    if kv_dtype != torch.float16:
+        return "an fp16 KV cache only"
+    if sparse.block_size % PAGE:
+        return f"block size {sparse.block_size} (a multiple of {PAGE})"
+    globals_on = sparse.window_size is not None and sparse.global_tokens > 0
+    if globals_on and sparse.global_tokens % PAGE:
+        return f"{sparse.global_tokens} global tokens (a multiple of {PAGE})"
+    if globals_on and sparse.importance == "probe":
+        return "the learned importance probe"
+    return None
+
+
+def unsupported(model, run) -> str | None:
+    """Why this model and run cannot use the persistent step (None: they can)."""
+    why = model_unsupported(model, run.device)
+    if why is not None:
+        return why
+    if run.cache.dtype != torch.float16:
+        return "an fp16 KV cache only"
+    if run.sparse.block_size % PAGE:
+        return f"block size {run.sparse.block_size} (a multiple of {PAGE})"
+    if run.cache.G % PAGE:
+        return f"{run.cache.G} global tokens (a multiple of {PAGE})"
+    if run.token_scorer is not None:
+        return "the learned importance probe"
     return None
 
 
