@@ -1,4 +1,5 @@
-"""Runtime-built CUDA kernels (kernels/cuda_rt.py): NVRTC compile, cubin cache, driver launch.
+"""Runtime-built CUDA kernels (kernels/cuda_rt.py, cuda_launch.py): NVRTC compile, cubin cache,
+driver launch.
 
 CPU, always: argument bytes as cuLaunchKernel reads them, the cache key, the disk cache with a
 fake compiler (round trip, a corrupt entry rebuilt, an unwritable folder skipped), tensor-map
@@ -23,6 +24,7 @@ import warnings
 import pytest
 import torch
 
+from hisparse_cli.kernels import cuda_launch as drv
 from hisparse_cli.kernels import cuda_rt as rt
 
 # y[i] = a * x[i] + b for i < n: one fma.rn per element in inline PTX (no CUDA header),
@@ -129,16 +131,16 @@ def fresh_process_state(monkeypatch, tmp_path):
 
 
 def test_arguments_are_the_bytes_the_kernel_reads():
-    cases = [(rt.i32(-2), struct.pack("<i", -2)),
-             (rt.u32(2**32 - 1), struct.pack("<I", 2**32 - 1)),
-             (rt.i64(-(2**40) - 3), struct.pack("<q", -(2**40) - 3)),
-             (rt.u64(2**64 - 1), struct.pack("<Q", 2**64 - 1)),
-             (rt.f32(1.1), struct.pack("<f", 1.1)),
-             (rt.ptr(0x7F00_DEAD_BEEF), struct.pack("<Q", 0x7F00_DEAD_BEEF)),
-             (rt.ptr(None), bytes(8))]
-    tmap = rt.TensorMap(torch.empty(1))
+    cases = [(drv.i32(-2), struct.pack("<i", -2)),
+             (drv.u32(2**32 - 1), struct.pack("<I", 2**32 - 1)),
+             (drv.i64(-(2**40) - 3), struct.pack("<q", -(2**40) - 3)),
+             (drv.u64(2**64 - 1), struct.pack("<Q", 2**64 - 1)),
+             (drv.f32(1.1), struct.pack("<f", 1.1)),
+             (drv.ptr(0x7F00_DEAD_BEEF), struct.pack("<Q", 0x7F00_DEAD_BEEF)),
+             (drv.ptr(None), bytes(8))]
+    tmap = drv.TensorMap(torch.empty(1))
     args = (*(arg for arg, _ in cases), tmap)
-    params = rt._kernel_params(args)
+    params = drv._kernel_params(args)
     assert len(params) == len(args)
     for i, (arg, want) in enumerate(cases):
         assert bytes(arg) == want
@@ -148,13 +150,13 @@ def test_arguments_are_the_bytes_the_kernel_reads():
 
 
 @pytest.mark.parametrize("make,exc", [
-    (lambda: rt.i32(2**31), OverflowError), (lambda: rt.i32(-(2**31) - 1), OverflowError),
-    (lambda: rt.u32(-1), OverflowError), (lambda: rt.i64(2**63), OverflowError),
-    (lambda: rt.u64(2**64), OverflowError), (lambda: rt.i32(1.5), TypeError),
-    (lambda: rt.ptr(torch.zeros(4)), ValueError),
-    (lambda: rt._kernel_params((5,)), TypeError),
-    (lambda: rt._kernel_params((torch.zeros(1),)), TypeError),
-    (lambda: rt._kernel_params((ctypes.c_double(1.0),)), TypeError),
+    (lambda: drv.i32(2**31), OverflowError), (lambda: drv.i32(-(2**31) - 1), OverflowError),
+    (lambda: drv.u32(-1), OverflowError), (lambda: drv.i64(2**63), OverflowError),
+    (lambda: drv.u64(2**64), OverflowError), (lambda: drv.i32(1.5), TypeError),
+    (lambda: drv.ptr(torch.zeros(4)), ValueError),
+    (lambda: drv._kernel_params((5,)), TypeError),
+    (lambda: drv._kernel_params((torch.zeros(1),)), TypeError),
+    (lambda: drv._kernel_params((ctypes.c_double(1.0),)), TypeError),
 ])
 def test_arguments_without_a_width_or_out_of_range_are_refused(make, exc):
     with pytest.raises(exc):
@@ -162,12 +164,12 @@ def test_arguments_without_a_width_or_out_of_range_are_refused(make, exc):
 
 
 def test_launch_dims():
-    assert rt._dim3("grid", 7) == (7, 1, 1)
-    assert rt._dim3("grid", (2, 3)) == (2, 3, 1)
-    assert rt._dim3("block", [4, 5, 6]) == (4, 5, 6)
+    assert drv._dim3("grid", 7) == (7, 1, 1)
+    assert drv._dim3("grid", (2, 3)) == (2, 3, 1)
+    assert drv._dim3("block", [4, 5, 6]) == (4, 5, 6)
     for bad in (0, (), (1, 2, 3, 4), (2, 0)):
         with pytest.raises(ValueError, match="grid must be 1 to 3 positive sizes"):
-            rt._dim3("grid", bad)
+            drv._dim3("grid", bad)
 
 
 # --- cubin cache ----------------------------------------------------------------------------
@@ -277,7 +279,7 @@ _GOOD = dict(dims=(128, 4, 64), strides_bytes=(256, 1024), box=(128, 1, 16))
 ])
 def test_tensor_map_arguments_are_checked_on_the_host(tensor, over, match):
     with pytest.raises(ValueError, match=match):
-        rt.encode_tensor_map(tensor, **{**_GOOD, **over})
+        drv.encode_tensor_map(tensor, **{**_GOOD, **over})
 
 
 # --- finding libnvrtc -----------------------------------------------------------------------
@@ -338,10 +340,10 @@ def test_nvrtc_not_available_reason(monkeypatch, tmp_path):
 
 
 def test_load_refuses_a_cubin_for_another_arch(monkeypatch):
-    monkeypatch.setattr(rt, "device_arch", lambda device: (8, 6))
+    monkeypatch.setattr(drv, "device_arch", lambda device: (8, 6))
     compiled = rt.Compiled("k" * 64, b"", {}, (9, 0), (13, 0), "")
     with pytest.raises(rt.CudaRtError, match="cubin is for sm_90 but cuda:0 is sm_86"):
-        rt.load_module(compiled, 0)
+        drv.load_module(compiled, 0)
 
 
 # --- real NVRTC -----------------------------------------------------------------------------
@@ -394,8 +396,8 @@ def test_nvrtc_syntax_error_raises_with_the_log():
 
 def _cuda_function(source, name, exprs=()):
     device = torch.device("cuda", torch.cuda.current_device())
-    compiled = rt.compile_cubin(source, arch=rt.device_arch(device), name_expressions=exprs)
-    return rt.load_module(compiled, device).function(name)
+    compiled = rt.compile_cubin(source, arch=drv.device_arch(device), name_expressions=exprs)
+    return drv.load_module(compiled, device).function(name)
 
 
 @pytest.mark.gpu
@@ -406,7 +408,7 @@ def test_gpu_axpb_launch_and_attributes():
     y = torch.full((n + 8,), 7.0, device="cuda")
     fn = _cuda_function(AXPB, "axpb<float, 4>", AXPB_EXPRS)
     fn.launch(math.ceil(n / (block * per_thread)), block, 0,
-              [rt.ptr(y), rt.ptr(x), rt.f32(2.5), rt.f32(-1.0), rt.i64(n)])
+              [drv.ptr(y), drv.ptr(x), drv.f32(2.5), drv.f32(-1.0), drv.i64(n)])
     torch.cuda.synchronize()
     want = (2.5 * x.double() - 1.0).float()  # one rounding, as fma.rn
     torch.testing.assert_close(y[:n], want, rtol=1e-7, atol=1e-7)
@@ -423,8 +425,8 @@ def test_gpu_dynamic_shared_memory_above_48k():
     x = torch.randn(blocks * seg, device="cuda")
     y = torch.zeros_like(x)
     fn = _cuda_function(REVERSE, "reverse_segments")
-    args = [rt.ptr(y), rt.ptr(x), rt.i32(seg)]
-    with pytest.raises(rt.CudaDriverError, match="cuLaunchKernel") as err:
+    args = [drv.ptr(y), drv.ptr(x), drv.i32(seg)]
+    with pytest.raises(drv.CudaDriverError, match="cuLaunchKernel") as err:
         fn.launch(blocks, 256, seg * 4, args)  # above 48 KiB without the attribute
     assert err.value.name == "CUDA_ERROR_INVALID_VALUE"
     fn.set_max_dynamic_shared_memory(seg * 4)
@@ -440,7 +442,7 @@ def test_gpu_launch_is_captured_by_cuda_graphs():
     x = torch.randn(n, device="cuda")
     y = torch.zeros(n, device="cuda")
     fn = _cuda_function(AXPB, "axpb<float, 1>", AXPB_EXPRS)
-    args = [rt.ptr(y), rt.ptr(x), rt.f32(3.0), rt.f32(0.5), rt.i64(n)]
+    args = [drv.ptr(y), drv.ptr(x), drv.f32(3.0), drv.f32(0.5), drv.i64(n)]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -457,18 +459,18 @@ def test_gpu_launch_is_captured_by_cuda_graphs():
 @pytest.mark.gpu
 @needs_nvrtc
 def test_gpu_tma_box_load():
-    if rt.device_arch(torch.cuda.current_device()) < (9, 0):
+    if drv.device_arch(torch.cuda.current_device()) < (9, 0):
         pytest.skip("the bulk tensor copy (TMA) needs sm_90")
     rows, heads, d, box_rows = 40, 3, 128, 16
     t = torch.randn(rows, heads, d, device="cuda").half()
-    tmap = rt.encode_tensor_map(t, dims=(d, heads, rows), strides_bytes=(d * 2, heads * d * 2),
+    tmap = drv.encode_tensor_map(t, dims=(d, heads, rows), strides_bytes=(d * 2, heads * d * 2),
                                 box=(d, 1, box_rows))
     fn = _cuda_function(TMA_COPY, "tma_box_copy")
     assert fn.attributes().static_shared_bytes >= box_rows * d * 2
     out = torch.empty(box_rows, d, dtype=torch.float16, device="cuda")
     for r0, h in ((0, 0), (8, 1), (24, 2), (rows - 8, 1)):
         out.fill_(float("nan"))
-        fn.launch(1, 128, 0, [tmap, rt.ptr(out), rt.i32(r0), rt.i32(h)])
+        fn.launch(1, 128, 0, [tmap, drv.ptr(out), drv.i32(r0), drv.i32(h)])
         torch.cuda.synchronize()
         want = torch.zeros(box_rows, d, dtype=torch.float16, device="cuda")
         inside = min(box_rows, rows - r0)

@@ -214,14 +214,14 @@ def use_item_layout(model) -> int:
 def _module(gqa: int, norm_pairs: int, device_index: int, extra: tuple[str, ...] = ()):
     """The kernel built for this GQA and hidden size (x pairs a thread in the RMSNorm); extra:
     more compiler options (benchmarks' variants, e.g. "-DSILU_BATCH=4")."""
-    from hisparse_cli.kernels import cuda_rt
+    from hisparse_cli.kernels import cuda_launch, cuda_rt
 
     arch = torch.cuda.get_device_capability(device_index)
     names = ["decode_step<false>", "decode_step<true>"]
     compiled = cuda_rt.compile_cubin(source(), arch=arch, name_expressions=names,
                                      options=[f"-DGQA={gqa}", f"-DNORM_PAIRS={norm_pairs}",
                                               *extra])
-    module = cuda_rt.load_module(compiled, device_index)
+    module = cuda_launch.load_module(compiled, device_index)
     return {False: module.function(names[0]), True: module.function(names[1])}
 
 
@@ -230,7 +230,7 @@ class CudaDecodeStep:
     inputs; tok: [1] int64 token."""
 
     def __init__(self, model, run, dev: torch.Tensor, tok: torch.Tensor, nb: int) -> None:
-        from hisparse_cli.kernels import cuda_rt
+        from hisparse_cli.kernels import cuda_launch
 
         why = unsupported(model, run)
         assert why is None, why
@@ -335,7 +335,7 @@ class CudaDecodeStep:
         # TMA maps: the cache as [L * capacity * bs rows, Hkv, 128], K plain, V 128-B swizzled
         # in two 64-dim boxes; the globals as [L * Hkv * G rows, 1, 128] the same way
         rows_kv = L * cache.capacity * run.sparse.block_size
-        enc = cuda_rt.encode_tensor_map
+        enc = cuda_launch.encode_tensor_map
         kv_strides = [HD * 2, hkv * HD * 2]
         self.maps = [enc(cache.k, [HD, hkv, rows_kv], kv_strides, [HD, 1, PAGE]),
                      enc(cache.v, [HD, hkv, rows_kv], kv_strides, [64, 1, PAGE], swizzle="128B")]
