@@ -56,6 +56,14 @@ def test_step_params_mirror_the_kernel_struct():
     assert ctypes.sizeof(cuda_step.StepParams) == 15 * 8 + 8 + 14 * 4 + 3 * 4 + 4
 
 
+def test_source_is_one_string_for_nvrtc():
+    # NVRTC gets no include path: ring.cuh is inlined, once, where decode_step.cu includes it
+    src = cuda_step.source()
+    ring = (cuda_step.SOURCE.parent / "ring.cuh").read_text()
+    assert "#include" not in src and src.count(ring) == 1
+    assert src.index("page_qk(") < src.index("decode_step(const StepParams")
+
+
 def test_red_tiles_cover_every_cta_range():
     # the kernel's CTA c takes items [n c / P, n (c + 1) / P) of a GEMV with G groups a tile
     for ctas in (34, 132):
