@@ -187,16 +187,12 @@ def event_ms(fn, reps: int = 30) -> float:
     return start.elapsed_time(end) / reps
 
 
-KINDS = ("qkv", "attn", "o", "gate|up", "down")
-
-
 def phase_table(step) -> dict:
     """One step's timeline by phase kind (us summed over the step): crit = the phase's share
     of the critical path (last arrival minus the previous phase's last arrival); then CTA
     means of the barrier wait, the x (or q) load, the items (or pages) and the flush."""
     st = step.timeline().double() / 1e3  # [n_phase, CTAs, 5] us
-    n_phase = st.shape[0]
-    kinds = [KINDS[i % 5] for i in range(n_phase - 1)] + ["head"]
+    kinds = step.kinds  # qkv, attn, o, mlp (or gate|up, down) a layer, then head
     end = st[:, :, 4].max(dim=1).values
     out: dict = {}
     for i, kind in enumerate(kinds):
@@ -305,7 +301,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profiles", default="h200-141g,4060ti-6g")
     ap.add_argument("--variants", default="", help="builds of the persistent kernel timed "
-                    "too, ';'-separated, each ','-separated defines: SILU_BATCH=4;SILU_BATCH=1")
+                    "too, ';'-separated, each ','-separated defines: SILU_VEC=0;FUSE_MLP=0 "
+                    "(FUSE_MLP picks the MLP's phases, not a define)")
     ap.add_argument("--check-variants", default="", help="builds checked too (same form as "
                     "--variants)")
     ap.add_argument("--systems", default="", help="e.g. int4+head/persistent (default: all)")

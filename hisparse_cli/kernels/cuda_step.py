@@ -37,7 +37,7 @@ ITEM_BYTES, ITEM_WORDS, SLOT = 8512, 2128, 9216
 MAX_K, MAX_S, MAX_HQ, MAX_UNIT_PAGES, MASS_PAGES = 14336, 32, 64, 1024, 32
 MAX_HIDDEN = 8192  # the RMSNorm's x loads stay in registers (NORM_PAIRS)
 META = 12
-K_GEMV, K_ATTN, K_FINAL_NORM = 0, 1, 2
+K_GEMV, K_ATTN, K_FINAL_NORM, K_MLP = 0, 1, 2, 3
 X_NORM, X_SILU, X_ATT, X_NORM_EMB = 0, 1, 2, 3
 F_BARRIER, F_MASS, F_TIMELINE = 1, 2, 4
 STAGES = 16  # ring slots (a multiple of the 4 consumer groups: a slot keeps one owner)
@@ -64,19 +64,30 @@ def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
     return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8
 
 
+def fuse_mlp(intermediate: int, ctas: int) -> bool:
+    """Whether the step runs gate|up and down as one phase (K_MLP): each CTA then owns whole
+    128-wide groups of the intermediate, so only when there are no more of them than CTAs
+    (more would leave the last round to a few CTAs)."""
+    return intermediate // 128 <= ctas
+
+
 def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
     """Device bytes of one CudaDecodeStep's own buffers (as the caching allocator counts
-    them): the step's zeroed workspace (barrier, each layer's q|k|v and gate|up sums, the INT4
-    head's logits), the residual stream, the attention partials, the phase table, and the
-    fp16 head's normed input. The memory planner adds them under
-    HISPARSE_DECODE_KERNEL=persistent (planner.py)."""
+    them): the step's zeroed workspace (barrier, each layer's q|k|v sums, the INT4 head's
+    logits), each layer's gate|up sums (only where the MLP is not one phase), the residual
+    stream, the attention partials, the phase table, and the fp16 head's normed input. The
+    memory planner adds them under HISPARSE_DECODE_KERNEL=persistent (planner.py)."""
     from hisparse_cli.planner_trace import cuda_block_bytes
 
     L, hq, hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     S = min(MAX_S, ctas // hkv)
-    ws = 4 + L * ((hq + 2 * hkv) * HD + 2 * inter) + (cfg.vocab_size if int4_head else 0)
-    parts = [4 * ws, 4 * hidden, 4 * hkv * S * (hq // hkv) * (HD + 2), 8 * META * (5 * L + 1)]
+    fused = fuse_mlp(inter, ctas)
+    ws = 4 + L * (hq + 2 * hkv) * HD + (cfg.vocab_size if int4_head else 0)
+    parts = [4 * ws, 4 * hidden, 4 * hkv * S * (hq // hkv) * (HD + 2),
+             8 * META * ((4 if fused else 5) * L + 1)]
+    if not fused:
+        parts.append(4 * L * 2 * inter)
     if not int4_head:
         parts.append(2 * hidden)
     return sum(cuda_block_bytes(b) for b in parts)
@@ -251,55 +262,27 @@ class CudaDecodeStep:
             raise ValueError(f"{unit_pages} pages a split with the importance mass "
                              f"(the kernel keeps {MASS_PAGES})")
         L = cfg.num_hidden_layers
-        qkv_n, gu_n = (hq + 2 * hkv) * HD, 2 * inter
+        self.qkv_n, self.gu_n = (hq + 2 * hkv) * HD, 2 * inter
         head_items = _items_of(model.lm_head)
         self.vocab = cfg.vocab_size
-        # per step zeroed: the barrier counter (4 floats' room), each layer's q|k|v and gate|up
-        # sums, the INT4 head's logits
+        # per step zeroed: the barrier counter (4 floats' room), each layer's q|k|v sums, the
+        # INT4 head's logits; the gate|up sums (self.gu) only where the MLP is two phases
         self.off_qkv = 4
-        self.off_gu = self.off_qkv + L * qkv_n
-        self.off_logits = self.off_gu + L * gu_n
+        self.off_logits = self.off_qkv + L * self.qkv_n
         n_ws = self.off_logits + (self.vocab if head_items is not None else 0)
         self.ws = torch.zeros(n_ws, dtype=torch.float32, device=device)
+        self.gu: torch.Tensor | None = None
         self.h = torch.zeros(hidden, dtype=torch.float32, device=device)
         self.part = torch.zeros(hkv * self.S * self.gqa * (HD + 2), dtype=torch.float32,
                                 device=device)
         self.normed = None if head_items is not None else torch.zeros(
             (1, hidden), dtype=torch.float16, device=device)
-        ws = self.ws.data_ptr()
-
-        def f32_at(off: int) -> int:
-            return ws + 4 * off
-
-        rows, gemv_shapes = [], []
-
-        def gemv(lin, k: int, n: int, out: int, xform: int, src: int, norm: int, layer: int = 0):
-            items = _items_of(lin)
-            assert items.is_contiguous() and items.shape == (n // 128 * (k // 128), ITEM_WORDS)
-            rows.append([K_GEMV, k, n, k // 128, n // 128, items.data_ptr(), out, xform, src,
-                         norm, layer, 0])
-            gemv_shapes.append((k // 128, n // 128))
-
-        h = self.h.data_ptr()
-        for i, layer in enumerate(model.model.layers):
-            att, mlp = layer.self_attn, layer.mlp
-            qkv = f32_at(self.off_qkv + i * qkv_n)
-            gu = f32_at(self.off_gu + i * gu_n)
-            gemv(att.qkv_proj, hidden, qkv_n, qkv, X_NORM_EMB if i == 0 else X_NORM, h,
-                 layer.input_layernorm.weight.data_ptr())
-            rows.append([K_ATTN, i, qkv] + [0] * (META - 3))
-            gemv(att.o_proj, hq * HD, hidden, h, X_ATT, 0, 0, i)
-            gemv(mlp.gate_up_proj, hidden, gu_n, gu, X_NORM, h,
-                 layer.post_attention_layernorm.weight.data_ptr())
-            gemv(mlp.down_proj, inter, hidden, h, X_SILU, gu, 0)
-        final_w = model.model.norm.weight.data_ptr()
+        # shared memory: the most red tiles of either MLP form (the same launch for both)
+        shapes = [(hidden // 128, self.qkv_n // 128), (hq, hidden // 128),
+                  (hidden // 128, self.gu_n // 128), (inter // 128, hidden // 128)]
         if head_items is not None:
-            gemv(model.lm_head, hidden, self.vocab, f32_at(self.off_logits), X_NORM, h, final_w)
-        else:
-            rows.append([K_FINAL_NORM, hidden, 0, 0, 0, 0, self.normed.data_ptr(), 0, 0,
-                         final_w, 0, 0])
-        self.meta = torch.tensor(rows, dtype=torch.int64, device=device)
-        red_tiles = red_tiles_needed(gemv_shapes, self.ctas)
+            shapes.append((hidden // 128, self.vocab // 128))
+        red_tiles = max(2, red_tiles_needed(shapes, self.ctas))  # K_MLP: gate and up
         limit = props.shared_memory_per_block_optin
         self.stages = ring_stages(red_tiles, self.gqa, self.mass, limit)
         if self.stages is None:
@@ -307,14 +290,18 @@ class CudaDecodeStep:
         self.smem = smem_bytes(self.stages, red_tiles, self.gqa, self.mass)
         self.device_index = (device.index if device.index is not None
                              else torch.cuda.current_device())
-        self.use_variant(())
+        self.fused_default = fuse_mlp(inter, self.ctas)
+        self.fused: bool | None = None
+        self.meta = None
+        self._tables: dict = {}
 
         table = model.model.embed_tokens.weight
         seq = run.seq
         G = cache.G
         p = StepParams()
-        p.meta, p.dev, p.tok = self.meta.data_ptr(), dev.data_ptr(), tok.data_ptr()
-        p.embed, p.h, p.part, p.counter = table.data_ptr(), h, self.part.data_ptr(), ws
+        p.dev, p.tok = dev.data_ptr(), tok.data_ptr()
+        p.embed, p.h, p.part = table.data_ptr(), self.h.data_ptr(), self.part.data_ptr()
+        p.counter = self.ws.data_ptr()
         p.inv_freq = model.rope.inv_freq.data_ptr()
         p.kcache, p.vcache = cache.k.data_ptr(), cache.v.data_ptr()
         p.gpos = cache.gpos.data_ptr() if G else 0
@@ -322,7 +309,7 @@ class CudaDecodeStep:
         p.gmass = cache.gmass.data_ptr() if G else 0
         p.gseen = cache.gseen.data_ptr() if G else 0
         p.capacity = cache.capacity
-        p.n_phase, p.stages, p.red_tiles = len(rows), self.stages, red_tiles
+        p.stages, p.red_tiles = self.stages, red_tiles
         p.flags = F_BARRIER | (F_MASS if self.mass else 0)
         p.nb, p.bs, p.hkv, p.hq, p.hidden, p.G, p.S = (
             nb, run.sparse.block_size, hkv, hq, hidden, G, self.S)
@@ -332,6 +319,7 @@ class CudaDecodeStep:
         p.scale, p.eps = run.scale, float(model.model.norm.eps)
         p.rope_scaling = float(model.rope.scaling)
         self.params = p
+        self.use_variant(())
         # TMA maps: the cache as [L * capacity * bs rows, Hkv, 128], K plain, V 128-B swizzled
         # in two 64-dim boxes; the globals as [L * Hkv * G rows, 1, 128] the same way
         rows_kv = L * cache.capacity * run.sparse.block_size
@@ -347,21 +335,90 @@ class CudaDecodeStep:
         else:  # never read (no global pages): any valid map
             self.maps += self.maps[:2]
 
+    def _phases(self, fused: bool) -> None:
+        """The phase table (META int64 a row) with the MLP as one phase (K_MLP) or as the
+        gate|up and down GEMVs."""
+        if fused in self._tables:  # kept: a captured graph's launch holds its address
+            self.meta, self.kinds = self._tables[fused]
+            self.params.meta, self.params.n_phase = self.meta.data_ptr(), len(self.kinds)
+            self.fused = fused
+            return
+        model, cfg = self.model, self.model.cfg
+        hq, hidden, inter = cfg.num_attention_heads, cfg.hidden_size, cfg.intermediate_size
+        L = cfg.num_hidden_layers
+        if not fused and self.gu is None:
+            self.gu = torch.zeros(L * self.gu_n, dtype=torch.float32, device=self.ws.device)
+        ws, h = self.ws.data_ptr(), self.h.data_ptr()
+        rows, kinds = [], []
+
+        def items(lin, k: int, n: int) -> int:
+            it = _items_of(lin)
+            assert it.is_contiguous() and it.shape == (n // 128 * (k // 128), ITEM_WORDS)
+            return it.data_ptr()
+
+        def gemv(kind, lin, k: int, n: int, out: int, xform: int, src: int, norm: int,
+                 layer: int = 0):
+            rows.append([K_GEMV, k, n, k // 128, n // 128, items(lin, k, n), out, xform, src,
+                         norm, layer, 0])
+            kinds.append(kind)
+
+        for i, layer in enumerate(model.model.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            qkv = ws + 4 * (self.off_qkv + i * self.qkv_n)
+            gemv("qkv", att.qkv_proj, hidden, self.qkv_n, qkv,
+                 X_NORM_EMB if i == 0 else X_NORM, h, layer.input_layernorm.weight.data_ptr())
+            rows.append([K_ATTN, i, qkv] + [0] * (META - 3))
+            kinds.append("attn")
+            gemv("o", att.o_proj, hq * HD, hidden, h, X_ATT, 0, 0, i)
+            norm = layer.post_attention_layernorm.weight.data_ptr()
+            if fused:
+                rows.append([K_MLP, hidden, inter, hidden // 128, inter // 128,
+                             items(mlp.gate_up_proj, hidden, self.gu_n), h, X_NORM, h, norm, i,
+                             items(mlp.down_proj, inter, hidden)])
+                kinds.append("mlp")
+            else:
+                gu = self.gu.data_ptr() + 4 * i * self.gu_n
+                gemv("gate|up", mlp.gate_up_proj, hidden, self.gu_n, gu, X_NORM, h, norm)
+                gemv("down", mlp.down_proj, inter, hidden, h, X_SILU, gu, 0)
+        final_w = model.model.norm.weight.data_ptr()
+        if self.normed is None:
+            gemv("head", model.lm_head, hidden, self.vocab, ws + 4 * self.off_logits, X_NORM, h,
+                 final_w)
+        else:
+            rows.append([K_FINAL_NORM, hidden, 0, 0, 0, 0, self.normed.data_ptr(), 0, 0,
+                         final_w, 0, 0])
+            kinds.append("head")
+        self.meta = torch.tensor(rows, dtype=torch.int64, device=self.ws.device)
+        self.kinds = kinds
+        self._tables[fused] = (self.meta, kinds)
+        self.params.meta, self.params.n_phase = self.meta.data_ptr(), len(rows)
+        self.fused = fused
+
     def use_variant(self, extra: tuple[str, ...]) -> None:
         """Launch the kernel built with these extra compiler options from now on (benchmarks;
-        () is the default build)."""
+        () is the default build). "-DFUSE_MLP=0" / "=1" picks the MLP's form instead (the
+        default: fuse_mlp)."""
+        fused = self.fused_default
+        opts = []
+        for o in extra:
+            if o.startswith("-DFUSE_MLP="):
+                fused = o.split("=", 1)[1] != "0"
+            else:
+                opts.append(o)
+        if fused != self.fused:
+            self._phases(fused)
         self.function = _module(self.gqa, -(-self.model.cfg.hidden_size // 1024),
-                                self.device_index, tuple(extra))[self.mass]
+                                self.device_index, tuple(opts))[self.mass]
         self.function.set_max_dynamic_shared_memory(self.smem)
 
     def timeline(self) -> torch.Tensor:
         """One step with the kernel's stamps -> int64 [n_phase, CTAs, 5] globaltimer ns: phase
         start, past the barrier, x (or the attention's q) ready, items (or pages) done,
-        arrived (benchmarks; 0 where a CTA had no such point)."""
+        arrived (benchmarks; 0 where a CTA had no such point). self.kinds names the phases."""
         stamps = torch.zeros((self.params.n_phase, self.ctas, 5), dtype=torch.int64,
                              device=self.ws.device)
         function = self.function
-        self.use_variant(("-DTIMELINE=1",))
+        self.use_variant(("-DTIMELINE=1", f"-DFUSE_MLP={int(self.fused)}"))
         self.params.stamps, self.params.flags = stamps.data_ptr(), self.params.flags | F_TIMELINE
         try:
             self()
@@ -374,6 +431,8 @@ class CudaDecodeStep:
     def __call__(self) -> torch.Tensor:
         """One step on the current stream -> logits [1, V] fp32 (a static buffer)."""
         self.ws.zero_()
+        if not self.fused:
+            self.gu.zero_()
         self.function.launch((self.ctas, 1, 1), ((NW + 1) * 32, 1, 1), self.smem,
                              [self.params, *self.maps])
         if self.normed is None:

@@ -15,7 +15,10 @@
 //   attention over the step's block list + the layer's global slots + the current token,
 //   split-K partials) -> o GEMV (its x load combines the partials; it adds into h, the
 //   residual stream, kept in fp32; with the importance mass, each attention unit's keys'
-//   probabilities are added to the run's score / global mass here) -> gate|up GEMV (x =
+//   probabilities are added to the run's score / global mass after the phase's arrival) ->
+//   MLP: gate|up and down in one phase (K_MLP: each CTA owns whole down input groups, so the
+//   gate|up sums it needs are its own; x = RMSNorm(h), then silu(g) u; adds into h), or, where
+//   the intermediate size has more 128-groups than there are CTAs, gate|up GEMV (x =
 //   RMSNorm(h)) -> down GEMV (x = silu(g) u; adds into h);
 //   then either the INT4 lm_head GEMV (x = RMSNorm(h) with the final norm) into the logits, or
 //   FINAL_NORM (the normed hidden state in fp16 for an fp16 head run by the host after this).
@@ -42,7 +45,7 @@
 // No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
 // raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
 // kernels/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS (hidden /
-// 1024), and the benchmarks' variants below (SILU_BATCH, L2_PREFETCH, SILU_VEC, TIMELINE).
+// 1024), and the benchmarks' variants below (SILU_VEC, TIMELINE).
 
 #include "ring.cuh"
 
@@ -67,15 +70,9 @@
 #define MASS_PAGES 32    // pages a unit may read with the importance mass (its scores in smem)
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc [GQA][128], m, l
 #define META 12
-#ifndef SILU_BATCH
-#define SILU_BATCH 1     // silu(g) u pairs a thread loads at once (2 and 4 spill: slower)
-#endif
-#ifndef L2_PREFETCH
-#define L2_PREFETCH 0    // 1: the producer prefetches each RMSNorm's weights (and layer 0's
-#endif                   // embedding row) into L2 when it starts the phase's items (variant)
 #ifndef SILU_VEC
-#define SILU_VEC 0       // 1: the silu(g) u x load reads 2 pairs a 16-byte load (variant)
-#endif
+#define SILU_VEC 1       // the silu(g) u x load reads 2 pairs a 16-byte load (run 132:
+#endif                   // -0.045 ms a step; 0: one pair a thread, a 8-byte load)
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -83,6 +80,7 @@
 #define K_GEMV 0
 #define K_ATTN 1
 #define K_FINAL_NORM 2
+#define K_MLP 3       // gate|up + down in one phase (no barrier between them)
 #define X_NORM 0      // x = RMSNorm(h) * w
 #define X_SILU 1      // x = silu(g) * u of the gate|up output
 #define X_ATT 2       // x = the attention output combined from the split partials
@@ -238,6 +236,56 @@ __device__ __forceinline__ void group_sum(float* xsum, int kp, u32 x2, int lane)
   if (lane == 0) atomicAdd(&xsum[kp >> 6], v);
 }
 
+// a warp's item sums f (item_mma: rows 16 rt + g, + 8, rt = 2 part, + 1) into red tile `tile`
+// (shared, fp32), then f = 0
+__device__ __forceinline__ void red_add(float* red, int tile, int part, int lane, float* f) {
+  if ((lane & 3) == 0) {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int rt = part * 2 + rr;
+      atomicAdd(&red[tile * 128 + 16 * rt + g], f[2 * rr]);
+      atomicAdd(&red[tile * 128 + 16 * rt + g + 8], f[2 * rr + 1]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) f[q] = 0.f;
+}
+
+// x = RMSNorm(in) * w over all K (= hidden <= 8192: at most NORM_PAIRS pairs a thread, held in
+// registers between the two passes; the norm weights are loaded with x, so the second pass
+// reads nothing) into xs (fp16 pairs) and the groups' x sums; erow: read the fp16 embedding row
+// instead of `in`. Every consumer thread calls it.
+__device__ __forceinline__ void norm_x(const u32* erow, const float* in, const u16* nw, int K,
+                                       float eps, u32* xs, float* xsum, float* ssum, int warp,
+                                       int lane) {
+  float2 v[NORM_PAIRS];
+  u32 wv[NORM_PAIRS];
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < NORM_PAIRS; ++u) {
+    const int kp = threadIdx.x + u * NW * 32;
+    v[u] = make_float2(0.f, 0.f);
+    wv[u] = 0u;
+    if (kp < K / 2) {
+      v[u] = erow ? h22f2(erow[kp]) : ldcg2(in + 2 * kp);
+      wv[u] = reinterpret_cast<const u32*>(nw)[kp];
+    }
+    ss += v[u].x * v[u].x + v[u].y * v[u].y;
+  }
+  const float rs = rsqrtf(consumers_sum<NW>(ss, ssum, warp, lane) / (float)K + eps);
+#pragma unroll
+  for (int u = 0; u < NORM_PAIRS; ++u) {
+    const int kp = threadIdx.x + u * NW * 32;
+    if (kp < K / 2) {  // (K / 2 is a multiple of 64: whole warps in or out)
+      const float2 w = h22f2(wv[u]);
+      const u32 x2 = f22h2(rh(v[u].x * rs) * w.x, rh(v[u].y * rs) * w.y);
+      xs[kp] = x2;
+      group_sum(xsum, kp, x2, lane);
+    }
+  }
+}
+
 template <bool MASS>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     decode_step(const StepParams p, const __grid_constant__ TensorMap kmap,
@@ -302,18 +350,28 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const i64* m = p.meta + ph * META;
         if (m[0] == K_GEMV) {
           const Range r = cta_range(m[3] * m[4], c, P);
-          if (L2_PREFETCH && (m[7] == X_NORM || m[7] == X_NORM_EMB) && r.b > r.a) {
-            // the phase's x load reads these (8 KB a layer for 4096): fetched from HBM behind
-            // the weight stream otherwise, on every CTA's critical path
-            prefetch_l2(reinterpret_cast<const void*>(m[9]), (u32)(m[1] * 2));
-            if (m[7] == X_NORM_EMB) prefetch_l2(p.embed + (size_t)p.tok[0] * m[1], (u32)(m[1] * 2));
-          }
           const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
           for (i64 i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
             u8* dst = next();
             mbar_arrive_tx(&full[slot], ITEM_BYTES);
             bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
             advance();
+          }
+        } else if (m[0] == K_MLP) {  // per down group j of this CTA: gate tile j, up tile j
+          // (all hidden / 128 groups each), then the down items of input group j (every tile)
+          const int G = (int)m[3], NGI = (int)m[4], T = (int)(m[1] / HD);
+          const u8* gu = reinterpret_cast<const u8*>(m[5]);
+          const u8* dn = reinterpret_cast<const u8*>(m[11]);
+          for (int j = c; j < NGI; j += P) {
+            for (int e = 0; e < 2 * G + T; ++e) {
+              const i64 idx = e < G ? (i64)j * G + e
+                              : e < 2 * G ? (i64)(NGI + j) * G + (e - G)
+                                          : (i64)(e - 2 * G) * NGI + j;
+              u8* dst = next();
+              mbar_arrive_tx(&full[slot], ITEM_BYTES);
+              bulk_g2s(dst, (e < 2 * G ? gu : dn) + idx * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+              advance();
+            }
           }
         } else if (m[0] == K_ATTN && c < units) {
           const int layer = (int)m[1], kvh = c / S, s = c % S;
@@ -347,7 +405,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const i64* m = p.meta + ph * META;
     u64* st = TIMELINE && (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
     if (st && threadIdx.x == 0) st[0] = gtimer(), st[2] = st[3] = 0;
-    if (m[0] == K_GEMV)  // the x loads add each group's x sum here
+    if (m[0] == K_GEMV || m[0] == K_MLP)  // the x loads add each group's x sum here
       for (int t = threadIdx.x; t < (int)m[3]; t += NW * 32) xsum[t] = 0.f;
     if (m[0] == K_ATTN && c < units) {  // before the barrier (they do not depend on the
       // step's results): the visibility masks of this unit's pages
@@ -365,6 +423,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     consumers_sync();
     if (st && threadIdx.x == 0) st[1] = gtimer();
     int n_streamed = 0;
+    bool mass_after = false;  // the o phase's mass, done after the arrival
     if (m[0] == K_GEMV) {  // ---------------------------------------------------------- GEMV
       // [1] K [2] N [3] G [4] T [5] items [6] out (fp32, added into) [7] xform [8] in (fp32)
       // [9] norm weight (fp16) [10] layer (X_ATT with the mass)
@@ -409,37 +468,11 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           }
           consumers_sync();
         }
-        if (xform == X_NORM || xform == X_NORM_EMB) {  // RMSNorm over all K (= hidden <=
-          // 8192: at most NORM_PAIRS pairs a thread, held in registers between the two passes;
-          // the norm weights are loaded with x, so the second pass reads nothing)
-          const u32* erow = xform == X_NORM_EMB
-                                ? reinterpret_cast<const u32*>(p.embed + (size_t)p.tok[0] * K)
-                                : nullptr;
-          float2 v[NORM_PAIRS];
-          u32 wv[NORM_PAIRS];
-          float ss = 0.f;
-#pragma unroll
-          for (int u = 0; u < NORM_PAIRS; ++u) {
-            const int kp = threadIdx.x + u * NW * 32;
-            v[u] = make_float2(0.f, 0.f);
-            wv[u] = 0u;
-            if (kp < K / 2) {
-              v[u] = erow ? h22f2(erow[kp]) : ldcg2(in + 2 * kp);
-              wv[u] = reinterpret_cast<const u32*>(nw)[kp];
-            }
-            ss += v[u].x * v[u].x + v[u].y * v[u].y;
-          }
-          const float rs = rsqrtf(consumers_sum<NW>(ss, ssum, warp, lane) / (float)K + p.eps);
-#pragma unroll
-          for (int u = 0; u < NORM_PAIRS; ++u) {
-            const int kp = threadIdx.x + u * NW * 32;
-            if (kp < K / 2) {  // (K / 2 is a multiple of 64: whole warps in or out)
-              const float2 w = h22f2(wv[u]);
-              const u32 x2 = f22h2(rh(v[u].x * rs) * w.x, rh(v[u].y * rs) * w.y);
-              xs[kp] = x2;
-              group_sum(xsum, kp, x2, lane);
-            }
-          }
+        if (xform == X_NORM || xform == X_NORM_EMB) {
+          norm_x(xform == X_NORM_EMB
+                     ? reinterpret_cast<const u32*>(p.embed + (size_t)p.tok[0] * K)
+                     : nullptr,
+                 in, nw, K, p.eps, xs, xsum, ssum, warp, lane);
         } else if (xform == X_SILU && SILU_VEC) {  // 2 pairs a thread and 16-byte load: a
           // warp's 64 pairs are one group
           const int npairs = ngrp * 64;
@@ -460,28 +493,17 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
             if (lane == 0) atomicAdd(&xsum[kp >> 6], v);
           }
-        } else if (xform == X_SILU) {  // the used groups' pairs, SILU_BATCH a thread at once
+        } else if (xform == X_SILU) {  // the used groups' pairs, one a thread at once
           const int npairs = ngrp * 64;
-          for (int t0 = threadIdx.x; t0 < npairs; t0 += SILU_BATCH * NW * 32) {
-            float2 gv[SILU_BATCH], uv[SILU_BATCH];
-#pragma unroll
-            for (int u = 0; u < SILU_BATCH; ++u) {
-              const int t = t0 + u * NW * 32;
-              const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
-              if (t < npairs) gv[u] = ldcg2(in + 2 * kp), uv[u] = ldcg2(in + K + 2 * kp);
-            }
-#pragma unroll
-            for (int u = 0; u < SILU_BATCH; ++u) {
-              const int t = t0 + u * NW * 32;
-              if (t < npairs) {  // (npairs: whole groups, so whole warps in or out)
-                const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
-                const float g0 = rh(gv[u].x), g1 = rh(gv[u].y);
-                const u32 x2 = f22h2(rh(g0 / (1.0f + ex(-g0))) * rh(uv[u].x),
-                                     rh(g1 / (1.0f + ex(-g1))) * rh(uv[u].y));
-                xs[kp] = x2;
-                group_sum(xsum, kp, x2, lane);
-              }
-            }
+          for (int t = threadIdx.x; t < npairs; t += NW * 32) {
+            // (npairs: whole groups, so whole warps in or out)
+            const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
+            const float2 gv = ldcg2(in + 2 * kp), uv = ldcg2(in + K + 2 * kp);
+            const float g0 = rh(gv.x), g1 = rh(gv.y);
+            const u32 x2 = f22h2(rh(g0 / (1.0f + ex(-g0))) * rh(uv.x),
+                                 rh(g1 / (1.0f + ex(-g1))) * rh(uv.y));
+            xs[kp] = x2;
+            group_sum(xsum, kp, x2, lane);
           }
         } else {  // X_ATT: the used heads' pairs, combined from the split partials
           const int npairs = ngrp * 64;
@@ -517,24 +539,11 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       const int first = ring_start(pos0, grp, GROUPS, stages, slot, phase);
       float f[4] = {0.f, 0.f, 0.f, 0.f};
       int cur = -1, rel = (j0 + first) / G, j = (j0 + first) % G;
-      auto flush = [&](int tile) {
-        if ((lane & 3) == 0) {
-          const int g = lane >> 2;
-#pragma unroll
-          for (int rr = 0; rr < 2; ++rr) {
-            const int rt = part_ * 2 + rr;
-            atomicAdd(&red[tile * 128 + 16 * rt + g], f[2 * rr]);
-            atomicAdd(&red[tile * 128 + 16 * rt + g + 8], f[2 * rr + 1]);
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) f[q] = 0.f;
-      };
       for (int e = first; e < n; e += GROUPS, slot += GROUPS, j += GROUPS) {
         if (slot >= stages) slot -= stages, phase ^= 1u;
         while (j >= G) j -= G, ++rel;
         if (rel != cur) {
-          if (cur >= 0) flush(cur);
+          if (cur >= 0) red_add(red, cur, part_, lane, f);
           cur = rel;
         }
         warp_wait(&full[slot], phase);
@@ -542,52 +551,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
       }
-      if (cur >= 0) flush(cur);
+      if (cur >= 0) red_add(red, cur, part_, lane, f);
       consumers_sync();
       if (st && threadIdx.x == 0) st[3] = gtimer();
-      if (MASS && mass_here) {  // this CTA's attention unit: each visible key's probability
-        const int layer = (int)m[10], kvh = c / S, s = c % S;
-        if (threadIdx.x < GQA) {  // head q: M and 1 / L over the splits
-          const int q = threadIdx.x;
-          float M = neg_inf(), L = 0.f;
-          for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, mls[s2 * 16 + q]);
-          for (int s2 = 0; s2 < S; ++s2) {
-            const float ms = mls[s2 * 16 + q];
-            if (ms != neg_inf()) L += mls[s2 * 16 + 8 + q] * ex(ms - M);
-          }
-          mlh[q] = M, mlh[GQA + q] = 1.0f / L;
-        }
-        consumers_sync();
-        const float* Mh = mlh;
-        const float* Lh = Mh + GQA;
-        const int e0 = s * unit_pages, npg = max(0, min(n_pages, e0 + unit_pages) - e0);
-        for (int t = threadIdx.x; t < npg * PAGE; t += NW * 32) {
-          const int e = e0 + t / PAGE, row = t % PAGE;
-          float v = 0.f;
-#pragma unroll
-          for (int q = 0; q < GQA; ++q)
-            v += ex(scores[((t / PAGE) * GQA + q) * PAGE + row] - Mh[q]) * Lh[q];
-          if (v == 0.f) continue;  // invisible (score -inf)
-          if (e < n_cache_pages) {
-            const i64 pos = p.dev[2 + p.nb + e / ppb] + (e % ppb) * PAGE + row;
-            if (q_pos - pos < p.min_distance) continue;
-            const i64 blk = p.dev[2 + e / ppb];
-            atomicAdd(&p.score[((((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE + row) *
-                                p.hkv) + kvh], v);
-          } else {
-            const i64 idx = (i64)(e - n_cache_pages) * PAGE + row;
-            atomicAdd(&p.gmass[((i64)layer * p.hkv + kvh) * p.G + idx], v);
-          }
-        }
-        if (s == S - 1 && threadIdx.x == 0 && p.min_distance <= 0) {  // the current token
-          float v = 0.f;
-          for (int q = 0; q < GQA; ++q) v += ex(scur[q] - Mh[q]) * Lh[q];
-          atomicAdd(&p.score[((i64)layer * p.capacity * p.bs + slot_q) * p.hkv + kvh], v);
-        }
-        if (s == 0)
-          for (int t = threadIdx.x; t < p.G; t += NW * 32)
-            p.gseen[((i64)layer * p.hkv + kvh) * p.G + t] += 1.0f;
-      }
+      mass_after = mass_here;
       if (n > 0) {
         const int span = (int)((r.b - 1) / G) - tile0 + 1;
         for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
@@ -595,6 +562,91 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           red[t] = 0.f;
         }
       }
+    } else if (m[0] == K_MLP) {  // ---------------------------------------- gate|up + down
+      // [1] hidden [2] intermediate [3] G (hidden / 128) [4] NGI (intermediate / 128) [5]
+      // gate|up items [6] out (h, added into) [8] in (h) [9] norm weight [11] down items.
+      // This CTA takes down groups j = c, c + P, ...: gate and up tile j over all of x =
+      // RMSNorm(h) (so their sums are whole here, in red tiles 0 and 1), x_j = silu(g) u of
+      // them (fp16, as the engine's), then the down items of group j, each one output tile,
+      // added into h straight from the registers. No barrier and no gate|up round trip
+      // through memory between the two GEMVs.
+      const int K = (int)m[1], G = (int)m[3], NGI = (int)m[4], T = K / HD, per = 2 * G + T;
+      const int cnt = c < NGI ? (NGI - 1 - c) / P + 1 : 0;
+      float* out = reinterpret_cast<float*>(m[6]);
+      n_streamed = cnt * per;
+      if (cnt > 0)
+        norm_x(nullptr, reinterpret_cast<const float*>(m[8]),
+               reinterpret_cast<const u16*>(m[9]), K, p.eps, xs, xsum, ssum, warp, lane);
+      consumers_sync();
+      if (st && threadIdx.x == 0) st[2] = gtimer();
+      const int part_ = warp % SPLIT, grp = warp / SPLIT;
+      u32* xd = xs + MAX_K / 2 - HD / 2;  // x_j (64 pairs), past any hidden's x
+      float* dsum = xsum + MAX_G - 1;      // its sum (past any hidden's groups)
+      for (int q = 0; q < cnt; ++q) {
+        const int base = q * per;
+        {  // gate | up: entries base + e, e < 2 G: tile e / G (0 gate, 1 up), group e % G
+          int slot;
+          u32 phase;
+          const int first = ring_start(pos0 + base, grp, GROUPS, stages, slot, phase);
+          float f[4] = {0.f, 0.f, 0.f, 0.f};
+          int cur = -1, rel = 0, jj = first;
+          for (int e = first; e < 2 * G; e += GROUPS, slot += GROUPS, jj += GROUPS) {
+            if (slot >= stages) slot -= stages, phase ^= 1u;
+            while (jj >= G) jj -= G, ++rel;
+            if (rel != cur) {
+              if (cur >= 0) red_add(red, cur, part_, lane, f);
+              cur = rel;
+            }
+            warp_wait(&full[slot], phase);
+            item_mma(ring + (size_t)slot * SLOT, xs + jj * 64, xsum[jj], part_, lane, f);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[slot]);
+          }
+          if (cur >= 0) red_add(red, cur, part_, lane, f);
+        }
+        consumers_sync();
+        if (warp == 0) {  // x_j = silu(g) u, the sums rounded to fp16 as the engine's output
+          float v = 0.f;
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int kp = lane + 32 * h2;
+            const float g0 = rh(red[2 * kp]), g1 = rh(red[2 * kp + 1]);
+            const u32 x2 = f22h2(rh(g0 / (1.0f + ex(-g0))) * rh(red[HD + 2 * kp]),
+                                 rh(g1 / (1.0f + ex(-g1))) * rh(red[HD + 2 * kp + 1]));
+            xd[kp] = x2;
+            const float2 fx = h22f2(x2);
+            v += fx.x + fx.y;
+            red[2 * kp] = red[2 * kp + 1] = red[HD + 2 * kp] = red[HD + 2 * kp + 1] = 0.f;
+          }
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+          if (lane == 0) *dsum = v;
+        }
+        consumers_sync();
+        {  // down: entries base + 2 G + t, t < T: output tile t of input group j
+          int slot;
+          u32 phase;
+          const int first = ring_start(pos0 + base + 2 * G, grp, GROUPS, stages, slot, phase);
+          const float xsd = *dsum;
+          for (int t = first; t < T; t += GROUPS, slot += GROUPS) {
+            if (slot >= stages) slot -= stages, phase ^= 1u;
+            warp_wait(&full[slot], phase);
+            float f[4] = {0.f, 0.f, 0.f, 0.f};
+            item_mma(ring + (size_t)slot * SLOT, xd, xsd, part_, lane, f);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[slot]);
+            if ((lane & 3) == 0) {  // rows 32 part + 16 r + g (+ 8): see item_mma
+              float* o = out + (i64)t * HD + 32 * part_ + (lane >> 2);
+              atomicAdd(o, f[0]);
+              atomicAdd(o + 8, f[1]);
+              atomicAdd(o + 16, f[2]);
+              atomicAdd(o + 24, f[3]);
+            }
+          }
+        }
+      }
+      consumers_sync();
+      if (st && threadIdx.x == 0) st[3] = gtimer();
     } else if (m[0] == K_ATTN) {  // ------------------------------------------------ ATTENTION
       // [1] layer [2] q|k|v output (fp32 sums [Hq + 2 Hkv][128])
       const int layer = (int)m[1];
@@ -710,6 +762,51 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     consumers_sync();
     if (threadIdx.x == 0) red_release_add(p.counter, 1u);
     if (st && threadIdx.x == 0) st[4] = gtimer();
+    if (MASS && mass_after) {  // this CTA's attention unit (the o phase just arrived: this
+      // fills the barrier's wait; nothing in the step reads the mass): each visible key's
+      // probability
+      const int layer = (int)m[10], kvh = c / S, s = c % S;
+      if (threadIdx.x < GQA) {  // head q: M and 1 / L over the splits
+        const int q = threadIdx.x;
+        float M = neg_inf(), L = 0.f;
+        for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, mls[s2 * 16 + q]);
+        for (int s2 = 0; s2 < S; ++s2) {
+          const float ms = mls[s2 * 16 + q];
+          if (ms != neg_inf()) L += mls[s2 * 16 + 8 + q] * ex(ms - M);
+        }
+        mlh[q] = M, mlh[GQA + q] = 1.0f / L;
+      }
+      consumers_sync();
+      const float* Mh = mlh;
+      const float* Lh = Mh + GQA;
+      const int e0 = s * unit_pages, npg = max(0, min(n_pages, e0 + unit_pages) - e0);
+      for (int t = threadIdx.x; t < npg * PAGE; t += NW * 32) {
+        const int e = e0 + t / PAGE, row = t % PAGE;
+        float v = 0.f;
+#pragma unroll
+        for (int q = 0; q < GQA; ++q)
+          v += ex(scores[((t / PAGE) * GQA + q) * PAGE + row] - Mh[q]) * Lh[q];
+        if (v == 0.f) continue;  // invisible (score -inf)
+        if (e < n_cache_pages) {
+          const i64 pos = p.dev[2 + p.nb + e / ppb] + (e % ppb) * PAGE + row;
+          if (q_pos - pos < p.min_distance) continue;
+          const i64 blk = p.dev[2 + e / ppb];
+          atomicAdd(&p.score[((((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE + row) *
+                              p.hkv) + kvh], v);
+        } else {
+          const i64 idx = (i64)(e - n_cache_pages) * PAGE + row;
+          atomicAdd(&p.gmass[((i64)layer * p.hkv + kvh) * p.G + idx], v);
+        }
+      }
+      if (s == S - 1 && threadIdx.x == 0 && p.min_distance <= 0) {  // the current token
+        float v = 0.f;
+        for (int q = 0; q < GQA; ++q) v += ex(scur[q] - Mh[q]) * Lh[q];
+        atomicAdd(&p.score[((i64)layer * p.capacity * p.bs + slot_q) * p.hkv + kvh], v);
+      }
+      if (s == 0)
+        for (int t = threadIdx.x; t < p.G; t += NW * 32)
+          p.gseen[((i64)layer * p.hkv + kvh) * p.G + t] += 1.0f;
+    }
   }
 }
 
