@@ -45,7 +45,7 @@
 // No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
 // raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
 // kernels/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS (hidden /
-// 1024), and the benchmarks' variants below (SILU_VEC, TIMELINE).
+// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, TIMELINE).
 
 #include "ring.cuh"
 
@@ -73,6 +73,9 @@
 #ifndef SILU_VEC
 #define SILU_VEC 1       // the silu(g) u x load reads 2 pairs a 16-byte load (run 132:
 #endif                   // -0.045 ms a step; 0: one pair a thread, a 8-byte load)
+#ifndef DOWN_V4
+#define DOWN_V4 0        // 1: the fused MLP's down sums leave as one 16-byte reduction a 4 rows
+#endif                   // (red.global.add.v4.f32) instead of 4-byte atomics (variant)
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -236,6 +239,11 @@ __device__ __forceinline__ void group_sum(float* xsum, int kp, u32 x2, int lane)
   if (lane == 0) atomicAdd(&xsum[kp >> 6], v);
 }
 
+__device__ __forceinline__ void red_add_v4(float* p, float4 v) {  // 16-byte aligned p
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w)
+               : "memory");
+}
 // a warp's item sums f (item_mma: rows 16 rt + g, + 8, rt = 2 part, + 1) into red tile `tile`
 // (shared, fp32), then f = 0
 __device__ __forceinline__ void red_add(float* red, int tile, int part, int lane, float* f) {
@@ -635,6 +643,18 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             item_mma(ring + (size_t)slot * SLOT, xd, xsd, part_, lane, f);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);
+#if DOWN_V4
+            float* sc = merge + warp * 32;  // this warp's 32 rows (merge: the attention's own)
+            if ((lane & 3) == 0) {
+              const int g = lane >> 2;
+              sc[g] = f[0], sc[g + 8] = f[1], sc[g + 16] = f[2], sc[g + 24] = f[3];
+            }
+            __syncwarp();
+            if (lane < 8)
+              red_add_v4(out + (i64)t * HD + 32 * part_ + 4 * lane,
+                         *reinterpret_cast<const float4*>(sc + 4 * lane));
+            __syncwarp();
+#else
             if ((lane & 3) == 0) {  // rows 32 part + 16 r + g (+ 8): see item_mma
               float* o = out + (i64)t * HD + 32 * part_ + (lane >> 2);
               atomicAdd(o, f[0]);
@@ -642,6 +662,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               atomicAdd(o + 16, f[2]);
               atomicAdd(o + 24, f[3]);
             }
+#endif
           }
         }
       }
