@@ -45,7 +45,7 @@
 // No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
 // raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
 // kernels/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS (hidden /
-// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, TIMELINE).
+// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, ATT_ONE_TRIP, TIMELINE).
 
 #include "ring.cuh"
 
@@ -73,6 +73,9 @@
 #ifndef SILU_VEC
 #define SILU_VEC 1       // the silu(g) u x load reads 2 pairs a 16-byte load (run 132:
 #endif                   // -0.045 ms a step; 0: one pair a thread, a 8-byte load)
+#ifndef ATT_ONE_TRIP
+#define ATT_ONE_TRIP 0   // 1: the o phase's x load takes the splits' m, l with their sums (one L2
+#endif                   // round trip; the weights made by shuffles) (variant)
 #ifndef DOWN_V4
 #define DOWN_V4 0        // 1: the fused MLP's down sums leave as one 16-byte reduction a 4 rows
 #endif                   // (red.global.add.v4.f32) instead of 4-byte atomics (variant)
@@ -459,7 +462,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
-        if (xform == X_ATT) {  // each used head's split weights exp(m_s - M) / L
+        if (xform == X_ATT && !ATT_ONE_TRIP) {  // each used head's split weights
+          // exp(m_s - M) / L
           for (int q = warp; q < ngrp; q += NW) {
             const int hq = all ? q : (j0 + q) % G;
             const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + GQA * HD;
@@ -521,6 +525,37 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             const int hq = kp / 64, d = 2 * (kp % 64);
             const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
             float f0 = 0.f, f1 = 0.f;
+#if ATT_ONE_TRIP
+            // a warp's 32 pairs are one head's: lane s < S loads split s's m, l of it together
+            // with the first 16 splits' sums, and the weights exp(m_s - M) / L are made in
+            // registers (one L2 round trip instead of two)
+            const float* ml = p.part + (size_t)((hq / GQA) * S + lane) * ATT_STRIDE + GQA * HD +
+                              hq % GQA;
+            const float ms = lane < S ? ldcg(ml) : neg_inf();
+            const float ls = lane < S ? ldcg(ml + GQA) : 0.f;
+            float w = 0.f;
+            for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
+              float2 a[16];
+#pragma unroll
+              for (int s = 0; s < 16; ++s)
+                a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
+              if (s0 == 0) {
+                float M = ms;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+                const float e = lane < S && ms != neg_inf() ? ex(ms - M) : 0.f;
+                float L = e * ls;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+                w = e / L;
+              }
+#pragma unroll
+              for (int s = 0; s < 16; ++s) {
+                const float ws = __shfl_sync(0xffffffffu, w, (s0 + s) & 31);
+                if (s0 + s < S) f0 += ws * a[s].x, f1 += ws * a[s].y;
+              }
+            }
+#else
             for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
               float2 a[16];
 #pragma unroll
@@ -532,6 +567,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
                 f0 += w * a[s].x, f1 += w * a[s].y;
               }
             }
+#endif
             const u32 x2 = f22h2(f0, f1);
             xs[kp] = x2;
             group_sum(xsum, kp, x2, lane);
