@@ -45,7 +45,8 @@
 // No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
 // raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
 // kernels/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS (hidden /
-// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, ATT_ONE_TRIP, TIMELINE).
+// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, ATT_ONE_TRIP, ITEM_ILP,
+// TIMELINE).
 
 #include "ring.cuh"
 
@@ -76,6 +77,9 @@
 #ifndef ATT_ONE_TRIP
 #define ATT_ONE_TRIP 0   // 1: the o phase's x load takes the splits' m, l with their sums (one L2
 #endif                   // round trip; the weights made by shuffles) (variant)
+#ifndef ITEM_ILP
+#define ITEM_ILP 0       // 1: an item's row tile accumulates even and odd K tiles apart (two
+#endif                   // chains of 4 dependent mma.sync instead of one of 8) (variant)
 #ifndef DOWN_V4
 #define DOWN_V4 0        // 1: the fused MLP's down sums leave as one 16-byte reduction a 4 rows
 #endif                   // (red.global.add.v4.f32) instead of 4-byte atomics (variant)
@@ -154,6 +158,9 @@ __device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum
     const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
     const u32 w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
     float d[4] = {0.f, 0.f, 0.f, 0.f};
+#if ITEM_ILP
+    float d2[4] = {0.f, 0.f, 0.f, 0.f};  // odd K tiles: two chains of 4 dependent mma
+#endif
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
       const u32 hi = w[kt] >> 8;
@@ -161,8 +168,15 @@ __device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum
                         lop3_or_and(w[kt], 0x00F000F0u, 0x64006400u),
                         lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
                         lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
+#if ITEM_ILP
+      mma16816(kt & 1 ? d2 : d, a, b[2 * kt], b[2 * kt + 1]);
+#else
       mma16816(d, a, b[2 * kt], b[2 * kt + 1]);
+#endif
     }
+#if ITEM_ILP
+    d[0] += d2[0], d[2] += d2[2];
+#endif
     const u32 zbits = z8[rt];
     const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
     const float2 sf = h22f2(s2[rt]);
