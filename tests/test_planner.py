@@ -675,3 +675,59 @@ def test_gpu_peak_within_5_percent(tmp_path, backend):
                        num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     assert abs(plan.peak_allocated_bytes - measured) <= 0.05 * measured, (
         plan.peak_allocated_bytes, measured, plan.peak_when)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available()
+                         and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs an sm_90 GPU (the persistent decode step)")
+def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
+    """HISPARSE_DECODE_KERNEL=persistent: an AWQ INT4 model (group 128, 128-dim heads, so the
+    kernel applies) held in the item layout, its decode through the kernel; the plan (with
+    workspace.persistent_decode) against the measured peak, as above."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.cuda_rt import nvrtc_available
+
+    if not nvrtc_available():
+        pytest.skip("no libnvrtc")
+    path, _ = save_tiny(tmp_path, "llama", vocab_size=32000, hidden_size=1024,
+                        intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=2, max_position_embeddings=8192)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [k[:-7] for k in tensors if k.endswith("proj.weight")]:
+        p = quantize_weight(tensors.pop(name + ".weight"), 128)
+        tensors.update({f"{name}.qweight": p.qweight, f"{name}.qzeros": p.qzeros,
+                        f"{name}.scales": p.scales})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                  "zero_point": True, "version": "gemm"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    sparse = SparseConfig(window_size=1024, global_tokens=64, recalibrate_topk=64,
+                          prefill_chunk=512, recalibrate_every=512)
+    monkeypatch.setenv("HISPARSE_DECODE_KERNEL", "persistent")
+    script = (
+        "import json, sys, torch\n"
+        "from hisparse_cli.engine import Engine, SparseConfig\n"
+        f"sp = SparseConfig(**{sparse.__dict__!r})\n"
+        f"eng = Engine.from_pretrained({str(path)!r}, device='cuda', dtype=torch.float16, "
+        f"sparse=sp, kv_dtype=torch.float16, backend='triton')\n"
+        "res = eng.generate(list(range(1, 4097)), max_new_tokens=32, min_new_tokens=32)\n"
+        "print(json.dumps([res.stats.peak_memory_bytes, res.extra.get('decode_kernel'),\n"
+        "                  res.extra.get('decode_kernel_note')]))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    measured, kernel, note = json.loads(out.stdout.strip().splitlines()[-1])
+    assert kernel == "persistent", (kernel, note)
+    plan = plan_memory(ModelConfig.from_folder(path), weight_format="awq-int4", sparse=sparse,
+                       context_tokens=4096, max_new_tokens=32, kv_dtype="float16",
+                       compute_dtype="float16", device_kind="cuda", backend="triton",
+                       num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    assert "workspace.persistent_decode" in {i.name for i in plan.items}
+    assert abs(plan.peak_allocated_bytes - measured) <= 0.05 * measured, (
+        plan.peak_allocated_bytes, measured, plan.peak_when)
