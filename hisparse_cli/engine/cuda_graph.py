@@ -90,29 +90,32 @@ class DeviceSampler:
             self.rng.manual_seed(gen.seed if gen.seed is not None else 0)
 
     def __call__(self, logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
-        x = logits[-1].clone()  # [V]
+        from hisparse_cli.kernels.argmax_triton import greedy_pick
+
         g = self.gen
+        x = logits[-1]  # [V]; copied before anything changes it (logits is the graph's buffer)
         if g.repetition_penalty != 1.0:
             pen = torch.where(x > 0, x / g.repetition_penalty, x * g.repetition_penalty)
             x = torch.where(self.seen, pen, x)
         ban = self._ngram_banned(x.shape[0])
         if ban is not None:
             x = torch.where(ban, float("-inf"), x)
-        if suppress is not None:  # index_fill_, not x[suppress] = ...: an indexed
-            # assignment of a Python scalar waits for the device (a host sync per token,
-            # found in H200 run 41)
-            x.index_fill_(0, suppress, float("-inf"))
-        if g.temperature == 0:
-            tok = torch.argmax(x).reshape(1)
+        if g.temperature == 0:  # suppressed ids masked inside the pick (no copy of the row)
+            tok = greedy_pick(x, suppress)
         else:
+            if suppress is not None:  # index_fill_, not x[suppress] = ...: an indexed
+                # assignment of a Python scalar waits for the device (a host sync per token,
+                # found in H200 run 41)
+                x = x.clone().index_fill_(0, suppress, float("-inf"))
             probs = torch.softmax(x / g.temperature, dim=-1)
             if g.top_p < 1.0:
                 sp, si = torch.sort(probs, descending=True)
                 keep = torch.cumsum(sp, -1) - sp < g.top_p
                 probs = torch.zeros_like(probs).scatter_(0, si, sp * keep)
             tok = torch.multinomial(probs, 1, generator=self.rng)
-        self.seen.index_fill_(0, tok.reshape(-1), True)
-        if self.count < self.hist.shape[0]:
+        if g.repetition_penalty != 1.0:  # the state only the penalty and the ban read
+            self.seen.index_fill_(0, tok.reshape(-1), True)
+        if g.no_repeat_ngram_size and self.count < self.hist.shape[0]:
             self.hist[self.count:self.count + 1].copy_(tok.reshape(1))
         self.count += 1
         return tok
