@@ -3,15 +3,18 @@
     PYTHONPATH=$PWD python3 benchmarks/gpu_decode_syncs.py [--out DIR] [--context 8192]
         [--decode-tokens 64] [--layers 32] [--weights fp16,awq-int4] [--rounds 0]
 
-The decode loop (`Engine._decode_graph`) is meant to read tokens back once every 16 steps and
-otherwise never wait for the device, so the host prepares step t+1 while the GPU runs step t.
+The decode loop (`Engine._decode_graph`) is meant to read tokens back once every 16 steps (an
+event wait on the read-back's copy, made after the next step is queued, so the GPU does not
+drain) and otherwise never wait for the device, so the host prepares step t+1 while the GPU
+runs step t.
 A synchronising call in the loop (a pageable host->device copy, `.item()`, a boolean-mask
 index, ...) drains the pipeline instead: the GPU then idles for the host's sampler, input
 preparation and graph launch every token (`gpu_decode_profile.py` shows it as "between GPU").
 
 Here `torch.cuda.set_sync_debug_mode("warn")` is on for the decode loop and, separately, for
 each prefill chunk's `KVRun.step` (the engine's one sync after the last chunk is outside),
-and every warning is recorded with the Python stack that caused it. Llama-3-8B-shaped random weights
+and every warning is recorded with the Python stack that caused it; the loop's own event
+waits (the read-backs, which sync debugging does not report) are counted too. Llama-3-8B-shaped random weights
 (`--layers` of them), the `h200-141g` sparse settings; per generation config (the benchmarks'
 plain greedy with min_new_tokens, and the CLI's defaults: repetition penalty 1.1, no-repeat
 8-grams) one generate to capture the decode graph, then a second one (the kept graph replays
@@ -93,13 +96,23 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode(0)
             state["prefill"] = False
 
+    real_wait = torch.cuda.Event.synchronize
+
+    def counted_wait(ev):  # the loop's own event waits (its read-backs; sync debugging does
+        caller = traceback.extract_stack()[-2]  # not see event waits; the decoder's
+        if caller.name == "_decode_graph":      # _prepare waits on copies two steps old)
+            hits[f"event wait (read-back) {caller.filename.split('/')[-1]}:{caller.lineno}"] += 1
+        return real_wait(ev)
+
     def counted(self, *args, **kw):  # the decode loop with sync debugging on
         state["on"] = True
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = counted_wait
         try:
             return original(self, *args, **kw)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.Event.synchronize = real_wait
             state["on"] = False
 
     def show(message, category, filename, lineno, file=None, line=None):
