@@ -315,7 +315,9 @@ def run_ours(model, cfg, sparse, ids, new, backend, dev, engine=None, **plan_kw)
            "kv_blocks_peak": s.kv_blocks_peak, "predicted_kv_blocks_peak":
            plan.kv.peak_live_blocks, "kv_bytes_peak": s.kv_bytes_peak, "peak_when": plan.peak_when,
            "backend": s.backend, "plan": plan,
-           "cuda_graph": res.extra.get("cuda_graph") if res.extra else None}
+           "cuda_graph": res.extra.get("cuda_graph") if res.extra else None,
+           "decode_kernel": res.extra.get("decode_kernel") if res.extra else None,
+           "decode_kernel_note": res.extra.get("decode_kernel_note") if res.extra else None}
     out["error_pct"] = (100.0 * (plan.peak_allocated_bytes - measured) / measured
                         if measured else None)
     return out
@@ -598,7 +600,9 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
                     row.update(result="ok", peak_bytes=r["peak_bytes"],
                                reserved_peak_bytes=r["reserved_peak_bytes"],
                                error_pct=r["error_pct"], prefill_tok_s=r["prefill_tok_s"],
-                               decode_tok_s=r["decode_tok_s"])
+                               decode_tok_s=r["decode_tok_s"],
+                               decode_kernel=r["decode_kernel"],
+                               decode_kernel_note=r["decode_kernel_note"])
                 except ResourceError as exc:
                     row.update(result=exc.message)
                 rows.append(row)
