@@ -586,6 +586,8 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
                              **dict(kw))  # compile the kernels this model uses
             except ResourceError as exc:
                 rows.append({"model": label, "context": 0, "result": exc.message})
+                model = None  # a model built before the failure must not stay for the next
+                free_all(dev)  # one (run 137: the 1B model could not load after the 8B's OOM)
                 continue
             for ctx, plan in zip(ctxs, plans):
                 if left(a.time_budget) < 10 + ctx / 8000:

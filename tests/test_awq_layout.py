@@ -34,10 +34,38 @@ def test_round_trip_against_reference(k, n, monkeypatch):
     g = torch.Generator().manual_seed(k + n)
     qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=g)
     monkeypatch.setattr(awq_layout, "REPACK_CHUNK_ELEMS", 8 * k * 2)  # several chunks
+    monkeypatch.setattr(awq_layout, "TO_AWQ_CHUNK_ELEMS", 8 * k * 2)
     qt = repack_kmajor(qw)
     assert qt.shape == (n, k // 8) and qt.dtype == torch.int32 and qt.is_contiguous()
     assert torch.equal(unpack_kmajor(qt), unpack_int4(qw))  # codes [k, n] agree
     assert torch.equal(kmajor_to_awq(qt), qw)
+
+
+@pytest.mark.parametrize("k,n,group,chunk_rows", [(128, 192, 128, 64), (256, 320, 64, 128),
+                                                   (128, 64, 32, 512)])
+def test_tiled_back_to_awq_in_chunks(k, n, group, chunk_rows, monkeypatch):
+    """kmajor_to_awq of the tiled order, converted a few 64-row tiles at a time (bounded
+    temporaries at load, H200 run 137), gives back the AWQ words; so does one chunk."""
+    g = torch.Generator().manual_seed(k * n + group)
+    qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=g)
+    tiled = awq_layout.tile_kmajor(repack_kmajor(qw), group)
+    monkeypatch.setattr(awq_layout, "TO_AWQ_CHUNK_ELEMS", chunk_rows * k)
+    assert torch.equal(kmajor_to_awq(tiled, tiled_group=group), qw)
+    assert torch.equal(kmajor_to_awq(awq_layout.untile_kmajor(tiled, group)), qw)
+
+
+def test_kmajor_to_awq_temporaries_are_bounded(monkeypatch):
+    """No chunk converts more than TO_AWQ_CHUNK_ELEMS codes (rounded up to one 64-row tile)."""
+    from hisparse_cli.kernels import awq_pack
+
+    seen = []
+    real = awq_pack.pack_int4
+    monkeypatch.setattr(awq_pack, "pack_int4", lambda c: seen.append(c.numel()) or real(c))
+    monkeypatch.setattr(awq_layout, "TO_AWQ_CHUNK_ELEMS", 64 * 512)
+    qw = torch.randint(-2**31, 2**31 - 1, (512, 1024 // 8), dtype=torch.int32)
+    tiled = awq_layout.tile_kmajor(repack_kmajor(qw), 128)
+    assert torch.equal(kmajor_to_awq(tiled, tiled_group=128), qw)
+    assert len(seen) == 1024 // 64 and max(seen) == 64 * 512
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

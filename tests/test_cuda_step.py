@@ -160,6 +160,25 @@ def test_awq_linear_item_layout_round_trip_and_forward():
     assert torch.equal(lin.scales, sc)
 
 
+def test_item_layout_conversion_failure_leaves_a_working_linear(monkeypatch):
+    """Out of memory (or Ctrl-C) while the items are made: the linear keeps its weights in
+    the AWQ layout and computes what it did; the error reaches the caller."""
+    from hisparse_cli.kernels import awq_items
+
+    lin = _awq(256, 256, 7)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8))
+    want = lin(x)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(awq_items, "items_from_awq", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        lin.set_layout("items")
+    assert lin.layout == "awq" and lin.qweight is not None
+    assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_item_layout_refuses_other_group_sizes():
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
     lin = AWQLinear.from_float(w, None, 64, dtype=torch.float32)

@@ -29,6 +29,8 @@ from hisparse_cli.kernels.awq_pack import PACK, unpack_int4
 RUN_WORDS = 4  # words of one 16-byte load: the interleaving period
 RUN = RUN_WORDS * PACK  # input rows per run of words
 REPACK_CHUNK_ELEMS = 1 << 24  # codes converted per step (bounds the repack's temporaries)
+TO_AWQ_CHUNK_ELEMS = 1 << 21  # the same for kmajor_to_awq, whose pack_int4 works in int64
+# (~30 bytes of temporaries a code at its peak: ~60 MB a step, the room a 6 GiB card has)
 _SHIFTS = tuple(4 * i for i in range(PACK))
 
 
@@ -89,11 +91,29 @@ def unpack_kmajor(qweight_k: torch.Tensor) -> torch.Tensor:
     return _deinterleave(codes.reshape(qweight_k.shape[0], -1)).t().to(torch.uint8)
 
 
-def kmajor_to_awq(qweight_k: torch.Tensor) -> torch.Tensor:
-    """The inverse of repack_kmajor: K-major [out, in/8] -> AWQ GEMM qweight [in, out/8]."""
+def kmajor_to_awq(qweight_k: torch.Tensor, tiled_group: int | None = None) -> torch.Tensor:
+    """The inverse of repack_kmajor: K-major [out, in/8] -> AWQ GEMM qweight [in, out/8];
+    tiled_group: qweight_k is in tile_kmajor's order for that group size. Converted a chunk of
+    output rows at a time (whole 64-row tiles when tiled), so the temporaries stay near
+    TO_AWQ_CHUNK_ELEMS codes whatever the shape: the whole-tensor conversion of a 4096 x 14336
+    linear allocated 448 MiB int64 blocks, which a 6 GiB card cannot spare at load (H200 run
+    137, the persistent decode kernel's item layout made from the tiled weights)."""
     from hisparse_cli.kernels.awq_pack import pack_int4
 
-    return pack_int4(unpack_kmajor(qweight_k))
+    n, kw = qweight_k.shape
+    k = kw * PACK
+    assert n % PACK == 0, f"out_features {n} must be a multiple of {PACK}"
+    out = torch.empty((k, n // PACK), dtype=torch.int32, device=qweight_k.device)
+    unit = TILE_ROWS if tiled_group is not None else PACK
+    step = max(1, TO_AWQ_CHUNK_ELEMS // max(1, k) // unit) * unit  # output rows a chunk
+    flat = qweight_k.reshape(-1)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows = flat[r0 * kw: r1 * kw].view(r1 - r0, kw)  # whole tiles: a contiguous stretch
+        if tiled_group is not None:
+            rows = untile_kmajor(rows, tiled_group)
+        out[:, r0 // PACK: r1 // PACK] = pack_int4(unpack_kmajor(rows))
+    return out
 
 
 # -- tiled K-major (the engine's layout on CUDA since H200 run 65: TILED_WEIGHTS) -------------

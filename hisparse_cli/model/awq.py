@@ -211,7 +211,7 @@ class AWQLinear(nn.Module):
 
             return items_to_awq(self.qweight, self.in_features, self.out_features)[0]
         if self.layout == "tiled":
-            return kmajor_to_awq(awq_layout.untile_kmajor(self.qweight, self.group_size))
+            return kmajor_to_awq(self.qweight, tiled_group=self.group_size)
         return kmajor_to_awq(self.qweight) if self.layout == "kmajor" else self.qweight
 
     def set_tiled(self, on: bool) -> bool:
@@ -246,7 +246,13 @@ class AWQLinear(nn.Module):
                 return False
             qweight = self.checkpoint_qweight()
             self.qweight = None  # the run-time copy goes before the items are made
-            self.qweight = awq_items.items_from_awq(qweight, self.qzeros, self.scales)
+            try:
+                items = awq_items.items_from_awq(qweight, self.qzeros, self.scales)
+            except BaseException:  # (out of memory, Ctrl-C): a working linear stays, in the
+                self.qweight, self.layout = qweight, "awq"  # AWQ layout every backend reads
+                self._prepared = self._prepared_key = None
+                raise
+            self.qweight = items
             del qweight
             self.qzeros = self.scales = None
             self.layout = "items"
