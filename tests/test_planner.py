@@ -191,26 +191,33 @@ def test_peak_and_kv_equal_a_recorded_cpu_run(tiny, arch, sp, prompt, new, dtype
     assert rec.peak == plan.peak_allocated_bytes - plan.weights_bytes, plan.peak_when
 
 
+def _awq_checkpoint(path, group: int, head: bool) -> None:
+    """The fp16 checkpoint at path rewritten as an AutoAWQ GEMM one: every *proj linear (and
+    lm_head if head) round-to-nearest INT4 with this group size."""
+    from safetensors.torch import load_file, save_file
+
+    from hisparse_cli.kernels.awq_pack import quantize_weight
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [k[:-7] for k in tensors
+                 if k.endswith("proj.weight") or (head and k == "lm_head.weight")]:
+        p = quantize_weight(tensors.pop(name + ".weight"), group)
+        tensors.update({f"{name}.qweight": p.qweight, f"{name}.qzeros": p.qzeros,
+                        f"{name}.scales": p.scales})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                  "zero_point": True, "version": "gemm"}
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.mark.parametrize("chunk,backend", [(32, "auto"), (100, "auto"), (100, "torch")])
 def test_awq_cpu_run_matches(tmp_path, monkeypatch, chunk, backend):
     """Every CPU INT4 path: decode-sized calls through the packed kernel (chunk 32: the whole
     run), prefill chunks over CPU_INT4_MAX_TOKENS through the broadcasting dequantize
     (chunk 100), and the exact reference everywhere (HISPARSE_BACKEND=torch)."""
-    from safetensors.torch import load_file, save_file
-
-    from hisparse_cli.kernels.awq_pack import quantize_weight
-
     path, _ = save_tiny(tmp_path, "llama")
-    tensors = load_file(str(path / "model.safetensors"))
-    for name in [k[:-7] for k in tensors if k.endswith("proj.weight") or k == "lm_head.weight"]:
-        p = quantize_weight(tensors.pop(name + ".weight"), 32)
-        tensors.update({f"{name}.qweight": p.qweight, f"{name}.qzeros": p.qzeros,
-                        f"{name}.scales": p.scales})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
-                                  "zero_point": True, "version": "gemm"}
-    (path / "config.json").write_text(json.dumps(cfg))
+    _awq_checkpoint(path, 32, head=True)
     sparse = SparseConfig(window_size=64, global_tokens=8, recalibrate_topk=8,
                           prefill_chunk=chunk)
     monkeypatch.setenv("HISPARSE_BACKEND", backend)
@@ -688,9 +695,6 @@ def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from safetensors.torch import load_file, save_file
-
-    from hisparse_cli.kernels.awq_pack import quantize_weight
     from hisparse_cli.kernels.cuda_rt import nvrtc_available
 
     if not nvrtc_available():
@@ -698,16 +702,7 @@ def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
     path, _ = save_tiny(tmp_path, "llama", vocab_size=32000, hidden_size=1024,
                         intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                         num_key_value_heads=2, max_position_embeddings=8192)
-    tensors = load_file(str(path / "model.safetensors"))
-    for name in [k[:-7] for k in tensors if k.endswith("proj.weight")]:
-        p = quantize_weight(tensors.pop(name + ".weight"), 128)
-        tensors.update({f"{name}.qweight": p.qweight, f"{name}.qzeros": p.qzeros,
-                        f"{name}.scales": p.scales})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
-                                  "zero_point": True, "version": "gemm"}
-    (path / "config.json").write_text(json.dumps(cfg))
+    _awq_checkpoint(path, 128, head=False)
     sparse = SparseConfig(window_size=1024, global_tokens=64, recalibrate_topk=64,
                           prefill_chunk=512, recalibrate_every=512)
     monkeypatch.setenv("HISPARSE_DECODE_KERNEL", "persistent")

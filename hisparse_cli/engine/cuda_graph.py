@@ -163,7 +163,6 @@ class GraphDecoder:
             host_gather = self.host_table and HOST_GATHER and _mapped(table)
         self.host_gather = bool(host_gather) and self.host_table
         dev = run.device
-        seq, bs = run.seq, run.sparse.block_size
         self.nb_max = self.padded_blocks(run, total_tokens)
         # the storage was allocated once when the run started, at its working-set bound
         # (>= this one: decode steps are 1 token); the pool cannot mint an id past it

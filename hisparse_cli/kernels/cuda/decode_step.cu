@@ -45,8 +45,7 @@
 // No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
 // raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
 // kernels/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS (hidden /
-// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, ATT_ONE_TRIP, ITEM_ILP,
-// TIMELINE).
+// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, ITEM_ILP, TIMELINE).
 
 #include "ring.cuh"
 
@@ -74,9 +73,6 @@
 #ifndef SILU_VEC
 #define SILU_VEC 1       // the silu(g) u x load reads 2 pairs a 16-byte load (run 132:
 #endif                   // -0.045 ms a step; 0: one pair a thread, a 8-byte load)
-#ifndef ATT_ONE_TRIP
-#define ATT_ONE_TRIP 0   // 1: the o phase's x load takes the splits' m, l with their sums (one L2
-#endif                   // round trip; the weights made by shuffles) (variant)
 #ifndef ITEM_ILP
 #define ITEM_ILP 0       // 1: an item's row tile accumulates even and odd K tiles apart (two
 #endif                   // chains of 4 dependent mma.sync instead of one of 8) (variant)
@@ -278,6 +274,34 @@ __device__ __forceinline__ void red_add(float* red, int tile, int part, int lane
   for (int q = 0; q < 4; ++q) f[q] = 0.f;
 }
 
+// The GEMV items of one phase on this warp: its consumer group takes ring entries pos + e,
+// e = grp, grp + GROUPS, ... < n (whole ring slots); entry e is input group (j0 + e) % G of
+// output tile (j0 + e) / G counted from the phase's first tile, and each tile's sums go into
+// red tile `tile` (red_add) when the warp moves past it.
+__device__ __forceinline__ void gemv_items(const u8* ring, u64* full, u64* empty, int stages,
+                                           int pos, int n, int G, int j0, const u32* xs,
+                                           const float* xsum, float* red, int warp, int lane) {
+  const int part_ = warp % SPLIT, grp = warp / SPLIT;
+  int slot;
+  u32 phase;
+  const int first = ring_start(pos, grp, GROUPS, stages, slot, phase);
+  float f[4] = {0.f, 0.f, 0.f, 0.f};
+  int cur = -1, rel = (j0 + first) / G, j = (j0 + first) % G;
+  for (int e = first; e < n; e += GROUPS, slot += GROUPS, j += GROUPS) {
+    if (slot >= stages) slot -= stages, phase ^= 1u;
+    while (j >= G) j -= G, ++rel;
+    if (rel != cur) {
+      if (cur >= 0) red_add(red, cur, part_, lane, f);
+      cur = rel;
+    }
+    warp_wait(&full[slot], phase);
+    item_mma(ring + (size_t)slot * SLOT, xs + j * 64, xsum[j], part_, lane, f);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+  if (cur >= 0) red_add(red, cur, part_, lane, f);
+}
+
 // x = RMSNorm(in) * w over all K (= hidden <= 8192: at most NORM_PAIRS pairs a thread, held in
 // registers between the two passes; the norm weights are loaded with x, so the second pass
 // reads nothing) into xs (fp16 pairs) and the groups' x sums; erow: read the fp16 embedding row
@@ -477,7 +501,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
-        if (xform == X_ATT && !ATT_ONE_TRIP) {  // each used head's split weights
+        if (xform == X_ATT) {  // each used head's split weights
           // exp(m_s - M) / L
           for (int q = warp; q < ngrp; q += NW) {
             const int hq = all ? q : (j0 + q) % G;
@@ -540,37 +564,6 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             const int hq = kp / 64, d = 2 * (kp % 64);
             const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
             float f0 = 0.f, f1 = 0.f;
-#if ATT_ONE_TRIP
-            // a warp's 32 pairs are one head's: lane s < S loads split s's m, l of it together
-            // with the first 16 splits' sums, and the weights exp(m_s - M) / L are made in
-            // registers (one L2 round trip instead of two)
-            const float* ml = p.part + (size_t)((hq / GQA) * S + lane) * ATT_STRIDE + GQA * HD +
-                              hq % GQA;
-            const float ms = lane < S ? ldcg(ml) : neg_inf();
-            const float ls = lane < S ? ldcg(ml + GQA) : 0.f;
-            float w = 0.f;
-            for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
-              float2 a[16];
-#pragma unroll
-              for (int s = 0; s < 16; ++s)
-                a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
-              if (s0 == 0) {
-                float M = ms;
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-                const float e = lane < S && ms != neg_inf() ? ex(ms - M) : 0.f;
-                float L = e * ls;
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-                w = e / L;
-              }
-#pragma unroll
-              for (int s = 0; s < 16; ++s) {
-                const float ws = __shfl_sync(0xffffffffu, w, (s0 + s) & 31);
-                if (s0 + s < S) f0 += ws * a[s].x, f1 += ws * a[s].y;
-              }
-            }
-#else
             for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
               float2 a[16];
 #pragma unroll
@@ -582,7 +575,6 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
                 f0 += w * a[s].x, f1 += w * a[s].y;
               }
             }
-#endif
             const u32 x2 = f22h2(f0, f1);
             xs[kp] = x2;
             group_sum(xsum, kp, x2, lane);
@@ -591,26 +583,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
       consumers_sync();
       if (st && threadIdx.x == 0) st[2] = gtimer();
-      // items: group grp takes phase items grp, grp + GROUPS, ... (whole ring slots)
-      const int part_ = warp % SPLIT, grp = warp / SPLIT;
-      int slot;
-      u32 phase;
-      const int first = ring_start(pos0, grp, GROUPS, stages, slot, phase);
-      float f[4] = {0.f, 0.f, 0.f, 0.f};
-      int cur = -1, rel = (j0 + first) / G, j = (j0 + first) % G;
-      for (int e = first; e < n; e += GROUPS, slot += GROUPS, j += GROUPS) {
-        if (slot >= stages) slot -= stages, phase ^= 1u;
-        while (j >= G) j -= G, ++rel;
-        if (rel != cur) {
-          if (cur >= 0) red_add(red, cur, part_, lane, f);
-          cur = rel;
-        }
-        warp_wait(&full[slot], phase);
-        item_mma(ring + (size_t)slot * SLOT, xs + j * 64, xsum[j], part_, lane, f);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot]);
-      }
-      if (cur >= 0) red_add(red, cur, part_, lane, f);
+      // the items (each consumer group every GROUPS-th, whole ring slots), sums into red
+      gemv_items(ring, full, empty, stages, pos0, n, G, j0, xs, xsum, red, warp, lane);
       consumers_sync();
       if (st && threadIdx.x == 0) st[3] = gtimer();
       mass_after = mass_here;
@@ -643,26 +617,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       float* dsum = xsum + MAX_G - 1;      // its sum (past any hidden's groups)
       for (int q = 0; q < cnt; ++q) {
         const int base = q * per;
-        {  // gate | up: entries base + e, e < 2 G: tile e / G (0 gate, 1 up), group e % G
-          int slot;
-          u32 phase;
-          const int first = ring_start(pos0 + base, grp, GROUPS, stages, slot, phase);
-          float f[4] = {0.f, 0.f, 0.f, 0.f};
-          int cur = -1, rel = 0, jj = first;
-          for (int e = first; e < 2 * G; e += GROUPS, slot += GROUPS, jj += GROUPS) {
-            if (slot >= stages) slot -= stages, phase ^= 1u;
-            while (jj >= G) jj -= G, ++rel;
-            if (rel != cur) {
-              if (cur >= 0) red_add(red, cur, part_, lane, f);
-              cur = rel;
-            }
-            warp_wait(&full[slot], phase);
-            item_mma(ring + (size_t)slot * SLOT, xs + jj * 64, xsum[jj], part_, lane, f);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[slot]);
-          }
-          if (cur >= 0) red_add(red, cur, part_, lane, f);
-        }
+        // gate | up: entries base + e, e < 2 G: tile e / G (0 gate, 1 up), group e % G
+        gemv_items(ring, full, empty, stages, pos0 + base, 2 * G, G, 0, xs, xsum, red, warp, lane);
         consumers_sync();
         if (warp == 0) {  // x_j = silu(g) u, the sums rounded to fp16 as the engine's output
           float v = 0.f;
