@@ -260,11 +260,19 @@ def time_rows(a, dev) -> list[dict]:
                         opts = tuple(f"-D{d}" for d in var.split(","))
                         dec.cuda_step.use_variant(opts)
                         timing[f"step_ms[{var}]"] = event_ms(dec.cuda_step)
+                        if a.variant_timelines:
+                            with torch.inference_mode():
+                                timing[f"phases_us[{var}]"] = phase_table(dec.cuda_step)
                     dec.cuda_step.use_variant(())
-                print("   ", {k: round(v, 4) for k, v in timing.items() if k != "phases_us"},
-                      flush=True)
-                for kind, r in timing.get("phases_us", {}).items():
-                    print(f"      {kind:8s} " + " ".join(f"{k} {v:7.1f}" for k, v in r.items()))
+                print("   ", {k: round(v, 4) for k, v in timing.items()
+                             if not k.startswith("phases_us")}, flush=True)
+                for name, table in timing.items():
+                    if not name.startswith("phases_us"):
+                        continue
+                    if name != "phases_us":
+                        print(f"      {name}")
+                    for kind, r in table.items():
+                        print(f"      {kind:8s} " + " ".join(f"{k} {v:7.1f}" for k, v in r.items()))
                 eng.release_cached_state()
                 del eng
                 row = {"system": label, "kernel": kernel, "persistent_ran": kernel_used, **timing,
@@ -303,6 +311,8 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="builds of the persistent kernel timed "
                     "too, ';'-separated, each ','-separated defines: SILU_VEC=0;FUSE_MLP=0 "
                     "(FUSE_MLP picks the MLP's phases, not a define)")
+    ap.add_argument("--variant-timelines", action="store_true",
+                    help="the phase timeline of each --variants build too")
     ap.add_argument("--check-variants", default="", help="builds checked too (same form as "
                     "--variants)")
     ap.add_argument("--systems", default="", help="e.g. int4+head/persistent (default: all)")

@@ -282,7 +282,9 @@ class CudaDecodeStep:
                   (hidden // 128, self.gu_n // 128), (inter // 128, hidden // 128)]
         if head_items is not None:
             shapes.append((hidden // 128, self.vocab // 128))
-        red_tiles = max(2, red_tiles_needed(shapes, self.ctas))  # K_MLP: gate and up
+        # K_MLP: gate and up; O_HM (a variant build): a red tile for each of a CTA's o items
+        red_tiles = max(2, red_tiles_needed(shapes, self.ctas),
+                        -(-hq * (hidden // 128) // self.ctas))
         limit = props.shared_memory_per_block_optin
         self.stages = ring_stages(red_tiles, self.gqa, self.mass, limit)
         if self.stages is None:
@@ -407,25 +409,27 @@ class CudaDecodeStep:
                 opts.append(o)
         if fused != self.fused:
             self._phases(fused)
+        self.variant = tuple(opts)
         self.function = _module(self.gqa, -(-self.model.cfg.hidden_size // 1024),
                                 self.device_index, tuple(opts))[self.mass]
         self.function.set_max_dynamic_shared_memory(self.smem)
 
     def timeline(self) -> torch.Tensor:
-        """One step with the kernel's stamps -> int64 [n_phase, CTAs, 5] globaltimer ns: phase
+        """One step with the kernel's stamps (the current build's options plus TIMELINE) -> int64
+        [n_phase, CTAs, 5] globaltimer ns: phase
         start, past the barrier, x (or the attention's q) ready, items (or pages) done,
         arrived (benchmarks; 0 where a CTA had no such point). self.kinds names the phases."""
         stamps = torch.zeros((self.params.n_phase, self.ctas, 5), dtype=torch.int64,
                              device=self.ws.device)
-        function = self.function
-        self.use_variant(("-DTIMELINE=1", f"-DFUSE_MLP={int(self.fused)}"))
+        function, variant = self.function, self.variant
+        self.use_variant(("-DTIMELINE=1", f"-DFUSE_MLP={int(self.fused)}", *variant))
         self.params.stamps, self.params.flags = stamps.data_ptr(), self.params.flags | F_TIMELINE
         try:
             self()
             torch.cuda.synchronize(self.ws.device)
         finally:
             self.params.stamps, self.params.flags = 0, self.params.flags & ~F_TIMELINE
-            self.function = function
+            self.function, self.variant = function, variant
         return stamps
 
     def __call__(self) -> torch.Tensor:

@@ -80,6 +80,10 @@
 #define DOWN_V4 1        // the fused MLP's down sums leave as one 16-byte reduction a 4 rows
 #endif                   // (red.global.add.v4.f32; run 133: -0.03 / -0.06 ms a step);
                          // 0: 4-byte atomics
+#ifndef O_HM
+#define O_HM 0       // 1: the o GEMV takes its items head by head (a CTA's few items share one or
+#endif                   // two heads, so its x load combines those heads only, in one trip: m, l
+                         // and the sums together) and adds each item's sums into h at once
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -274,13 +278,41 @@ __device__ __forceinline__ void red_add(float* red, int tile, int part, int lane
   for (int q = 0; q < 4; ++q) f[q] = 0.f;
 }
 
+// one item's sums f (item_mma: this warp's rows 32 part + g + {0, 8, 16, 24}) added into the
+// 128 rows at out (16-byte aligned): a 16-byte reduction a 4 rows through the warp's 32 floats
+// of scratch (DOWN_V4), else 4-byte atomics
+__device__ __forceinline__ void item_out(float* out, float* scratch, int part, int lane,
+                                         const float* f) {
+#if DOWN_V4
+  if ((lane & 3) == 0) {
+    const int g = lane >> 2;
+    scratch[g] = f[0], scratch[g + 8] = f[1], scratch[g + 16] = f[2], scratch[g + 24] = f[3];
+  }
+  __syncwarp();
+  if (lane < 8)
+    red_add_v4(out + 32 * part + 4 * lane, *reinterpret_cast<const float4*>(scratch + 4 * lane));
+  __syncwarp();
+#else
+  if ((lane & 3) == 0) {
+    float* o = out + 32 * part + (lane >> 2);
+    atomicAdd(o, f[0]);
+    atomicAdd(o + 8, f[1]);
+    atomicAdd(o + 16, f[2]);
+    atomicAdd(o + 24, f[3]);
+  }
+#endif
+}
+
 // The GEMV items of one phase on this warp: its consumer group takes ring entries pos + e,
 // e = grp, grp + GROUPS, ... < n (whole ring slots); entry e is input group (j0 + e) % G of
 // output tile (j0 + e) / G counted from the phase's first tile, and each tile's sums go into
-// red tile `tile` (red_add) when the warp moves past it.
+// red tile `tile` (red_add) when the warp moves past it. swap (O_HM; n <= G): the roles swap,
+// entry e is output tile (j0 + e) % G of input group (j0 + e) / G counted from the first, and
+// its sums go into red tile e.
 __device__ __forceinline__ void gemv_items(const u8* ring, u64* full, u64* empty, int stages,
                                            int pos, int n, int G, int j0, const u32* xs,
-                                           const float* xsum, float* red, int warp, int lane) {
+                                           const float* xsum, float* red, int warp, int lane,
+                                           bool swap = false) {
   const int part_ = warp % SPLIT, grp = warp / SPLIT;
   int slot;
   u32 phase;
@@ -290,12 +322,13 @@ __device__ __forceinline__ void gemv_items(const u8* ring, u64* full, u64* empty
   for (int e = first; e < n; e += GROUPS, slot += GROUPS, j += GROUPS) {
     if (slot >= stages) slot -= stages, phase ^= 1u;
     while (j >= G) j -= G, ++rel;
-    if (rel != cur) {
+    const int tile = swap ? e : rel, xg = swap ? rel : j;
+    if (tile != cur) {
       if (cur >= 0) red_add(red, cur, part_, lane, f);
-      cur = rel;
+      cur = tile;
     }
     warp_wait(&full[slot], phase);
-    item_mma(ring + (size_t)slot * SLOT, xs + j * 64, xsum[j], part_, lane, f);
+    item_mma(ring + (size_t)slot * SLOT, xs + xg * 64, xsum[xg], part_, lane, f);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);
   }
@@ -400,11 +433,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const i64* m = p.meta + ph * META;
         if (m[0] == K_GEMV) {
           const Range r = cta_range(m[3] * m[4], c, P);
-          const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
-          for (i64 i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
+          const u8* items = reinterpret_cast<const u8*>(m[5]);
+          const bool hm = O_HM && m[7] == X_ATT;  // entry i: tile i % T of group i / T
+          for (i64 i = r.a; i < r.b; ++i) {
+            const i64 idx = hm ? (i % m[4]) * m[3] + i / m[4] : i;
             u8* dst = next();
             mbar_arrive_tx(&full[slot], ITEM_BYTES);
-            bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
+            bulk_g2s(dst, items + (size_t)idx * ITEM_BYTES, ITEM_BYTES, &full[slot]);
             advance();
           }
         } else if (m[0] == K_MLP) {  // per down group j of this CTA: gate tile j, up tile j
@@ -497,7 +532,53 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32)  // may have no items here)
           reinterpret_cast<float2*>(p.h)[kp] = h22f2(erow[kp]);
       }
-      if (n > 0) {
+      const bool hm = O_HM && xform == X_ATT;  // the o GEMV head by head (O_HM)
+      if (hm && n > 0) {  // x of the heads h0 .. (r.b - 1) / T, one trip: 8 lanes a pair of
+        // dims, each lane every 8th split's m, l and sums, combined across the 8
+        const int T = (int)m[4], h0 = (int)(r.a / T), nh = (int)((r.b - 1) / T) - h0 + 1;
+        const int sub = lane & 7;
+        for (int task = threadIdx.x >> 3; task < nh * 64; task += NW * 4) {
+          // (64 tasks a head, 4 a warp: a warp's tasks are one head's)
+          const int hq = h0 + task / 64, kp = hq * 64 + task % 64, q = hq % GQA;
+          const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE;
+          float ms[MAX_S / 8], ls[MAX_S / 8];
+          float2 a[MAX_S / 8];
+#pragma unroll
+          for (int u = 0; u < MAX_S / 8; ++u) {
+            const int s = sub + 8 * u;
+            const float* ps = pp + (size_t)s * ATT_STRIDE;
+            ms[u] = s < S ? ldcg(ps + GQA * HD + q) : neg_inf();
+            ls[u] = s < S ? ldcg(ps + GQA * HD + GQA + q) : 0.f;
+            a[u] = s < S ? ldcg2(ps + q * HD + 2 * (task % 64)) : make_float2(0.f, 0.f);
+          }
+          float M = neg_inf();
+#pragma unroll
+          for (int u = 0; u < MAX_S / 8; ++u) M = fmaxf(M, ms[u]);
+#pragma unroll
+          for (int o = 1; o < 8; o <<= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+          float L = 0.f, f0 = 0.f, f1 = 0.f;
+#pragma unroll
+          for (int u = 0; u < MAX_S / 8; ++u) {
+            const float e = ms[u] == neg_inf() ? 0.f : ex(ms[u] - M);
+            L += e * ls[u], f0 += e * a[u].x, f1 += e * a[u].y;
+          }
+#pragma unroll
+          for (int o = 1; o < 8; o <<= 1) {
+            L += __shfl_xor_sync(0xffffffffu, L, o);
+            f0 += __shfl_xor_sync(0xffffffffu, f0, o);
+            f1 += __shfl_xor_sync(0xffffffffu, f1, o);
+          }
+          const float il = 1.0f / L;
+          const u32 x2 = f22h2(f0 * il, f1 * il);
+          const float2 fx = h22f2(x2);
+          float v = sub == 0 ? fx.x + fx.y : 0.f;
+          if (sub == 0) xs[kp] = x2;
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+          if (lane == 0) atomicAdd(&xsum[hq], v);
+        }
+      }
+      if (n > 0 && !hm) {
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
@@ -583,12 +664,23 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
       consumers_sync();
       if (st && threadIdx.x == 0) st[2] = gtimer();
-      // the items (each consumer group every GROUPS-th, whole ring slots), sums into red
-      gemv_items(ring, full, empty, stages, pos0, n, G, j0, xs, xsum, red, warp, lane);
+      {  // the items (each consumer group every GROUPS-th, whole ring slots), sums into red;
+        // hm: entry e is tile (r.a + e) % T of head (r.a + e) / T, its sums in red tile e
+        const int T = (int)m[4], h0 = hm ? (int)(r.a / T) : 0;
+        gemv_items(ring, full, empty, stages, pos0, n, hm ? T : G, hm ? (int)(r.a % T) : j0,
+                   xs + h0 * 64, xsum + h0, red, warp, lane, hm);
+      }
       consumers_sync();
       if (st && threadIdx.x == 0) st[3] = gtimer();
       mass_after = mass_here;
-      if (n > 0) {
+      if (hm) {  // red tile e -> output tile (r.a + e) % T, 16 bytes a reduction
+        const int T = (int)m[4];
+        for (int t = threadIdx.x; t < n * 32; t += NW * 32) {
+          float4* rv = reinterpret_cast<float4*>(red) + t;
+          red_add_v4(out + (i64)((r.a + t / 32) % T) * 128 + 4 * (t % 32), *rv);
+          *rv = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      } else if (n > 0) {
         const int span = (int)((r.b - 1) / G) - tile0 + 1;
         for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
           atomicAdd(out + (i64)tile0 * 128 + t, red[t]);
@@ -650,26 +742,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             item_mma(ring + (size_t)slot * SLOT, xd, xsd, part_, lane, f);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);
-#if DOWN_V4
-            float* sc = merge + warp * 32;  // this warp's 32 rows (merge: the attention's own)
-            if ((lane & 3) == 0) {
-              const int g = lane >> 2;
-              sc[g] = f[0], sc[g + 8] = f[1], sc[g + 16] = f[2], sc[g + 24] = f[3];
-            }
-            __syncwarp();
-            if (lane < 8)
-              red_add_v4(out + (i64)t * HD + 32 * part_ + 4 * lane,
-                         *reinterpret_cast<const float4*>(sc + 4 * lane));
-            __syncwarp();
-#else
-            if ((lane & 3) == 0) {  // rows 32 part + 16 r + g (+ 8): see item_mma
-              float* o = out + (i64)t * HD + 32 * part_ + (lane >> 2);
-              atomicAdd(o, f[0]);
-              atomicAdd(o + 8, f[1]);
-              atomicAdd(o + 16, f[2]);
-              atomicAdd(o + 24, f[3]);
-            }
-#endif
+            // (scratch: 32 floats of merge a warp, the attention's own)
+            item_out(out + (i64)t * HD, merge + warp * 32, part_, lane, f);
           }
         }
       }
