@@ -208,7 +208,7 @@ def _nvrtc() -> bool:
 @pytest.mark.parametrize("gqa,norm_pairs,extra", [
     (4, 4, ()), (7, 4, ()), (8, 8, ()), (3, 1, ()), (4, 4, ("-DTIMELINE=1",)),
     (4, 4, ("-DSILU_VEC=0", "-DDOWN_V4=0")), (4, 4, ("-DITEM_ILP=1",)), (4, 4, ("-DO_HM=1",)),
-    (8, 8, ("-DO_HM=1",))])
+    (8, 8, ("-DO_HM=1",)), (4, 4, ("-DPOLL_PIPE=300",))])
 def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, extra, tmp_path,
                                                   monkeypatch):
     """The shapes and the benchmark's variant builds compile with NVRTC (no CUDA headers)."""

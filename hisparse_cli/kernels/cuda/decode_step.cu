@@ -84,6 +84,9 @@
 #define O_HM 0       // 1: the o GEMV takes its items head by head (a CTA's few items share one or
 #endif                   // two heads, so its x load combines those heads only, in one trip: m, l
                          // and the sums together) and adds each item's sums into h at once
+#ifndef POLL_PIPE
+#define POLL_PIPE 0      // > 0: the barrier's waiting thread keeps two counter loads in flight,
+#endif                   // started POLL_PIPE ns apart (a finer look at the counter; variant)
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -131,6 +134,29 @@ struct StepParams {
 __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float2 ldcg2(const float* p) {
   return __ldcg(reinterpret_cast<const float2*>(p));
+}
+// the grid barrier: wait until the arrival counter reaches target (acquire)
+__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned target) {
+#if POLL_PIPE
+  auto ld = [&]() {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    return v;
+  };
+  u32 a = ld();
+  __nanosleep(POLL_PIPE);
+  u32 b = ld();
+  while (true) {  // each compare waits for its own load only; the other stays in flight
+    if (a >= target) break;
+    a = ld();
+    if (b >= target) break;
+    b = ld();
+  }
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+  while (ld_acquire(counter) < target) {
+  }
+#endif
 }
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
@@ -501,9 +527,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
     }
     if (ph > 0 && (p.flags & F_BARRIER) && threadIdx.x == 0) {
-      const unsigned target = (unsigned)(ph * P);
-      while (ld_acquire(p.counter) < target) {
-      }
+      grid_wait(p.counter, (unsigned)(ph * P));
     }
     consumers_sync();
     if (st && threadIdx.x == 0) st[1] = gtimer();
