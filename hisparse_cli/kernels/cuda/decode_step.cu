@@ -87,6 +87,9 @@
 #ifndef POLL_PIPE
 #define POLL_PIPE 0      // > 0: the barrier's waiting thread keeps two counter loads in flight,
 #endif                   // started POLL_PIPE ns apart (a finer look at the counter; variant)
+#ifndef L2_AHEAD
+#define L2_AHEAD 0       // > 0: the producer also prefetches into L2 the weight items and KV
+#endif                   // pages L2_AHEAD ring entries past the one it loads (variant)
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -395,6 +398,49 @@ __device__ __forceinline__ void norm_x(const u32* erow, const float* in, const u
   }
 }
 
+// The producer's stream, phase by phase: this CTA's ring entries in phase m (npg: its KV pages;
+// a: the first item of a GEMV's range)
+__device__ __forceinline__ int phase_entries(const i64* m, int c, int P, int npg, int& a) {
+  if (m[0] == K_GEMV) {
+    const Range r = cta_range(m[3] * m[4], c, P);
+    a = (int)r.a;
+    return (int)(r.b - r.a);
+  }
+  if (m[0] == K_MLP) {  // per down group j = c, c + P, ...: gate tile j, up tile j (all hidden
+    // / 128 groups each), then the down items of input group j (every tile)
+    const int NGI = (int)m[4];
+    return (c < NGI ? (NGI - 1 - c) / P + 1 : 0) * (2 * (int)m[3] + (int)(m[1] / HD));
+  }
+  return m[0] == K_ATTN ? npg : 0;
+}
+// the weight item of entry k of a GEMV or MLP phase (O_HM: the o GEMV's entry i is tile i % T
+// of group i / T)
+__device__ __forceinline__ const u8* entry_item(const i64* m, int c, int P, int a, int k) {
+  if (m[0] == K_GEMV) {
+    const int i = a + k;
+    const int idx = O_HM && m[7] == X_ATT ? (i % (int)m[4]) * (int)m[3] + i / (int)m[4] : i;
+    return reinterpret_cast<const u8*>(m[5]) + (size_t)idx * ITEM_BYTES;
+  }
+  const int G = (int)m[3], NGI = (int)m[4], per = 2 * G + (int)(m[1] / HD);
+  const int j = c + (k / per) * P, e = k % per;
+  const size_t idx = e < G ? (size_t)j * G + e
+                     : e < 2 * G ? (size_t)(NGI + j) * G + (e - G)
+                                 : (size_t)(e - 2 * G) * NGI + j;
+  return reinterpret_cast<const u8*>(m[e < 2 * G ? 5 : 11]) + idx * ITEM_BYTES;
+}
+// the first row of unit page e in the TMA maps: true for a cache page (rows of the K / V maps),
+// false for a page of the layer's global slots (rows of the global maps)
+__device__ __forceinline__ bool page_row(const StepParams& p, int layer, int kvh, int e,
+                                         int n_cache_pages, int ppb, int& row) {
+  if (e < n_cache_pages) {
+    const i64 blk = p.dev[2 + e / ppb];
+    row = (int)(((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE);
+    return true;
+  }
+  row = (int)((((i64)layer * p.hkv + kvh) * p.G) + (e - n_cache_pages) * PAGE);
+  return false;
+}
+
 template <bool MASS>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     decode_step(const StepParams p, const __grid_constant__ TensorMap kmap,
@@ -445,6 +491,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   const int S = p.S, units = p.hkv * S;
   const int unit_pages = (n_pages + S - 1) / S;
 
+  // this CTA's KV pages (its attention unit's share of the step's pages)
+  const int npg_c = c < units ? max(0, min(n_pages, (c % S) * unit_pages + unit_pages) -
+                                         (c % S) * unit_pages)
+                              : 0;
   if (warp == NW) {  // producer: every phase's weight items and KV pages of this CTA, in order
     if (lane == 0) {
       int slot = 0, round = 0;
@@ -455,56 +505,65 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       auto advance = [&]() {
         if (++slot == stages) slot = 0, ++round;
       };
-      for (int ph = 0; ph < p.n_phase; ++ph) {
-        const i64* m = p.meta + ph * META;
-        if (m[0] == K_GEMV) {
-          const Range r = cta_range(m[3] * m[4], c, P);
-          const u8* items = reinterpret_cast<const u8*>(m[5]);
-          const bool hm = O_HM && m[7] == X_ATT;  // entry i: tile i % T of group i / T
-          for (i64 i = r.a; i < r.b; ++i) {
-            const i64 idx = hm ? (i % m[4]) * m[3] + i / m[4] : i;
-            u8* dst = next();
-            mbar_arrive_tx(&full[slot], ITEM_BYTES);
-            bulk_g2s(dst, items + (size_t)idx * ITEM_BYTES, ITEM_BYTES, &full[slot]);
-            advance();
+      // L2_AHEAD: a second cursor over the same stream, L2_AHEAD entries past the one being
+      // loaded, prefetches into L2 what the ring has no room for yet (it skips the first
+      // `stages` entries, which go straight into the ring)
+      int apos = 0, aph = 0, ak = 0, aa = 0;
+      int an = L2_AHEAD > 0 && p.n_phase > 0 ? phase_entries(p.meta, c, P, npg_c, aa) : 0;
+      auto ahead = [&](int target) {
+        while (apos < target && aph < p.n_phase) {
+          if (ak == an) {
+            if (++aph < p.n_phase) an = phase_entries(p.meta + aph * META, c, P, npg_c, aa);
+            ak = 0;
+            continue;
           }
-        } else if (m[0] == K_MLP) {  // per down group j of this CTA: gate tile j, up tile j
-          // (all hidden / 128 groups each), then the down items of input group j (every tile)
-          const int G = (int)m[3], NGI = (int)m[4], T = (int)(m[1] / HD);
-          const u8* gu = reinterpret_cast<const u8*>(m[5]);
-          const u8* dn = reinterpret_cast<const u8*>(m[11]);
-          for (int j = c; j < NGI; j += P) {
-            for (int e = 0; e < 2 * G + T; ++e) {
-              const i64 idx = e < G ? (i64)j * G + e
-                              : e < 2 * G ? (i64)(NGI + j) * G + (e - G)
-                                          : (i64)(e - 2 * G) * NGI + j;
-              u8* dst = next();
-              mbar_arrive_tx(&full[slot], ITEM_BYTES);
-              bulk_g2s(dst, (e < 2 * G ? gu : dn) + idx * ITEM_BYTES, ITEM_BYTES, &full[slot]);
-              advance();
+          if (apos >= stages) {
+            const i64* am = p.meta + aph * META;
+            if (am[0] == K_ATTN) {
+              const int e = (c % S) * unit_pages + ak;
+              int row;
+              if (page_row(p, (int)am[1], c / S, e, n_cache_pages, ppb, row)) {
+                prefetch_tma_3d(&kmap, 0, c / S, row);
+                prefetch_tma_3d(&vmap, 0, c / S, row);
+                prefetch_tma_3d(&vmap, 64, c / S, row);
+              } else {
+                prefetch_tma_3d(&gkmap, 0, 0, row);
+                prefetch_tma_3d(&gvmap, 0, 0, row);
+                prefetch_tma_3d(&gvmap, 64, 0, row);
+              }
+            } else {
+              prefetch_l2(entry_item(am, c, P, aa, ak), ITEM_BYTES);
             }
           }
-        } else if (m[0] == K_ATTN && c < units) {
-          const int layer = (int)m[1], kvh = c / S, s = c % S;
-          const int e0 = s * unit_pages, e1 = min(n_pages, e0 + unit_pages);
-          for (int e = e0; e < e1; ++e) {
-            u8* dst = next();
+          ++ak, ++apos;
+        }
+      };
+      int pos = 0;
+      for (int ph = 0; ph < p.n_phase; ++ph) {
+        const i64* m = p.meta + ph * META;
+        int a = 0;
+        const int n = phase_entries(m, c, P, npg_c, a);
+        for (int k = 0; k < n; ++k, ++pos) {
+          if (L2_AHEAD > 0) ahead(pos + 1 + L2_AHEAD);
+          u8* dst = next();
+          if (m[0] == K_ATTN) {  // page e of this unit: K, then V in two 64-dim halves
+            const int e = (c % S) * unit_pages + k, kvh = c / S;
             mbar_arrive_tx(&full[slot], 2 * PAGE * HD * 2);
-            if (e < n_cache_pages) {
-              const i64 blk = p.dev[2 + e / ppb];
-              const int row = (int)(((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE);
+            int row;
+            if (page_row(p, (int)m[1], kvh, e, n_cache_pages, ppb, row)) {
               tma_3d(dst, &kmap, 0, kvh, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2, &vmap, 0, kvh, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &vmap, 64, kvh, row, &full[slot]);
             } else {
-              const int row = (int)((((i64)layer * p.hkv + kvh) * p.G) +
-                                    (e - n_cache_pages) * PAGE);
               tma_3d(dst, &gkmap, 0, 0, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2, &gvmap, 0, 0, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &gvmap, 64, 0, row, &full[slot]);
             }
-            advance();
+          } else {
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, entry_item(m, c, P, a, k), ITEM_BYTES, &full[slot]);
           }
+          advance();
         }
       }
     }
