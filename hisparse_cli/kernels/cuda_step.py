@@ -282,9 +282,7 @@ class CudaDecodeStep:
                   (hidden // 128, self.gu_n // 128), (inter // 128, hidden // 128)]
         if head_items is not None:
             shapes.append((hidden // 128, self.vocab // 128))
-        # K_MLP: gate and up; O_HM (a variant build): a red tile for each of a CTA's o items
-        red_tiles = max(2, red_tiles_needed(shapes, self.ctas),
-                        -(-hq * (hidden // 128) // self.ctas))
+        red_tiles = max(2, red_tiles_needed(shapes, self.ctas))  # K_MLP: gate and up
         limit = props.shared_memory_per_block_optin
         self.stages = ring_stages(red_tiles, self.gqa, self.mass, limit)
         if self.stages is None:

@@ -80,16 +80,6 @@
 #define DOWN_V4 1        // the fused MLP's down sums leave as one 16-byte reduction a 4 rows
 #endif                   // (red.global.add.v4.f32; run 133: -0.03 / -0.06 ms a step);
                          // 0: 4-byte atomics
-#ifndef O_HM
-#define O_HM 0       // 1: the o GEMV takes its items head by head (a CTA's few items share one or
-#endif                   // two heads, so its x load combines those heads only, in one trip: m, l
-                         // and the sums together) and adds each item's sums into h at once
-#ifndef POLL_PIPE
-#define POLL_PIPE 0      // > 0: the barrier's waiting thread keeps two counter loads in flight,
-#endif                   // started POLL_PIPE ns apart (a finer look at the counter; variant)
-#ifndef L2_AHEAD
-#define L2_AHEAD 0       // > 0: the producer also prefetches into L2 the weight items and KV
-#endif                   // pages L2_AHEAD ring entries past the one it loads (variant)
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -137,29 +127,6 @@ struct StepParams {
 __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float2 ldcg2(const float* p) {
   return __ldcg(reinterpret_cast<const float2*>(p));
-}
-// the grid barrier: wait until the arrival counter reaches target (acquire)
-__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned target) {
-#if POLL_PIPE
-  auto ld = [&]() {
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-    return v;
-  };
-  u32 a = ld();
-  __nanosleep(POLL_PIPE);
-  u32 b = ld();
-  while (true) {  // each compare waits for its own load only; the other stays in flight
-    if (a >= target) break;
-    a = ld();
-    if (b >= target) break;
-    b = ld();
-  }
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#else
-  while (ld_acquire(counter) < target) {
-  }
-#endif
 }
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
@@ -307,41 +274,13 @@ __device__ __forceinline__ void red_add(float* red, int tile, int part, int lane
   for (int q = 0; q < 4; ++q) f[q] = 0.f;
 }
 
-// one item's sums f (item_mma: this warp's rows 32 part + g + {0, 8, 16, 24}) added into the
-// 128 rows at out (16-byte aligned): a 16-byte reduction a 4 rows through the warp's 32 floats
-// of scratch (DOWN_V4), else 4-byte atomics
-__device__ __forceinline__ void item_out(float* out, float* scratch, int part, int lane,
-                                         const float* f) {
-#if DOWN_V4
-  if ((lane & 3) == 0) {
-    const int g = lane >> 2;
-    scratch[g] = f[0], scratch[g + 8] = f[1], scratch[g + 16] = f[2], scratch[g + 24] = f[3];
-  }
-  __syncwarp();
-  if (lane < 8)
-    red_add_v4(out + 32 * part + 4 * lane, *reinterpret_cast<const float4*>(scratch + 4 * lane));
-  __syncwarp();
-#else
-  if ((lane & 3) == 0) {
-    float* o = out + 32 * part + (lane >> 2);
-    atomicAdd(o, f[0]);
-    atomicAdd(o + 8, f[1]);
-    atomicAdd(o + 16, f[2]);
-    atomicAdd(o + 24, f[3]);
-  }
-#endif
-}
-
 // The GEMV items of one phase on this warp: its consumer group takes ring entries pos + e,
 // e = grp, grp + GROUPS, ... < n (whole ring slots); entry e is input group (j0 + e) % G of
 // output tile (j0 + e) / G counted from the phase's first tile, and each tile's sums go into
-// red tile `tile` (red_add) when the warp moves past it. swap (O_HM; n <= G): the roles swap,
-// entry e is output tile (j0 + e) % G of input group (j0 + e) / G counted from the first, and
-// its sums go into red tile e.
+// red tile `tile` (red_add) when the warp moves past it.
 __device__ __forceinline__ void gemv_items(const u8* ring, u64* full, u64* empty, int stages,
                                            int pos, int n, int G, int j0, const u32* xs,
-                                           const float* xsum, float* red, int warp, int lane,
-                                           bool swap = false) {
+                                           const float* xsum, float* red, int warp, int lane) {
   const int part_ = warp % SPLIT, grp = warp / SPLIT;
   int slot;
   u32 phase;
@@ -351,13 +290,12 @@ __device__ __forceinline__ void gemv_items(const u8* ring, u64* full, u64* empty
   for (int e = first; e < n; e += GROUPS, slot += GROUPS, j += GROUPS) {
     if (slot >= stages) slot -= stages, phase ^= 1u;
     while (j >= G) j -= G, ++rel;
-    const int tile = swap ? e : rel, xg = swap ? rel : j;
-    if (tile != cur) {
+    if (rel != cur) {
       if (cur >= 0) red_add(red, cur, part_, lane, f);
-      cur = tile;
+      cur = rel;
     }
     warp_wait(&full[slot], phase);
-    item_mma(ring + (size_t)slot * SLOT, xs + xg * 64, xsum[xg], part_, lane, f);
+    item_mma(ring + (size_t)slot * SLOT, xs + j * 64, xsum[j], part_, lane, f);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);
   }
@@ -396,49 +334,6 @@ __device__ __forceinline__ void norm_x(const u32* erow, const float* in, const u
       group_sum(xsum, kp, x2, lane);
     }
   }
-}
-
-// The producer's stream, phase by phase: this CTA's ring entries in phase m (npg: its KV pages;
-// a: the first item of a GEMV's range)
-__device__ __forceinline__ int phase_entries(const i64* m, int c, int P, int npg, int& a) {
-  if (m[0] == K_GEMV) {
-    const Range r = cta_range(m[3] * m[4], c, P);
-    a = (int)r.a;
-    return (int)(r.b - r.a);
-  }
-  if (m[0] == K_MLP) {  // per down group j = c, c + P, ...: gate tile j, up tile j (all hidden
-    // / 128 groups each), then the down items of input group j (every tile)
-    const int NGI = (int)m[4];
-    return (c < NGI ? (NGI - 1 - c) / P + 1 : 0) * (2 * (int)m[3] + (int)(m[1] / HD));
-  }
-  return m[0] == K_ATTN ? npg : 0;
-}
-// the weight item of entry k of a GEMV or MLP phase (O_HM: the o GEMV's entry i is tile i % T
-// of group i / T)
-__device__ __forceinline__ const u8* entry_item(const i64* m, int c, int P, int a, int k) {
-  if (m[0] == K_GEMV) {
-    const int i = a + k;
-    const int idx = O_HM && m[7] == X_ATT ? (i % (int)m[4]) * (int)m[3] + i / (int)m[4] : i;
-    return reinterpret_cast<const u8*>(m[5]) + (size_t)idx * ITEM_BYTES;
-  }
-  const int G = (int)m[3], NGI = (int)m[4], per = 2 * G + (int)(m[1] / HD);
-  const int j = c + (k / per) * P, e = k % per;
-  const size_t idx = e < G ? (size_t)j * G + e
-                     : e < 2 * G ? (size_t)(NGI + j) * G + (e - G)
-                                 : (size_t)(e - 2 * G) * NGI + j;
-  return reinterpret_cast<const u8*>(m[e < 2 * G ? 5 : 11]) + idx * ITEM_BYTES;
-}
-// the first row of unit page e in the TMA maps: true for a cache page (rows of the K / V maps),
-// false for a page of the layer's global slots (rows of the global maps)
-__device__ __forceinline__ bool page_row(const StepParams& p, int layer, int kvh, int e,
-                                         int n_cache_pages, int ppb, int& row) {
-  if (e < n_cache_pages) {
-    const i64 blk = p.dev[2 + e / ppb];
-    row = (int)(((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE);
-    return true;
-  }
-  row = (int)((((i64)layer * p.hkv + kvh) * p.G) + (e - n_cache_pages) * PAGE);
-  return false;
 }
 
 template <bool MASS>
@@ -491,10 +386,6 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   const int S = p.S, units = p.hkv * S;
   const int unit_pages = (n_pages + S - 1) / S;
 
-  // this CTA's KV pages (its attention unit's share of the step's pages)
-  const int npg_c = c < units ? max(0, min(n_pages, (c % S) * unit_pages + unit_pages) -
-                                         (c % S) * unit_pages)
-                              : 0;
   if (warp == NW) {  // producer: every phase's weight items and KV pages of this CTA, in order
     if (lane == 0) {
       int slot = 0, round = 0;
@@ -505,65 +396,54 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       auto advance = [&]() {
         if (++slot == stages) slot = 0, ++round;
       };
-      // L2_AHEAD: a second cursor over the same stream, L2_AHEAD entries past the one being
-      // loaded, prefetches into L2 what the ring has no room for yet (it skips the first
-      // `stages` entries, which go straight into the ring)
-      int apos = 0, aph = 0, ak = 0, aa = 0;
-      int an = L2_AHEAD > 0 && p.n_phase > 0 ? phase_entries(p.meta, c, P, npg_c, aa) : 0;
-      auto ahead = [&](int target) {
-        while (apos < target && aph < p.n_phase) {
-          if (ak == an) {
-            if (++aph < p.n_phase) an = phase_entries(p.meta + aph * META, c, P, npg_c, aa);
-            ak = 0;
-            continue;
-          }
-          if (apos >= stages) {
-            const i64* am = p.meta + aph * META;
-            if (am[0] == K_ATTN) {
-              const int e = (c % S) * unit_pages + ak;
-              int row;
-              if (page_row(p, (int)am[1], c / S, e, n_cache_pages, ppb, row)) {
-                prefetch_tma_3d(&kmap, 0, c / S, row);
-                prefetch_tma_3d(&vmap, 0, c / S, row);
-                prefetch_tma_3d(&vmap, 64, c / S, row);
-              } else {
-                prefetch_tma_3d(&gkmap, 0, 0, row);
-                prefetch_tma_3d(&gvmap, 0, 0, row);
-                prefetch_tma_3d(&gvmap, 64, 0, row);
-              }
-            } else {
-              prefetch_l2(entry_item(am, c, P, aa, ak), ITEM_BYTES);
-            }
-          }
-          ++ak, ++apos;
-        }
-      };
-      int pos = 0;
       for (int ph = 0; ph < p.n_phase; ++ph) {
         const i64* m = p.meta + ph * META;
-        int a = 0;
-        const int n = phase_entries(m, c, P, npg_c, a);
-        for (int k = 0; k < n; ++k, ++pos) {
-          if (L2_AHEAD > 0) ahead(pos + 1 + L2_AHEAD);
-          u8* dst = next();
-          if (m[0] == K_ATTN) {  // page e of this unit: K, then V in two 64-dim halves
-            const int e = (c % S) * unit_pages + k, kvh = c / S;
+        if (m[0] == K_GEMV) {
+          const Range r = cta_range(m[3] * m[4], c, P);
+          const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
+          for (i64 i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
+            u8* dst = next();
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
+            advance();
+          }
+        } else if (m[0] == K_MLP) {  // per down group j of this CTA: gate tile j, up tile j
+          // (all hidden / 128 groups each), then the down items of input group j (every tile)
+          const int G = (int)m[3], NGI = (int)m[4], T = (int)(m[1] / HD);
+          const u8* gu = reinterpret_cast<const u8*>(m[5]);
+          const u8* dn = reinterpret_cast<const u8*>(m[11]);
+          for (int j = c; j < NGI; j += P) {
+            for (int e = 0; e < 2 * G + T; ++e) {
+              const i64 idx = e < G ? (i64)j * G + e
+                              : e < 2 * G ? (i64)(NGI + j) * G + (e - G)
+                                          : (i64)(e - 2 * G) * NGI + j;
+              u8* dst = next();
+              mbar_arrive_tx(&full[slot], ITEM_BYTES);
+              bulk_g2s(dst, (e < 2 * G ? gu : dn) + idx * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+              advance();
+            }
+          }
+        } else if (m[0] == K_ATTN && c < units) {
+          const int layer = (int)m[1], kvh = c / S, s = c % S;
+          const int e0 = s * unit_pages, e1 = min(n_pages, e0 + unit_pages);
+          for (int e = e0; e < e1; ++e) {
+            u8* dst = next();
             mbar_arrive_tx(&full[slot], 2 * PAGE * HD * 2);
-            int row;
-            if (page_row(p, (int)m[1], kvh, e, n_cache_pages, ppb, row)) {
+            if (e < n_cache_pages) {
+              const i64 blk = p.dev[2 + e / ppb];
+              const int row = (int)(((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE);
               tma_3d(dst, &kmap, 0, kvh, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2, &vmap, 0, kvh, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &vmap, 64, kvh, row, &full[slot]);
             } else {
+              const int row = (int)((((i64)layer * p.hkv + kvh) * p.G) +
+                                    (e - n_cache_pages) * PAGE);
               tma_3d(dst, &gkmap, 0, 0, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2, &gvmap, 0, 0, row, &full[slot]);
               tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &gvmap, 64, 0, row, &full[slot]);
             }
-          } else {
-            mbar_arrive_tx(&full[slot], ITEM_BYTES);
-            bulk_g2s(dst, entry_item(m, c, P, a, k), ITEM_BYTES, &full[slot]);
+            advance();
           }
-          advance();
         }
       }
     }
@@ -586,7 +466,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
     }
     if (ph > 0 && (p.flags & F_BARRIER) && threadIdx.x == 0) {
-      grid_wait(p.counter, (unsigned)(ph * P));
+      const unsigned target = (unsigned)(ph * P);
+      while (ld_acquire(p.counter) < target) {
+      }
     }
     consumers_sync();
     if (st && threadIdx.x == 0) st[1] = gtimer();
@@ -615,53 +497,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int kp = threadIdx.x; kp < K / 2; kp += NW * 32)  // may have no items here)
           reinterpret_cast<float2*>(p.h)[kp] = h22f2(erow[kp]);
       }
-      const bool hm = O_HM && xform == X_ATT;  // the o GEMV head by head (O_HM)
-      if (hm && n > 0) {  // x of the heads h0 .. (r.b - 1) / T, one trip: 8 lanes a pair of
-        // dims, each lane every 8th split's m, l and sums, combined across the 8
-        const int T = (int)m[4], h0 = (int)(r.a / T), nh = (int)((r.b - 1) / T) - h0 + 1;
-        const int sub = lane & 7;
-        for (int task = threadIdx.x >> 3; task < nh * 64; task += NW * 4) {
-          // (64 tasks a head, 4 a warp: a warp's tasks are one head's)
-          const int hq = h0 + task / 64, kp = hq * 64 + task % 64, q = hq % GQA;
-          const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE;
-          float ms[MAX_S / 8], ls[MAX_S / 8];
-          float2 a[MAX_S / 8];
-#pragma unroll
-          for (int u = 0; u < MAX_S / 8; ++u) {
-            const int s = sub + 8 * u;
-            const float* ps = pp + (size_t)s * ATT_STRIDE;
-            ms[u] = s < S ? ldcg(ps + GQA * HD + q) : neg_inf();
-            ls[u] = s < S ? ldcg(ps + GQA * HD + GQA + q) : 0.f;
-            a[u] = s < S ? ldcg2(ps + q * HD + 2 * (task % 64)) : make_float2(0.f, 0.f);
-          }
-          float M = neg_inf();
-#pragma unroll
-          for (int u = 0; u < MAX_S / 8; ++u) M = fmaxf(M, ms[u]);
-#pragma unroll
-          for (int o = 1; o < 8; o <<= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-          float L = 0.f, f0 = 0.f, f1 = 0.f;
-#pragma unroll
-          for (int u = 0; u < MAX_S / 8; ++u) {
-            const float e = ms[u] == neg_inf() ? 0.f : ex(ms[u] - M);
-            L += e * ls[u], f0 += e * a[u].x, f1 += e * a[u].y;
-          }
-#pragma unroll
-          for (int o = 1; o < 8; o <<= 1) {
-            L += __shfl_xor_sync(0xffffffffu, L, o);
-            f0 += __shfl_xor_sync(0xffffffffu, f0, o);
-            f1 += __shfl_xor_sync(0xffffffffu, f1, o);
-          }
-          const float il = 1.0f / L;
-          const u32 x2 = f22h2(f0 * il, f1 * il);
-          const float2 fx = h22f2(x2);
-          float v = sub == 0 ? fx.x + fx.y : 0.f;
-          if (sub == 0) xs[kp] = x2;
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-          if (lane == 0) atomicAdd(&xsum[hq], v);
-        }
-      }
-      if (n > 0 && !hm) {
+      if (n > 0) {
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
@@ -747,23 +583,12 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       }
       consumers_sync();
       if (st && threadIdx.x == 0) st[2] = gtimer();
-      {  // the items (each consumer group every GROUPS-th, whole ring slots), sums into red;
-        // hm: entry e is tile (r.a + e) % T of head (r.a + e) / T, its sums in red tile e
-        const int T = (int)m[4], h0 = hm ? (int)(r.a / T) : 0;
-        gemv_items(ring, full, empty, stages, pos0, n, hm ? T : G, hm ? (int)(r.a % T) : j0,
-                   xs + h0 * 64, xsum + h0, red, warp, lane, hm);
-      }
+      // the items (each consumer group every GROUPS-th, whole ring slots), sums into red
+      gemv_items(ring, full, empty, stages, pos0, n, G, j0, xs, xsum, red, warp, lane);
       consumers_sync();
       if (st && threadIdx.x == 0) st[3] = gtimer();
       mass_after = mass_here;
-      if (hm) {  // red tile e -> output tile (r.a + e) % T, 16 bytes a reduction
-        const int T = (int)m[4];
-        for (int t = threadIdx.x; t < n * 32; t += NW * 32) {
-          float4* rv = reinterpret_cast<float4*>(red) + t;
-          red_add_v4(out + (i64)((r.a + t / 32) % T) * 128 + 4 * (t % 32), *rv);
-          *rv = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-      } else if (n > 0) {
+      if (n > 0) {
         const int span = (int)((r.b - 1) / G) - tile0 + 1;
         for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
           atomicAdd(out + (i64)tile0 * 128 + t, red[t]);
@@ -825,8 +650,26 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             item_mma(ring + (size_t)slot * SLOT, xd, xsd, part_, lane, f);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);
-            // (scratch: 32 floats of merge a warp, the attention's own)
-            item_out(out + (i64)t * HD, merge + warp * 32, part_, lane, f);
+#if DOWN_V4
+            float* sc = merge + warp * 32;  // this warp's 32 rows (merge: the attention's own)
+            if ((lane & 3) == 0) {
+              const int g = lane >> 2;
+              sc[g] = f[0], sc[g + 8] = f[1], sc[g + 16] = f[2], sc[g + 24] = f[3];
+            }
+            __syncwarp();
+            if (lane < 8)
+              red_add_v4(out + (i64)t * HD + 32 * part_ + 4 * lane,
+                         *reinterpret_cast<const float4*>(sc + 4 * lane));
+            __syncwarp();
+#else
+            if ((lane & 3) == 0) {  // rows 32 part + 16 r + g (+ 8): see item_mma
+              float* o = out + (i64)t * HD + 32 * part_ + (lane >> 2);
+              atomicAdd(o, f[0]);
+              atomicAdd(o + 8, f[1]);
+              atomicAdd(o + 16, f[2]);
+              atomicAdd(o + 24, f[3]);
+            }
+#endif
           }
         }
       }

@@ -61,10 +61,6 @@ __device__ __forceinline__ void tma_3d(void* dst, const TensorMap* map, int c0, 
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
 }
-__device__ __forceinline__ void prefetch_tma_3d(const TensorMap* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];"
-               ::"l"(map), "r"(c0), "r"(c1), "r"(c2) : "memory");
-}
 __device__ __forceinline__ u64 gtimer() {
   u64 t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
