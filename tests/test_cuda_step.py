@@ -231,7 +231,7 @@ def _bench():
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", range(2))
-@pytest.mark.parametrize("mlp", ["", "FUSE_MLP=0"])
+@pytest.mark.parametrize("mlp", ["", "FUSE_MLP=0", "FUSE_MLP=2"])
 def test_kernel_step_equals_the_triton_step(case, mlp):
     """Each step from the same state: logits, stored K/V, masses; the MLP as one phase (the
     small models' 22 intermediate groups) and as two GEMV phases. Bounds: fp16 activations
@@ -301,9 +301,10 @@ def test_planner_counts_the_persistent_buffers(monkeypatch):
     ws = 4 * (4 + 32 * 6144 + 128256)
     want = -(-ws // 512) * 512 + 4 * 4096 + 4 * 8 * 16 * 4 * 130 + -(-8 * 12 * 129 // 512) * 512
     assert cuda_step.buffer_bytes(cfg, True, 132) == want == 1595392
-    # 100 SMs: two GEMV phases, 161 rows, and 32 layers x 28672 gate|up sums; 12 splits
+    # 100 SMs: two GEMV phases, 161 rows, and 32 layers x (28672 gate|up sums + 224 tile
+    # flags, which only K_MLP2 reads); 12 splits
     two = (-(-ws // 512) * 512 + 4 * 4096 + 4 * 8 * 12 * 4 * 130 + -(-8 * 12 * 161 // 512) * 512
-           + 4 * 32 * 28672)
+           + 4 * 32 * (28672 + 224))
     assert cuda_step.buffer_bytes(cfg, True, 100) == two
 
     def plan():

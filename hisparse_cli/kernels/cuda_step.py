@@ -37,7 +37,7 @@ ITEM_BYTES, ITEM_WORDS, SLOT = 8512, 2128, 9216
 MAX_K, MAX_S, MAX_HQ, MAX_UNIT_PAGES, MASS_PAGES = 14336, 32, 64, 1024, 32
 MAX_HIDDEN = 8192  # the RMSNorm's x loads stay in registers (NORM_PAIRS)
 META = 12
-K_GEMV, K_ATTN, K_FINAL_NORM, K_MLP = 0, 1, 2, 3
+K_GEMV, K_ATTN, K_FINAL_NORM, K_MLP, K_MLP2 = 0, 1, 2, 3, 4
 X_NORM, X_SILU, X_ATT, X_NORM_EMB = 0, 1, 2, 3
 F_BARRIER, F_MASS, F_TIMELINE = 1, 2, 4
 STAGES = 16  # ring slots (a multiple of the 4 consumer groups: a slot keeps one owner)
@@ -71,10 +71,16 @@ def fuse_mlp(intermediate: int, ctas: int) -> bool:
     return intermediate // 128 <= ctas
 
 
+def mlp_form(intermediate: int, ctas: int) -> int:
+    """The MLP's form a step runs by default (CudaDecodeStep._phases): 1 (K_MLP) where
+    fuse_mlp says so, else 0 (two GEMV phases)."""
+    return int(fuse_mlp(intermediate, ctas))
+
+
 def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
     """Device bytes of one CudaDecodeStep's own buffers (as the caching allocator counts
     them): the step's zeroed workspace (barrier, each layer's q|k|v sums, the INT4 head's
-    logits), each layer's gate|up sums (only where the MLP is not one phase), the residual
+    logits), each layer's gate|up sums (unless the MLP is K_MLP), the residual
     stream, the attention partials, the phase table, and the fp16 head's normed input. The
     memory planner adds them under HISPARSE_DECODE_KERNEL=persistent (planner.py)."""
     from hisparse_cli.planner_trace import cuda_block_bytes
@@ -82,12 +88,12 @@ def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
     L, hq, hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     S = min(MAX_S, ctas // hkv)
-    fused = fuse_mlp(inter, ctas)
+    form = mlp_form(inter, ctas)
     ws = 4 + L * (hq + 2 * hkv) * HD + (cfg.vocab_size if int4_head else 0)
     parts = [4 * ws, 4 * hidden, 4 * hkv * S * (hq // hkv) * (HD + 2),
-             8 * META * ((4 if fused else 5) * L + 1)]
-    if not fused:
-        parts.append(4 * L * 2 * inter)
+             8 * META * ((5 if form == 0 else 4) * L + 1)]
+    if form != 1:  # each layer's gate|up sums and (K_MLP2) its tiles' flags
+        parts.append(4 * L * (2 * inter + 2 * (inter // 128)))
     if not int4_head:
         parts.append(2 * hidden)
     return sum(cuda_block_bytes(b) for b in parts)
@@ -263,6 +269,7 @@ class CudaDecodeStep:
                              f"(the kernel keeps {MASS_PAGES})")
         L = cfg.num_hidden_layers
         self.qkv_n, self.gu_n = (hq + 2 * hkv) * HD, 2 * inter
+        self.gu_stride = self.gu_n + 2 * (inter // 128)  # a layer's gate|up sums and flags
         head_items = _items_of(model.lm_head)
         self.vocab = cfg.vocab_size
         # per step zeroed: the barrier counter (4 floats' room), each layer's q|k|v sums, the
@@ -290,8 +297,8 @@ class CudaDecodeStep:
         self.smem = smem_bytes(self.stages, red_tiles, self.gqa, self.mass)
         self.device_index = (device.index if device.index is not None
                              else torch.cuda.current_device())
-        self.fused_default = fuse_mlp(inter, self.ctas)
-        self.fused: bool | None = None
+        self.fused_default = mlp_form(inter, self.ctas)  # the MLP's form (_phases)
+        self.fused: int | None = None
         self.meta = None
         self._tables: dict = {}
 
@@ -335,9 +342,10 @@ class CudaDecodeStep:
         else:  # never read (no global pages): any valid map
             self.maps += self.maps[:2]
 
-    def _phases(self, fused: bool) -> None:
-        """The phase table (META int64 a row) with the MLP as one phase (K_MLP) or as the
-        gate|up and down GEMVs."""
+    def _phases(self, fused: int) -> None:
+        """The phase table (META int64 a row) with the MLP as the gate|up and down GEMVs (0),
+        as one phase with each CTA owning whole down groups (1, K_MLP) or as one phase over
+        every CTA with tile flags between the GEMVs (2, K_MLP2)."""
         if fused in self._tables:  # kept: a captured graph's launch holds its address
             self.meta, self.kinds = self._tables[fused]
             self.params.meta, self.params.n_phase = self.meta.data_ptr(), len(self.kinds)
@@ -346,8 +354,10 @@ class CudaDecodeStep:
         model, cfg = self.model, self.model.cfg
         hq, hidden, inter = cfg.num_attention_heads, cfg.hidden_size, cfg.intermediate_size
         L = cfg.num_hidden_layers
-        if not fused and self.gu is None:
-            self.gu = torch.zeros(L * self.gu_n, dtype=torch.float32, device=self.ws.device)
+        if fused != 1 and self.gu is None:  # each layer's gate|up sums, then (K_MLP2) its
+            # tiles' flags
+            self.gu = torch.zeros(L * self.gu_stride, dtype=torch.float32,
+                                  device=self.ws.device)
         ws, h = self.ws.data_ptr(), self.h.data_ptr()
         rows, kinds = [], []
 
@@ -371,13 +381,18 @@ class CudaDecodeStep:
             kinds.append("attn")
             gemv("o", att.o_proj, hq * HD, hidden, h, X_ATT, 0, 0, i)
             norm = layer.post_attention_layernorm.weight.data_ptr()
-            if fused:
+            gu = self.gu.data_ptr() + 4 * i * self.gu_stride if fused != 1 else 0
+            if fused == 2:
+                rows.append([K_MLP2, hidden, inter, hidden // 128, inter // 128,
+                             items(mlp.gate_up_proj, hidden, self.gu_n), h, gu, h, norm, i,
+                             items(mlp.down_proj, inter, hidden)])
+                kinds.append("mlp")
+            elif fused:
                 rows.append([K_MLP, hidden, inter, hidden // 128, inter // 128,
                              items(mlp.gate_up_proj, hidden, self.gu_n), h, X_NORM, h, norm, i,
                              items(mlp.down_proj, inter, hidden)])
                 kinds.append("mlp")
             else:
-                gu = self.gu.data_ptr() + 4 * i * self.gu_n
                 gemv("gate|up", mlp.gate_up_proj, hidden, self.gu_n, gu, X_NORM, h, norm)
                 gemv("down", mlp.down_proj, inter, hidden, h, X_SILU, gu, 0)
         final_w = model.model.norm.weight.data_ptr()
@@ -396,13 +411,13 @@ class CudaDecodeStep:
 
     def use_variant(self, extra: tuple[str, ...]) -> None:
         """Launch the kernel built with these extra compiler options from now on (benchmarks;
-        () is the default build). "-DFUSE_MLP=0" / "=1" picks the MLP's form instead (the
-        default: fuse_mlp)."""
+        () is the default build). "-DFUSE_MLP=0" / "=1" / "=2" picks the MLP's form instead
+        (_phases; the default: fuse_mlp)."""
         fused = self.fused_default
         opts = []
         for o in extra:
             if o.startswith("-DFUSE_MLP="):
-                fused = o.split("=", 1)[1] != "0"
+                fused = int(o.split("=", 1)[1])
             else:
                 opts.append(o)
         if fused != self.fused:
@@ -433,7 +448,7 @@ class CudaDecodeStep:
     def __call__(self) -> torch.Tensor:
         """One step on the current stream -> logits [1, V] fp32 (a static buffer)."""
         self.ws.zero_()
-        if not self.fused:
+        if self.fused != 1:
             self.gu.zero_()
         self.function.launch((self.ctas, 1, 1), ((NW + 1) * 32, 1, 1), self.smem,
                              [self.params, *self.maps])

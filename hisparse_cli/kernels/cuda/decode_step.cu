@@ -16,10 +16,12 @@
 //   split-K partials) -> o GEMV (its x load combines the partials; it adds into h, the
 //   residual stream, kept in fp32; with the importance mass, each attention unit's keys'
 //   probabilities are added to the run's score / global mass after the phase's arrival) ->
-//   MLP: gate|up and down in one phase (K_MLP: each CTA owns whole down input groups, so the
-//   gate|up sums it needs are its own; x = RMSNorm(h), then silu(g) u; adds into h), or, where
-//   the intermediate size has more 128-groups than there are CTAs, gate|up GEMV (x =
-//   RMSNorm(h)) -> down GEMV (x = silu(g) u; adds into h);
+//   MLP: gate|up and down in one phase, either over every CTA with per-tile flags between
+//   the two GEMVs (K_MLP2: x = RMSNorm(h); gate|up sums through memory; then x = silu(g) u of
+//   the CTA's down groups; adds into h) or with each CTA owning whole down input groups, so
+//   that the gate|up sums it needs are its own (K_MLP, which leaves CTAs idle where the
+//   intermediate has fewer 128-groups than there are CTAs), or as two phases, gate|up GEMV
+//   (x = RMSNorm(h)) -> down GEMV (x = silu(g) u; adds into h);
 //   then either the INT4 lm_head GEMV (x = RMSNorm(h) with the final norm) into the logits, or
 //   FINAL_NORM (the normed hidden state in fp16 for an fp16 head run by the host after this).
 //
@@ -88,6 +90,7 @@
 #define K_ATTN 1
 #define K_FINAL_NORM 2
 #define K_MLP 3       // gate|up + down in one phase (no barrier between them)
+#define K_MLP2 4      // gate|up + down in one phase over every CTA, tile flags between them
 #define X_NORM 0      // x = RMSNorm(h) * w
 #define X_SILU 1      // x = silu(g) * u of the gate|up output
 #define X_ATT 2       // x = the attention output combined from the split partials
@@ -274,6 +277,31 @@ __device__ __forceinline__ void red_add(float* red, int tile, int part, int lane
   for (int q = 0; q < 4; ++q) f[q] = 0.f;
 }
 
+// one item's sums f (item_mma: this warp's rows 32 part + g + {0, 8, 16, 24}) added into the
+// 128 rows at out (16-byte aligned): a 16-byte reduction a 4 rows through the warp's 32 floats
+// of scratch (DOWN_V4), else 4-byte atomics
+__device__ __forceinline__ void item_out(float* out, float* scratch, int part, int lane,
+                                         const float* f) {
+#if DOWN_V4
+  if ((lane & 3) == 0) {
+    const int g = lane >> 2;
+    scratch[g] = f[0], scratch[g + 8] = f[1], scratch[g + 16] = f[2], scratch[g + 24] = f[3];
+  }
+  __syncwarp();
+  if (lane < 8)
+    red_add_v4(out + 32 * part + 4 * lane, *reinterpret_cast<const float4*>(scratch + 4 * lane));
+  __syncwarp();
+#else
+  if ((lane & 3) == 0) {
+    float* o = out + 32 * part + (lane >> 2);
+    atomicAdd(o, f[0]);
+    atomicAdd(o + 8, f[1]);
+    atomicAdd(o + 16, f[2]);
+    atomicAdd(o + 24, f[3]);
+  }
+#endif
+}
+
 // The GEMV items of one phase on this warp: its consumer group takes ring entries pos + e,
 // e = grp, grp + GROUPS, ... < n (whole ring slots); entry e is input group (j0 + e) % G of
 // output tile (j0 + e) / G counted from the phase's first tile, and each tile's sums go into
@@ -423,6 +451,27 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               advance();
             }
           }
+        } else if (m[0] == K_MLP2) {  // this CTA's range of the gate|up items (tile-major),
+          // then its range of the down items taken group by group (entry i: tile i % T of
+          // input group i / T)
+          const int G = (int)m[3], NGI = (int)m[4], T = (int)(m[1] / HD);
+          const u8* gu = reinterpret_cast<const u8*>(m[5]);
+          const u8* dn = reinterpret_cast<const u8*>(m[11]);
+          const Range r1 = cta_range((i64)2 * NGI * G, c, P), r2 = cta_range((i64)NGI * T, c, P);
+          for (i64 i = r1.a; i < r1.b; ++i) {
+            u8* dst = next();
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, gu + i * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+            advance();
+          }
+          int j = (int)(r2.a / T), t = (int)(r2.a % T);
+          for (i64 i = r2.a; i < r2.b; ++i) {
+            u8* dst = next();
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, dn + ((i64)t * NGI + j) * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+            advance();
+            if (++t == T) t = 0, ++j;
+          }
         } else if (m[0] == K_ATTN && c < units) {
           const int layer = (int)m[1], kvh = c / S, s = c % S;
           const int e0 = s * unit_pages, e1 = min(n_pages, e0 + unit_pages);
@@ -455,8 +504,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const i64* m = p.meta + ph * META;
     u64* st = TIMELINE && (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
     if (st && threadIdx.x == 0) st[0] = gtimer(), st[2] = st[3] = 0;
-    if (m[0] == K_GEMV || m[0] == K_MLP)  // the x loads add each group's x sum here
-      for (int t = threadIdx.x; t < (int)m[3]; t += NW * 32) xsum[t] = 0.f;
+    if (m[0] == K_GEMV || m[0] == K_MLP || m[0] == K_MLP2)  // the x loads add each group's
+      for (int t = threadIdx.x; t < (int)m[3]; t += NW * 32) xsum[t] = 0.f;  // x sum here
     if (m[0] == K_ATTN && c < units) {  // before the barrier (they do not depend on the
       // step's results): the visibility masks of this unit's pages
       const int e0 = (c % S) * unit_pages, npg = max(0, min(n_pages, e0 + unit_pages) - e0);
@@ -650,27 +699,88 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             item_mma(ring + (size_t)slot * SLOT, xd, xsd, part_, lane, f);
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);
-#if DOWN_V4
-            float* sc = merge + warp * 32;  // this warp's 32 rows (merge: the attention's own)
-            if ((lane & 3) == 0) {
-              const int g = lane >> 2;
-              sc[g] = f[0], sc[g + 8] = f[1], sc[g + 16] = f[2], sc[g + 24] = f[3];
-            }
-            __syncwarp();
-            if (lane < 8)
-              red_add_v4(out + (i64)t * HD + 32 * part_ + 4 * lane,
-                         *reinterpret_cast<const float4*>(sc + 4 * lane));
-            __syncwarp();
-#else
-            if ((lane & 3) == 0) {  // rows 32 part + 16 r + g (+ 8): see item_mma
-              float* o = out + (i64)t * HD + 32 * part_ + (lane >> 2);
-              atomicAdd(o, f[0]);
-              atomicAdd(o + 8, f[1]);
-              atomicAdd(o + 16, f[2]);
-              atomicAdd(o + 24, f[3]);
-            }
-#endif
+            // (scratch: 32 floats of merge a warp, the attention's own)
+            item_out(out + (i64)t * HD, merge + warp * 32, part_, lane, f);
           }
+        }
+      }
+      consumers_sync();
+      if (st && threadIdx.x == 0) st[3] = gtimer();
+    } else if (m[0] == K_MLP2) {  // ------------------------- gate|up + down over every CTA
+      // [1] hidden [2] intermediate [3] G (hidden / 128) [4] NGI (intermediate / 128) [5]
+      // gate|up items [6] out (h, added into) [7] gate|up sums (fp32 [2 intermediate], then
+      // the tiles' flags: u32 [2 NGI], both zeroed each step) [8] in (h) [9] norm weight [11]
+      // down items. The gate|up items are shared out over every CTA as a GEMV's (x =
+      // RMSNorm(h)); each CTA adds its sums into the gate|up buffer and then its item count
+      // into each touched tile's flag (release). Then the down items, shared out group by
+      // group: a CTA's range is one or two input groups j, whose x_j = silu(g) u it makes
+      // once the flags of gate tile j and up tile j say all G items are in (acquire); each
+      // down item's sums go into h at once. No grid barrier between the two GEMVs, and no
+      // CTA left out (K_MLP leaves CTAs past the intermediate's groups idle).
+      const int K = (int)m[1], G = (int)m[3], NGI = (int)m[4], T = K / HD, I = NGI * HD;
+      float* out = reinterpret_cast<float*>(m[6]);
+      float* gus = reinterpret_cast<float*>(m[7]);
+      unsigned* flag = reinterpret_cast<unsigned*>(gus + 2 * I);
+      const Range r1 = cta_range((i64)2 * NGI * G, c, P), r2 = cta_range((i64)NGI * T, c, P);
+      const int n1 = (int)(r1.b - r1.a), n2 = (int)(r2.b - r2.a);
+      n_streamed = n1 + n2;
+      if (n1 > 0)
+        norm_x(nullptr, reinterpret_cast<const float*>(m[8]),
+               reinterpret_cast<const u16*>(m[9]), K, p.eps, xs, xsum, ssum, warp, lane);
+      consumers_sync();
+      if (st && threadIdx.x == 0) st[2] = gtimer();
+      gemv_items(ring, full, empty, stages, pos0, n1, G, (int)(r1.a % G), xs, xsum, red, warp,
+                 lane);
+      consumers_sync();
+      if (n1 > 0) {  // the sums into the gate|up buffer, then each tile's item count
+        const int tile0 = (int)(r1.a / G), span = (int)((r1.b - 1) / G) - tile0 + 1;
+        for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
+          atomicAdd(gus + (i64)tile0 * 128 + t, red[t]);
+          red[t] = 0.f;
+        }
+        consumers_sync();
+        if (threadIdx.x < span) {
+          const i64 a = max(r1.a, (i64)(tile0 + threadIdx.x) * G);
+          const i64 b = min(r1.b, (i64)(tile0 + threadIdx.x + 1) * G);
+          red_release_add(flag + tile0 + threadIdx.x, (unsigned)(b - a));
+        }
+      }
+      if (n2 > 0) {
+        const int j0 = (int)(r2.a / T), nj = (int)((r2.b - 1) / T) - j0 + 1;
+        for (int t = threadIdx.x; t < nj; t += NW * 32) xsum[j0 + t] = 0.f;
+        if (threadIdx.x < 2 * nj) {  // gate and up tile of each group: all G items in
+          const int j = j0 + threadIdx.x / 2, tile = (threadIdx.x & 1) ? NGI + j : j;
+          while (ld_acquire(flag + tile) < (unsigned)G) {
+          }
+        }
+        consumers_sync();
+        for (int t = threadIdx.x; t < nj * 64; t += NW * 32) {  // x_j = silu(g) u (fp16, the
+          // sums rounded as the engine's output); a warp's 32 pairs are one group's
+          const int kp = j0 * 64 + t;
+          const float2 gv = ldcg2(gus + 2 * kp), uv = ldcg2(gus + I + 2 * kp);
+          const float g0 = rh(gv.x), g1 = rh(gv.y);
+          const u32 x2 = f22h2(rh(rh(g0 / (1.0f + ex(-g0))) * rh(uv.x)),
+                               rh(rh(g1 / (1.0f + ex(-g1))) * rh(uv.y)));
+          xs[kp] = x2;
+          group_sum(xsum, kp, x2, lane);
+        }
+        consumers_sync();
+        // entries pos0 + n1 + e: tile (r2.a + e) % T of input group (r2.a + e) / T, each
+        // added into out at once
+        const int part_ = warp % SPLIT, grp = warp / SPLIT;
+        int slot;
+        u32 phase;
+        const int first = ring_start(pos0 + n1, grp, GROUPS, stages, slot, phase);
+        int j = (int)((r2.a + first) / T), t = (int)((r2.a + first) % T);
+        for (int e = first; e < n2; e += GROUPS, slot += GROUPS, t += GROUPS) {
+          if (slot >= stages) slot -= stages, phase ^= 1u;
+          while (t >= T) t -= T, ++j;
+          warp_wait(&full[slot], phase);
+          float f[4] = {0.f, 0.f, 0.f, 0.f};
+          item_mma(ring + (size_t)slot * SLOT, xs + j * 64, xsum[j], part_, lane, f);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[slot]);
+          item_out(out + (i64)t * HD, merge + warp * 32, part_, lane, f);
         }
       }
       consumers_sync();
