@@ -207,8 +207,7 @@ def _nvrtc() -> bool:
 @pytest.mark.skipif(not _nvrtc(), reason="no libnvrtc found (HISPARSE_NVRTC points at one)")
 @pytest.mark.parametrize("gqa,norm_pairs,extra", [
     (4, 4, ()), (7, 4, ()), (8, 8, ()), (3, 1, ()), (4, 4, ("-DTIMELINE=1",)),
-    (4, 4, ("-DSILU_VEC=0", "-DDOWN_V4=0")), (4, 4, ("-DITEM_ILP=1",)),
-    (4, 4, ("-DMLP_WAVES=1",)), (4, 4, ("-DMLP_WAVES=4",))])
+    (4, 4, ("-DSILU_VEC=0", "-DDOWN_V4=0")), (4, 4, ("-DITEM_ILP=1",))])
 def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, extra, tmp_path,
                                                   monkeypatch):
     """The shapes and the benchmark's variant builds compile with NVRTC (no CUDA headers)."""
@@ -232,7 +231,7 @@ def _bench():
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", range(2))
-@pytest.mark.parametrize("mlp", ["", "FUSE_MLP=0", "FUSE_MLP=2", "FUSE_MLP=2,MLP_WAVES=3"])
+@pytest.mark.parametrize("mlp", ["", "FUSE_MLP=0", "FUSE_MLP=1"])
 def test_kernel_step_equals_the_triton_step(case, mlp):
     """Each step from the same state: logits, stored K/V, masses; the MLP as one phase (the
     small models' 22 intermediate groups) and as two GEMV phases. Bounds: fp16 activations
@@ -296,17 +295,18 @@ def test_planner_counts_the_persistent_buffers(monkeypatch):
     from hisparse_cli.planner_shapes import shape_config
 
     cfg = shape_config("llama-3-8b-awq")
-    # by hand, 132 SMs (112 intermediate groups: one MLP phase, no gate|up sums): workspace
-    # 4 + 32 x 6144 + 128256 floats (INT4 head), rounded up to 512 B; residual 4096 floats;
-    # partials 8 KV heads x 16 splits x 4 x 130 floats; phase table 129 x 12 int64, rounded up
+    # by hand, 132 SMs (the MLP as one K_MLP2 phase): workspace 4 + 32 x 6144 + 128256 floats
+    # (INT4 head), rounded up to 512 B; residual 4096 floats; partials 8 KV heads x 16 splits
+    # x 4 x 130 floats; phase table 129 x 12 int64, rounded up; 32 layers x (28672 gate|up
+    # sums + 224 tile flags)
     ws = 4 * (4 + 32 * 6144 + 128256)
-    want = -(-ws // 512) * 512 + 4 * 4096 + 4 * 8 * 16 * 4 * 130 + -(-8 * 12 * 129 // 512) * 512
-    assert cuda_step.buffer_bytes(cfg, True, 132) == want == 1595392
-    # 100 SMs: two GEMV phases, 161 rows, and 32 layers x (28672 gate|up sums + 224 tile
-    # flags, which only K_MLP2 reads); 12 splits
-    two = (-(-ws // 512) * 512 + 4 * 4096 + 4 * 8 * 12 * 4 * 130 + -(-8 * 12 * 161 // 512) * 512
-           + 4 * 32 * (28672 + 224))
-    assert cuda_step.buffer_bytes(cfg, True, 100) == two
+    want = (-(-ws // 512) * 512 + 4 * 4096 + 4 * 8 * 16 * 4 * 130 + -(-8 * 12 * 129 // 512) * 512
+            + 4 * 32 * (28672 + 224))
+    assert cuda_step.buffer_bytes(cfg, True, 132) == want == 5294080
+    # 100 SMs: 12 splits
+    fewer = (-(-ws // 512) * 512 + 4 * 4096 + 4 * 8 * 12 * 4 * 130 + -(-8 * 12 * 129 // 512)
+             * 512 + 4 * 32 * (28672 + 224))
+    assert cuda_step.buffer_bytes(cfg, True, 100) == fewer
 
     def plan():
         return plan_memory(cfg, weight_format="awq-int4", awq_lm_head=True,

@@ -64,17 +64,13 @@ def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
     return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8
 
 
-def fuse_mlp(intermediate: int, ctas: int) -> bool:
-    """Whether the step runs gate|up and down as one phase (K_MLP): each CTA then owns whole
-    128-wide groups of the intermediate, so only when there are no more of them than CTAs
-    (more would leave the last round to a few CTAs)."""
-    return intermediate // 128 <= ctas
-
-
 def mlp_form(intermediate: int, ctas: int) -> int:
-    """The MLP's form a step runs by default (CudaDecodeStep._phases): 1 (K_MLP) where
-    fuse_mlp says so, else 0 (two GEMV phases)."""
-    return int(fuse_mlp(intermediate, ctas))
+    """The MLP's form a step runs by default (CudaDecodeStep._phases): 2 (K_MLP2, one phase
+    over every CTA with tile flags between gate|up and down), whatever the sizes. Run 141
+    (Llama-3-8B shape, 132 SMs): 2.005 / 1.908 ms a step under the h200-141g / 4060ti-6g
+    settings against 2.055 / 1.928 for K_MLP (which leaves 20 CTAs idle) and 2.075 / 1.953
+    for the two GEMV phases (BENCHMARKS.md)."""
+    return 2
 
 
 def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
@@ -412,7 +408,7 @@ class CudaDecodeStep:
     def use_variant(self, extra: tuple[str, ...]) -> None:
         """Launch the kernel built with these extra compiler options from now on (benchmarks;
         () is the default build). "-DFUSE_MLP=0" / "=1" / "=2" picks the MLP's form instead
-        (_phases; the default: fuse_mlp)."""
+        (_phases; the default: mlp_form)."""
         fused = self.fused_default
         opts = []
         for o in extra:

@@ -82,10 +82,6 @@
 #define DOWN_V4 1        // the fused MLP's down sums leave as one 16-byte reduction a 4 rows
 #endif                   // (red.global.add.v4.f32; run 133: -0.03 / -0.06 ms a step);
                          // 0: 4-byte atomics
-#ifndef MLP_WAVES
-#define MLP_WAVES 2      // K_MLP2 in waves of the intermediate's groups: every CTA does its
-#endif                   // share of each wave's gate|up, then of each wave's down, so a wave's
-                         // tile flags are waited for only after the later waves' gate|up
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -455,36 +451,26 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
               advance();
             }
           }
-        } else if (m[0] == K_MLP2) {  // wave by wave, this CTA's range of the wave's
-          // gate|up items (its gate tiles, then its up tiles, tile-major); then wave by wave
-          // its range of the wave's down items taken group by group (entry i: tile i % T of
-          // the wave's input group i / T)
+        } else if (m[0] == K_MLP2) {  // this CTA's range of the gate|up items (tile-major),
+          // then its range of the down items taken group by group (entry i: tile i % T of
+          // input group i / T)
           const int G = (int)m[3], NGI = (int)m[4], T = (int)(m[1] / HD);
           const u8* gu = reinterpret_cast<const u8*>(m[5]);
           const u8* dn = reinterpret_cast<const u8*>(m[11]);
-          for (int w = 0; w < MLP_WAVES; ++w) {
-            const int g0 = NGI * w / MLP_WAVES, ng = NGI * (w + 1) / MLP_WAVES - g0;
-            const Range r = cta_range((i64)2 * ng * G, c, P);
-            for (i64 i = r.a; i < r.b; ++i) {
-              const int lt = (int)(i / G);  // the wave's tile: gate g0 + lt, or up
-              const i64 tile = lt < ng ? g0 + lt : NGI + g0 + (lt - ng);
-              u8* dst = next();
-              mbar_arrive_tx(&full[slot], ITEM_BYTES);
-              bulk_g2s(dst, gu + (tile * G + i % G) * ITEM_BYTES, ITEM_BYTES, &full[slot]);
-              advance();
-            }
+          const Range r1 = cta_range((i64)2 * NGI * G, c, P), r2 = cta_range((i64)NGI * T, c, P);
+          for (i64 i = r1.a; i < r1.b; ++i) {
+            u8* dst = next();
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, gu + i * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+            advance();
           }
-          for (int w = 0; w < MLP_WAVES; ++w) {
-            const int g0 = NGI * w / MLP_WAVES, ng = NGI * (w + 1) / MLP_WAVES - g0;
-            const Range r = cta_range((i64)ng * T, c, P);
-            int j = g0 + (int)(r.a / T), t = (int)(r.a % T);
-            for (i64 i = r.a; i < r.b; ++i) {
-              u8* dst = next();
-              mbar_arrive_tx(&full[slot], ITEM_BYTES);
-              bulk_g2s(dst, dn + ((i64)t * NGI + j) * ITEM_BYTES, ITEM_BYTES, &full[slot]);
-              advance();
-              if (++t == T) t = 0, ++j;
-            }
+          int j = (int)(r2.a / T), t = (int)(r2.a % T);
+          for (i64 i = r2.a; i < r2.b; ++i) {
+            u8* dst = next();
+            mbar_arrive_tx(&full[slot], ITEM_BYTES);
+            bulk_g2s(dst, dn + ((i64)t * NGI + j) * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+            advance();
+            if (++t == T) t = 0, ++j;
           }
         } else if (m[0] == K_ATTN && c < units) {
           const int layer = (int)m[1], kvh = c / S, s = c % S;
@@ -724,62 +710,43 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       // [1] hidden [2] intermediate [3] G (hidden / 128) [4] NGI (intermediate / 128) [5]
       // gate|up items [6] out (h, added into) [7] gate|up sums (fp32 [2 intermediate], then
       // the tiles' flags: u32 [2 NGI], both zeroed each step) [8] in (h) [9] norm weight [11]
-      // down items. The intermediate's groups go in MLP_WAVES waves. Each wave's gate|up
-      // items are shared out over every CTA as a GEMV's (x = RMSNorm(h)); each CTA adds its
-      // sums into the gate|up buffer and then its item count into each touched tile's flag
-      // (release). Then, wave by wave, the wave's down items, shared out group by group: a
-      // CTA's range is one or two input groups j, whose x_j = silu(g) u it makes once the
-      // flags of gate tile j and up tile j say all G items are in (acquire); each down item's
-      // sums go into h at once. No grid barrier between the two GEMVs, no CTA left out
-      // (K_MLP leaves CTAs past the intermediate's groups idle), and a wave's flags are
-      // waited for only after the later waves' gate|up.
+      // down items. The gate|up items are shared out over every CTA as a GEMV's (x =
+      // RMSNorm(h)); each CTA adds its sums into the gate|up buffer and then its item count
+      // into each touched tile's flag (release). Then the down items, shared out group by
+      // group: a CTA's range is one or two input groups j, whose x_j = silu(g) u it makes
+      // once the flags of gate tile j and up tile j say all G items are in (acquire); each
+      // down item's sums go into h at once. No grid barrier between the two GEMVs, and no
+      // CTA left out (K_MLP leaves CTAs past the intermediate's groups idle).
       const int K = (int)m[1], G = (int)m[3], NGI = (int)m[4], T = K / HD, I = NGI * HD;
       float* out = reinterpret_cast<float*>(m[6]);
       float* gus = reinterpret_cast<float*>(m[7]);
       unsigned* flag = reinterpret_cast<unsigned*>(gus + 2 * I);
-      int n1 = 0;
-      for (int w = 0; w < MLP_WAVES; ++w) {
-        const int ng = NGI * (w + 1) / MLP_WAVES - NGI * w / MLP_WAVES;
-        const Range r = cta_range((i64)2 * ng * G, c, P);
-        n1 += (int)(r.b - r.a);
-      }
+      const Range r1 = cta_range((i64)2 * NGI * G, c, P), r2 = cta_range((i64)NGI * T, c, P);
+      const int n1 = (int)(r1.b - r1.a), n2 = (int)(r2.b - r2.a);
+      n_streamed = n1 + n2;
       if (n1 > 0)
         norm_x(nullptr, reinterpret_cast<const float*>(m[8]),
                reinterpret_cast<const u16*>(m[9]), K, p.eps, xs, xsum, ssum, warp, lane);
       consumers_sync();
       if (st && threadIdx.x == 0) st[2] = gtimer();
-      int pos = pos0;
-      for (int w = 0; w < MLP_WAVES; ++w) {  // gate|up
-        const int g0 = NGI * w / MLP_WAVES, ng = NGI * (w + 1) / MLP_WAVES - g0;
-        const Range r = cta_range((i64)2 * ng * G, c, P);
-        const int n = (int)(r.b - r.a);
-        gemv_items(ring, full, empty, stages, pos, n, G, (int)(r.a % G), xs, xsum, red, warp,
-                   lane);
-        pos += n;
+      gemv_items(ring, full, empty, stages, pos0, n1, G, (int)(r1.a % G), xs, xsum, red, warp,
+                 lane);
+      consumers_sync();
+      if (n1 > 0) {  // the sums into the gate|up buffer, then each tile's item count
+        const int tile0 = (int)(r1.a / G), span = (int)((r1.b - 1) / G) - tile0 + 1;
+        for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
+          atomicAdd(gus + (i64)tile0 * 128 + t, red[t]);
+          red[t] = 0.f;
+        }
         consumers_sync();
-        if (n > 0) {  // the sums into the gate|up buffer, then each tile's item count
-          const int lt0 = (int)(r.a / G), span = (int)((r.b - 1) / G) - lt0 + 1;
-          for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
-            const int lt = lt0 + t / 128;
-            const int tile = lt < ng ? g0 + lt : NGI + g0 + (lt - ng);
-            atomicAdd(gus + (i64)tile * 128 + t % 128, red[t]);
-            red[t] = 0.f;
-          }
-          consumers_sync();
-          if (threadIdx.x < span) {
-            const int lt = lt0 + threadIdx.x;
-            const i64 a = max(r.a, (i64)lt * G), b = min(r.b, (i64)(lt + 1) * G);
-            red_release_add(flag + (lt < ng ? g0 + lt : NGI + g0 + (lt - ng)), (unsigned)(b - a));
-          }
+        if (threadIdx.x < span) {
+          const i64 a = max(r1.a, (i64)(tile0 + threadIdx.x) * G);
+          const i64 b = min(r1.b, (i64)(tile0 + threadIdx.x + 1) * G);
+          red_release_add(flag + tile0 + threadIdx.x, (unsigned)(b - a));
         }
       }
-      const int part_ = warp % SPLIT, grp = warp / SPLIT;
-      for (int w = 0; w < MLP_WAVES; ++w) {  // down
-        const int g0 = NGI * w / MLP_WAVES, ng = NGI * (w + 1) / MLP_WAVES - g0;
-        const Range r = cta_range((i64)ng * T, c, P);
-        const int n = (int)(r.b - r.a);
-        if (n == 0) continue;
-        const int j0 = g0 + (int)(r.a / T), nj = g0 + (int)((r.b - 1) / T) - j0 + 1;
+      if (n2 > 0) {
+        const int j0 = (int)(r2.a / T), nj = (int)((r2.b - 1) / T) - j0 + 1;
         for (int t = threadIdx.x; t < nj; t += NW * 32) xsum[j0 + t] = 0.f;
         if (threadIdx.x < 2 * nj) {  // gate and up tile of each group: all G items in
           const int j = j0 + threadIdx.x / 2, tile = (threadIdx.x & 1) ? NGI + j : j;
@@ -791,20 +758,21 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           // sums rounded as the engine's output); a warp's 32 pairs are one group's
           const int kp = j0 * 64 + t;
           const float2 gv = ldcg2(gus + 2 * kp), uv = ldcg2(gus + I + 2 * kp);
-          const float ga = rh(gv.x), gb = rh(gv.y);
-          const u32 x2 = f22h2(rh(rh(ga / (1.0f + ex(-ga))) * rh(uv.x)),
-                               rh(rh(gb / (1.0f + ex(-gb))) * rh(uv.y)));
+          const float g0 = rh(gv.x), g1 = rh(gv.y);
+          const u32 x2 = f22h2(rh(rh(g0 / (1.0f + ex(-g0))) * rh(uv.x)),
+                               rh(rh(g1 / (1.0f + ex(-g1))) * rh(uv.y)));
           xs[kp] = x2;
           group_sum(xsum, kp, x2, lane);
         }
         consumers_sync();
-        // entries pos + e: tile (r.a + e) % T of input group g0 + (r.a + e) / T, each added
-        // into out at once
+        // entries pos0 + n1 + e: tile (r2.a + e) % T of input group (r2.a + e) / T, each
+        // added into out at once
+        const int part_ = warp % SPLIT, grp = warp / SPLIT;
         int slot;
         u32 phase;
-        const int first = ring_start(pos, grp, GROUPS, stages, slot, phase);
-        int j = g0 + (int)((r.a + first) / T), t = (int)((r.a + first) % T);
-        for (int e = first; e < n; e += GROUPS, slot += GROUPS, t += GROUPS) {
+        const int first = ring_start(pos0 + n1, grp, GROUPS, stages, slot, phase);
+        int j = (int)((r2.a + first) / T), t = (int)((r2.a + first) % T);
+        for (int e = first; e < n2; e += GROUPS, slot += GROUPS, t += GROUPS) {
           if (slot >= stages) slot -= stages, phase ^= 1u;
           while (t >= T) t -= T, ++j;
           warp_wait(&full[slot], phase);
@@ -814,9 +782,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           if (lane == 0) mbar_arrive(&empty[slot]);
           item_out(out + (i64)t * HD, merge + warp * 32, part_, lane, f);
         }
-        pos += n;  // (the next wave's groups are other groups: no sync needed here)
       }
-      n_streamed = pos - pos0;
       consumers_sync();
       if (st && threadIdx.x == 0) st[3] = gtimer();
     } else if (m[0] == K_ATTN) {  // ------------------------------------------------ ATTENTION
