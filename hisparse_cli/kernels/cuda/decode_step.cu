@@ -82,10 +82,6 @@
 #define DOWN_V4 1        // the fused MLP's down sums leave as one 16-byte reduction a 4 rows
 #endif                   // (red.global.add.v4.f32; run 133: -0.03 / -0.06 ms a step);
                          // 0: 4-byte atomics
-#ifndef SMEM_SPACE
-#define SMEM_SPACE 0     // 1: shared-memory accesses as LDS / STS (variant, not yet timed: the
-#endif                   // ring pointer is made by an integer round trip, so every shared
-                         // access compiles to a generic LD / ST, run 140's profile)
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -374,12 +370,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
                 const __grid_constant__ TensorMap vmap, const __grid_constant__ TensorMap gkmap,
                 const __grid_constant__ TensorMap gvmap) {
   extern __shared__ u8 smem_raw[];
-#if SMEM_SPACE  // the same address as pointer arithmetic on smem_raw: the compiler keeps the
-  // shared space for every pointer derived from it (LDS / STS instead of generic LD / ST)
+  // 1024-byte aligned by pointer arithmetic on smem_raw (not an integer round trip): the
+  // compiler keeps the shared space for every pointer derived from it, so shared accesses are
+  // LDS / STS / ATOMS, not generic LD / ST / ATOM (run 143: -0.04 / -0.05 ms a step)
   u8* ring = smem_raw + ((1024 - ((size_t)smem_raw & 1023)) & 1023);
-#else
-  u8* ring = reinterpret_cast<u8*>(((size_t)smem_raw + 1023) & ~(size_t)1023);
-#endif
   u32* xs = reinterpret_cast<u32*>(ring + (size_t)p.stages * SLOT);  // [MAX_K / 2] fp16 pairs
   float* red = reinterpret_cast<float*>(xs + MAX_K / 2);              // [red_tiles][128]
   float* xsum = red + p.red_tiles * 128;                              // [MAX_G]
