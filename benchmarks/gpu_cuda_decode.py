@@ -50,9 +50,10 @@ def to_items(model) -> None:
     use_item_layout(model)
 
 
-CHECKS = (  # (INT4 head, window, globals, prompt): one unit page a split / several
-    (True, 256, 32, 700),
-    (False, 1024, 64, 1500),
+CHECKS = (  # (INT4 head, window, globals, prompt): one unit page a split / several / more
+    (True, 256, 32, 700),   # than the attention groups (9 pages a split: each group's
+    (False, 1024, 64, 1500),  # loop goes round the ring's slots more than once)
+    (True, 4096, 128, 5000),
 )
 
 

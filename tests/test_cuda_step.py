@@ -207,7 +207,8 @@ def _nvrtc() -> bool:
 @pytest.mark.skipif(not _nvrtc(), reason="no libnvrtc found (HISPARSE_NVRTC points at one)")
 @pytest.mark.parametrize("gqa,norm_pairs,extra", [
     (4, 4, ()), (7, 4, ()), (8, 8, ()), (3, 1, ()), (4, 4, ("-DTIMELINE=1",)),
-    (4, 4, ("-DSILU_VEC=0", "-DDOWN_V4=0")), (4, 4, ("-DITEM_ILP=1",))])
+    (4, 4, ("-DSILU_VEC=0", "-DDOWN_V4=0")), (4, 4, ("-DITEM_ILP=1",)),
+    (4, 4, ("-DATT_WARPS=2",)), (8, 8, ("-DATT_WARPS=2",))])
 def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, extra, tmp_path,
                                                   monkeypatch):
     """The shapes and the benchmark's variant builds compile with NVRTC (no CUDA headers)."""
@@ -230,11 +231,11 @@ def _bench():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case", range(2))
-@pytest.mark.parametrize("mlp", ["", "FUSE_MLP=0", "FUSE_MLP=1"])
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("mlp", ["", "FUSE_MLP=0", "FUSE_MLP=1", "ATT_WARPS=2"])
 def test_kernel_step_equals_the_triton_step(case, mlp):
     """Each step from the same state: logits, stored K/V, masses; the MLP in each of its
-    forms (K_MLP2, the default; two GEMV phases; K_MLP). Bounds:
+    forms (K_MLP2, the default; two GEMV phases; K_MLP) and the ATT_WARPS=2 build. Bounds:
     fp16 activations
     rounded in other places (the kernel keeps the residual stream in fp32) move logits by
     ~2e-3 of their range after 4 layers (measured 1.9-2.5e-3); 1e-2 leaves room, while a

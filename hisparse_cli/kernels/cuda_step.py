@@ -33,6 +33,7 @@ def source() -> str:
     """decode_step.cu with its local includes (ring.cuh) inlined: NVRTC gets one string."""
     return _INCLUDE.sub(lambda m: (SOURCE.parent / m.group(1)).read_text(), SOURCE.read_text())
 HD, NW, GROUPS, PAGE = 128, 16, 4, 16
+MERGE_GROUPS = 8  # attention groups decode_step.cu's merge space holds
 ITEM_BYTES, ITEM_WORDS, SLOT = 8512, 2128, 9216
 MAX_K, MAX_S, MAX_HQ, MAX_UNIT_PAGES, MASS_PAGES = 14336, 32, 64, 1024, 32
 MAX_HIDDEN = 8192  # the RMSNorm's x loads stay in registers (NORM_PAIRS)
@@ -58,7 +59,7 @@ class StepParams(ctypes.Structure):
 def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
     """Dynamic shared memory of a launch (decode_step.cu's carve-up, 1024 for the alignment)."""
     att_stride = gqa * (HD + 2)
-    floats = (red_tiles * 128 + MAX_K // 128 + MAX_HQ * MAX_S + gqa * HD + GROUPS * att_stride
+    floats = (red_tiles * 128 + MAX_K // 128 + MAX_HQ * MAX_S + gqa * HD + MERGE_GROUPS * att_stride
               + NW + 3 * HD + 8 + 16 + MAX_S * 16 + 512 + MAX_UNIT_PAGES
               + (MASS_PAGES * gqa * PAGE if mass else 0))
     return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8

@@ -57,7 +57,15 @@
 #define HD 128           // head dim (one item column tile = one head)
 #define NW 16            // consumer warps
 #define SPLIT 4          // warps an item (each two of its 8 row tiles)
-#define GROUPS (NW / SPLIT)  // consumer groups; an attention page goes to one group too
+#define GROUPS (NW / SPLIT)  // consumer groups of the GEMV items
+#ifndef ATT_WARPS
+#define ATT_WARPS 4      // warps an attention page (each HD / ATT_WARPS dims of P.V; every one
+#endif                   // computes the page's q.K): 4, or 2 (variant: twice the groups, half
+                         // the pages one after another in a group)
+#define AGROUPS (NW / ATT_WARPS)  // attention groups; a unit's page e goes to group e % AGROUPS
+#define MERGE_GROUPS 8   // attention groups the merge space holds (>= AGROUPS)
+static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * ATT_WARPS) == 0,
+              "ATT_WARPS: 2 or 4");
 #define ITEM_BYTES 8512  // 128 x 128 INT4 words (8192 B), scales (256 B), zero points (64 B)
 #define SCALES_OFF 8192
 #define ZEROS_OFF 8448
@@ -195,6 +203,7 @@ __device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum
 // V's B fragments come from ldmatrix.x4.trans of the swizzled V page ([2 halves][16 keys][64
 // dims], 16-byte chunk j of key r at j ^ (r & 7)). A warp of a group computes q.K for the page
 // (all 4 warps the same) and P.V for its 32 dims. valid: bit j = key j is visible.
+template <int NJ>  // 16-dim chunks of P.V this warp does (its dims d0 .. d0 + 16 NJ - 1)
 __device__ __forceinline__ void attend_page(const u8* pg, const u32* qfrag, int lane, int d0,
                                             u32 valid, float scale, float& m, float& l,
                                             float (*o)[4], float* sc_out) {
@@ -217,7 +226,7 @@ __device__ __forceinline__ void attend_page(const u8* pg, const u32* qfrag, int 
   const u8* V = pg + PAGE * HD * 2;
   const int key = (lane & 7) + 8 * ((lane >> 3) & 1), chunk = lane >> 4;
 #pragma unroll
-  for (int jj = 0; jj < 2; ++jj) {
+  for (int jj = 0; jj < NJ; ++jj) {
     u32 b[4];
     const int jc = (d0 + 16 * jj + 8 * chunk) >> 3;  // 16-byte chunk of the 256-byte row
     const int half = jc >> 3, j8 = jc & 7;
@@ -379,8 +388,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
   float* xsum = red + p.red_tiles * 128;                              // [MAX_G]
   float* wts = xsum + MAX_G;                                          // [MAX_HQ][MAX_S]
   float* qf = wts + MAX_HQ * MAX_S;                                   // [GQA][128]
-  float* merge = qf + GQA * HD;                                       // [GROUPS][ATT_STRIDE]
-  float* ssum = merge + GROUPS * ATT_STRIDE;                          // [NW]
+  float* merge = qf + GQA * HD;                                 // [MERGE_GROUPS][ATT_STRIDE]
+  float* ssum = merge + MERGE_GROUPS * ATT_STRIDE;                    // [NW]
   float* rope = ssum + NW;                                            // [128] cos 64, sin 64
   float* kcur = rope + HD;                                            // [128]
   float* vcur = kcur + HD;                                            // [128]
@@ -821,10 +830,11 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         if (warp == 0) stage_qfrag<GQA>(qf, qfrag, lane);
         consumers_sync();
         if (st && threadIdx.x == 0) st[2] = gtimer();
-        const int grp = warp / 4, d0 = 32 * (warp % 4);
-        float mm = neg_inf(), ll = 0.f, o[4][4];
+        constexpr int DW = HD / ATT_WARPS, NT = DW / 8;  // this warp's P.V dims, 8-dim tiles
+        const int grp = warp / ATT_WARPS, d0 = DW * (warp % ATT_WARPS);
+        float mm = neg_inf(), ll = 0.f, o[NT][4];
 #pragma unroll
-        for (int jx = 0; jx < 4; ++jx) o[jx][0] = o[jx][1] = o[jx][2] = o[jx][3] = 0.f;
+        for (int jx = 0; jx < NT; ++jx) o[jx][0] = o[jx][1] = o[jx][2] = o[jx][3] = 0.f;
         if (last && grp == 0) {  // the current token: group 0's starting state
           float sc = 0.f;  // head g, dims 32 t .. 32 t + 31
           if (g < GQA) {
@@ -837,31 +847,34 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           if (MASS && warp == 0 && t == 0 && g < GQA) scur[g] = sc;
           mm = sc, ll = 1.f;
 #pragma unroll
-          for (int jx = 0; jx < 4; ++jx) {
+          for (int jx = 0; jx < NT; ++jx) {
             o[jx][0] = vcur[d0 + 8 * jx + 2 * t];
             o[jx][1] = vcur[d0 + 8 * jx + 2 * t + 1];
           }
         }
-        {  // group grp takes the unit's pages grp, grp + GROUPS, ... (whole ring slots)
+        {  // group grp takes the unit's pages grp, grp + AGROUPS, ... (whole ring slots; a
+          // slot's empty barrier counts SPLIT arrivals: each warp gives SPLIT / ATT_WARPS)
           int slot;
           u32 phase;
-          const int first = ring_start(pos0, grp, GROUPS, stages, slot, phase);
-          for (int e = first; e < npg; e += GROUPS, slot += GROUPS) {
+          const int first = ring_start(pos0, grp, AGROUPS, stages, slot, phase);
+          for (int e = first; e < npg; e += AGROUPS, slot += AGROUPS) {
             if (slot >= stages) slot -= stages, phase ^= 1u;
             warp_wait(&full[slot], phase);
-            attend_page(ring + (size_t)slot * SLOT, qfrag, lane, d0, vmask[e], p.scale, mm, ll,
-                        o, MASS && warp % 4 == 0 && e < MASS_PAGES ? scores + e * GQA * PAGE
-                                                                   : nullptr);
+            attend_page<DW / 16>(ring + (size_t)slot * SLOT, qfrag, lane, d0, vmask[e], p.scale,
+                                 mm, ll, o,
+                                 MASS && warp % ATT_WARPS == 0 && e < MASS_PAGES
+                                     ? scores + e * GQA * PAGE
+                                     : nullptr);
             __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[slot]);
+            if (lane == 0) mbar_arrive_n(&empty[slot], SPLIT / ATT_WARPS);
           }
         }
         if (g < GQA) {  // this warp's state into merge [group][head][acc 128, m, l]
           float* mw = merge + (grp * GQA + g) * (HD + 2);
 #pragma unroll
-          for (int jx = 0; jx < 4; ++jx)
+          for (int jx = 0; jx < NT; ++jx)
             *reinterpret_cast<float2*>(mw + d0 + 8 * jx + 2 * t) = make_float2(o[jx][0], o[jx][1]);
-          if (warp % 4 == 0 && t == 0) mw[HD] = mm, mw[HD + 1] = ll;
+          if (warp % ATT_WARPS == 0 && t == 0) mw[HD] = mm, mw[HD + 1] = ll;
         }
         consumers_sync();
         if (st && threadIdx.x == 0) st[3] = gtimer();
@@ -869,9 +882,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t2 = threadIdx.x; t2 < GQA * HD; t2 += NW * 32) {
           const int q = t2 / HD, d = t2 % HD;
           float M = neg_inf();
-          for (int g2 = 0; g2 < GROUPS; ++g2) M = fmaxf(M, merge[(g2 * GQA + q) * (HD + 2) + HD]);
+          for (int g2 = 0; g2 < AGROUPS; ++g2) M = fmaxf(M, merge[(g2 * GQA + q) * (HD + 2) + HD]);
           float A = 0.f, L = 0.f;
-          for (int g2 = 0; g2 < GROUPS; ++g2) {
+          for (int g2 = 0; g2 < AGROUPS; ++g2) {
             const float* mw2 = merge + (g2 * GQA + q) * (HD + 2);
             const float e = mw2[HD] == neg_inf() ? 0.f : ex(mw2[HD] - M);
             A += e * mw2[d], L += e * mw2[HD + 1];

@@ -27,6 +27,10 @@ __device__ __forceinline__ void mbar_arrive_tx(u64* bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive_n(u64* bar, u32 count) {  // count arrivals at once
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
 __device__ __forceinline__ bool mbar_try_wait(u64* bar, u32 parity) {
   u32 ok;
   asm volatile(
