@@ -206,7 +206,7 @@ __device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum
 template <int NJ>  // 16-dim chunks of P.V this warp does (its dims d0 .. d0 + 16 NJ - 1)
 __device__ __forceinline__ void attend_page(const u8* pg, const u32* qfrag, int lane, int d0,
                                             u32 valid, float scale, float& m, float& l,
-                                            float (*o)[4], float* sc_out) {
+                                            float (*o)[2], float* sc_out) {
   const int g = lane >> 2, t = lane & 3;
   float s0[4], s1[4];  // keys 0-7, 8-15
   page_qk(pg, qfrag, lane, s0, s1);
@@ -231,10 +231,14 @@ __device__ __forceinline__ void attend_page(const u8* pg, const u32* qfrag, int 
     const int jc = (d0 + 16 * jj + 8 * chunk) >> 3;  // 16-byte chunk of the 256-byte row
     const int half = jc >> 3, j8 = jc & 7;
     ldsm_x4_trans(b, V + half * (PAGE * 128) + key * 128 + ((j8 ^ (key & 7)) << 4));
-#pragma unroll
-    for (int q = 0; q < 4; ++q) o[2 * jj][q] *= corr, o[2 * jj + 1][q] *= corr;
-    mma16816(o[2 * jj], pa, b[0], b[1]);
-    mma16816(o[2 * jj + 1], pa, b[2], b[3]);
+    // rows g + 8 of the product (heads >= 8: none) are not kept: zeros in, discarded out,
+    // so only half the accumulators stay live across pages
+    float d0v[4] = {o[2 * jj][0] * corr, o[2 * jj][1] * corr, 0.f, 0.f};
+    float d1v[4] = {o[2 * jj + 1][0] * corr, o[2 * jj + 1][1] * corr, 0.f, 0.f};
+    mma16816(d0v, pa, b[0], b[1]);
+    mma16816(d1v, pa, b[2], b[3]);
+    o[2 * jj][0] = d0v[0], o[2 * jj][1] = d0v[1];
+    o[2 * jj + 1][0] = d1v[0], o[2 * jj + 1][1] = d1v[1];
   }
 }
 
@@ -832,9 +836,9 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         if (st && threadIdx.x == 0) st[2] = gtimer();
         constexpr int DW = HD / ATT_WARPS, NT = DW / 8;  // this warp's P.V dims, 8-dim tiles
         const int grp = warp / ATT_WARPS, d0 = DW * (warp % ATT_WARPS);
-        float mm = neg_inf(), ll = 0.f, o[NT][4];
+        float mm = neg_inf(), ll = 0.f, o[NT][2];  // (the rows of heads g; g + 8: none)
 #pragma unroll
-        for (int jx = 0; jx < NT; ++jx) o[jx][0] = o[jx][1] = o[jx][2] = o[jx][3] = 0.f;
+        for (int jx = 0; jx < NT; ++jx) o[jx][0] = o[jx][1] = 0.f;
         if (last && grp == 0) {  // the current token: group 0's starting state
           float sc = 0.f;  // head g, dims 32 t .. 32 t + 31
           if (g < GQA) {
@@ -882,8 +886,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t2 = threadIdx.x; t2 < GQA * HD; t2 += NW * 32) {
           const int q = t2 / HD, d = t2 % HD;
           float M = neg_inf();
+#pragma unroll
           for (int g2 = 0; g2 < AGROUPS; ++g2) M = fmaxf(M, merge[(g2 * GQA + q) * (HD + 2) + HD]);
           float A = 0.f, L = 0.f;
+#pragma unroll
           for (int g2 = 0; g2 < AGROUPS; ++g2) {
             const float* mw2 = merge + (g2 * GQA + q) * (HD + 2);
             const float e = mw2[HD] == neg_inf() ? 0.f : ex(mw2[HD] - M);
