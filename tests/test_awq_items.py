@@ -238,6 +238,34 @@ def test_items_linear(m, dtype, triton):
         items_linear(x, items, k, n, chunk_cols=192, triton=triton)
 
 
+@pytest.mark.parametrize("m,chunk", [(1, None), (33, None), (33, 128)])
+def test_prepared_items_linear_equals_items_linear(m, chunk, monkeypatch):
+    """The prepared form (checks once, dequantize launches replayed from CUDA graphs on CUDA)
+    gives items_linear's values exactly: the same dequantized W^T into the same matmul;
+    repeated calls replay the captured graphs and still agree."""
+    from hisparse_cli.kernels import awq_items_triton as t
+
+    k, n = 256, 384
+    items = items_from_awq(*random_awq(k, n, seed=m, device=DEV))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEV)
+    b = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1).half().to(DEV)
+    if chunk is not None:  # three chunks of W^T rows, the last one partial
+        monkeypatch.setattr(t, "dequant_chunk", lambda k_, n_, e_: chunk)
+    prep = t.PreparedItemsLinear(items, k, n, b)
+    want = items_linear(x, items, k, n, b, chunk_cols=chunk, triton=True)
+    for _ in range(3):  # capture, then replays
+        assert torch.equal(prep(x), want)
+    assert torch.equal(prep(x.view(1, m, k)), want.view(1, m, n))
+    if DEV == "cuda":  # one graph per chunk (the workspace comes back at the same address)
+        from hisparse_cli.kernels.awq_triton import GRAPHS_PER_LINEAR
+
+        assert 1 <= len(prep.graphs) <= GRAPHS_PER_LINEAR
+    with pytest.raises(ValueError, match="x must be"):
+        prep(torch.zeros(m, k + 1, dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match="bias"):
+        t.PreparedItemsLinear(items, k, n, b[:-1])
+
+
 _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')

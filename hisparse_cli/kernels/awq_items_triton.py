@@ -22,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.awq_items import ITEM_WORDS, SCALES_WORD, ZEROS_WORD
+from hisparse_cli.kernels.awq_items import (GROUP, ITEM_WORDS, SCALES_WORD, TILE, ZEROS_WORD,
+                                           check_items)
+from hisparse_cli.kernels.awq_layout import DEQUANT_CHUNK_ELEMS, dequant_chunk
+from hisparse_cli.kernels.awq_triton import GraphedDequant, _dequant_matmul
 
 # Row tiles per program (8: the whole item) and warps: for sm_90 (benchmarks/awq_sm90_compile.py)
 # 48 registers, no spills, 16-byte loads and stores, the K permutation through shared memory
@@ -88,3 +91,42 @@ def dequant_items_launch(items: torch.Tensor, groups: int, t0: int, t1: int,
                                 groups, t0, out.stride(0), ITEM=ITEM_WORDS,
                                 SCALES=SCALES_WORD, ZEROS=ZEROS_WORD, BLOCK_RT=block_rt,
                                 num_warps=num_warps)
+
+
+class PreparedItemsLinear(GraphedDequant):
+    """awq_items.items_linear bound to one linear's items on CUDA, as PreparedLinearK is for
+    the tiled layout: the items are checked once, a call checks only x, and each chunk's
+    dequantize is replayed from a CUDA graph (GraphedDequant) before its cuBLAS product. The
+    prefill is host-bound at small chunks (4060ti-6g: 512 tokens), where the per-call checks
+    and Triton launches of items_linear cost the item layout 20-30 % of the INT4 prefill
+    against the tiled layout (runs 141-145). Same values as items_linear (the same
+    dequantized W^T, the same cuBLAS product). AWQLinear makes one per items buffer on CUDA;
+    on the CPU (tests, TRITON_INTERPRET=1) the launches are eager."""
+
+    __slots__ = ("items", "k", "n", "bias", "chunk", "device")
+
+    def __init__(self, items: torch.Tensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None) -> None:
+        check_items(items, in_features, out_features)
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
+        self.items, self.k, self.n, self.bias = items, in_features, out_features, bias
+        self.chunk = min(out_features, dequant_chunk(in_features, out_features,
+                                                     DEQUANT_CHUNK_ELEMS))
+        self.graphs: dict | None = {} if items.is_cuda else None  # (CPU: the interpreter)
+        self.device = items.device
+
+    def _dequant(self, w, n0, n1) -> None:
+        dequant_items_launch(self.items, self.k // GROUP, n0 // TILE, n1 // TILE, w)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.k, self.n
+        if x.shape[-1] != k or x.device != self.device:
+            raise ValueError(f"x must be [..., {k}] on {self.device}, got {tuple(x.shape)} on "
+                             f"{x.device}")
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = _dequant_matmul(x2, None, None, None, self.bias, None, n, k, self.chunk,
+                            self._dequant if self.graphs is None else self._launch)
+        return y.view(*x.shape[:-1], n)

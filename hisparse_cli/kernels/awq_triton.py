@@ -374,25 +374,65 @@ def _dequant_matmul(x2, qweight_k, qzeros, scales, bias, group_size, n, k, chunk
 GRAPHS_PER_LINEAR = 4  # dequantize graphs kept per (rows, workspace address); then eager
 
 
-class PreparedLinearK:
+class GraphedDequant:
+    """The dequantize half of a prefill linear (W^T rows into a workspace, then cuBLAS),
+    launched from CUDA graphs: a Triton launch costs the host ~18-23 us, a graph replay ~4 us
+    (H200 box, `gpu_prefill_host.py --graph-probe`). A graph holds its kernel's arguments, so
+    one is captured per (W^T rows, workspace address, dtype): the workspace is still
+    allocated per call (the planner's transient), and the caching allocator hands back the
+    same block chunk after chunk, so a few graphs per linear serve a whole prefill. Beyond
+    GRAPHS_PER_LINEAR addresses, or while another graph is being captured, the launch is
+    eager. A graph holds no memory of its own (one kernel node writing the caller's
+    workspace). Subclasses give `_dequant(w, n0, n1)`, the eager launch."""
+
+    __slots__ = ("graphs",)
+
+    def _dequant(self, w, n0, n1) -> None:
+        raise NotImplementedError
+
+    def _launch(self, w, n0, n1):
+        """Dequantize W^T rows [n0, n1) into w: a graph replay where one is (or can be) kept."""
+        graphs = self.graphs
+        key = (n0, n1, w.data_ptr(), w.stride(0), w.dtype)  # the kernel is per output dtype
+        g = graphs.get(key)
+        capturing = torch.cuda.is_current_stream_capturing()  # someone else's graph: no
+        if g is None or capturing:  # replay (nor capture) inside it, the launch is captured
+            if capturing or len(graphs) >= GRAPHS_PER_LINEAR:
+                self._dequant(w, n0, n1)
+            else:
+                graphs[key] = self._capture(w, n0, n1)  # runs this call's launch eagerly too
+            return
+        g.replay()
+
+    def _capture(self, w, n0, n1):
+        """A CUDA graph of the dequantize launch into w (captured on a side stream, without
+        torch.cuda.graph's synchronize / empty_cache: this runs in the middle of a prefill)."""
+        self._dequant(w, n0, n1)  # compiled (JIT) outside the capture; and it does this
+        # call's work
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device=w.device)
+        side.wait_stream(torch.cuda.current_stream(w.device))
+        with torch.cuda.stream(side):
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._dequant(w, n0, n1)
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream(w.device).wait_stream(side)
+        return g
+
+
+class PreparedLinearK(GraphedDequant):
     """awq_linear_k bound to one weight set: the weights' checks and the launch constants are
     done once, so a prefill call costs the host only x's checks, the dequantize launch and
     the cuBLAS call (on a slow host the per-call checks and dispatch were ~30 us of an
     INT4 prefill linear's ~100 us, against ~23 us for an fp16 F.linear). Same results as
     awq_linear_k, bit for bit. AWQLinear makes one per set of buffer objects
-    (KernelBackend.prepare_awq_linear_k).
-
-    On CUDA the prefill path's dequantize is replayed from a CUDA graph: a Triton launch
-    costs the host ~18-23 us, a graph replay ~4 us (H200 box, `gpu_prefill_host.py
-    --graph-probe`). A graph holds its kernel's arguments, so one is captured per (W^T rows,
-    workspace address, dtype): the workspace is still allocated per call, as before (the planner's
-    transient), and the caching allocator hands back the same block chunk after chunk, so a
-    few graphs per linear serve a whole prefill. Beyond GRAPHS_PER_LINEAR addresses, or
-    while another graph is being captured, the launch is eager. A graph holds no memory of
-    its own (one kernel node writing the caller's workspace)."""
+    (KernelBackend.prepare_awq_linear_k). On CUDA the prefill path's dequantize is replayed
+    from a CUDA graph (GraphedDequant)."""
 
     __slots__ = ("qweight_k", "qzeros", "scales", "bias", "group_size", "n", "k", "chunk",
-                 "device", "graphs", "tiled")
+                 "device", "tiled")
 
     def __init__(self, qweight_k, qzeros, scales, bias, group_size, tiled: bool = False):
         n, kw = qweight_k.shape
@@ -405,39 +445,9 @@ class PreparedLinearK:
         self.tiled = tiled  # the words in awq_layout.tile_kmajor's order (AWQLinear "tiled")
         assert not tiled or n % awq_layout.TILE_ROWS == 0, f"{n} rows: not in 64-row tiles"
 
-    def _launch(self, w, n0, n1):
-        """Dequantize W^T rows [n0, n1) into w: a graph replay where one is (or can be) kept."""
-        graphs = self.graphs
-        key = (n0, n1, w.data_ptr(), w.stride(0), w.dtype)  # the kernel is per output dtype
-        g = graphs.get(key)
-        capturing = torch.cuda.is_current_stream_capturing()  # someone else's graph: no
-        if g is None or capturing:  # replay (nor capture) inside it, the launch is captured
-            if capturing or len(graphs) >= GRAPHS_PER_LINEAR:
-                _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w,
-                                  n0, n1, tiled=self.tiled)
-            else:
-                graphs[key] = self._capture(w, n0, n1)  # runs this call's launch eagerly too
-            return
-        g.replay()
-
-    def _capture(self, w, n0, n1):
-        """A CUDA graph of the dequantize launch into w (captured on a side stream, without
-        torch.cuda.graph's synchronize / empty_cache: this runs in the middle of a prefill)."""
-        _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w, n0,
-                          n1, tiled=self.tiled)  # compiled (JIT) outside the capture; and it
-        # does this call's work
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device=w.device)
-        side.wait_stream(torch.cuda.current_stream(w.device))
-        with torch.cuda.stream(side):
-            g.capture_begin(capture_error_mode="thread_local")
-            try:
-                _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w,
-                                  n0, n1, tiled=self.tiled)
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream(w.device).wait_stream(side)
-        return g
+    def _dequant(self, w, n0, n1) -> None:
+        _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w, n0, n1,
+                          tiled=self.tiled)
 
     def __call__(self, x):
         k, n = self.k, self.n

@@ -282,6 +282,16 @@ class AWQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         if self.layout == "items":  # dequantize column chunks, then matmul (any T)
+            if x.is_cuda:  # checks once, dequantize launches from CUDA graphs
+                b, key = self._buffers, self._prepared_key
+                if key is None or key[0] != "items" or key[1] is not b["qweight"] \
+                        or key[2] is not b["bias"]:
+                    from hisparse_cli.kernels.awq_items_triton import PreparedItemsLinear
+
+                    self._prepared = PreparedItemsLinear(b["qweight"], self.in_features,
+                                                         self.out_features, b["bias"])
+                    self._prepared_key = ("items", b["qweight"], b["bias"])
+                return self._prepared(x)
             from hisparse_cli.kernels.awq_items import items_linear
 
             return items_linear(x, self.qweight, self.in_features, self.out_features, self.bias)
