@@ -36,11 +36,14 @@ SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("do
 COPIES = 3
 
 
-def random_awq(k: int, n: int, dev) -> AWQLinear:
-    lin = AWQLinear(k, n, 128, device=dev)
-    lin.qweight.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, lin.qweight.shape, dtype=torch.int32))
-    lin.qzeros.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, lin.qzeros.shape, dtype=torch.int32))
-    lin.scales.fill_(1e-3)
+def random_awq(k: int, n: int, dev, layout: str) -> AWQLinear:
+    """A linear of random AutoAWQ tensors, loaded as the engine loads one (from_checkpoint: the
+    K-major, tiled layout on CUDA), then in `layout` ("tiled" or "items")."""
+    qw = torch.randint(-2 ** 31, 2 ** 31 - 1, (k, n // 8), dtype=torch.int32, device=dev)
+    qz = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 128, n // 8), dtype=torch.int32, device=dev)
+    sc = torch.full((k // 128, n), 1e-3, dtype=torch.float16, device=dev)
+    lin = AWQLinear.from_checkpoint(qw, qz, sc, None, 128, device=dev, dtype=torch.float16)
+    assert lin.set_layout(layout), f"layout {layout} refused (loaded as {lin.layout})"
     return lin
 
 
@@ -75,11 +78,10 @@ def main() -> None:
     print(f"{'linear':8} {'M':>5} {'fp16':>8} {'tiled':>8} {'items':>8} {'plain':>8} "
           f"{'deq items':>10}  (GPU ms a call)")
     for name, k, n in SHAPES:
-        tiled = [random_awq(k, n, dev) for _ in range(COPIES)]
-        items = [random_awq(k, n, dev) for _ in range(COPIES)]
-        for t, i in zip(tiled, items):
-            i.load_state_dict(t.state_dict())
-            assert t.set_layout("tiled") and i.set_layout("items"), "layout refused"
+        torch.manual_seed(0)
+        tiled = [random_awq(k, n, dev, "tiled") for _ in range(COPIES)]
+        torch.manual_seed(0)  # the same weights in the item layout
+        items = [random_awq(k, n, dev, "items") for _ in range(COPIES)]
         fp16 = [torch.randn(n, k, dtype=torch.float16, device=dev) * 0.02 for _ in range(COPIES)]
         for m in [int(v) for v in a.tokens.split(",")]:
             x = torch.randn(m, k, dtype=torch.float16, device=dev)

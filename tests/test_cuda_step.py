@@ -221,6 +221,17 @@ def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, extra, tmp_pa
     assert len(c.cubin) > 10000 and set(c.lowered) == set(names)
 
 
+def test_attention_warps_follow_the_pages_a_unit():
+    """The default build's warps an attention page: 4 at the 4060ti-6g settings' ~9 pages a
+    unit, 2 at h200-141g's ~19 (runs 145-146 timed both builds at both); the step asks for
+    the 2-warp build only then (use_variant keeps an explicit -DATT_WARPS)."""
+    assert cuda_step.att_warps(1) == 4 and cuda_step.att_warps(9) == 4
+    assert cuda_step.att_warps(19) == 2 and cuda_step.att_warps(cuda_step.MASS_PAGES) == 2
+    assert cuda_step.att_warps(cuda_step.ATT_WARPS_2_PAGES - 1) == 4
+    # the merge space holds the 2-warp build's 8 groups at every GQA the kernel takes
+    assert cuda_step.MERGE_GROUPS * 2 == cuda_step.NW
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location(
         "gpu_cuda_decode", ROOT / "benchmarks" / "gpu_cuda_decode.py")

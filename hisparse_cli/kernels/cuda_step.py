@@ -74,6 +74,19 @@ def mlp_form(intermediate: int, ctas: int) -> int:
     return 2
 
 
+ATT_WARPS_2_PAGES = 13  # unit pages from which the attention runs 2 warps a page (8 groups)
+
+
+def att_warps(unit_pages: int) -> int:
+    """Warps an attention page in the default build (decode_step.cu's ATT_WARPS): 2 (8 groups,
+    64 dims of P.V a warp) where a unit has more than 3 pages a group of 4 warps, else 4. Runs
+    145-146 (Llama-3-8B shape, 132 SMs): at 19 pages a unit (h200-141g settings) 2 warps took
+    0.039-0.045 ms off a ~1.97 ms step; at 9 (4060ti-6g) they cost 0.005-0.016 ms (merging 8
+    groups' states outweighs the shorter page chains). The threshold lies between those two
+    measured points; it was not measured in between."""
+    return 2 if unit_pages >= ATT_WARPS_2_PAGES else 4
+
+
 def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
     """Device bytes of one CudaDecodeStep's own buffers (as the caching allocator counts
     them): the step's zeroed workspace (barrier, each layer's q|k|v sums, the INT4 head's
@@ -408,8 +421,8 @@ class CudaDecodeStep:
 
     def use_variant(self, extra: tuple[str, ...]) -> None:
         """Launch the kernel built with these extra compiler options from now on (benchmarks;
-        () is the default build). "-DFUSE_MLP=0" / "=1" / "=2" picks the MLP's form instead
-        (_phases; the default: mlp_form)."""
+        () is the default build: ATT_WARPS by att_warps). "-DFUSE_MLP=0" / "=1" / "=2" picks
+        the MLP's form instead (_phases; the default: mlp_form)."""
         fused = self.fused_default
         opts = []
         for o in extra:
@@ -417,6 +430,8 @@ class CudaDecodeStep:
                 fused = int(o.split("=", 1)[1])
             else:
                 opts.append(o)
+        if not any(o.startswith("-DATT_WARPS=") for o in opts) and att_warps(self.unit_pages) != 4:
+            opts.append(f"-DATT_WARPS={att_warps(self.unit_pages)}")
         if fused != self.fused:
             self._phases(fused)
         self.variant = tuple(opts)
