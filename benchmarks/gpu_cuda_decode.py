@@ -220,8 +220,10 @@ def time_rows(a, dev) -> list[dict]:
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     backend = "triton"
     rows = []
-    systems = (("fp16", False, "layers"), ("int4+head", True, "layers"),
-               ("int4+head", True, "persistent"))
+    systems = [("fp16", False, "layers"), ("int4+head", True, "layers"),
+               ("int4+head", True, "persistent")]
+    if a.peer_again:  # the peer once more at the end: the ratios use the mean of its two rows
+        systems.append(("fp16", False, "layers"))
     for label, awq, kernel in systems:
         if a.systems and f"{label}/{kernel}" not in a.systems.split(","):
             continue
@@ -265,6 +267,20 @@ def time_rows(a, dev) -> list[dict]:
                             with torch.inference_mode():
                                 timing[f"phases_us[{var}]"] = phase_table(dec.cuda_step)
                     dec.cuda_step.use_variant(())
+                    if a.variant_decode:  # end to end with each build: the kept decoder
+                        # drops its graph and captures the build now in use
+                        for var in filter(None, a.variants.split(";")):
+                            try:
+                                dec.cuda_step.use_variant(tuple(f"-D{d}" for d in var.split(",")))
+                                dec.release()
+                                vs = [run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
+                                               a.decode_tokens, backend, dev, engine=eng,
+                                               **kw)["decode_tok_s"] for _ in range(2)]
+                                timing[f"decode_tok_s[{var}]"] = vs[-1]
+                            except Exception:
+                                traceback.print_exc()
+                        dec.cuda_step.use_variant(())
+                        dec.release()
                 print("   ", {k: round(v, 4) for k, v in timing.items()
                              if not k.startswith("phases_us")}, flush=True)
                 for name, table in timing.items():
@@ -288,15 +304,24 @@ def time_rows(a, dev) -> list[dict]:
         torch.cuda.empty_cache()
     os.environ.pop("HISPARSE_DECODE_KERNEL", None)
     for r in rows:
-        fp = next((x for x in rows if x["system"] == "fp16" and x["profile"] == r["profile"]
-                   and x["context"] == r["context"]), None)
-        r["vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"] if fp else float("nan")
-        r["prefill_vs_fp16"] = r["prefill_tok_s"] / fp["prefill_tok_s"] if fp else float("nan")
+        fps = [x for x in rows if x["system"] == "fp16" and x["profile"] == r["profile"]
+               and x["context"] == r["context"]]  # two with --peer-again: their mean
+        fd = sum(x["decode_tok_s"] for x in fps) / len(fps) if fps else float("nan")
+        fpre = sum(x["prefill_tok_s"] for x in fps) / len(fps) if fps else float("nan")
+        r["vs_fp16"] = r["decode_tok_s"] / fd
+        r["prefill_vs_fp16"] = r["prefill_tok_s"] / fpre
+        for key, v in list(r.items()):  # --variant-decode rows
+            if key.startswith("decode_tok_s["):
+                r["vs_fp16" + key[len("decode_tok_s"):]] = v / fd
     print("\nsystem     kernel     profile    context  decode  x fp16  prefill  x fp16")
     for r in rows:
         print(f"{r['system']:10s} {r['kernel']:10s} {r['profile']:10s} {r['context']:7d} "
               f"{r['decode_tok_s']:6.1f} {r['vs_fp16']:6.2f} {r['prefill_tok_s']:8.0f} "
               f"{r['prefill_vs_fp16']:6.2f}")
+        for key, v in r.items():
+            if key.startswith("vs_fp16["):
+                print(f"{'':10s} {key[len('vs_fp16'):]:21s} {r['context']:7d} "
+                      f"{r['decode_tok_s' + key[len('vs_fp16'):]]:6.1f} {v:6.2f}")
     return rows
 
 
@@ -316,6 +341,12 @@ def main() -> None:
                     help="the phase timeline of each --variants build too")
     ap.add_argument("--check-variants", default="", help="builds checked too (same form as "
                     "--variants)")
+    ap.add_argument("--variant-decode", action="store_true",
+                    help="end-to-end decode tok/s of each --variants build too (the kept "
+                    "decoder captures it anew; two generates, the second reported)")
+    ap.add_argument("--peer-again", action="store_true",
+                    help="run the fp16 rows again after the INT4 ones; ratios against the "
+                    "mean of the two (the peer varies 3-5 %% between runs)")
     ap.add_argument("--systems", default="", help="e.g. int4+head/persistent (default: all)")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or "out")
