@@ -114,6 +114,31 @@ def test_launchers_assert_layout():
 SHAPES = [(4096, 4096), (4096, 1024), (1024, 4096 + 8 * 13)]  # last: partial tiles
 
 
+def test_set_layout_reaches_the_k_major_layouts_from_the_awq_one():
+    """set_layout("kmajor" / "tiled") on a linear in the AutoAWQ layout (as its docstring
+    says: every layout is reached through the AutoAWQ tensors): the same words as the loader's
+    repack, the checkpoint layout given back exactly, the same outputs; a shape whose rows do
+    not fill 64-row tiles stays K-major (and says so)."""
+    from hisparse_cli.model.awq import AWQLinear
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(128, 256, generator=g) / 16
+    x = torch.randn(3, 256, generator=g).half()
+    for layout in ("kmajor", "tiled"):
+        q = AWQLinear.from_float(w, None, 32, dtype=torch.float16)
+        p_qw = q.qweight.clone()
+        want = x.float() @ dequantize_weight(p_qw, q.qzeros, q.scales, 32)  # exact, fp32
+        assert q.layout == "awq" and q.set_layout(layout) and q.layout == layout
+        tiled = 32 if layout == "tiled" else None
+        assert torch.equal(q.qweight, awq_layout.repack_kmajor(p_qw, tiled))
+        assert torch.equal(q.checkpoint_qweight(), p_qw)
+        err = float((q(x).float() - want).abs().max() / want.abs().max())
+        assert err <= 4e-3, err  # one rounding to fp16 (the reference backend, K-major)
+    odd = AWQLinear.from_float(torch.randn(72, 256, generator=g) / 16, None, 32,
+                               dtype=torch.float16)
+    assert not odd.set_layout("tiled") and odd.layout == "kmajor"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(CPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -264,6 +264,15 @@ class AWQLinear(nn.Module):
                 self.qweight = repack_kmajor(qweight, self.group_size if layout == "tiled"
                                              else None)
                 self.layout = layout
+        elif self.layout == "awq" and layout in ("kmajor", "tiled"):
+            if self.in_features % awq_layout.RUN:
+                return False
+            tiled = layout == "tiled" and awq_layout.tileable(self.out_features,
+                                                             self.in_features, self.group_size)
+            self.qweight = repack_kmajor(self.qweight, self.group_size if tiled else None)
+            self.layout = "tiled" if tiled else "kmajor"
+            self._prepared = self._prepared_key = None
+            return self.layout == layout
         else:
             return self.set_tiled(layout == "tiled")
         self._prepared = self._prepared_key = None
