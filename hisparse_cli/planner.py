@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from hisparse_cli.engine.config import SparseConfig, check_positions
+from hisparse_cli.engine.cuda_graph import decode_kernel
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.planner_run import KVSummary, policy, simulate_run
@@ -127,11 +128,29 @@ def graph_decode_enabled() -> bool:
     return os.environ.get("HISPARSE_CUDA_GRAPH") != "0"
 
 
-def persistent_decode_enabled() -> bool:
-    """HISPARSE_DECODE_KERNEL=persistent (engine/cuda_graph.py: decode_kernel)."""
-    from hisparse_cli.engine.cuda_graph import decode_kernel
+def persistent_decode_planned(model_cfg: ModelConfig, group_size: int, sparse: SparseConfig,
+                              kv_name: str, c_name: str) -> tuple[bool, str | None]:
+    """Whether an AWQ INT4 run's CUDA-graph decode takes the persistent kernel (so its buffers
+    are counted), and why not: what the Engine decides (engine/cuda_graph.py: decode_kernel,
+    Engine._prepare_persistent), from the config and settings. HISPARSE_DECODE_KERNEL=layers:
+    never; =persistent: wherever the model and settings allow (the plan may be for another
+    machine); unset ("auto"): there, and only on a machine whose GPU runs it (sm_90, NVRTC)."""
+    import torch
 
-    return decode_kernel() == "persistent"
+    from hisparse_cli.kernels.cuda_step import (config_unsupported, device_unsupported,
+                                                settings_unsupported)
+    from hisparse_cli.model.awq import parse_quantization_config
+
+    mode = decode_kernel()
+    if mode == "layers":
+        return False, "HISPARSE_DECODE_KERNEL=layers"
+    why = (config_unsupported(model_cfg, group_size,
+                              parse_quantization_config(model_cfg.quantization_config))
+           or (None if c_name == "float16" else "fp16 activations only")
+           or settings_unsupported(sparse, torch.float16 if kv_name == "float16" else None))
+    if why is None and mode == "auto":
+        why = device_unsupported()
+    return why is None, why
 
 
 def residual_chain_enabled() -> bool:
@@ -210,17 +229,21 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     if cuda:
         items.append(LineItem("workspace.cublas", workspace,
                               "torch's cuBLAS workspace (caching allocator; calibrated constant)"))
-    if graph and awq and persistent_decode_enabled():  # kernels/cuda_step.py's buffers
+    persistent, persistent_why = (persistent_decode_planned(model_cfg, group_size, sparse,
+                                                             kv_name, c_name)
+                                  if graph and awq else (False, None))
+    if persistent:  # kernels/cuda_step.py's buffers
         from hisparse_cli.kernels.cuda_step import buffer_bytes
 
         pb = buffer_bytes(model_cfg, awq_lm_head, num_sms)
         workspace += pb
         items.append(LineItem(
             "workspace.persistent_decode", pb,
-            "the persistent decode kernel's buffers (HISPARSE_DECODE_KERNEL=persistent): its "
-            "zeroed workspace (each layer's q|k|v and gate|up sums, the INT4 head's logits), "
-            "residual stream, attention partials, phase table; the layer-by-layer decode "
-            "activations are still counted (an upper bound)"))
+            "the persistent decode kernel's buffers (the decode takes it: HISPARSE_DECODE_KERNEL "
+            "unset on an sm_90 GPU, or =persistent): its zeroed workspace (each layer's q|k|v "
+            "and gate|up sums, the INT4 head's logits), residual stream, attention partials, "
+            "phase table; the layer-by-layer decode activations are still counted (an upper "
+            "bound)"))
     items += _run_items(run, shape, context_tokens)
     peak = weights + workspace + run.peak
     assert sum(i.bytes for i in items if i.counted) == peak
@@ -233,6 +256,12 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     if graph:
         notes += (_REUSE_NOTE.format(logits=model_cfg.vocab_size * 4,
                                      inputs=run.resident_end.get("cuda_graph", 0)),)
+    if persistent:
+        notes += ("decode: the persistent kernel (one launch a token; its buffers are "
+                  "workspace.persistent_decode)",)
+    elif persistent_why and decode_kernel() == "persistent":
+        notes += (f"decode: layer by layer, not the persistent kernel asked for: "
+                  f"{persistent_why}",)
     if host_emb and graph:
         notes += ("the host embedding table is page-locked (cudaHostRegister) so that the "
                   "decode graph reads each token's row itself; where the driver refuses, the host "

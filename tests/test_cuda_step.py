@@ -116,15 +116,20 @@ def test_settings_the_kernel_serves():
         torch.float16) is None
 
 
-def test_engine_keeps_the_layout_where_the_kernel_cannot_run(monkeypatch):
-    """HISPARSE_DECODE_KERNEL=persistent on a CPU engine: the note says why and the INT4
-    linears keep their layout (items would make every decode product a dequantize + matmul)."""
+@pytest.mark.parametrize("kernel", ["persistent", ""])
+def test_engine_keeps_the_layout_where_the_kernel_cannot_run(monkeypatch, kernel):
+    """HISPARSE_DECODE_KERNEL=persistent, or unset (auto), on a CPU engine: the note says why
+    and the INT4 linears keep their layout (items would make every decode product a dequantize
+    + matmul)."""
     from hisparse_cli.engine.config import SparseConfig
     from hisparse_cli.engine.engine import Engine
     from hisparse_cli.model.config import ModelConfig
     from hisparse_cli.model.llama import CausalLM
 
-    monkeypatch.setenv("HISPARSE_DECODE_KERNEL", "persistent")
+    if kernel:
+        monkeypatch.setenv("HISPARSE_DECODE_KERNEL", kernel)
+    else:
+        monkeypatch.delenv("HISPARSE_DECODE_KERNEL", raising=False)
     cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
                                  "intermediate_size": 256, "num_hidden_layers": 1,
                                  "num_attention_heads": 1, "num_key_value_heads": 1,
@@ -265,15 +270,17 @@ def test_kernel_step_equals_the_triton_step(case, mlp):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-def test_engine_generate_runs_the_kernel_in_its_graph(monkeypatch):
-    """HISPARSE_DECODE_KERNEL=persistent: the captured graph runs the kernel (the run says
-    so) and greedy decoding gives the layer-by-layer path's tokens (the per-step check above
-    agreed on every argmax of these models; a near-tie could part them late, so the first 8
-    are compared)."""
+@pytest.mark.parametrize("kernel", ["persistent", ""])
+def test_engine_generate_runs_the_kernel_in_its_graph(monkeypatch, kernel):
+    """HISPARSE_DECODE_KERNEL=persistent, or unset (auto, the default): the captured graph
+    runs the kernel (the run says so) and greedy decoding gives the layer-by-layer path's
+    tokens (the per-step check above agreed on every argmax of these models; a near-tie could
+    part them late, so the first 8 are compared)."""
     layers, extra_l = _engine_tokens("layers", monkeypatch)
-    persistent, extra_p = _engine_tokens("persistent", monkeypatch)
+    persistent, extra_p = _engine_tokens(kernel, monkeypatch)
     assert extra_l["decode_kernel"] == "layers"
     assert extra_p["decode_kernel"] == "persistent", extra_p
+    assert "decode_kernel_note" not in extra_p
     assert len(persistent) == 24 and persistent[:8] == layers[:8]
 
 
@@ -288,7 +295,10 @@ def _engine_tokens(kernel: str, monkeypatch) -> tuple[list[int], dict]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_engine import build_ours, prompt
 
-    monkeypatch.setenv("HISPARSE_DECODE_KERNEL", kernel)
+    if kernel:
+        monkeypatch.setenv("HISPARSE_DECODE_KERNEL", kernel)
+    else:
+        monkeypatch.delenv("HISPARSE_DECODE_KERNEL", raising=False)
     cfg = ModelConfig.from_dict(bench.SMALL)
     dev = torch.device("cuda")
     model = build_ours(cfg, dev, awq=True, host_emb=False, awq_lm_head=True, seed=7)
@@ -300,6 +310,79 @@ def _engine_tokens(kernel: str, monkeypatch) -> tuple[list[int], dict]:
     res = eng.generate(prompt(600, cfg.vocab_size, seed=8), max_new_tokens=24, min_new_tokens=24)
     eng.release_cached_state()
     return res.token_ids, res.extra
+
+
+def test_decode_kernel_setting(monkeypatch):
+    """HISPARSE_DECODE_KERNEL: unset or empty is auto (the default), case and spaces do not
+    matter, anything else is a ConfigError naming the three values."""
+    from hisparse_cli.engine.cuda_graph import decode_kernel
+    from hisparse_cli.errors import ConfigError
+
+    monkeypatch.delenv("HISPARSE_DECODE_KERNEL", raising=False)
+    assert decode_kernel() == "auto"
+    for value, want in (("", "auto"), (" Layers ", "layers"), ("persistent", "persistent"),
+                        ("AUTO", "auto")):
+        monkeypatch.setenv("HISPARSE_DECODE_KERNEL", value)
+        assert decode_kernel() == want
+    monkeypatch.setenv("HISPARSE_DECODE_KERNEL", "persistant")
+    with pytest.raises(ConfigError, match="persistant.*auto, persistent, layers"):
+        decode_kernel()
+
+
+def test_config_unsupported():
+    """What the kernel serves, from a config alone (the planner's question): Llama-3-8B AWQ
+    yes; a bias, q/k norms, another head dim, too many query heads a KV head, a group size
+    other than 128 or a layer linear kept fp16 no; an fp16 lm_head is fine."""
+    from dataclasses import replace
+
+    from hisparse_cli.model.awq import AWQConfig
+    from hisparse_cli.planner_shapes import shape_config
+
+    cfg = shape_config("llama-3-8b-awq")
+    assert cuda_step.config_unsupported(cfg) is None
+    assert "bias" in cuda_step.config_unsupported(replace(cfg, attention_bias=True))
+    assert "q/k norms" in cuda_step.config_unsupported(replace(cfg, qk_norm=True))
+    assert "head dim 64" in cuda_step.config_unsupported(replace(cfg, head_dim=64))
+    assert "query heads" in cuda_step.config_unsupported(replace(cfg, num_key_value_heads=2))
+    assert "silu" in cuda_step.config_unsupported(replace(cfg, hidden_act="gelu"))
+    assert "group size 64" in cuda_step.config_unsupported(cfg, 64)
+    head_fp = AWQConfig(group_size=128, modules_to_not_convert=("lm_head",))
+    assert cuda_step.config_unsupported(cfg, 128, head_fp) is None
+    down_fp = AWQConfig(group_size=128, modules_to_not_convert=("model.layers.3.mlp.down_proj",))
+    assert "layer 3 down_proj is kept fp16" in cuda_step.config_unsupported(cfg, 128, down_fp)
+
+
+@pytest.mark.parametrize("kernel", ["", "persistent", "layers"])
+@pytest.mark.parametrize("gpu", [True, False])
+def test_planner_plans_the_decode_the_engine_takes(monkeypatch, kernel, gpu):
+    """Unset (auto): the buffers are counted only where this machine's GPU runs the kernel
+    (device_unsupported stubbed here); =persistent: wherever the model and settings allow;
+    =layers: never. The plan's notes say which decode it counts."""
+    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.planner import plan_memory
+    from hisparse_cli.planner_shapes import shape_config
+
+    if kernel:
+        monkeypatch.setenv("HISPARSE_DECODE_KERNEL", kernel)
+    else:
+        monkeypatch.delenv("HISPARSE_DECODE_KERNEL", raising=False)
+    monkeypatch.setattr(cuda_step, "device_unsupported",
+                        lambda device=None: None if gpu else "no CUDA device")
+
+    def plan(**over):
+        kw = dict(weight_format="awq-int4", awq_lm_head=True, sparse=SparseConfig(),
+                  context_tokens=4096, max_new_tokens=16, kv_dtype="float16",
+                  compute_dtype="float16", device_kind="cuda", backend="triton", num_sms=132)
+        return plan_memory(shape_config("llama-3-8b-awq"), **{**kw, **over})
+
+    p = plan()
+    counted = "workspace.persistent_decode" in {i.name for i in p.items}
+    assert counted == (kernel == "persistent" or (kernel == "" and gpu))
+    assert any(n.startswith("decode: the persistent kernel") for n in p.notes) == counted
+    # settings the kernel does not serve: never counted; asked for, the plan says why
+    p = plan(kv_dtype="float32")
+    assert "workspace.persistent_decode" not in {i.name for i in p.items}
+    assert any("fp16 KV cache" in n for n in p.notes) == (kernel == "persistent")
 
 
 def test_planner_counts_the_persistent_buffers(monkeypatch):

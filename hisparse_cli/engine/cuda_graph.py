@@ -40,12 +40,25 @@ def _mapped(table: torch.Tensor) -> bool:
     return is_mapped(table)
 
 
+DECODE_KERNELS = ("auto", "persistent", "layers")
+
+
 def decode_kernel() -> str:
-    """"persistent" (the whole step in one kernel, kernels/cuda_step.py, where it applies) or
-    "layers" (the default: one kernel per operation): HISPARSE_DECODE_KERNEL."""
+    """HISPARSE_DECODE_KERNEL: "auto" (unset: the default) decodes each token with the
+    persistent kernel (the whole step in one launch, kernels/cuda_step.py) where it applies
+    (an sm_90 GPU with NVRTC, an AWQ INT4 model and settings it serves) and layer by layer
+    elsewhere; "persistent" asks for it (a run it does not apply to says why:
+    decode_kernel_note); "layers" decodes one kernel per operation always. Any other value is
+    a ConfigError."""
     import os
 
-    return "persistent" if os.environ.get("HISPARSE_DECODE_KERNEL") == "persistent" else "layers"
+    from hisparse_cli.errors import ConfigError
+
+    value = os.environ.get("HISPARSE_DECODE_KERNEL", "").strip().lower() or "auto"
+    if value not in DECODE_KERNELS:
+        raise ConfigError(f"HISPARSE_DECODE_KERNEL={os.environ['HISPARSE_DECODE_KERNEL']!r}: "
+                          f"expected one of {', '.join(DECODE_KERNELS)}")
+    return value
 
 
 PAD_START = 1 << 30  # start position of padding blocks: later than any query, so masked (the
@@ -192,7 +205,7 @@ class GraphDecoder:
         # forward, where asked for (decode_kernel()) and where it applies
         self.cuda_step = None
         self.cuda_step_reason: str | None = None
-        if decode_kernel() == "persistent":
+        if decode_kernel() != "layers":
             self.cuda_step_reason = self._persistent_unsupported()
             if self.cuda_step_reason is None:
                 from hisparse_cli.kernels.cuda_step import CudaDecodeStep

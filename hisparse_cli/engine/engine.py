@@ -95,8 +95,8 @@ class Engine:
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)
         self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
-        self.decode_kernel_note = None  # why HISPARSE_DECODE_KERNEL=persistent is not taken
-        if decode_kernel() == "persistent":
+        self.decode_kernel_note = None  # why the persistent decode kernel is not taken
+        if decode_kernel() != "layers":  # "auto" (the default) or "persistent"
             self._prepare_persistent()
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)

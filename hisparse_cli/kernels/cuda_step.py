@@ -146,30 +146,47 @@ def _readable(lin, convert: bool) -> bool:
             and lin.in_features % 128 == 0 and lin.out_features % 128 == 0)
 
 
-def model_unsupported(model, device: torch.device, convert: bool = False) -> str | None:
-    """Why the kernel cannot run this model on `device` (None: it can), whatever the run's
-    settings; convert: AWQ linears still to be put in the item layout count as readable (the
-    Engine asks before converting, so that a model the kernel cannot run keeps its layout)."""
-    from hisparse_cli.kernels import cuda_rt
-
-    if device.type != "cuda":
-        return "not a CUDA device"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return "needs sm_90 (Hopper): the kernel streams with TMA and bulk copies"
-    if not cuda_rt.nvrtc_available():
-        return cuda_rt.nvrtc_unavailable_reason()
-    cfg = model.cfg
+def config_unsupported(cfg, group_size: int = 128, awq=None) -> str | None:
+    """Why the kernel cannot run a model of this config (None: it can), from what the config
+    says: the shapes the kernel is built for, Llama-family layers without biases or q/k norms,
+    SiLU, AWQ INT4 of group size 128 for every layer's linears (awq: the checkpoint's
+    AWQConfig, whose modules_to_not_convert must leave every layer linear INT4; the lm_head may
+    stay fp16). The memory planner asks this (planner.py); model_unsupported asks it too."""
     if cfg.head_dim != HD:
         return f"head dim {cfg.head_dim} (the kernel is built for {HD})"
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     if hq % hkv or hq // hkv > 8 or hq > MAX_HQ:
         return f"{hq} query heads over {hkv} KV heads (at most 8 a KV head, {MAX_HQ} in all)"
-    if model.compute_dtype != torch.float16:
-        return "fp16 activations only"
     if (cfg.hidden_size % 128 or cfg.intermediate_size % 128 or cfg.hidden_size > MAX_HIDDEN
             or cfg.intermediate_size > MAX_K):
         return (f"hidden {cfg.hidden_size} / intermediate {cfg.intermediate_size} (multiples of "
                 f"128 up to {MAX_HIDDEN} / {MAX_K})")
+    if cfg.qk_norm:
+        return "q/k norms"
+    if cfg.attention_bias or cfg.o_bias or cfg.mlp_bias:
+        return "linears with a bias"
+    if cfg.hidden_act != "silu":
+        return f"the MLP activation {cfg.hidden_act!r} (the kernel's is silu)"
+    if group_size != 128:
+        return f"AWQ group size {group_size} (the kernel reads 128)"
+    if awq is not None:
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            for i in range(cfg.num_hidden_layers):
+                if awq.keeps_fp(f"model.layers.{i}.{name}"):
+                    return f"layer {i} {name.split('.')[1]} is kept fp16 (modules_to_not_convert)"
+    return None
+
+
+def model_unsupported(model, device: torch.device, convert: bool = False) -> str | None:
+    """Why the kernel cannot run this model on `device` (None: it can), whatever the run's
+    settings; convert: AWQ linears still to be put in the item layout count as readable (the
+    Engine asks before converting, so that a model the kernel cannot run keeps its layout)."""
+    why = device_unsupported(device) or config_unsupported(model.cfg)
+    if why is not None:
+        return why
+    if model.compute_dtype != torch.float16:
+        return "fp16 activations only"
     for i, layer in enumerate(model.model.layers):
         att, mlp = layer.self_attn, layer.mlp
         if att.q_norm is not None:
@@ -205,6 +222,24 @@ def settings_unsupported(sparse, kv_dtype: torch.dtype) -> str | None:
         return f"{sparse.global_tokens} global tokens (a multiple of {PAGE})"
     if globals_on and sparse.importance == "probe":
         return "the learned importance probe"
+    return None
+
+
+def device_unsupported(device: torch.device | None = None) -> str | None:
+    """Why the kernel cannot run on `device` (default: the current CUDA device; None: it
+    can): a CUDA device of sm_90 or later, and NVRTC to build the kernel."""
+    from hisparse_cli.kernels import cuda_rt
+
+    if device is None:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "needs sm_90 (Hopper): the kernel streams with TMA and bulk copies"
+    if not cuda_rt.nvrtc_available():
+        return cuda_rt.nvrtc_unavailable_reason()
     return None
 
 
