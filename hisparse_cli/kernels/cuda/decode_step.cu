@@ -60,15 +60,12 @@
 #define GROUPS (NW / SPLIT)  // consumer groups of the GEMV items
 #ifndef ATT_WARPS
 #define ATT_WARPS 4      // warps an attention page (each HD / ATT_WARPS dims of P.V; every one
-#endif                   // computes the page's q.K): 4, 2 (twice the groups, half the pages one
-                         // after another in a group) or 1 (variant: 16 groups, one warp a page,
-                         // no q.K computed twice)
+#endif                   // computes the page's q.K): 4, or 2 (variant: twice the groups, half
+                         // the pages one after another in a group)
 #define AGROUPS (NW / ATT_WARPS)  // attention groups; a unit's page e goes to group e % AGROUPS
-#define MERGE_GROUPS 8   // attention groups the merge space holds; with 16 groups, groups 8..15
-                         // first fold their state into groups 0..7 through it
-#define MGROUPS (AGROUPS < MERGE_GROUPS ? AGROUPS : MERGE_GROUPS)  // states the merge reads
-static_assert((AGROUPS <= MERGE_GROUPS || AGROUPS == 2 * MERGE_GROUPS) && SPLIT % ATT_WARPS == 0 &&
-              HD % (16 * ATT_WARPS) == 0, "ATT_WARPS: 1, 2 or 4");
+#define MERGE_GROUPS 8   // attention groups the merge space holds (>= AGROUPS)
+static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * ATT_WARPS) == 0,
+              "ATT_WARPS: 2 or 4");
 #define ITEM_BYTES 8512  // 128 x 128 INT4 words (8192 B), scales (256 B), zero points (64 B)
 #define SCALES_OFF 8192
 #define ZEROS_OFF 8448
@@ -876,35 +873,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             if (lane == 0) mbar_arrive_n(&empty[slot], SPLIT / ATT_WARPS);
           }
         }
-#if AGROUPS > MERGE_GROUPS
-        // 16 groups (ATT_WARPS=1, a warp a group): group 8 + i hands its state to group i,
-        // which folds it into its own before the merge of 8
-        if (grp >= MERGE_GROUPS && g < GQA) {
-          float* mw = merge + ((grp - MERGE_GROUPS) * GQA + g) * (HD + 2);
-#pragma unroll
-          for (int jx = 0; jx < NT; ++jx)
-            *reinterpret_cast<float2*>(mw + 8 * jx + 2 * t) = make_float2(o[jx][0], o[jx][1]);
-          if (t == 0) mw[HD] = mm, mw[HD + 1] = ll;
-        }
-        consumers_sync();
-        if (grp < MERGE_GROUPS && g < GQA) {
-          const float* mw = merge + (grp * GQA + g) * (HD + 2);
-          const float m2 = mw[HD], l2 = mw[HD + 1], M = fmaxf(mm, m2);
-          const float a = mm == neg_inf() ? 0.f : ex(mm - M), b = m2 == neg_inf() ? 0.f : ex(m2 - M);
-#pragma unroll
-          for (int jx = 0; jx < NT; ++jx) {
-            const float2 o2 = *reinterpret_cast<const float2*>(mw + 8 * jx + 2 * t);
-            o[jx][0] = a * o[jx][0] + b * o2.x, o[jx][1] = a * o[jx][1] + b * o2.y;
-          }
-          mm = M, ll = a * ll + b * l2;
-        }
-        consumers_sync();
-#endif
-#if AGROUPS > MERGE_GROUPS
-        if (grp < MERGE_GROUPS && g < GQA) {  // (the folded state)
-#else
         if (g < GQA) {  // this warp's state into merge [group][head][acc 128, m, l]
-#endif
           float* mw = merge + (grp * GQA + g) * (HD + 2);
 #pragma unroll
           for (int jx = 0; jx < NT; ++jx)
@@ -918,10 +887,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           const int q = t2 / HD, d = t2 % HD;
           float M = neg_inf();
 #pragma unroll
-          for (int g2 = 0; g2 < MGROUPS; ++g2) M = fmaxf(M, merge[(g2 * GQA + q) * (HD + 2) + HD]);
+          for (int g2 = 0; g2 < AGROUPS; ++g2) M = fmaxf(M, merge[(g2 * GQA + q) * (HD + 2) + HD]);
           float A = 0.f, L = 0.f;
 #pragma unroll
-          for (int g2 = 0; g2 < MGROUPS; ++g2) {
+          for (int g2 = 0; g2 < AGROUPS; ++g2) {
             const float* mw2 = merge + (g2 * GQA + q) * (HD + 2);
             const float e = mw2[HD] == neg_inf() ? 0.f : ex(mw2[HD] - M);
             A += e * mw2[d], L += e * mw2[HD + 1];
