@@ -92,7 +92,7 @@ def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
     them): the step's zeroed workspace (barrier, each layer's q|k|v sums, the INT4 head's
     logits), each layer's gate|up sums (unless the MLP is K_MLP), the residual
     stream, the attention partials, the phase table, and the fp16 head's normed input. The
-    memory planner adds them under HISPARSE_DECODE_KERNEL=persistent (planner.py)."""
+    memory planner adds them where the decode takes the kernel (planner.py)."""
     from hisparse_cli.planner_trace import cuda_block_bytes
 
     L, hq, hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -470,8 +470,10 @@ class CudaDecodeStep:
         if fused != self.fused:
             self._phases(fused)
         self.variant = tuple(opts)
-        self.function = _module(self.gqa, -(-self.model.cfg.hidden_size // 1024),
-                                self.device_index, tuple(opts))[self.mass]
+        nw = [int(o.split("=", 1)[1]) for o in opts if o.startswith("-DNW=")]
+        self.nw = nw[-1] if nw else NW  # consumer warps (variant: -DNW=12)
+        pairs = -(-(self.model.cfg.hidden_size // 2) // (self.nw * 32))  # NORM_PAIRS
+        self.function = _module(self.gqa, pairs, self.device_index, tuple(opts))[self.mass]
         self.function.set_max_dynamic_shared_memory(self.smem)
 
     def timeline(self) -> torch.Tensor:
@@ -497,7 +499,7 @@ class CudaDecodeStep:
         self.ws.zero_()
         if self.fused != 1:
             self.gu.zero_()
-        self.function.launch((self.ctas, 1, 1), ((NW + 1) * 32, 1, 1), self.smem,
+        self.function.launch((self.ctas, 1, 1), ((self.nw + 1) * 32, 1, 1), self.smem,
                              [self.params, *self.maps])
         if self.normed is None:
             return self.ws[self.off_logits:].view(1, -1)

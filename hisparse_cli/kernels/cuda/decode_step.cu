@@ -55,7 +55,9 @@
 #define GQA 4
 #endif
 #define HD 128           // head dim (one item column tile = one head)
-#define NW 16            // consumer warps
+#ifndef NW
+#define NW 16            // consumer warps (variant: 12, so that 13 warps leave 128 registers a
+#endif                   // thread instead of 96)
 #define SPLIT 4          // warps an item (each two of its 8 row tiles)
 #define GROUPS (NW / SPLIT)  // consumer groups of the GEMV items
 #ifndef ATT_WARPS
@@ -64,6 +66,7 @@
                          // the pages one after another in a group)
 #define AGROUPS (NW / ATT_WARPS)  // attention groups; a unit's page e goes to group e % AGROUPS
 #define MERGE_GROUPS 8   // attention groups the merge space holds (>= AGROUPS)
+static_assert(NW % SPLIT == 0 && NW >= 8 && NW <= 16, "NW: 8, 12 or 16 consumer warps");
 static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * ATT_WARPS) == 0,
               "ATT_WARPS: 2 or 4");
 #define ITEM_BYTES 8512  // 128 x 128 INT4 words (8192 B), scales (256 B), zero points (64 B)
