@@ -272,6 +272,12 @@ def use_item_layout(model) -> int:
     return n
 
 
+def norm_pairs(hidden: int, nw: int = NW) -> int:
+    """decode_step.cu's NORM_PAIRS: the x pairs each of the nw * 32 consumer threads holds in
+    the RMSNorm (hidden / 2 pairs in all)."""
+    return -(-(hidden // 2) // (nw * 32))
+
+
 @lru_cache(maxsize=None)
 def _module(gqa: int, norm_pairs: int, device_index: int, extra: tuple[str, ...] = ()):
     """The kernel built for this GQA and hidden size (x pairs a thread in the RMSNorm); extra:
@@ -472,8 +478,8 @@ class CudaDecodeStep:
         self.variant = tuple(opts)
         nw = [int(o.split("=", 1)[1]) for o in opts if o.startswith("-DNW=")]
         self.nw = nw[-1] if nw else NW  # consumer warps (variant: -DNW=12)
-        pairs = -(-(self.model.cfg.hidden_size // 2) // (self.nw * 32))  # NORM_PAIRS
-        self.function = _module(self.gqa, pairs, self.device_index, tuple(opts))[self.mass]
+        self.function = _module(self.gqa, norm_pairs(self.model.cfg.hidden_size, self.nw),
+                                self.device_index, tuple(opts))[self.mass]
         self.function.set_max_dynamic_shared_memory(self.smem)
 
     def timeline(self) -> torch.Tensor:
