@@ -100,8 +100,23 @@ def phase_check(model, run, dec, step) -> dict:
     return out
 
 
+def bisect_phases(step) -> None:
+    """Run the step stopped after each phase in turn, synchronizing after each, and say which
+    ran (with CUDA_LAUNCH_BLOCKING=1 a faulting build dies right after the last phase named:
+    the next one is the faulty phase). The cache is restored by the caller's own steps."""
+    full = step.params.n_phase
+    try:
+        for n in range(1, full + 1):
+            step.params.n_phase = n
+            step()
+            torch.cuda.synchronize()
+            print(f"  bisect: phases 1..{n} ran (last: {step.kinds[n - 1]})", flush=True)
+    finally:
+        step.params.n_phase = full
+
+
 def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, steps: int,
-              prompt_len: int, dev, variant: str = "") -> dict:
+              prompt_len: int, dev, variant: str = "", bisect: bool = False) -> dict:
     from gpu_engine import build_ours, prompt
 
     from hisparse_cli.engine.block_pool import BlockPool
@@ -130,7 +145,8 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
         assert why is None, why
         step = CudaDecodeStep(model, run, dec.dev, dec.tok, dec.nb_max)
         if variant:  # another build of the kernel (--check-variants)
-            step.use_variant(tuple(f"-D{d}" for d in variant.split(",")))
+            step.use_variant(tuple(d if d.startswith("-") else f"-D{d}"  # -lineinfo as is
+                                   for d in variant.split(",")))
         cache = run.cache
         state = [t for t in (cache.k, cache.v, cache.score, cache.gmass, cache.gseen)]
         worst = {"logits": 0.0, "k": 0.0, "v": 0.0, "score": 0.0, "gmass": 0.0, "gseen": 0.0}
@@ -140,6 +156,11 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
             dec._prepare()
             dec.tok.copy_(tok)
             if i == 0:
+                if bisect:
+                    saved = [t.clone() for t in state]
+                    bisect_phases(step)
+                    for t, b in zip(state, saved):
+                        t.copy_(b)
                 print("phases:", phase_check(model, run, dec, step), flush=True)
             before = [t.clone() for t in state]
             ref = model(dec.tok, dec.dev[0:1], dec.ctx).clone()
@@ -171,7 +192,7 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
             "variant": variant,
             "steps": steps, "prompt": prompt_len, "unit_pages": step.unit_pages,
             "argmax_agree": agree, "worst_rel": worst, "ctas": step.ctas, "splits": step.S,
-            "smem": step.smem}
+            "smem": step.smem, "att_warps": step.att_warps, "stages": step.params.stages}
 
 
 def event_ms(fn, reps: int = 30) -> float:
@@ -348,19 +369,34 @@ def main() -> None:
                     help="run the fp16 rows again after the INT4 ones; ratios against the "
                     "mean of the two (the peer varies 3-5 %% between runs)")
     ap.add_argument("--systems", default="", help="e.g. int4+head/persistent (default: all)")
+    ap.add_argument("--check-shape", default="small", help="the checks' model: small (4 "
+                    "layers, hidden 1024) or llama-3-8b:N (the 8B shape with N layers: every "
+                    "CTA has many items a phase, so the ring goes round)")
+    ap.add_argument("--check-cases", default="", help="indices into CHECKS (default: all)")
+    ap.add_argument("--no-default-check", action="store_true",
+                    help="check only the --check-variants builds")
+    ap.add_argument("--bisect", action="store_true", help="before the first checked step, "
+                    "run the step stopped after each phase (finds a faulting phase; use "
+                    "with CUDA_LAUNCH_BLOCKING=1)")
     a = ap.parse_args()
     out = Path(a.out or os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "check": []}
-    cfg = ModelConfig.from_dict(SMALL)
-    checks = [(c, v) for v in [""] + list(filter(None, a.check_variants.split(";")))
-              for c in CHECKS]
+    if a.check_shape == "small":
+        cfg = ModelConfig.from_dict(SMALL)
+    else:
+        from hisparse_cli.planner_shapes import SHAPES
+        name, _, layers = a.check_shape.partition(":")
+        cfg = ModelConfig.from_dict({**SHAPES[name], "num_hidden_layers": int(layers or 2)})
+    cases = [CHECKS[int(i)] for i in a.check_cases.split(",")] if a.check_cases else CHECKS
+    builds = ([] if a.no_default_check else [""]) + list(filter(None, a.check_variants.split(";")))
+    checks = [(c, v) for v in builds for c in cases]
     for (head_int4, window, globals_, prompt_len), variant in checks:
         try:
             r = check_one(cfg, head_int4, window, globals_, a.check_steps, prompt_len, dev,
-                          variant)
+                          variant, a.bisect)
         except Exception:  # reported, and the timing still runs
             traceback.print_exc()
             res["check"].append({"head_int4": head_int4, "window": window,
@@ -369,8 +405,8 @@ def main() -> None:
         res["check"].append(r)
         w = r["worst_rel"]
         print(f"check [{variant or 'default'}] head {r['head']} window {window} globals "
-              f"{globals_} ({r['unit_pages']} "
-              f"pages a split): argmax agree {r['argmax_agree']}/{r['steps']}, worst rel "
+              f"{globals_} ({r['unit_pages']} pages a split, {r['att_warps']} warps a page, "
+              f"{r['stages']} slots): argmax agree {r['argmax_agree']}/{r['steps']}, worst rel "
               + " ".join(f"{k} {v:.2e}" for k, v in w.items()), flush=True)
     print(f"check done in {time.perf_counter() - t0:.1f} s", flush=True)
     if not a.skip_time:

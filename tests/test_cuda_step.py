@@ -239,6 +239,37 @@ def test_norm_pairs_cover_the_hidden_size():
             assert p * nw * 32 >= hidden // 2 > (p - 1) * nw * 32
 
 
+def test_ring_slots_are_a_multiple_of_every_consumer_unit_count():
+    """Every group that takes every units-th ring entry must own its slots (ring_units: a
+    parity wait on a slot whose previous fill another group took can pass while that fill is
+    still in flight; run 153's launch failures). GEMV groups nw / 4, attention groups nw /
+    att_warps."""
+    assert cuda_step.ring_units(16, 4) == 4 and cuda_step.ring_units(16, 2) == 8
+    assert cuda_step.ring_units(12, 4) == 3 and cuda_step.ring_units(12, 2) == 6
+    assert cuda_step.ring_units(8, 4) == 2 and cuda_step.ring_units(8, 2) == 4
+    plan = cuda_step.ring_plan
+    # the default build (16 warps): GQA 4 holds 16 slots, both attention builds run all 16
+    assert plan(16, 16, 19) == (2, 16) and plan(16, 16, 9) == (4, 16)
+    # GQA 8 holds 12: the 2-warp build's 8 groups could run only 8, so 4 warps a page
+    assert plan(12, 16, 19) == (4, 12)
+    assert plan(12, 16, 19, att_warps_=2) == (2, 8)  # asked for: 8 slots, sound
+    # 12 consumer warps (3 GEMV groups): 15 slots with 4 warps a page, 12 with 2 (6 groups)
+    assert plan(16, 12, 9) == (4, 15) and plan(16, 12, 19) == (4, 15)
+    assert plan(16, 12, 19, att_warps_=2) == (2, 12)
+    assert plan(16, 8, 19) == (2, 16)
+    for bad in ((16, 12, 9, None, 16), (16, 16, 9, None, 14), (16, 16, 19, 2, 12),
+                (12, 16, 9, None, 16), (16, 16, 9, None, 4)):
+        with pytest.raises(ValueError, match="ring slots"):
+            plan(*bad)
+    with pytest.raises(ValueError, match="a multiple of 3, 8 to 8"):
+        plan(8, 12, 9)  # 8 slots allocated: 3 groups could run only 6
+    for allocated in (12, 16):
+        for nw in (8, 12, 16):
+            for pages in (1, 9, 19):
+                aw, st = plan(allocated, nw, pages)
+                assert st % cuda_step.ring_units(nw, aw) == 0 and 8 <= st <= allocated
+
+
 def test_attention_warps_follow_the_pages_a_unit():
     """The default build's warps an attention page: 4 at the 4060ti-6g settings' ~9 pages a
     unit, 2 at h200-141g's ~19 (runs 145-146 timed both builds at both); the step asks for
@@ -265,11 +296,10 @@ def _bench():
 def test_kernel_step_equals_the_triton_step(case, mlp):
     """Each step from the same state: logits, stored K/V, masses; the MLP in each of its
     forms (K_MLP2, the default; two GEMV phases; K_MLP), the ATT_WARPS=2 build and the
-    12-consumer-warp build (NW=12, not yet run on the GPU). Bounds:
-    fp16 activations
-    rounded in other places (the kernel keeps the residual stream in fp32) move logits by
-    ~2e-3 of their range after 4 layers (measured 1.9-2.5e-3); 1e-2 leaves room, while a
-    wrong head, mask or key would be off by O(1)."""
+    12-consumer-warp build (NW=12). Bounds: fp16 activations rounded in other places (the
+    kernel keeps the residual stream in fp32) move logits by ~2e-3 of their range after 4
+    layers (measured 1.9-2.5e-3); 1e-2 leaves room, while a wrong head, mask or key would be
+    off by O(1)."""
     from hisparse_cli.model.config import ModelConfig
 
     bench = _bench()
@@ -278,6 +308,36 @@ def test_kernel_step_equals_the_triton_step(case, mlp):
                         prompt, torch.device("cuda"), mlp)
     w = r["worst_rel"]
     assert r["argmax_agree"] == 12
+    assert w["logits"] < 1e-2 and w["k"] < 1e-2 and w["v"] < 1e-2
+    assert w["score"] < 1e-2 and w["gmass"] < 1e-2 and w["gseen"] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("shape,variant,want", [
+    ("llama-3-8b", "", (2, 16)), ("llama-3-8b", "NW=12", (4, 15)),
+    ("llama-3-8b", "NW=12,ATT_WARPS=2", (2, 12)), ("gqa8", "", (4, 12))])
+def test_the_ring_goes_round_soundly(shape, variant, want):
+    """Many ring entries a CTA in each phase (the small checks above have about one): two
+    layers of the 8B shape at the h200-141g-like window (17 pages a split; the INT4 head's 243
+    items a CTA go round the ring 15 times) in the default build and the NW=12 builds (3 GEMV
+    groups: run 153's launch failures at 16 slots), and a GQA-8 model (12 slots held: the
+    2-warp attention's 8 groups would not own their slots, so 4 warps a page) at 19 pages a
+    split. Same bounds as above."""
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner_shapes import SHAPES
+
+    bench = _bench()
+    if shape == "gqa8":  # 8 query heads over 1 KV head (32 splits): a longer window
+        cfg = ModelConfig.from_dict({**bench.SMALL, "num_key_value_heads": 1})
+        window, globals_, prompt = 9216, 256, 10000
+    else:
+        cfg = ModelConfig.from_dict({**SHAPES[shape], "num_hidden_layers": 2})
+        window, globals_, prompt = 4096, 128, 5000
+    r = bench.check_one(cfg, True, window, globals_, 6, prompt, torch.device("cuda"), variant)
+    w = r["worst_rel"]
+    assert (r["att_warps"], r["stages"]) == want and r["unit_pages"] >= 13
+    assert r["argmax_agree"] == 6
     assert w["logits"] < 1e-2 and w["k"] < 1e-2 and w["v"] < 1e-2
     assert w["score"] < 1e-2 and w["gmass"] < 1e-2 and w["gseen"] == 0.0
 

@@ -19,6 +19,7 @@ SnapKV or uniform importance (the learned probe reads hidden states the kernel d
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -41,7 +42,8 @@ META = 12
 K_GEMV, K_ATTN, K_FINAL_NORM, K_MLP, K_MLP2 = 0, 1, 2, 3, 4
 X_NORM, X_SILU, X_ATT, X_NORM_EMB = 0, 1, 2, 3
 F_BARRIER, F_MASS, F_TIMELINE = 1, 2, 4
-STAGES = 16  # ring slots (a multiple of the 4 consumer groups: a slot keeps one owner)
+STAGES = 16  # ring slots allocated at most (a multiple of 4; ring_plan picks how many run)
+SPLIT = 4  # warps a GEMV item (decode_step.cu's SPLIT): nw / SPLIT consumer groups
 
 
 class StepParams(ctypes.Structure):
@@ -85,6 +87,45 @@ def att_warps(unit_pages: int) -> int:
     groups' states outweighs the shorter page chains). The threshold lies between those two
     measured points; it was not measured in between."""
     return 2 if unit_pages >= ATT_WARPS_2_PAGES else 4
+
+
+def ring_units(nw: int, att_warps_: int) -> int:
+    """What the ring's slot count must be a multiple of: every count of consumer units that
+    take every units-th ring entry in a phase (the GEMV groups, nw / SPLIT; the attention
+    groups, nw / att_warps_). A slot's previous entry in the same phase is then the same
+    group's, whose warps waited for it themselves. The full barriers' parity waits are sound
+    only so: a bulk copy issued earlier may land after a later one, and a group that waits on
+    a slot whose previous fill is still in flight takes that fill's completion for its own
+    entry's (stale data, then its arrivals count toward the wrong phase). Run 153: 16 slots
+    with 3 GEMV groups (NW=12), and 14 with 4, failed to launch ("unspecified launch
+    failure") in the INT4 head's 243 items a CTA at the 8B shape; 12 and 15 with 3 groups, and
+    16 with 2, passed the check."""
+    return math.lcm(nw // SPLIT, nw // att_warps_)
+
+
+def ring_plan(allocated: int, nw: int, unit_pages: int, att_warps_: int | None = None,
+              stages: int | None = None) -> tuple[int, int]:
+    """(warps an attention page, ring slots) a launch runs with, given the slots its shared
+    memory holds (ring_stages) and nw consumer warps. att_warps_ / stages: what a benchmark
+    variant asks for. Else the warps are att_warps(unit_pages), but 4 where the 2-warp build
+    (twice the attention groups) would run fewer slots (GQA 8 holds 12: 8 groups could use
+    only 8 of them), and the slots are the most that are a multiple of ring_units.
+    ValueError where what was asked for is unsound (ring_units) or does not fit."""
+    def most(aw: int) -> int:
+        units = ring_units(nw, aw)
+        return allocated - allocated % units
+
+    if att_warps_ is None:
+        att_warps_ = att_warps(unit_pages)
+        if att_warps_ == 2 and most(2) < most(4):
+            att_warps_ = 4
+    units = ring_units(nw, att_warps_)
+    if stages is None:
+        stages = most(att_warps_)
+    if stages % units or not 8 <= stages <= allocated:
+        raise ValueError(f"{stages} ring slots with {nw} consumer warps and {att_warps_} warps "
+                         f"an attention page: a multiple of {units}, 8 to {allocated}")
+    return att_warps_, stages
 
 
 def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
@@ -367,7 +408,7 @@ class CudaDecodeStep:
         p.gmass = cache.gmass.data_ptr() if G else 0
         p.gseen = cache.gseen.data_ptr() if G else 0
         p.capacity = cache.capacity
-        p.stages, p.red_tiles = self.stages, red_tiles
+        p.stages, p.red_tiles = self.stages, red_tiles  # (use_variant: ring_plan's)
         p.flags = F_BARRIER | (F_MASS if self.mass else 0)
         p.nb, p.bs, p.hkv, p.hq, p.hidden, p.G, p.S = (
             nb, run.sparse.block_size, hkv, hq, hidden, G, self.S)
@@ -462,22 +503,29 @@ class CudaDecodeStep:
 
     def use_variant(self, extra: tuple[str, ...]) -> None:
         """Launch the kernel built with these extra compiler options from now on (benchmarks;
-        () is the default build: ATT_WARPS by att_warps). "-DFUSE_MLP=0" / "=1" / "=2" picks
-        the MLP's form instead (_phases; the default: mlp_form)."""
+        () is the default build). "-DFUSE_MLP=0" / "=1" / "=2" picks the MLP's form instead
+        (_phases; the default: mlp_form); "-DSTAGES=n" runs n of the ring's slots; "-DNW=n"
+        builds n consumer warps; ATT_WARPS and the slots, where not given, are ring_plan's."""
         fused = self.fused_default
-        opts = []
+        opts, stages, aw = [], None, None
         for o in extra:
             if o.startswith("-DFUSE_MLP="):
                 fused = int(o.split("=", 1)[1])
+            elif o.startswith("-DSTAGES="):
+                stages = int(o.split("=", 1)[1])
             else:
+                if o.startswith("-DATT_WARPS="):
+                    aw = int(o.split("=", 1)[1])
                 opts.append(o)
-        if not any(o.startswith("-DATT_WARPS=") for o in opts) and att_warps(self.unit_pages) != 4:
-            opts.append(f"-DATT_WARPS={att_warps(self.unit_pages)}")
+        nw = [int(o.split("=", 1)[1]) for o in opts if o.startswith("-DNW=")]
+        nw = nw[-1] if nw else NW  # consumer warps (variant: -DNW=12)
+        aw_run, stages = ring_plan(self.stages, nw, self.unit_pages, aw, stages)
+        if aw is None and aw_run != 4:
+            opts.append(f"-DATT_WARPS={aw_run}")
         if fused != self.fused:
             self._phases(fused)
+        self.nw, self.att_warps, self.params.stages = nw, aw_run, stages
         self.variant = tuple(opts)
-        nw = [int(o.split("=", 1)[1]) for o in opts if o.startswith("-DNW=")]
-        self.nw = nw[-1] if nw else NW  # consumer warps (variant: -DNW=12)
         self.function = _module(self.gqa, norm_pairs(self.model.cfg.hidden_size, self.nw),
                                 self.device_index, tuple(opts))[self.mass]
         self.function.set_max_dynamic_shared_memory(self.smem)
@@ -490,7 +538,8 @@ class CudaDecodeStep:
         stamps = torch.zeros((self.params.n_phase, self.ctas, 5), dtype=torch.int64,
                              device=self.ws.device)
         function, variant = self.function, self.variant
-        self.use_variant(("-DTIMELINE=1", f"-DFUSE_MLP={int(self.fused)}", *variant))
+        self.use_variant(("-DTIMELINE=1", f"-DFUSE_MLP={int(self.fused)}",
+                          f"-DSTAGES={self.params.stages}", *variant))
         self.params.stamps, self.params.flags = stamps.data_ptr(), self.params.flags | F_TIMELINE
         try:
             self()

@@ -104,6 +104,9 @@ __device__ __forceinline__ Range cta_range(i64 n, int c, int P) {
 // where consumer unit `unit` of `units` (each taking every units-th stream position) starts in a
 // phase whose first ring entry is stream position pos0: its first phase-relative index
 // (returned), that entry's slot and the parity to wait for
+// (stages must be a multiple of units: a unit then waits only on slots whose previous fill in
+// the phase it waited for itself. Bulk copies may land out of order, so a parity wait on a slot
+// whose previous fill is still in flight would pass at once; kernels/cuda_step.py ring_units)
 __device__ __forceinline__ int ring_start(int pos0, int unit, int units, int stages, int& slot,
                                           u32& parity) {
   const int first = (((unit - pos0) % units) + units) % units;
