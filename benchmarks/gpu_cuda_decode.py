@@ -282,7 +282,11 @@ def time_rows(a, dev) -> list[dict]:
                         timing["phases_us"] = phase_table(dec.cuda_step)
                     for var in filter(None, a.variants.split(";")):  # other builds, same run
                         opts = tuple(f"-D{d}" for d in var.split(","))
-                        dec.cuda_step.use_variant(opts)
+                        try:
+                            dec.cuda_step.use_variant(opts)
+                        except ValueError as e:  # e.g. slots that are unsound (ring_plan)
+                            print(f"    variant {var}: {e}", flush=True)
+                            continue
                         timing[f"step_ms[{var}]"] = event_ms(dec.cuda_step)
                         if a.variant_timelines:
                             with torch.inference_mode():
