@@ -85,7 +85,8 @@ def att_warps(unit_pages: int) -> int:
     145-146 (Llama-3-8B shape, 132 SMs): at 19 pages a unit (h200-141g settings) 2 warps took
     0.039-0.045 ms off a ~1.97 ms step; at 9 (4060ti-6g) they cost 0.005-0.016 ms (merging 8
     groups' states outweighs the shorter page chains). The threshold lies between those two
-    measured points; it was not measured in between."""
+    measured points; it was not measured in between. ring_plan takes 4 where 2 would leave
+    the ring fewer slots (GQA 8)."""
     return 2 if unit_pages >= ATT_WARPS_2_PAGES else 4
 
 
