@@ -93,6 +93,12 @@ static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * AT
 #define DOWN_V4 1        // the fused MLP's down sums leave as one 16-byte reduction a 4 rows
 #endif                   // (red.global.add.v4.f32; run 133: -0.03 / -0.06 ms a step);
                          // 0: 4-byte atomics
+#ifndef NORM_PF
+#define NORM_PF 0        // the RMSNorm weights of a phase into L2 ahead of its x load (variant):
+#endif                   // 1 by the producer as it starts the phase's stream, 2 by a consumer
+                         // before the phase's barrier; 0: none. Run 157: the q|k|v x load
+                         // 117 -> 102-104 us a step, but the step 1.952 vs 1.951-1.953 ms (the
+                         // critical path moves to the MLP phase): no gain, so not the default
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -380,6 +386,18 @@ __device__ __forceinline__ void norm_x(const u32* erow, const float* in, const u
   }
 }
 
+// a phase's RMSNorm weights (fp16 [K]) into L2: the weights streamed between two reads of
+// one layer's norm (~100 MB a layer) evict them, so the x load after the barrier would wait on
+// HBM for them (NORM_PF)
+__device__ __forceinline__ void prefetch_norm(const i64* m) {
+  const bool norm = m[0] == K_MLP || m[0] == K_MLP2 || m[0] == K_FINAL_NORM ||
+                    (m[0] == K_GEMV && (m[7] == X_NORM || m[7] == X_NORM_EMB));
+  if (norm) {
+    const u64 a = (u64)m[9] & ~(u64)15, b = ((u64)m[9] + 2 * (u64)m[1] + 15) & ~(u64)15;
+    prefetch_l2(reinterpret_cast<const void*>(a), (u32)(b - a));
+  }
+}
+
 template <bool MASS>
 __global__ void __launch_bounds__((NW + 1) * 32, 1)
     decode_step(const StepParams p, const __grid_constant__ TensorMap kmap,
@@ -445,6 +463,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       };
       for (int ph = 0; ph < p.n_phase; ++ph) {
         const i64* m = p.meta + ph * META;
+        if (NORM_PF == 1) prefetch_norm(m);
         if (m[0] == K_GEMV) {
           const Range r = cta_range(m[3] * m[4], c, P);
           const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
@@ -523,6 +542,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const i64* m = p.meta + ph * META;
     u64* st = TIMELINE && (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
     if (st && threadIdx.x == 0) st[0] = gtimer(), st[2] = st[3] = 0;
+    if (NORM_PF == 2 && threadIdx.x == 0) prefetch_norm(m);
     if (m[0] == K_GEMV || m[0] == K_MLP || m[0] == K_MLP2)  // the x loads add each group's
       for (int t = threadIdx.x; t < (int)m[3]; t += NW * 32) xsum[t] = 0.f;  // x sum here
     if (m[0] == K_ATTN && c < units) {  // before the barrier (they do not depend on the
