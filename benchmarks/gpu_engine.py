@@ -291,6 +291,9 @@ def plan_for(cfg, sparse, ctx, new, backend, dev, **kw):
                        backend=backend if dev.type == "cuda" else "torch", num_sms=sms, **kw)
 
 
+GEN_EXTRA: dict = {}  # --cli-sampling: the CLI's default penalty and n-gram ban as well
+
+
 def run_ours(model, cfg, sparse, ids, new, backend, dev, engine=None, **plan_kw) -> dict:
     """One Engine.generate. engine: a kept Engine (its sparse settings must be `sparse`), as a
     batch keeps one: a run of the same shapes after the first replays the kept CUDA graph
@@ -302,7 +305,7 @@ def run_ours(model, cfg, sparse, ids, new, backend, dev, engine=None, **plan_kw)
     plan = plan_for(cfg, sparse, len(ids), new, backend, dev, **plan_kw)
     free_all(dev)
     base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
-    res = eng.generate(ids, max_new_tokens=new, min_new_tokens=new)
+    res = eng.generate(ids, max_new_tokens=new, min_new_tokens=new, **GEN_EXTRA)
     s = res.stats
     measured = s.peak_memory_bytes if dev.type == "cuda" else None
     out = {"system": "hisparse", "context": len(ids), "new_tokens": s.new_tokens,
@@ -646,7 +649,16 @@ def main() -> None:
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")
+    ap.add_argument("--cli-sampling", action="store_true",
+                    help="decode with the CLI's default sampler settings (repetition penalty "
+                    "1.1, no-repeat n-gram 8) instead of plain greedy")
     a = ap.parse_args()
+    if a.cli_sampling:
+        from hisparse_cli.cli_options import RunOptions
+
+        d = RunOptions()
+        GEN_EXTRA.update(repetition_penalty=d.repetition_penalty,
+                         no_repeat_ngram_size=d.no_repeat_ngram)
     out_dir = Path(a.out or os.environ.get("OUT") or "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

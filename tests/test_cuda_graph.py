@@ -88,6 +88,52 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     assert static.stats.recalibrations == eager.stats.recalibrations > 0
 
 
+def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):
+    """HISPARSE_GRAPH_SAMPLER=1: the step samples itself (kernels/graph_sampler.py, its
+    kernels under the interpreter) and writes the next token into its own input; uncaptured
+    here. The same tokens as the plain eager loop, generate after generate: the penalty and
+    n-gram ban, a suppressed EOS under min_new_tokens and a stop at EOS, new settings (the
+    sampler re-armed), and a sampled generate (temperature > 0), which the host samples."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU test: the Triton interpreter is only enabled without CUDA")
+    from conftest import save_tiny
+
+    from hisparse_cli.engine import Engine, GenerationConfig, SparseConfig
+    from hisparse_cli.engine import cuda_graph
+    from hisparse_cli.kernels.dispatch import KernelBackend
+
+    path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
+    eng = Engine.from_pretrained(path, device="cpu", sparse=SparseConfig(**SPARSE))
+    eng.backend = KernelBackend(attention="triton", int4_linear="torch")
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4))
+    free = eng.generate(ids, max_new_tokens=30, eos_token_ids=()).token_ids
+    gens = [GenerationConfig(max_new_tokens=30, eos_token_ids=(), repetition_penalty=1.1,
+                             no_repeat_ngram_size=3),
+            GenerationConfig(max_new_tokens=30, eos_token_ids=(free[2],), min_new_tokens=6),
+            GenerationConfig(max_new_tokens=30, eos_token_ids=(free[8],)),
+            GenerationConfig(max_new_tokens=30, eos_token_ids=(), repetition_penalty=1.1,
+                             no_repeat_ngram_size=3),
+            GenerationConfig(max_new_tokens=20, eos_token_ids=(), temperature=0.8, seed=1)]
+    eager = [eng.generate(ids, gen=g) for g in gens]
+    init = cuda_graph.GraphDecoder.__init__
+    monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "capture": False}))
+    monkeypatch.setattr(eng, "_use_graph", lambda gen: True)
+    monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
+    sampled = []
+    step = cuda_graph.GraphDecoder.step
+    monkeypatch.setattr(cuda_graph.GraphDecoder, "step",
+                        lambda self, token: sampled.append(token is None) or step(self, token))
+    for g, e in zip(gens, eager):
+        sampled.clear()
+        got = eng.generate(ids, gen=g)
+        assert got.token_ids == e.token_ids and got.finish_reason == e.finish_reason
+        assert set(sampled) == {g.temperature == 0}  # the step sampled itself when greedy
+    assert len(eager[1].token_ids) >= 6  # its EOS (token 2 unsuppressed) held back
+    assert eager[2].finish_reason == "eos" and len(eager[2].token_ids) == free.index(free[8])
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_device_sampler_ngram_blocking_equals_host_sampler(n):
     """DeviceSampler's tensor n-gram ban against sampling.Sampler's dictionary of n-grams,
@@ -130,7 +176,8 @@ def test_device_sampler_suppresses_and_remembers_tokens():
 @pytest.mark.parametrize("gen,host", [
     (dict(), False), (dict(repetition_penalty=1.1, no_repeat_ngram_size=3), False),
     (dict(temperature=0.8, top_p=0.9, seed=0), False),
-    (dict(repetition_penalty=1.1, no_repeat_ngram_size=3), True)])
+    (dict(repetition_penalty=1.1, no_repeat_ngram_size=3), True),
+    (dict(repetition_penalty=1.1, no_repeat_ngram_size=3, graph_sampler=True), False)])
 def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeypatch, gen, host):
     """The decode loop reads tokens back every 16 steps, waiting only on the read-back copy's
     event (the next step already queued), and must not wait for the GPU anywhere else (an
@@ -144,6 +191,9 @@ def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeyp
 
     from hisparse_cli.engine import Engine, GenerationConfig
 
+    gen = dict(gen)
+    if gen.pop("graph_sampler", False):  # the step samples (kernels/graph_sampler.py)
+        monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
     eng = _engine(tmp_path, torch.float16, embeddings_on_host=host)
     assert (eng.model.model.embed_tokens.weight.device.type == "cpu") == host
     ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(3))
@@ -199,6 +249,27 @@ def test_graph_greedy_equals_eager(tmp_path, monkeypatch, prompt):
     assert len(graph.token_ids) == 150
     assert graph.token_ids == eager.token_ids
     assert graph.stats.recalibrations == eager.stats.recalibrations > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gen", [
+    dict(), dict(repetition_penalty=1.1, no_repeat_ngram_size=3),
+    dict(repetition_penalty=1.3, no_repeat_ngram_size=1, min_new_tokens=40, eos_token_ids=(7,))])
+def test_graph_sampler_equals_eager(tmp_path, monkeypatch, gen):
+    """HISPARSE_GRAPH_SAMPLER=1 on the GPU: the captured graph samples (its kernels, its
+    state on the device); the same tokens as the eager loop, twice (the second replays the
+    kept graph with the sampler re-armed)."""
+    eng = _engine(tmp_path, torch.float32)
+    ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(2))
+    g = {"max_new_tokens": 120, "eos_token_ids": (), **gen}
+    monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
+    first = eng.generate(ids, **g)
+    again = eng.generate(ids, **g)
+    assert first.extra["cuda_graph"] == "new" and again.extra["cuda_graph"] == "reused"
+    assert eng._decode_state.decoder.sampled
+    monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")
+    eager = eng.generate(ids, **g)
+    assert first.token_ids == again.token_ids == eager.token_ids
 
 
 @pytest.mark.gpu

@@ -199,6 +199,10 @@ class GraphDecoder:
                                     self.dev[2 + self.nb_max:])
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        # the greedy sampler inside the step (kernels/graph_sampler.py), where attached: the
+        # step then writes the next token into self.tok itself
+        self.sampler = None
+        self.sampled = False  # the step (and its captured graph) runs self.sampler
         self.steps = 0
         self.captures = 0  # graphs captured by this decoder (1 at most; 0 with capture=False)
         # the persistent decode kernel (kernels/cuda_step.py) in place of the layer-by-layer
@@ -298,7 +302,44 @@ class GraphDecoder:
         if done is not None:
             done.record()
 
+    def sample_in_graph(self, gen, eos) -> bool:
+        """Have the step sample greedily itself (kernels/graph_sampler.py), armed for this
+        generate; False where it cannot (not greedy, or the host reads each token to copy its
+        embedding row). A graph captured for other settings, or without the sampler, is
+        dropped (the next step captures again)."""
+        from hisparse_cli.kernels.graph_sampler import GraphSampler
+
+        if not GraphSampler.serves(gen, eos) or (self.host_table and not self.host_gather):
+            self.use_host_sampler()
+            return False
+        vocab = self.model.cfg.vocab_size
+        gs = self.sampler
+        if gs is None or gs.capacity < gen.max_new_tokens or gs.vocab != vocab:
+            gs = self.sampler = GraphSampler(vocab, gen.max_new_tokens, self.run.device)
+            self.release()
+        if gs.reset(gen, eos) or not self.sampled:
+            self.release()
+        self.sampled = True
+        return True
+
+    def use_host_sampler(self) -> None:
+        """The step returns logits only (the caller samples); drops a graph that sampled."""
+        if self.sampled:
+            self.release()
+        self.sampled = False
+
+    def sample_first(self, logits: torch.Tensor) -> None:
+        """The first token, from the prefill's last logits row, into self.tok and the
+        sampler's history (the steps sample the rest)."""
+        self.sampler(logits[-1], self.tok)
+
     def _body(self) -> torch.Tensor:
+        logits = self._forward()
+        if self.sampled:
+            self.sampler(logits[-1], self.tok)
+        return logits
+
+    def _forward(self) -> torch.Tensor:
         if self.cuda_step is not None:  # the whole step in one kernel (it reads the token's
             return self.cuda_step()     # embedding row itself)
         if self.host_table:
@@ -309,10 +350,14 @@ class GraphDecoder:
             return self.model.forward_hidden(self.x, self.dev[0:1], self.ctx)
         return self.model(self.tok, self.dev[0:1], self.ctx)
 
-    def step(self, token: torch.Tensor) -> torch.Tensor:
-        """token: [1] int64 on the device (the token at the next position) -> logits [1, V]."""
+    def step(self, token: torch.Tensor | None) -> torch.Tensor:
+        """token: [1] int64 on the device (the token at the next position), or None where the
+        step samples itself (sample_in_graph: the previous step or sample_first wrote it)
+        -> logits [1, V]."""
         self._prepare()
-        if self.host_table and not self.host_gather:
+        if token is None:
+            assert self.sampled, "no token and no sampler in the step"
+        elif self.host_table and not self.host_gather:
             # the token's row from the host table; .item() waits for the sampler, so the
             # previous step's copy out of x_host is done before it is overwritten
             table = self.model.model.embed_tokens.weight

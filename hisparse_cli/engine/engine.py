@@ -288,14 +288,27 @@ class Engine:
 
     def _decode_graph(self, run, logits, gen, eos, prompt_len, progress, sync_every: int = 16):
         from hisparse_cli.engine.cuda_graph import DeviceSampler
+        from hisparse_cli.kernels import graph_sampler
 
         # the kept decoder when its capture fits this run (its graph replays from the first
         # step), else a new one that warms up and captures on its first step
         decoder, reused = self._decode_state.decoder_for(self.model, run,
                                                          prompt_len + gen.max_new_tokens)
-        sampler = DeviceSampler(gen, logits.shape[-1], self.device)
-        eos_t = int64_to_device(sorted(eos), self.device) if eos else None
-        toks = torch.empty(gen.max_new_tokens, dtype=torch.int64, device=self.device)
+        # HISPARSE_GRAPH_SAMPLER=1: greedy decodes sample inside the step (and its graph),
+        # kernels/graph_sampler.py; a graph captured the other way is dropped
+        had_graph = decoder.graph is not None
+        fused = graph_sampler.enabled() and decoder.sample_in_graph(gen, eos)
+        if not fused:
+            decoder.use_host_sampler()
+        if had_graph and decoder.graph is None:
+            reused = False
+        if fused:
+            decoder.sample_first(logits)  # token 0; the steps sample the rest
+            toks = decoder.sampler.toks
+        else:
+            sampler = DeviceSampler(gen, logits.shape[-1], self.device)
+            eos_t = int64_to_device(sorted(eos), self.device) if eos else None
+            toks = torch.empty(gen.max_new_tokens, dtype=torch.int64, device=self.device)
         # read-backs go through page-locked memory and an event, so the next step is queued
         # before the host waits: the GPU never drains at a read-back (run 134: a 0.3-1.3 ms
         # idle gap every 16 tokens). The price: the step after the block's last token runs even
@@ -305,15 +318,16 @@ class Engine:
         ready = torch.cuda.Event() if cuda else None
         out: list[int] = []
         for i in range(gen.max_new_tokens):
-            tok = sampler(logits, eos_t if i < gen.min_new_tokens else None)
-            toks[i:i + 1].copy_(tok)
+            if not fused:
+                tok = sampler(logits, eos_t if i < gen.min_new_tokens else None)
+                toks[i:i + 1].copy_(tok)
             due = (i + 1) % sync_every == 0 or i + 1 == gen.max_new_tokens
             if due:
                 pinned[len(out):i + 1].copy_(toks[len(out):i + 1], non_blocking=cuda)
                 if ready is not None:
                     ready.record()
             if i + 1 < gen.max_new_tokens:
-                logits = decoder.step(tok)
+                logits = decoder.step(None if fused else tok)
             if due:  # the only host wait: once per sync_every, on the copy (not the step)
                 if ready is not None:
                     ready.synchronize()
