@@ -107,14 +107,14 @@ def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):
     eng = Engine.from_pretrained(path, device="cpu", sparse=SparseConfig(**SPARSE))
     eng.backend = KernelBackend(attention="triton", int4_linear="torch")
     ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4))
-    free = eng.generate(ids, max_new_tokens=30, eos_token_ids=()).token_ids
-    gens = [GenerationConfig(max_new_tokens=30, eos_token_ids=(), repetition_penalty=1.1,
+    free = eng.generate(ids, max_new_tokens=20, eos_token_ids=()).token_ids
+    gens = [GenerationConfig(max_new_tokens=20, eos_token_ids=(), repetition_penalty=1.1,
                              no_repeat_ngram_size=3),
-            GenerationConfig(max_new_tokens=30, eos_token_ids=(free[2],), min_new_tokens=6),
-            GenerationConfig(max_new_tokens=30, eos_token_ids=(free[8],)),
-            GenerationConfig(max_new_tokens=30, eos_token_ids=(), repetition_penalty=1.1,
+            GenerationConfig(max_new_tokens=20, eos_token_ids=(free[2],), min_new_tokens=6),
+            GenerationConfig(max_new_tokens=20, eos_token_ids=(free[8],)),
+            GenerationConfig(max_new_tokens=20, eos_token_ids=(), repetition_penalty=1.1,
                              no_repeat_ngram_size=3),
-            GenerationConfig(max_new_tokens=20, eos_token_ids=(), temperature=0.8, seed=1)]
+            GenerationConfig(max_new_tokens=12, eos_token_ids=(), temperature=0.8, seed=1)]
     eager = [eng.generate(ids, gen=g) for g in gens]
     init = cuda_graph.GraphDecoder.__init__
     monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
