@@ -31,6 +31,22 @@ def _engine(tmp_path, dtype, embeddings_on_host=False):
     return eng
 
 
+def _cpu_engine(tmp_path):
+    """The tiny model on the CPU with Triton attention (under the interpreter; CPU tests)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU test: the Triton interpreter is only enabled without CUDA")
+    from conftest import save_tiny
+
+    from hisparse_cli.engine import Engine, SparseConfig
+    from hisparse_cli.kernels.dispatch import KernelBackend
+
+    path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
+    eng = Engine.from_pretrained(path, device="cpu", sparse=SparseConfig(**SPARSE))
+    eng.backend = KernelBackend(attention="triton", int4_linear="torch")
+    return eng
+
+
 def _both(eng, ids, monkeypatch, **gen):
     from hisparse_cli.engine import GenerationConfig
 
@@ -55,18 +71,10 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     eagerly, without capture, through the Triton kernels under the interpreter: the same
     tokens as the plain eager loop, across a block boundary inside the padding and a
     recalibration."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("CPU test: the Triton interpreter is only enabled without CUDA")
-    from conftest import save_tiny
-
-    from hisparse_cli.engine import Engine, GenerationConfig, SparseConfig
+    from hisparse_cli.engine import GenerationConfig
     from hisparse_cli.engine import cuda_graph
-    from hisparse_cli.kernels.dispatch import KernelBackend
 
-    path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
-    eng = Engine.from_pretrained(path, device="cpu", sparse=SparseConfig(**SPARSE))
-    eng.backend = KernelBackend(attention="triton", int4_linear="torch")
+    eng = _cpu_engine(tmp_path)
     ids = torch.randint(3, 256, (prompt,), generator=torch.Generator().manual_seed(prompt))
     g = GenerationConfig(max_new_tokens=new, eos_token_ids=(), repetition_penalty=1.1,
                          no_repeat_ngram_size=3)
@@ -94,18 +102,10 @@ def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):
     here. The same tokens as the plain eager loop, generate after generate: the penalty and
     n-gram ban, a suppressed EOS under min_new_tokens and a stop at EOS, new settings (the
     sampler re-armed), and a sampled generate (temperature > 0), which the host samples."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("CPU test: the Triton interpreter is only enabled without CUDA")
-    from conftest import save_tiny
-
-    from hisparse_cli.engine import Engine, GenerationConfig, SparseConfig
+    from hisparse_cli.engine import GenerationConfig
     from hisparse_cli.engine import cuda_graph
-    from hisparse_cli.kernels.dispatch import KernelBackend
 
-    path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
-    eng = Engine.from_pretrained(path, device="cpu", sparse=SparseConfig(**SPARSE))
-    eng.backend = KernelBackend(attention="triton", int4_linear="torch")
+    eng = _cpu_engine(tmp_path)
     ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4))
     free = eng.generate(ids, max_new_tokens=20, eos_token_ids=()).token_ids
     gens = [GenerationConfig(max_new_tokens=20, eos_token_ids=(), repetition_penalty=1.1,

@@ -27,15 +27,9 @@ MAX_SUPPRESS = 16  # ids masked in-kernel; longer lists are masked by index_fill
 
 
 @triton.jit
-def _stage1(x_ptr, n, sup_ptr, vals_ptr, idx_ptr, nan_ptr,
-            S: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n
-    x = tl.load(x_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
-    for s in tl.static_range(S):
-        sid = tl.load(sup_ptr + s)
-        x = tl.where(offs == sid, float("-inf"), x)
+def store_block_best(x, offs, inside, n, pid, vals_ptr, idx_ptr, nan_ptr):
+    """Stage 1's end (also kernels/graph_sampler.py's): the block's best value, its first
+    index and its first NaN's index (n: none) into the scratch at pid."""
     isnan = (x != x) & inside
     first_nan = tl.min(tl.where(isnan, offs, n), axis=0)  # n: no NaN here
     best = tl.max(tl.where(isnan, float("-inf"), x), axis=0)
@@ -46,7 +40,8 @@ def _stage1(x_ptr, n, sup_ptr, vals_ptr, idx_ptr, nan_ptr,
 
 
 @triton.jit
-def _stage2(vals_ptr, idx_ptr, nan_ptr, nb, n, out_ptr, NB: tl.constexpr):
+def blocks_winner(vals_ptr, idx_ptr, nan_ptr, nb, n, NB: tl.constexpr):
+    """Stage 2 (also kernels/graph_sampler.py's): the winner over the nb blocks' bests, int64."""
     b = tl.arange(0, NB)
     ok = b < nb
     v = tl.load(vals_ptr + b, mask=ok, other=float("-inf"))
@@ -55,8 +50,25 @@ def _stage2(vals_ptr, idx_ptr, nan_ptr, nb, n, out_ptr, NB: tl.constexpr):
     best = tl.max(v, axis=0)
     first = tl.min(tl.where(ok & (v == best), i, n), axis=0)  # blocks are in index order
     first = tl.where(first == n, 0, first)  # every entry -inf
-    tok = tl.where(first_nan < n, first_nan, first)
-    tl.store(out_ptr, tok.to(tl.int64))
+    return tl.where(first_nan < n, first_nan, first).to(tl.int64)
+
+
+@triton.jit
+def _stage1(x_ptr, n, sup_ptr, vals_ptr, idx_ptr, nan_ptr,
+            S: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    x = tl.load(x_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    for s in tl.static_range(S):
+        sid = tl.load(sup_ptr + s)
+        x = tl.where(offs == sid, float("-inf"), x)
+    store_block_best(x, offs, inside, n, pid, vals_ptr, idx_ptr, nan_ptr)
+
+
+@triton.jit
+def _stage2(vals_ptr, idx_ptr, nan_ptr, nb, n, out_ptr, NB: tl.constexpr):
+    tl.store(out_ptr, blocks_winner(vals_ptr, idx_ptr, nan_ptr, nb, n, NB))
 
 
 class _Scratch:

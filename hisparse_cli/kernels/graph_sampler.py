@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.argmax_triton import BLOCK, MAX_SUPPRESS
+from hisparse_cli.kernels.argmax_triton import (BLOCK, MAX_SUPPRESS, blocks_winner,
+                                                 store_block_best)
 
 BAN_BLOCK = 256  # n-gram windows a loop turn
 
@@ -78,27 +79,13 @@ def _pick1(x_ptr, n, seen_ptr, ban_ptr, count_ptr, sup_ptr, vals_ptr, idx_ptr, n
         for s in tl.static_range(S):
             sid = tl.load(sup_ptr + s)
             x = tl.where(active & (offs == sid), float("-inf"), x)
-    isnan = (x != x) & inside
-    first_nan = tl.min(tl.where(isnan, offs, n), axis=0)  # n: no NaN here
-    best = tl.max(tl.where(isnan, float("-inf"), x), axis=0)
-    first = tl.min(tl.where((x == best) & inside, offs, n), axis=0)
-    tl.store(vals_ptr + pid, best)
-    tl.store(idx_ptr + pid, first)
-    tl.store(nan_ptr + pid, first_nan)
+    store_block_best(x, offs, inside, n, pid, vals_ptr, idx_ptr, nan_ptr)
 
 
 @triton.jit
 def _pick2(vals_ptr, idx_ptr, nan_ptr, nb, n, out_ptr, toks_ptr, cap, seen_ptr, count_ptr,
            PEN: tl.constexpr, NB: tl.constexpr):
-    b = tl.arange(0, NB)
-    ok = b < nb
-    v = tl.load(vals_ptr + b, mask=ok, other=float("-inf"))
-    i = tl.load(idx_ptr + b, mask=ok, other=n)
-    first_nan = tl.min(tl.load(nan_ptr + b, mask=ok, other=n), axis=0)
-    best = tl.max(v, axis=0)
-    first = tl.min(tl.where(ok & (v == best), i, n), axis=0)  # blocks are in index order
-    first = tl.where(first == n, 0, first)  # every entry -inf
-    tok = tl.where(first_nan < n, first_nan, first).to(tl.int64)
+    tok = blocks_winner(vals_ptr, idx_ptr, nan_ptr, nb, n, NB)
     count = tl.load(count_ptr)
     tl.store(out_ptr, tok)
     tl.store(toks_ptr + count, tok, mask=count < cap)
