@@ -131,3 +131,37 @@ assert not bad, bad
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+_COMPILE = """
+import sys
+sys.path.insert(0, 'benchmarks')
+import awq_sm90_compile as c
+from hisparse_cli.kernels import argmax_triton as a, graph_sampler as g
+scratch = dict(vals_ptr='*fp32', idx_ptr='*i32', nan_ptr='*i32')
+for S in (0, 2):
+    c.compile_one(a._stage1, dict(x_ptr='*fp32', n='i32', sup_ptr='*i64', **scratch),
+                  dict(S=S, BLOCK=a.BLOCK), 4, ())
+c.compile_one(a._stage2, dict(**scratch, nb='i32', n='i32', out_ptr='*i64'), dict(NB=128), 4, ())
+for N in (1, 3, 8):
+    c.compile_one(g._ban, dict(toks_ptr='*i64', count_ptr='*i64', ban_ptr='*u8'),
+                  dict(N=N, BAN_BLOCK=g.BAN_BLOCK), 4, ())
+for pen, ng, S in ((False, False, 0), (True, True, 2)):
+    c.compile_one(g._pick1, dict(x_ptr='*fp32', n='i32', seen_ptr='*u8', ban_ptr='*u8',
+                  count_ptr='*i64', sup_ptr='*i64', **scratch, penalty='fp32',
+                  inv_penalty='fp32', min_new='i32'), dict(PEN=pen, NG=ng, S=S, BLOCK=a.BLOCK),
+                  4, ())
+    c.compile_one(g._pick2, dict(**scratch, nb='i32', n='i32', out_ptr='*i64', toks_ptr='*i64',
+                  cap='i32', seen_ptr='*u8', count_ptr='*i64'), dict(PEN=pen, NB=128), 4, ())
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """What the interpreter cannot say: the kernels (argmax_triton's shared helpers included)
+    go through Triton's compiler and ptxas for sm_90, no GPU needed."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
