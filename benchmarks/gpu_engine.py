@@ -30,6 +30,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -514,38 +515,59 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                 if left(a.time_budget) < 20 + ctx / 5000:
                     SKIPPED.append(f"(e) {label} at {ctx}, chunk {chunk}: out of time")
                     continue
-                seen, dec_seen, graphs = [], [], []
+                # --ab-graph-sampler: HISPARSE_GRAPH_SAMPLER off ("0") and on ("1"), an Engine
+                # (and its kept graph) each, their repeats interleaved in this process
+                modes = ["0", "1"] if a.ab_graph_sampler else [None]
+                seen = {m: [] for m in modes}
+                dec_seen = {m: [] for m in modes}
+                graphs = {m: [] for m in modes}
+                last: dict = {}
                 # --reuse-engine: one Engine for the repeats, as `hisparse batch` keeps one:
                 # the repeats after the first replay the kept decode graph
-                eng = (Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
-                              backend=backend) if a.reuse_engine else None)
+                engs = {m: (Engine(model, cfg, sparse=sparse, device=dev,
+                                   kv_dtype=torch.float16, backend=backend)
+                            if a.reuse_engine else None) for m in modes}
                 for _ in range(a.repeat):  # the last repeat is kept (the first graph decode
                     # of a context size in a process has run slow: specializations compile)
-                    r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
-                                 a.decode_tokens, backend, dev, engine=eng, **kw)
-                    seen.append(r["prefill_tok_s"])
-                    dec_seen.append(r["decode_tok_s"])
-                    graphs.append(r["cuda_graph"])
-                del eng
-                r.update(system=label, weights_bytes=r["plan"].weights_bytes, repeats=a.repeat,
-                         prefill_chunk=chunk, prefill_tok_s_repeats=seen,
-                         decode_tok_s_repeats=dec_seen, cuda_graph_repeats=graphs)
-                r.pop("plan")
-                rows.append(r)
-                log(f"(e) {label} ctx {ctx} chunk {chunk}: prefill {r['prefill_tok_s']:,.0f} "
-                    f"tok/s, decode {r['decode_tok_s']:.1f} tok/s, peak {gib(r['peak_bytes'])} "
-                    f"GiB, weights {gib(r['weights_bytes'])} GiB; decode by repeat "
-                    f"{', '.join(f'{d:.1f} ({g})' for d, g in zip(dec_seen, graphs))}")
+                    for m in modes:
+                        if m is not None:
+                            os.environ["HISPARSE_GRAPH_SAMPLER"] = m
+                        r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
+                                     a.decode_tokens, backend, dev, engine=engs[m], **kw)
+                        seen[m].append(r["prefill_tok_s"])
+                        dec_seen[m].append(r["decode_tok_s"])
+                        graphs[m].append(r["cuda_graph"])
+                        last[m] = r
+                del engs
+                for m in modes:
+                    r = last[m]
+                    r.update(system=label, weights_bytes=r["plan"].weights_bytes,
+                             repeats=a.repeat, prefill_chunk=chunk, graph_sampler=m,
+                             prefill_tok_s_repeats=seen[m], decode_tok_s_repeats=dec_seen[m],
+                             cuda_graph_repeats=graphs[m])
+                    if m is not None:  # the median of the repeats after the first
+                        r["decode_tok_s"] = statistics.median(dec_seen[m][1:] or dec_seen[m])
+                    r.pop("plan")
+                    rows.append(r)
+                    tag = "" if m is None else f" graph sampler {m}"
+                    log(f"(e) {label}{tag} ctx {ctx} chunk {chunk}: prefill "
+                        f"{r['prefill_tok_s']:,.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
+                        f"{' (median)' if m is not None else ''}, peak {gib(r['peak_bytes'])} "
+                        f"GiB, weights {gib(r['weights_bytes'])} GiB; decode by repeat "
+                        f"{', '.join(f'{d:.1f} ({g})' for d, g in zip(dec_seen[m], graphs[m]))}")
         del model
         free_all(dev)
     for r in rows:
         fp = next((x for x in rows if x["system"] == "fp16" and x["context"] == r["context"]
-                   and x["prefill_chunk"] == r["prefill_chunk"]), None)
+                   and x["prefill_chunk"] == r["prefill_chunk"]
+                   and x["graph_sampler"] == r["graph_sampler"]), None)
         if fp and r["system"] != "fp16":
             r["decode_vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"]
             r["prefill_vs_fp16"] = r["prefill_tok_s"] / fp["prefill_tok_s"]
-            log(f"(e) ctx {r['context']} chunk {r['prefill_chunk']}: INT4/fp16 decode "
-                f"{r['decode_vs_fp16']:.2f}x, prefill {r['prefill_vs_fp16']:.2f}x")
+            tag = "" if r["graph_sampler"] is None else f" graph sampler {r['graph_sampler']}"
+            log(f"(e) {r['system']}{tag} ctx {r['context']} chunk {r['prefill_chunk']}: "
+                f"INT4/fp16 decode {r['decode_vs_fp16']:.2f}x, prefill "
+                f"{r['prefill_vs_fp16']:.2f}x")
     return rows
 
 
@@ -649,6 +671,9 @@ def main() -> None:
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")
+    ap.add_argument("--ab-graph-sampler", action="store_true",
+                    help="(e): each system with HISPARSE_GRAPH_SAMPLER 0 and 1, an Engine each, "
+                         "repeats interleaved; decode rows are the median after the first")
     ap.add_argument("--cli-sampling", action="store_true",
                     help="decode with the CLI's default sampler settings (repetition penalty "
                     "1.1, no-repeat n-gram 8) instead of plain greedy")
