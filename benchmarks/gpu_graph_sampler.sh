@@ -1,7 +1,7 @@
 # The in-graph sampler on a GPU: its tests and argmax's, then the engine benchmark with the
 # sampler off (unset) and on (HISPARSE_GRAPH_SAMPLER=1), at plain greedy and at the CLI's
 # sampler settings (--cli-sampling: penalty 1.1, n-gram 8). Each run in its own process.
-export HISPARSE_HOME=$OUT/hh PYTHONPATH=$PWD; unset HISPARSE_DECODE_KERNEL
+export HISPARSE_HOME=/tmp/hh PYTHONPATH=$PWD; unset HISPARSE_DECODE_KERNEL
 timeout 200 python3 -m pytest -q -m gpu tests/test_cuda_graph.py tests/test_argmax_triton.py \
   -k "graph_sampler or waits_for_the_device or greedy or argmax" > $OUT/tests.txt 2>&1
 echo "[tests] rc $? :: $(tail -1 $OUT/tests.txt)"; grep -E "^(FAILED|ERROR)" $OUT/tests.txt | head -5
