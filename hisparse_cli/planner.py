@@ -121,6 +121,27 @@ def _validate(weight_format: str, device_kind: str, backend: str, group_size: in
         raise ConfigError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
 
 
+def graph_sampler_planned(host_emb: bool) -> bool:
+    """Whether a graph decode samples inside its graph (Engine._decode_graph at the CLI's
+    greedy default): HISPARSE_GRAPH_SAMPLER's setting, and not where the host reads each token
+    to copy its embedding row (a host table the device cannot read itself)."""
+    from hisparse_cli.engine.cuda_graph import HOST_GATHER
+    from hisparse_cli.kernels.graph_sampler import enabled
+
+    return enabled() and (not host_emb or HOST_GATHER)
+
+
+def sampler_buffer_bytes(vocab: int, new_tokens: int, in_graph: bool) -> tuple[int, ...]:
+    """The graph decode's sampler buffers: the in-graph sampler's, or DeviceSampler's."""
+    if in_graph:
+        from hisparse_cli.kernels.graph_sampler import GraphSampler
+
+        return GraphSampler.buffer_bytes(vocab, new_tokens)
+    from hisparse_cli.engine.cuda_graph import DeviceSampler
+
+    return DeviceSampler.buffer_bytes(vocab, new_tokens)
+
+
 def graph_decode_enabled() -> bool:
     """Engine._use_graph's switch: HISPARSE_CUDA_GRAPH=0 turns CUDA-graph decode off."""
     import os
@@ -217,9 +238,13 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         num_sms=num_sms, cpu_int4=cpu_int4,
         residual_chain=cuda and backend == "triton" and residual_chain_enabled())
     graph = cuda and backend == "triton" and graph_decode_enabled()  # Engine._use_graph
+    in_graph = graph and graph_sampler_planned(host_emb)
     run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens,
                        graph_workspace=CUBLAS_WORKSPACE_BYTES if graph else 0,
-                       graph_input_bytes=model_cfg.hidden_size * cb if host_emb else 0)
+                       graph_input_bytes=model_cfg.hidden_size * cb if host_emb else 0,
+                       sampler_bytes=(sampler_buffer_bytes(model_cfg.vocab_size, max_new_tokens,
+                                                           in_graph) if graph else ()),
+                       sampler_kept=in_graph)
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
                           embeddings_on_host=host_emb, cuda=cuda, cpu_int4=cpu_int4)
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
@@ -229,6 +254,13 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     if cuda:
         items.append(LineItem("workspace.cublas", workspace,
                               "torch's cuBLAS workspace (caching allocator; calibrated constant)"))
+    if cuda and awq and backend == "triton":
+        from hisparse_cli.kernels.awq_gemv import COUNTERS
+
+        workspace += COUNTERS * 4
+        items.append(LineItem("workspace.awq_gemv_counters", COUNTERS * 4,
+                              "the split-K INT4 GEMV's column-tile counters (int32, made once "
+                              "per device on its first split call, kept)"))
     persistent, persistent_why = (persistent_decode_planned(model_cfg, group_size, sparse,
                                                              kv_name, c_name)
                                   if graph and awq else (False, None))
@@ -306,6 +338,8 @@ _RESIDENT = {
     "step_tensors": "slot mapping, block ids/starts, positions of the step",
     "cuda_graph": ("CUDA-graph decode's static inputs (position, slot, padded block list, "
                    "token; the embedded row when the table is in host memory)"),
+    "sampler": ("the graph decode's sampler state: seen tokens, generated tokens (and the "
+                "in-graph sampler's n-gram bans and pick scratch)"),
     "workspace.cublas_graph_stream": ("cuBLAS workspace of the stream decode graphs are "
                                       "captured on (one per process; calibrated constant)"),
 }

@@ -89,10 +89,14 @@ def policy(sparse: SparseConfig, model_window: int | None) -> SparseSequence:
 
 
 def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, prompt: int,
-                 new_tokens: int, graph_workspace: int = 0, graph_input_bytes: int = 0) -> RunTrace:
+                 new_tokens: int, graph_workspace: int = 0, graph_input_bytes: int = 0,
+                 sampler_bytes: tuple[int, ...] = (), sampler_kept: bool = False) -> RunTrace:
     """graph_workspace > 0: decode runs as a CUDA graph (engine/cuda_graph.py), whose side
     stream holds a cuBLAS workspace of that many bytes from the first decode step on;
-    graph_input_bytes: its static embedded-row input (host-resident table), if any."""
+    graph_input_bytes: its static embedded-row input (host-resident table), if any;
+    sampler_bytes: the graph decode's sampler buffers, allocated at its start; sampler_kept:
+    they are the in-graph sampler's (kernels/graph_sampler.py: no per-token temporaries, kept
+    with the decode graph after the run), else DeviceSampler's (freed at the run's end)."""
     pool = BlockPool()
     seq = SparseSequence(sparse, pool, model_window=model_window)
     assert (seq.window, seq.sinks) == (s.window, s.sinks), "StepShape disagrees with the policy"
@@ -114,6 +118,7 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
     bpb = 2 * s.layers * bs * s.hkv * s.d * s.kvb
     slot_bytes = 2 * lh * (s.G + s.C) * s.d * s.kvb  # PagedKVCache.slot_bytes()
     logits, kv_peak = -1, 0
+    samp: list[int] = []
     fwd_memo: dict[tuple, tuple[SubPeak, list[int]]] = {}
     g_valid = c_valid = 0  # filled global / candidate slots (reference mask branch)
     evict_memo: dict[int, SubPeak] = {}
@@ -141,7 +146,8 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
             tr.alloc("cuda_graph", 8)  # static token
             tr.alloc("cuda_graph", graph_input_bytes)  # the embedded row (host table)
             tr.alloc("workspace.cublas_graph_stream", graph_workspace)
-        if decode:  # sampler on the previous logits, then torch.tensor([tok])
+            samp = [tr.alloc("sampler", b) for b in sampler_bytes]
+        if decode and not sampler_kept:  # sampler on the previous logits, then the token
             tr.bump(sample, where + ": sampling")
             inp = tr.alloc("step_tensors", 8)
         new_blocks = seq.append(n)
@@ -177,8 +183,10 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
             tr.bump(recal, where + ": recalibration")
         tr.free(*ctx, inp, logits)
         logits = new_logits
-    if new_tokens:
+    if new_tokens and not sampler_kept:
         tr.bump(sample, "final sampling")
+    if samp and not sampler_kept:
+        tr.free(*samp)
     resident = tr.live_by_name()
     tr.free(ids)
     bound_seq = policy(sparse, model_window)

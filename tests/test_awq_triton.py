@@ -539,6 +539,8 @@ def test_planner_mirrors_awq_linear_k_allocations(m, dtype, max_fused, monkeypat
     monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", max_fused)
     k, n = 128, 200
     x, _, qt, qz, s, _ = case_k(m, k, n, 32, dtype, "cpu")
+    awq_gemv._counter_buffer(x.device)  # made once per device (the planner's
+    # workspace.awq_gemv_counters), not per call: made here, before the recording
     rec = AllocRecorder()
     with rec:
         y = awq_triton.awq_linear_k(x, qt, qz, s, None, 32)

@@ -167,3 +167,25 @@ def test_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, capture_output=True,
                        text=True, timeout=600, env={**env, "PYTHONPATH": root})
     assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_buffer_bytes_are_what_the_samplers_allocate():
+    """The planner's sampler line (GraphSampler.buffer_bytes, DeviceSampler.buffer_bytes) is
+    what the samplers allocate: counted here by recording every storage they create."""
+    from test_planner import AllocRecorder
+
+    from hisparse_cli.engine.config import GenerationConfig
+    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.kernels.graph_sampler import GraphSampler
+
+    for vocab, new in [(1000, 1), (49152, 200), (128256, 4096)]:
+        rec = AllocRecorder()
+        with rec:
+            gs = GraphSampler(vocab, new, torch.device("cpu"))
+        assert rec.cur == sum(GraphSampler.buffer_bytes(vocab, new))
+        rec = AllocRecorder()
+        with rec:
+            ds = DeviceSampler(GenerationConfig(max_new_tokens=new), vocab, torch.device("cpu"))
+            toks = torch.empty(new, dtype=torch.int64)  # Engine._decode_graph's token buffer
+        assert rec.cur == sum(DeviceSampler.buffer_bytes(vocab, new))
+        del gs, ds, toks

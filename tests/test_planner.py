@@ -383,6 +383,38 @@ def test_8b_at_128k_on_h200_by_hand():
     assert plan.peak_allocated_bytes - shorter.peak_allocated_bytes == ids[0] - ids[1]
 
 
+def test_graph_decode_counts_its_sampler(monkeypatch):
+    """The graph decode's sampler buffers: DeviceSampler's (seen, history, tokens) live through
+    the decode and are freed at its end; the in-graph sampler's (HISPARSE_GRAPH_SAMPLER on)
+    stay with the kept graph (resident after the run) and it makes no per-token temporaries.
+    A short text, whose decode is the peak, shows both in the peak."""
+    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.kernels.graph_sampler import GraphSampler
+    from hisparse_cli.planner_trace import Trace
+
+    size = Trace(True).size
+    cfg = shape_config("llama-3-8b")
+    base = dict(weight_format="fp16", sparse=H200_LIKE, context_tokens=64, max_new_tokens=300,
+                kv_dtype="float16", compute_dtype="float16", device_kind="cuda", backend="triton")
+    monkeypatch.delenv("HISPARSE_CUDA_GRAPH", raising=False)
+    plans = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", flag)
+        plans[flag] = plan_memory(cfg, **base)
+    host, dev = plans["0"], plans["1"]
+    v = cfg.vocab_size
+    host_bytes = sum(size(b) for b in DeviceSampler.buffer_bytes(v, 300))
+    dev_bytes = sum(size(b) for b in GraphSampler.buffer_bytes(v, 300))
+    assert dev.resident_bytes - host.resident_bytes == dev_bytes  # kept with the graph
+    assert "decode" in host.peak_when and "decode" in dev.peak_when
+    items = {i.name: i.bytes for i in dev.items}
+    assert items["sampler"] == dev_bytes
+    # the host sampler's buffers are in its peak too, with its per-token temporaries
+    assert dict((i.name, i.bytes) for i in host.items)["sampler"] == host_bytes
+    monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")  # eager decode: no graph, no such buffers
+    assert "sampler" not in {i.name for i in plan_memory(cfg, **base).items}
+
+
 def test_graph_decode_adds_its_stream_workspace(monkeypatch):
     """CUDA-graph decode (CUDA + Triton, HISPARSE_CUDA_GRAPH not 0) warms up and captures on
     one side stream, whose cuBLAS workspace (32 MiB) stays allocated, plus the graph's static

@@ -92,6 +92,12 @@ class DeviceSampler:
     blocking, all on the device (tensor shapes depend only on the step count, which the host
     knows, so nothing here waits for the device; `benchmarks/gpu_decode_syncs.py` checks)."""
 
+    @staticmethod
+    def buffer_bytes(vocab: int, max_new_tokens: int) -> tuple[int, ...]:
+        """Its device buffers' sizes (seen, history) and Engine._decode_graph's token buffer:
+        the planner's count (planner_run.simulate_run)."""
+        return (vocab, max(max_new_tokens, 1) * 8, max_new_tokens * 8)
+
     def __init__(self, gen: GenerationConfig, vocab: int, device: torch.device) -> None:
         self.gen = gen
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)

@@ -99,6 +99,12 @@ class GraphSampler:
     captured graph holds its buffers' addresses, so `reset` re-arms them for each generate and
     says whether the settings (which the graph also holds) changed."""
 
+    @staticmethod
+    def buffer_bytes(vocab: int, capacity: int) -> tuple[int, ...]:
+        """Its device buffers' sizes, as __init__ allocates them (the planner's count)."""
+        nb = triton.cdiv(vocab, BLOCK)
+        return (vocab, vocab, 8, max(capacity, 1) * 8, MAX_SUPPRESS * 8, nb * 4, nb * 4, nb * 4)
+
     def __init__(self, vocab: int, capacity: int, device: torch.device) -> None:
         self.vocab, self.capacity, self.device = vocab, max(capacity, 1), device
         self.seen = torch.zeros(vocab, dtype=torch.uint8, device=device)
