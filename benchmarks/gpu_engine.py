@@ -517,7 +517,7 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                     continue
                 # --ab-graph-sampler: HISPARSE_GRAPH_SAMPLER off ("0") and on ("1"), an Engine
                 # (and its kept graph) each, their repeats interleaved in this process
-                modes = ["0", "1"] if a.ab_graph_sampler else [None]
+                modes = (a.ab_order.split(",") if a.ab_graph_sampler else [None])
                 seen = {m: [] for m in modes}
                 dec_seen = {m: [] for m in modes}
                 graphs = {m: [] for m in modes}
@@ -674,6 +674,8 @@ def main() -> None:
     ap.add_argument("--ab-graph-sampler", action="store_true",
                     help="(e): each system with HISPARSE_GRAPH_SAMPLER 0 and 1, an Engine each, "
                          "repeats interleaved; decode rows are the median after the first")
+    ap.add_argument("--ab-order", default="0,1",
+                    help="--ab-graph-sampler's order within a repeat (1,0: the sampler first)")
     ap.add_argument("--cli-sampling", action="store_true",
                     help="decode with the CLI's default sampler settings (repetition penalty "
                     "1.1, no-repeat n-gram 8) instead of plain greedy")
