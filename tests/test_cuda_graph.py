@@ -74,6 +74,7 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     from hisparse_cli.engine import GenerationConfig
     from hisparse_cli.engine import cuda_graph
 
+    monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "0")  # the host loop samples (DeviceSampler)
     eng = _cpu_engine(tmp_path)
     ids = torch.randint(3, 256, (prompt,), generator=torch.Generator().manual_seed(prompt))
     g = GenerationConfig(max_new_tokens=new, eos_token_ids=(), repetition_penalty=1.1,
@@ -191,9 +192,8 @@ def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeyp
 
     from hisparse_cli.engine import Engine, GenerationConfig
 
-    gen = dict(gen)
-    if gen.pop("graph_sampler", False):  # the step samples (kernels/graph_sampler.py)
-        monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
+    gen = dict(gen)  # graph_sampler: the step samples (kernels/graph_sampler.py)
+    monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1" if gen.pop("graph_sampler", False) else "0")
     eng = _engine(tmp_path, torch.float16, embeddings_on_host=host)
     assert (eng.model.model.embed_tokens.weight.device.type == "cpu") == host
     ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(3))
@@ -241,7 +241,9 @@ def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompt", [5, 200])
-def test_graph_greedy_equals_eager(tmp_path, monkeypatch, prompt):
+@pytest.mark.parametrize("sampler", ["0", "1"])  # HISPARSE_GRAPH_SAMPLER: host loop / in graph
+def test_graph_greedy_equals_eager(tmp_path, monkeypatch, prompt, sampler):
+    monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", sampler)
     eng = _engine(tmp_path, torch.float32)
     ids = torch.randint(3, 256, (prompt,), generator=torch.Generator().manual_seed(prompt))
     graph, eager = _both(eng, ids, monkeypatch, max_new_tokens=150, eos_token_ids=(),
