@@ -294,8 +294,8 @@ class Engine:
         # step), else a new one that warms up and captures on its first step
         decoder, reused = self._decode_state.decoder_for(self.model, run,
                                                          prompt_len + gen.max_new_tokens)
-        # HISPARSE_GRAPH_SAMPLER=1: greedy decodes sample inside the step (and its graph),
-        # kernels/graph_sampler.py; a graph captured the other way is dropped
+        # greedy decodes sample inside the step (and its graph), kernels/graph_sampler.py,
+        # unless HISPARSE_GRAPH_SAMPLER=0; a graph captured the other way is dropped
         had_graph = decoder.graph is not None
         fused = graph_sampler.enabled() and decoder.sample_in_graph(gen, eos)
         if not fused:
