@@ -287,7 +287,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                    device_kind, backend)
     if graph:
         notes += (_REUSE_NOTE.format(logits=model_cfg.vocab_size * 4,
-                                     inputs=run.resident_end.get("cuda_graph", 0)),)
+                                     inputs=run.resident_end.get("cuda_graph", 0),
+                                     sampler=run.resident_end.get("sampler", 0)),)
     if persistent:
         notes += ("decode: the persistent kernel (one launch a token; its buffers are "
                   "workspace.persistent_decode)",)
@@ -323,7 +324,8 @@ _REUSE_NOTE = (
     "and its static inputs for the next call of the same shapes (Engine.release_cached_state() "
     "frees them): they stay resident after generate. This plan is one run as the first call "
     "makes it; a later call that reuses them takes the same storage (no new allocation) but holds "
-    "the graph's output logits ({logits} B) and static inputs ({inputs} B) from its start, so "
+    "the graph's output logits ({logits} B), static inputs ({inputs} B) and in-graph sampler "
+    "state ({sampler} B; 0 where the host loop samples) from its start, so "
     "a prefill-time peak can be up to that much higher; the graph's private pool and the "
     "graph stream's cuBLAS workspace stay reserved as well")
 
