@@ -515,9 +515,9 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                 if left(a.time_budget) < 20 + ctx / 5000:
                     SKIPPED.append(f"(e) {label} at {ctx}, chunk {chunk}: out of time")
                     continue
-                # --ab-graph-sampler: HISPARSE_GRAPH_SAMPLER off ("0") and on ("1"), an Engine
-                # (and its kept graph) each, their repeats interleaved in this process
-                modes = (a.ab_order.split(",") if a.ab_graph_sampler else [None])
+                # --ab-env VAR=A,B (--ab-graph-sampler: HISPARSE_GRAPH_SAMPLER=0,1): an Engine
+                # (and its kept graph) a value, their repeats interleaved in this process
+                modes = list(a.ab_values) if a.ab_var else [None]
                 seen = {m: [] for m in modes}
                 dec_seen = {m: [] for m in modes}
                 graphs = {m: [] for m in modes}
@@ -531,7 +531,7 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                     # of a context size in a process has run slow: specializations compile)
                     for m in modes:
                         if m is not None:
-                            os.environ["HISPARSE_GRAPH_SAMPLER"] = m
+                            os.environ[a.ab_var] = m
                         r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
                                      a.decode_tokens, backend, dev, engine=engs[m], **kw)
                         seen[m].append(r["prefill_tok_s"])
@@ -542,14 +542,14 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                 for m in modes:
                     r = last[m]
                     r.update(system=label, weights_bytes=r["plan"].weights_bytes,
-                             repeats=a.repeat, prefill_chunk=chunk, graph_sampler=m,
+                             repeats=a.repeat, prefill_chunk=chunk, ab=m,
                              prefill_tok_s_repeats=seen[m], decode_tok_s_repeats=dec_seen[m],
                              cuda_graph_repeats=graphs[m])
                     if m is not None:  # the median of the repeats after the first
                         r["decode_tok_s"] = statistics.median(dec_seen[m][1:] or dec_seen[m])
                     r.pop("plan")
                     rows.append(r)
-                    tag = "" if m is None else f" graph sampler {m}"
+                    tag = "" if m is None else f" {a.ab_var}={m}"
                     log(f"(e) {label}{tag} ctx {ctx} chunk {chunk}: prefill "
                         f"{r['prefill_tok_s']:,.0f} tok/s, decode {r['decode_tok_s']:.1f} tok/s"
                         f"{' (median)' if m is not None else ''}, peak {gib(r['peak_bytes'])} "
@@ -560,11 +560,11 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
     for r in rows:
         fp = next((x for x in rows if x["system"] == "fp16" and x["context"] == r["context"]
                    and x["prefill_chunk"] == r["prefill_chunk"]
-                   and x["graph_sampler"] == r["graph_sampler"]), None)
+                   and x["ab"] == r["ab"]), None)
         if fp and r["system"] != "fp16":
             r["decode_vs_fp16"] = r["decode_tok_s"] / fp["decode_tok_s"]
             r["prefill_vs_fp16"] = r["prefill_tok_s"] / fp["prefill_tok_s"]
-            tag = "" if r["graph_sampler"] is None else f" graph sampler {r['graph_sampler']}"
+            tag = "" if r["ab"] is None else f" {a.ab_var}={r['ab']}"
             log(f"(e) {r['system']}{tag} ctx {r['context']} chunk {r['prefill_chunk']}: "
                 f"INT4/fp16 decode {r['decode_vs_fp16']:.2f}x, prefill "
                 f"{r['prefill_vs_fp16']:.2f}x")
@@ -671,15 +671,26 @@ def main() -> None:
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")
+    ap.add_argument("--ab-env", default=None, metavar="VAR=A,B[,...]",
+                    help="(e): each system with the environment variable VAR at each value (one "
+                         "the engine reads each generate), an Engine a value, repeats "
+                         "interleaved in this order; decode rows are the median after the first")
     ap.add_argument("--ab-graph-sampler", action="store_true",
-                    help="(e): each system with HISPARSE_GRAPH_SAMPLER 0 and 1, an Engine each, "
-                         "repeats interleaved; decode rows are the median after the first")
+                    help="(e): --ab-env HISPARSE_GRAPH_SAMPLER=<--ab-order>")
     ap.add_argument("--ab-order", default="0,1",
                     help="--ab-graph-sampler's order within a repeat (1,0: the sampler first)")
     ap.add_argument("--cli-sampling", action="store_true",
                     help="decode with the CLI's default sampler settings (repetition penalty "
                     "1.1, no-repeat n-gram 8) instead of plain greedy")
     a = ap.parse_args()
+    if a.ab_graph_sampler and not a.ab_env:
+        a.ab_env = "HISPARSE_GRAPH_SAMPLER=" + a.ab_order
+    a.ab_var, a.ab_values = None, ()
+    if a.ab_env:
+        var, _, values = a.ab_env.partition("=")
+        a.ab_var, a.ab_values = var.strip(), tuple(v.strip() for v in values.split(","))
+        if not a.ab_var or len(a.ab_values) < 2:
+            ap.error(f"--ab-env wants VAR=A,B: got {a.ab_env!r}")
     if a.cli_sampling:
         from hisparse_cli.cli_options import RunOptions
 
