@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_decode_profile.py [--out DIR] [--time-budget 230]
         [--contexts 32768,131072] [--decode-tokens 96] [--profile-steps 32] [--smoke]
+        [--awq [--awq-lm-head]] [--cli-sampling]
 
 Llama-3-8B-shaped model with random fp16 weights built on the device (benchmarks/gpu_engine.py's
 `build_ours`: no download), the `h200-141g` profile's sparse settings (window 4096, 512 globals,
@@ -11,8 +12,9 @@ Per context:
       building, warming up and capturing the graph at the first step, as users pay it).
   (b) the same decode loop as `Engine._decode_graph`, instrumented: the first step (eager
       warm-up + capture) alone; then per token the wall time, the GPU time of the graph replay
-      (CUDA events around `graph.replay()`), the GPU time between replays (sampler, eviction,
-      input copy and any idle gap), and the host time of each part (sampler, `_prepare`, the
+      (CUDA events around `graph.replay()`), the GPU time between replays (the host loop's
+      sampler, when the step does not sample itself: kernels/graph_sampler.py, the default;
+      eviction, input copy and any idle gap), and the host time of each part (sampler, `_prepare`, the
       replay launch, `_after_step`, the token read-back every 16 steps).
   (c) torch.profiler over --profile-steps further steps: top CPU ops by self time, the CUDA
       runtime calls that wait (stream/event/device synchronize, blocking memcpy, .item()),
@@ -131,8 +133,11 @@ class TimedGraph:
 
 
 # -- (a) the engine as benchmarked ----------------------------------------------------------
+GEN_EXTRA: dict = {}  # --cli-sampling: the CLI's default penalty and n-gram ban as well
+
+
 def engine_generate(eng, ids, new) -> dict:
-    res = eng.generate(ids, max_new_tokens=new, min_new_tokens=new)
+    res = eng.generate(ids, max_new_tokens=new, min_new_tokens=new, **GEN_EXTRA)
     s = res.stats
     return {"prefill_s": s.prefill_seconds, "prefill_tok_s": s.prefill_tok_s,
             "decode_s": s.decode_seconds, "new_tokens": s.new_tokens,
@@ -155,17 +160,26 @@ def prefill(eng, run, ids) -> tuple[torch.Tensor, float]:
 # -- (b)-(d) the instrumented decode loop ----------------------------------------------------
 def decode_profile(eng, ids, steps: int, prof_steps: int, replays: int) -> dict:
     from hisparse_cli.engine.cuda_graph import DeviceSampler, GraphDecoder
+    from hisparse_cli.kernels import graph_sampler
 
     dev, out = eng.device, {}
     total = steps + prof_steps + 2
-    gen = GenerationConfig(max_new_tokens=total, min_new_tokens=total)
-    eos_t = torch.tensor(sorted(eng.cfg.eos_token_ids or [0]), dtype=torch.int64, device=dev)
+    gen = GenerationConfig(max_new_tokens=total, min_new_tokens=total, **GEN_EXTRA)
+    eos = set(eng.cfg.eos_token_ids or [0])
+    eos_t = torch.tensor(sorted(eos), dtype=torch.int64, device=dev)
     run, _ = eng.new_run(ids.numel() + total)
     with torch.inference_mode(), run:
         logits, out["prefill_s"] = prefill(eng, run, ids)
         dec = GraphDecoder(eng.model, run, ids.numel() + total)
-        sampler = DeviceSampler(gen, logits.shape[-1], dev)
-        toks = torch.empty(total, dtype=torch.int64, device=dev)
+        # as Engine._decode_graph: the step samples itself (the default on CUDA) where it can
+        fused = graph_sampler.enabled() and dec.sample_in_graph(gen, eos)
+        out["graph_sampler"] = fused
+        if fused:
+            dec.sample_first(logits)
+            toks = dec.sampler.toks
+        else:
+            sampler = DeviceSampler(gen, logits.shape[-1], dev)
+            toks = torch.empty(total, dtype=torch.int64, device=dev)
         host: dict[str, list] = {k: [] for k in ("sample", "prepare", "after_step", "readback",
                                                  "replay_launch", "step_total")}
         dec._prepare = Stamp(dec._prepare, host["prepare"])
@@ -181,8 +195,10 @@ def decode_profile(eng, ids, steps: int, prof_steps: int, replays: int) -> dict:
             nonlocal logits         # read-back copy queued, the next step queued, then the wait
             i = state["i"]
             t0 = time.perf_counter()
-            tok = sampler(logits, eos_t)
-            toks[i:i + 1].copy_(tok)
+            tok = None
+            if not fused:
+                tok = sampler(logits, eos_t)
+                toks[i:i + 1].copy_(tok)
             t1 = time.perf_counter()
             host["sample"].append(t1 - t0)
             due = (i + 1) % 16 == 0
@@ -474,7 +490,9 @@ def prefill_kernels(eng, ids, sparse: SparseConfig) -> dict:
 
 # -- report ---------------------------------------------------------------------------------
 def report(res: dict) -> None:
-    print("\n== decode per token (ms unless said)")
+    samplers = {(r.get("decode") or {}).get("graph_sampler") for r in res["contexts"]}
+    print(f"\n== decode per token (ms unless said); {res.get('weights')}, sampling "
+          f"{res.get('sampling')}, sampler in the graph: {', '.join(map(str, samplers))}")
     hdr = ("ctx", "gen tok/s", "steady tok/s", "wall", "replay GPU", "between GPU", "graph-only",
            "1st step", "host: sample", "prepare", "launch", "after", "readback")
     print("  ".join(f"{h:>12}" for h in hdr))
@@ -547,8 +565,17 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=230.0, help="seconds for the whole run")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU ok)")
     ap.add_argument("--awq", action="store_true", help="AWQ INT4 (g128) linears instead of fp16")
+    ap.add_argument("--awq-lm-head", action="store_true", help="with --awq: the lm_head INT4 too")
+    ap.add_argument("--cli-sampling", action="store_true",
+                    help="decode with the CLI's default penalty and n-gram ban (not plain greedy)")
     ap.add_argument("--no-scoring", action="store_true", help="skip phase (e)")
     a = ap.parse_args()
+    if a.cli_sampling:
+        from hisparse_cli.cli_options import RunOptions
+
+        d = RunOptions()
+        GEN_EXTRA.update(repetition_penalty=d.repetition_penalty,
+                         no_repeat_ngram_size=d.no_repeat_ngram)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -571,12 +598,14 @@ def main() -> None:
         contexts = [1024, 2048]
         a.decode_tokens, a.profile_steps, a.replays = min(a.decode_tokens, 40), min(a.profile_steps, 8), 5
     res["sparse"] = sparse.__dict__
-    res["weights"] = "awq-int4" if a.awq else "fp16"
+    res["weights"] = ("awq-int4" + ("+int4-lm_head" if a.awq_lm_head else "")) if a.awq \
+        else "fp16"
+    res["sampling"] = GEN_EXTRA or "greedy"
     cfg = ModelConfig.from_dict(shape)
     from hisparse_cli.engine.engine import Engine
 
     def build():
-        model = build_ours(cfg, dev, awq=a.awq, host_emb=False)
+        model = build_ours(cfg, dev, awq=a.awq, host_emb=False, awq_lm_head=a.awq_lm_head)
         return model.float() if dev.type == "cpu" else model
 
     model = phase("build model", res, a.time_budget, 0, build)
