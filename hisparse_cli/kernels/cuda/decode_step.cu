@@ -99,6 +99,12 @@ static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * AT
                          // before the phase's barrier; 0: none. Run 157: the q|k|v x load
                          // 117 -> 102-104 us a step, but the step 1.952 vs 1.951-1.953 ms (the
                          // critical path moves to the MLP phase): no gain, so not the default
+#ifndef XSKIP
+#define XSKIP 0          // diagnostics only (wrong results, for timing what a stage costs): bits
+#endif                   // 1 the RMSNorm's global loads, 2 its block reduction, 4 the o GEMV's
+                         // split combine, 8 the fused MLP's silu(g) u loads, 16 its tile-flag
+                         // waits, 32 the attention's q / k / v loads, 64 the GEMVs' output
+                         // atomics, all left out
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -310,7 +316,7 @@ __device__ __forceinline__ void item_out(float* out, float* scratch, int part, i
     scratch[g] = f[0], scratch[g + 8] = f[1], scratch[g + 16] = f[2], scratch[g + 24] = f[3];
   }
   __syncwarp();
-  if (lane < 8)
+  if (lane < 8 && !(XSKIP & 64))
     red_add_v4(out + 32 * part + 4 * lane, *reinterpret_cast<const float4*>(scratch + 4 * lane));
   __syncwarp();
 #else
@@ -368,12 +374,20 @@ __device__ __forceinline__ void norm_x(const u32* erow, const float* in, const u
     v[u] = make_float2(0.f, 0.f);
     wv[u] = 0u;
     if (kp < K / 2) {
+#if XSKIP & 1
+      v[u] = make_float2(1.f, 1.f), wv[u] = 0x3c003c00u;
+#else
       v[u] = erow ? h22f2(erow[kp]) : ldcg2(in + 2 * kp);
       wv[u] = reinterpret_cast<const u32*>(nw)[kp];
+#endif
     }
     ss += v[u].x * v[u].x + v[u].y * v[u].y;
   }
+#if XSKIP & 2
+  const float rs = rsqrtf(ss / (float)K + eps);
+#else
   const float rs = rsqrtf(consumers_sum<NW>(ss, ssum, warp, lane) / (float)K + eps);
+#endif
 #pragma unroll
   for (int u = 0; u < NORM_PAIRS; ++u) {
     const int kp = threadIdx.x + u * NW * 32;
@@ -589,7 +603,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
-        if (xform == X_ATT) {  // each used head's split weights
+        if (xform == X_ATT && !(XSKIP & 4)) {  // each used head's split weights
           // exp(m_s - M) / L
           for (int q = warp; q < ngrp; q += NW) {
             const int hq = all ? q : (j0 + q) % G;
@@ -652,7 +666,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             const int hq = kp / 64, d = 2 * (kp % 64);
             const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
             float f0 = 0.f, f1 = 0.f;
-            for (int s0 = 0; s0 < S; s0 += 16) {  // 16 splits' loads in flight at once
+            // 16 splits' loads in flight at once
+            for (int s0 = 0; s0 < ((XSKIP & 4) ? 0 : S); s0 += 16) {
               float2 a[16];
 #pragma unroll
               for (int s = 0; s < 16; ++s)
@@ -679,7 +694,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       if (n > 0) {
         const int span = (int)((r.b - 1) / G) - tile0 + 1;
         for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
-          atomicAdd(out + (i64)tile0 * 128 + t, red[t]);
+          if (!(XSKIP & 64)) atomicAdd(out + (i64)tile0 * 128 + t, red[t]);
           red[t] = 0.f;
         }
       }
@@ -774,7 +789,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       if (n1 > 0) {  // the sums into the gate|up buffer, then each tile's item count
         const int tile0 = (int)(r1.a / G), span = (int)((r1.b - 1) / G) - tile0 + 1;
         for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
-          atomicAdd(gus + (i64)tile0 * 128 + t, red[t]);
+          if (!(XSKIP & 64)) atomicAdd(gus + (i64)tile0 * 128 + t, red[t]);
           red[t] = 0.f;
         }
         consumers_sync();
@@ -789,14 +804,15 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t = threadIdx.x; t < nj; t += NW * 32) xsum[j0 + t] = 0.f;
         if (threadIdx.x < 2 * nj) {  // gate and up tile of each group: all G items in
           const int j = j0 + threadIdx.x / 2, tile = (threadIdx.x & 1) ? NGI + j : j;
-          while (ld_acquire(flag + tile) < (unsigned)G) {
+          while (!(XSKIP & 16) && ld_acquire(flag + tile) < (unsigned)G) {
           }
         }
         consumers_sync();
         for (int t = threadIdx.x; t < nj * 64; t += NW * 32) {  // x_j = silu(g) u (fp16, the
           // sums rounded as the engine's output); a warp's 32 pairs are one group's
           const int kp = j0 * 64 + t;
-          const float2 gv = ldcg2(gus + 2 * kp), uv = ldcg2(gus + I + 2 * kp);
+          const float2 gv = (XSKIP & 8) ? make_float2(1.f, 1.f) : ldcg2(gus + 2 * kp);
+          const float2 uv = (XSKIP & 8) ? make_float2(1.f, 1.f) : ldcg2(gus + I + 2 * kp);
           const float g0 = rh(gv.x), g1 = rh(gv.y);
           const u32 x2 = f22h2(rh(rh(g0 / (1.0f + ex(-g0))) * rh(uv.x)),
                                rh(rh(g1 / (1.0f + ex(-g1))) * rh(uv.y)));
@@ -837,16 +853,18 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t = threadIdx.x; t < GQA * HD; t += NW * 32) {
           const int d = t % HD, i = d & 63;
           const float* qh = qkv + (size_t)kvh * GQA * HD + (t - d);
-          const float a = rh(ldcg(qh + d)), b = rh(ldcg(qh + (d ^ 64)));
+          const float a = (XSKIP & 32) ? 1.f : rh(ldcg(qh + d));
+          const float b = (XSKIP & 32) ? 1.f : rh(ldcg(qh + (d ^ 64)));
           qf[t] = rh(a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]);
         }
         const bool last = s == S - 1;
         if (last && threadIdx.x < HD) {  // the current token's k (rotated) and v, to its slot
           const int d = threadIdx.x, i = d & 63;
           const float* kh = qkv + (size_t)p.hq * HD + (size_t)kvh * HD;
-          const float a = rh(ldcg(kh + d)), b = rh(ldcg(kh + (d ^ 64)));
+          const float a = (XSKIP & 32) ? 1.f : rh(ldcg(kh + d));
+          const float b = (XSKIP & 32) ? 1.f : rh(ldcg(kh + (d ^ 64)));
           const u16 kq = f2h(a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]);
-          const u16 vq = f2h(ldcg(kh + (size_t)p.hkv * HD + d));
+          const u16 vq = f2h((XSKIP & 32) ? 1.f : ldcg(kh + (size_t)p.hkv * HD + d));
           kcur[d] = h2f(kq), vcur[d] = h2f(vq);
           const size_t at = (((size_t)layer * p.capacity * p.bs + slot_q) * p.hkv + kvh) * HD + d;
           p.kcache[at] = kq;
