@@ -108,6 +108,24 @@ def test_history_past_the_capacity_is_not_written(monkeypatch):
     assert got == _oracle(rows, cfg)
 
 
+def _past_capacity(cap: int = 6, steps: int = 20) -> tuple[list[int], list[int]]:
+    """Picks with the n-gram ban past a capacity of `cap` tokens (a benchmark replaying the
+    graph beyond the run): the first cap + 1 follow the oracle (the ban still sees the whole
+    history); later ones ban from the first `cap` tokens, as the kernels read them."""
+    rows = _rows(40, steps, seed=4)
+    cfg = (1.2, 2, 0, ())
+    got, _ = _ours(rows, cfg, capacity=cap)
+    return got, _oracle(rows, cfg)
+
+
+def test_the_ban_reads_no_history_past_the_capacity(monkeypatch):
+    """The torch path (run 161: the kernels read toks[count - n + 1 ...] past the buffer once
+    a benchmark replayed the graph beyond the run's capacity: an illegal address on the GPU)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    got, want = _past_capacity()
+    assert got[:7] == want[:7] and len(got) == 20 and all(0 <= t < 40 for t in got)
+
+
 @pytest.mark.parametrize("vocab", [40, 2500])
 def test_kernels_interpreted_equal_the_device_sampler(vocab):
     """The three kernels under TRITON_INTERPRET=1 (a subprocess: the interpreter is chosen at
@@ -124,6 +142,14 @@ for k, cfg in enumerate(CONFIGS):
     got, hist = _ours(rows, cfg)
     if got != want or hist != want:
         bad.append((cfg, got, want))
+from test_graph_sampler import _past_capacity
+import torch as _t
+_t.manual_seed(0)
+with_cap = _past_capacity()
+import os
+os.environ.pop("TRITON_INTERPRET")  # (read at each call: the torch path for the same state)
+if with_cap[0] != _past_capacity()[0]:
+    bad.append(("past capacity", with_cap))
 print(bad)
 assert not bad, bad
 """
@@ -144,7 +170,7 @@ for S in (0, 2):
                   dict(S=S, BLOCK=a.BLOCK), 4, ())
 c.compile_one(a._stage2, dict(**scratch, nb='i32', n='i32', out_ptr='*i64'), dict(NB=128), 4, ())
 for N in (1, 3, 8):
-    c.compile_one(g._ban, dict(toks_ptr='*i64', count_ptr='*i64', ban_ptr='*u8'),
+    c.compile_one(g._ban, dict(toks_ptr='*i64', count_ptr='*i64', ban_ptr='*u8', cap='i32'),
                   dict(N=N, BAN_BLOCK=g.BAN_BLOCK), 4, ())
 for pen, ng, S in ((False, False, 0), (True, True, 2)):
     c.compile_one(g._pick1, dict(x_ptr='*fp32', n='i32', seen_ptr='*u8', ban_ptr='*u8',

@@ -47,8 +47,10 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _ban(toks_ptr, count_ptr, ban_ptr, N: tl.constexpr, BAN_BLOCK: tl.constexpr):
-    length = tl.load(count_ptr).to(tl.int32)
+def _ban(toks_ptr, count_ptr, ban_ptr, cap, N: tl.constexpr, BAN_BLOCK: tl.constexpr):
+    # the history holds the first `cap` tokens: a graph replayed past the run's capacity (a
+    # benchmark's replays) bans from those, and never reads past the buffer
+    length = tl.minimum(tl.load(count_ptr), cap).to(tl.int32)
     starts = length - N + 1  # windows toks[j : j + N - 1] that a generated token follows
     for j0 in range(0, tl.maximum(starts, 0), BAN_BLOCK):
         j = j0 + tl.arange(0, BAN_BLOCK)
@@ -158,7 +160,8 @@ class GraphSampler:
         n = x.shape[0]
         pen = self.penalty != 1.0
         if self.n:
-            _ban[(1,)](self.toks, self.count, self.ban, N=self.n, BAN_BLOCK=BAN_BLOCK,
+            _ban[(1,)](self.toks, self.count, self.ban, self.capacity, N=self.n,
+                       BAN_BLOCK=BAN_BLOCK,
                        num_warps=4)
         vals, idx, nan = self.scratch
         nb = vals.shape[0]
@@ -178,15 +181,16 @@ class GraphSampler:
         if self.penalty != 1.0:
             pen = torch.where(x > 0, x / self.penalty, x * self.penalty)
             x = torch.where(self.seen.bool(), pen, x)
-        if self.n and count >= self.n - 1 and count > 0:
-            n, h = self.n, self.toks[:count]
-            starts = count - n + 1
+        length = min(count, self.capacity)  # the history (as _ban reads it)
+        if self.n and length >= self.n - 1 and length > 0:
+            n, h = self.n, self.toks[:length]
+            starts = length - n + 1
             if n == 1:
                 x = x.index_fill(0, h, float("-inf"))
             elif starts > 0:
                 windows = h.unfold(0, n - 1, 1)[:starts]
-                match = (windows == h[count - n + 1:]).all(dim=1)
-                x = x.index_fill(0, h[n - 1:count][match], float("-inf"))
+                match = (windows == h[length - n + 1:]).all(dim=1)
+                x = x.index_fill(0, h[n - 1:length][match], float("-inf"))
         sup = self.sup[:self.n_sup] if self.n_sup and count < self.min_new else None
         tok = greedy_pick(x, sup)
         out.copy_(tok.reshape(1))
