@@ -99,6 +99,23 @@ static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * AT
                          // before the phase's barrier; 0: none. Run 157: the q|k|v x load
                          // 117 -> 102-104 us a step, but the step 1.952 vs 1.951-1.953 ms (the
                          // critical path moves to the MLP phase): no gain, so not the default
+#ifndef ATT_COMBINE
+#define ATT_COMBINE 1    // the o GEMV's x from the split partials: 1 a warp a half head, its lanes
+#endif                   // loading the splits' m, l and their pair of every split at once (one
+                         // trip to L2); 0 (variant, the run-160 kernel): the heads' split weights
+                         // first into shared memory, a barrier, then the pairs (two trips)
+#ifndef MLP_PF
+#define MLP_PF 0         // > 0: the producer prefetches into L2 MLP_PF items of this CTA's share
+#endif                   // of the next fused MLP's gate|up items (past the first MLP_PF_SKIP,
+#ifndef MLP_PF_SKIP      // which the ring itself loads ahead of the MLP), MLP_PF_AHEAD phases
+#define MLP_PF_SKIP 16   // before that MLP, while the short phases leave HBM idle (variant)
+#endif
+#ifndef MLP_PF_AHEAD
+#define MLP_PF_AHEAD 1
+#endif
+#ifndef RING_HINT
+#define RING_HINT 0      // L2 policies: 1 the ring's weight items evict_first (read once), 2 and
+#endif                   // the MLP_PF prefetches evict_last (variant)
 #ifndef XSKIP
 #define XSKIP 0          // diagnostics only (wrong results, for timing what a stage costs): bits
 #endif                   // 1 the RMSNorm's global loads, 2 its block reduction, 4 the o GEMV's
@@ -475,16 +492,34 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       auto advance = [&]() {
         if (++slot == stages) slot = 0, ++round;
       };
+      const u64 pol_ring = RING_HINT ? l2_evict_first() : 0;
+      const u64 pol_pf = RING_HINT >= 2 ? l2_evict_last() : 0;
+      auto load_item = [&](u8* dst, const u8* src) {
+        if (RING_HINT) bulk_g2s_hint(dst, src, ITEM_BYTES, &full[slot], pol_ring);
+        else bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
+      };
       for (int ph = 0; ph < p.n_phase; ++ph) {
         const i64* m = p.meta + ph * META;
         if (NORM_PF == 1) prefetch_norm(m);
+        if (MLP_PF > 0 && ph + MLP_PF_AHEAD < p.n_phase) {  // the next MLP's items into L2
+          const i64* mm = p.meta + (ph + MLP_PF_AHEAD) * META;
+          if (mm[0] == K_MLP2) {
+            const Range r1 = cta_range(2 * mm[4] * mm[3], c, P);
+            const u8* gu = reinterpret_cast<const u8*>(mm[5]);
+            const i64 b = min(r1.b, r1.a + MLP_PF_SKIP + MLP_PF);
+            for (i64 i = r1.a + MLP_PF_SKIP; i < b; ++i) {
+              if (RING_HINT >= 2) prefetch_l2_hint(gu + i * ITEM_BYTES, ITEM_BYTES, pol_pf);
+              else prefetch_l2(gu + i * ITEM_BYTES, ITEM_BYTES);
+            }
+          }
+        }
         if (m[0] == K_GEMV) {
           const Range r = cta_range(m[3] * m[4], c, P);
           const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
           for (i64 i = r.a; i < r.b; ++i, src += ITEM_BYTES) {
             u8* dst = next();
             mbar_arrive_tx(&full[slot], ITEM_BYTES);
-            bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
+            load_item(dst, src);
             advance();
           }
         } else if (m[0] == K_MLP) {  // per down group j of this CTA: gate tile j, up tile j
@@ -499,7 +534,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
                                           : (i64)(e - 2 * G) * NGI + j;
               u8* dst = next();
               mbar_arrive_tx(&full[slot], ITEM_BYTES);
-              bulk_g2s(dst, (e < 2 * G ? gu : dn) + idx * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+              load_item(dst, (e < 2 * G ? gu : dn) + idx * ITEM_BYTES);
               advance();
             }
           }
@@ -513,14 +548,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
           for (i64 i = r1.a; i < r1.b; ++i) {
             u8* dst = next();
             mbar_arrive_tx(&full[slot], ITEM_BYTES);
-            bulk_g2s(dst, gu + i * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+            load_item(dst, gu + i * ITEM_BYTES);
             advance();
           }
           int j = (int)(r2.a / T), t = (int)(r2.a % T);
           for (i64 i = r2.a; i < r2.b; ++i) {
             u8* dst = next();
             mbar_arrive_tx(&full[slot], ITEM_BYTES);
-            bulk_g2s(dst, dn + ((i64)t * NGI + j) * ITEM_BYTES, ITEM_BYTES, &full[slot]);
+            load_item(dst, dn + ((i64)t * NGI + j) * ITEM_BYTES);
             advance();
             if (++t == T) t = 0, ++j;
           }
@@ -603,7 +638,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
-        if (xform == X_ATT && !(XSKIP & 4)) {  // each used head's split weights
+        if (xform == X_ATT && !ATT_COMBINE && !(XSKIP & 4)) {  // each used head's split weights
           // exp(m_s - M) / L
           for (int q = warp; q < ngrp; q += NW) {
             const int hq = all ? q : (j0 + q) % G;
@@ -658,7 +693,47 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             xs[kp] = x2;
             group_sum(xsum, kp, x2, lane);
           }
-        } else {  // X_ATT: the used heads' pairs, combined from the split partials
+        } else if (ATT_COMBINE) {  // X_ATT: the used heads' pairs, combined from the split
+          // partials. A warp takes half heads hh = warp, warp + NW, ...: pairs 32 (hh & 1) +
+          // lane of used head hh / 2. Lane s < S loads split s's m and l while every lane loads
+          // its pair of each split, so the weights exp(m_s - M) / L (on lane s) and the pairs
+          // come in one trip to L2, with no barrier between them.
+          for (int hh = warp; hh < 2 * ngrp; hh += NW) {
+            const int hq = all ? hh >> 1 : (j0 + (hh >> 1)) % G;
+            const int kp = hq * 64 + (hh & 1) * 32 + lane;
+            const float* pb = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE;
+            const float* pml = pb + GQA * HD + hq % GQA;
+            const float ms = lane < S && !(XSKIP & 4) ? ldcg(pml + lane * ATT_STRIDE) : neg_inf();
+            const float ls = lane < S && !(XSKIP & 4) ? ldcg(pml + lane * ATT_STRIDE + GQA) : 0.f;
+            const float* pp = pb + (hq % GQA) * HD + 2 * (kp % 64);
+            float f0 = 0.f, f1 = 0.f, w = 0.f;
+            for (int s0 = 0; s0 < ((XSKIP & 4) ? 0 : S); s0 += 16) {  // (S <= MAX_S = 32)
+              float2 a[16];
+#pragma unroll
+              for (int s = 0; s < 16; ++s)
+                a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
+              if (s0 == 0) {
+                float M = ms;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+                const float e = lane < S && ms != neg_inf() ? ex(ms - M) : 0.f;
+                float L = e * ls;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+                w = lane < S ? e / L : 0.f;
+              }
+#pragma unroll
+              for (int s = 0; s < 16; ++s) {  // (splits past S: weight 0, pair 0)
+                const float ws = __shfl_sync(0xffffffffu, w, s0 + s);
+                f0 += ws * a[s].x, f1 += ws * a[s].y;
+              }
+            }
+            const u32 x2 = f22h2(f0, f1);
+            xs[kp] = x2;
+            group_sum(xsum, kp, x2, lane);
+          }
+        } else {  // X_ATT (ATT_COMBINE 0): the used heads' pairs, combined from the split
+          // partials with the weights in shared memory
           const int npairs = ngrp * 64;
           for (int t = threadIdx.x; t < npairs; t += NW * 32) {
             const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
