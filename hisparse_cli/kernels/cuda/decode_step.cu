@@ -100,22 +100,18 @@ static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * AT
                          // 117 -> 102-104 us a step, but the step 1.952 vs 1.951-1.953 ms (the
                          // critical path moves to the MLP phase): no gain, so not the default
 #ifndef ATT_COMBINE
-#define ATT_COMBINE 1    // the o GEMV's x from the split partials: 1 a warp a half head, its lanes
-#endif                   // loading the splits' m, l and their pair of every split at once (one
-                         // trip to L2); 0 (variant, the run-160 kernel): the heads' split weights
-                         // first into shared memory, a barrier, then the pairs (two trips)
-#ifndef MLP_PF
-#define MLP_PF 0         // > 0: the producer prefetches into L2 MLP_PF items of this CTA's share
-#endif                   // of the next fused MLP's gate|up items (past the first MLP_PF_SKIP,
-#ifndef MLP_PF_SKIP      // which the ring itself loads ahead of the MLP), MLP_PF_AHEAD phases
-#define MLP_PF_SKIP 16   // before that MLP, while the short phases leave HBM idle (variant)
-#endif
-#ifndef MLP_PF_AHEAD
-#define MLP_PF_AHEAD 1
-#endif
+#define ATT_COMBINE 0    // the o GEMV's x from the split partials: 0 the heads' split weights
+#endif                   // first into shared memory, a barrier, then the pairs (two trips to
+                         // L2); 1 (variant) a warp a half head, its lanes loading the splits'
+                         // m, l and their pair of every split at once (one trip). Run 162: 1
+                         // takes the o phase's x load 120 -> 110 us a step, but its registers
+                         // spill more (32 / 48 bytes against 12 / 20) and the step is 0.03 ms
+                         // slower
 #ifndef RING_HINT
-#define RING_HINT 0      // L2 policies: 1 the ring's weight items evict_first (read once), 2 and
-#endif                   // the MLP_PF prefetches evict_last (variant)
+#define RING_HINT 1      // the ring's loads under the L2 policy evict_first: 1 the weight items
+#endif                   // (read once a step; run 162: -0.03 to -0.06 ms a step, as the small
+                         // data every phase re-reads (h, partials, sums, norm weights) stay in
+                         // L2), 2 the KV pages too (variant), 0 none
 #ifndef XSKIP
 #define XSKIP 0          // diagnostics only (wrong results, for timing what a stage costs): bits
 #endif                   // 1 the RMSNorm's global loads, 2 its block reduction, 4 the o GEMV's
@@ -493,26 +489,17 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         if (++slot == stages) slot = 0, ++round;
       };
       const u64 pol_ring = RING_HINT ? l2_evict_first() : 0;
-      const u64 pol_pf = RING_HINT >= 2 ? l2_evict_last() : 0;
       auto load_item = [&](u8* dst, const u8* src) {
         if (RING_HINT) bulk_g2s_hint(dst, src, ITEM_BYTES, &full[slot], pol_ring);
         else bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
       };
+      auto load_page = [&](u8* dst, const TensorMap* map, int c0, int c1, int c2) {
+        if (RING_HINT >= 2) tma_3d_hint(dst, map, c0, c1, c2, &full[slot], pol_ring);
+        else tma_3d(dst, map, c0, c1, c2, &full[slot]);
+      };
       for (int ph = 0; ph < p.n_phase; ++ph) {
         const i64* m = p.meta + ph * META;
         if (NORM_PF == 1) prefetch_norm(m);
-        if (MLP_PF > 0 && ph + MLP_PF_AHEAD < p.n_phase) {  // the next MLP's items into L2
-          const i64* mm = p.meta + (ph + MLP_PF_AHEAD) * META;
-          if (mm[0] == K_MLP2) {
-            const Range r1 = cta_range(2 * mm[4] * mm[3], c, P);
-            const u8* gu = reinterpret_cast<const u8*>(mm[5]);
-            const i64 b = min(r1.b, r1.a + MLP_PF_SKIP + MLP_PF);
-            for (i64 i = r1.a + MLP_PF_SKIP; i < b; ++i) {
-              if (RING_HINT >= 2) prefetch_l2_hint(gu + i * ITEM_BYTES, ITEM_BYTES, pol_pf);
-              else prefetch_l2(gu + i * ITEM_BYTES, ITEM_BYTES);
-            }
-          }
-        }
         if (m[0] == K_GEMV) {
           const Range r = cta_range(m[3] * m[4], c, P);
           const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
@@ -568,15 +555,15 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             if (e < n_cache_pages) {
               const i64 blk = p.dev[2 + e / ppb];
               const int row = (int)(((i64)layer * p.capacity + blk) * p.bs + (e % ppb) * PAGE);
-              tma_3d(dst, &kmap, 0, kvh, row, &full[slot]);
-              tma_3d(dst + PAGE * HD * 2, &vmap, 0, kvh, row, &full[slot]);
-              tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &vmap, 64, kvh, row, &full[slot]);
+              load_page(dst, &kmap, 0, kvh, row);
+              load_page(dst + PAGE * HD * 2, &vmap, 0, kvh, row);
+              load_page(dst + PAGE * HD * 2 + PAGE * 128, &vmap, 64, kvh, row);
             } else {
               const int row = (int)((((i64)layer * p.hkv + kvh) * p.G) +
                                     (e - n_cache_pages) * PAGE);
-              tma_3d(dst, &gkmap, 0, 0, row, &full[slot]);
-              tma_3d(dst + PAGE * HD * 2, &gvmap, 0, 0, row, &full[slot]);
-              tma_3d(dst + PAGE * HD * 2 + PAGE * 128, &gvmap, 64, 0, row, &full[slot]);
+              load_page(dst, &gkmap, 0, 0, row);
+              load_page(dst + PAGE * HD * 2, &gvmap, 0, 0, row);
+              load_page(dst + PAGE * HD * 2 + PAGE * 128, &gvmap, 64, 0, row);
             }
             advance();
           }

@@ -57,15 +57,10 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, 
 __device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
-// L2 cache policies (createpolicy) and the bulk copy / prefetch that take one
+// an L2 cache policy (createpolicy) for data read once, and the bulk copies that take one
 __device__ __forceinline__ u64 l2_evict_first() {
   u64 pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ u64 l2_evict_last() {
-  u64 pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
 __device__ __forceinline__ void bulk_g2s_hint(void* dst, const void* src, u32 bytes, u64* bar,
@@ -75,16 +70,20 @@ __device__ __forceinline__ void bulk_g2s_hint(void* dst, const void* src, u32 by
       " [%0], [%1], %2, [%3], %4;"
       ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(pol) : "memory");
 }
-__device__ __forceinline__ void prefetch_l2_hint(const void* src, u32 bytes, u64 pol) {
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src),
-               "r"(bytes), "l"(pol) : "memory");
-}
 __device__ __forceinline__ void tma_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
                                        u64* bar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4}], [%5];"
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_3d_hint(void* dst, const TensorMap* map, int c0, int c1,
+                                            int c2, u64* bar, u64 pol) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%2, %3, %4}], [%5], %6;"
+      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)), "l"(pol)
       : "memory");
 }
 __device__ __forceinline__ u64 gtimer() {
