@@ -287,6 +287,19 @@ __device__ __forceinline__ u32 page_valid(const StepParams& p, int layer, int kv
   return __ballot_sync(0xffffffffu, ok) & 0xffffu;
 }
 
+// a head's split weight exp(m_s - M) / L on lane s < S (0 on the others): M the splits' max,
+// L = sum exp(m_s - M) l_s, from lane s's m_s and l_s (lanes >= S pass -inf and 0)
+__device__ __forceinline__ float split_weight(float ms, float ls, int lane, int S) {
+  float M = ms;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  const float e = lane < S && ms != neg_inf() ? ex(ms - M) : 0.f;
+  float L = e * ls;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  return lane < S ? e / L : 0.f;
+}
+
 // a warp's 32 consecutive x pairs (half of a 128-row group, kp >> 6) into the group's x sum
 // (the fp16 values, as the item math reads them)
 __device__ __forceinline__ void group_sum(float* xsum, int kp, u32 x2, int lane) {
@@ -632,14 +645,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + GQA * HD;
             const float ms = lane < S ? ldcg(pp + lane * ATT_STRIDE + hq % GQA) : neg_inf();
             const float ls = lane < S ? ldcg(pp + lane * ATT_STRIDE + GQA + hq % GQA) : 0.f;
-            float M = ms;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-            const float e = lane < S && ms != neg_inf() ? ex(ms - M) : 0.f;
-            float L = e * ls;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-            if (lane < S) wts[hq * MAX_S + lane] = e / L;
+            const float w = split_weight(ms, ls, lane, S);
+            if (lane < S) wts[hq * MAX_S + lane] = w;
           }
           consumers_sync();
         }
@@ -699,16 +706,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
 #pragma unroll
               for (int s = 0; s < 16; ++s)
                 a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
-              if (s0 == 0) {
-                float M = ms;
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-                const float e = lane < S && ms != neg_inf() ? ex(ms - M) : 0.f;
-                float L = e * ls;
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-                w = lane < S ? e / L : 0.f;
-              }
+              if (s0 == 0) w = split_weight(ms, ls, lane, S);
 #pragma unroll
               for (int s = 0; s < 16; ++s) {  // (splits past S: weight 0, pair 0)
                 const float ws = __shfl_sync(0xffffffffu, w, s0 + s);
