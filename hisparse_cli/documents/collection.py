@@ -24,7 +24,8 @@ import re
 from pathlib import Path, PurePosixPath
 
 from hisparse_cli.documents.base import Document, Section
-from hisparse_cli.documents.formats import document_format, document_from_bytes, read_limited
+from hisparse_cli.documents.formats import (byte_limit, document_format, document_from_bytes,
+                                            read_limited, too_large)
 from hisparse_cli.documents.repo import (BINARY_SUFFIXES, CONFIG_FILES, LOCK_FILES, header_name,
                                          nothing_readable)
 from hisparse_cli.documents.secret_files import secret_content
@@ -70,10 +71,11 @@ def natural_key(rel: str) -> tuple:
                  for part in _DIGITS.split(rel)) + ((2, 0, rel),)
 
 
-def collection_files(candidates: list[Candidate], skipped: list[tuple[str, str]]
+def collection_files(candidates: list[Candidate], skipped: list[tuple[str, str]], limits
                      ) -> list[tuple[str, Path]]:
-    """The members to read, in natural order; lock files and non-document binaries go to
-    `skipped` (a link is judged by its target's name too)."""
+    """The members to read, in natural order; lock files, non-document binaries (a link is
+    judged by its target's name too), empty files and files over their format's size limit
+    go to `skipped`."""
     files = []
     for rel, file_path, target_rel in sorted(candidates, key=lambda c: natural_key(c[0])):
         reason = None
@@ -84,10 +86,24 @@ def collection_files(candidates: list[Candidate], skipped: list[tuple[str, str]]
             elif suffix in BINARY_SUFFIXES and suffix not in DOCUMENT_SUFFIXES:
                 reason = "binary file"
         if reason is None:
+            reason = _size_problem(rel, file_path, limits)
+        if reason is None:
             files.append((rel, file_path))
         else:
             skipped.append((rel, reason))
     return files
+
+
+def _size_problem(rel: str, path: Path, limits) -> str | None:
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    if size == 0:
+        return "empty file"
+    fmt = document_format(rel)
+    limit = byte_limit(fmt, limits)
+    return too_large(rel, size, fmt, limit).message if size > limit else None
 
 
 def _read_member(rel: str, path: Path, limits, password: str | None) -> Document:

@@ -54,7 +54,7 @@ def list_folder(root: Path, limits, *, include_secrets: bool = False) -> FolderL
     candidates = view.files(walk_cap=10 * limits.max_files)
     skipped = list(view.skipped)
     if is_collection([target or rel for rel, _, target in candidates]):
-        kind, files = "collection", collection_files(candidates, skipped)
+        kind, files = "collection", collection_files(candidates, skipped, limits)
     else:
         kind = "repository"
         files = repository_files(candidates, skipped, max_file_bytes=limits.max_file_bytes)
