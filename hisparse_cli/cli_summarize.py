@@ -71,6 +71,18 @@ def _write_out(out: Path, text: str) -> None:
                               "folder's permissions)") from None
 
 
+def _read_piped(path: str):
+    """For `-`: stdin's bytes as a stream (read now, bounded); else None."""
+    if path != "-":
+        return None
+    import io
+
+    from hisparse_cli.documents import IngestLimits
+    from hisparse_cli.documents.stdin import read_stdin
+
+    return io.BytesIO(read_stdin(IngestLimits()))
+
+
 def summarize(
     path: Annotated[str, typer.Argument(
         help="A PDF, .docx, HTML or text file, a folder (a code repository or a collection of "
@@ -100,12 +112,13 @@ def summarize(
     if out is not None:
         out = check_output_file(out)  # before the run: a bad --out costs nothing
     check_input(path)
+    piped = _read_piped(path)  # stdin's bytes, read before anything heavy (empty: exit 3)
     reference_text = read_reference(reference) if reference is not None else None
     job = build_job(opts)
     started = time.perf_counter()
-    with status(f"reading {'stdin' if path == '-' else path}", quiet=opts.quiet):
-        doc = load_document(path if path == "-" else Path(path), password=opts.password,
-                            include_secrets=opts.include_secrets, title=title)
+    with status(f"reading {'stdin' if piped else path}", quiet=opts.quiet):
+        doc = load_document("-" if piped else Path(path), password=opts.password,
+                            include_secrets=opts.include_secrets, title=title, stdin=piped)
     ingest_seconds = time.perf_counter() - started
     job.engine()
     with TokenProgress(quiet=opts.quiet) as progress:

@@ -97,9 +97,10 @@ class TokenProgress:
     one-chunk prefill is also its last (that gave rates of millions of tok/s)."""
 
     def __init__(self, quiet: bool = False, prefix: str = "",
-                 log_every_s: float = LOG_EVERY_S) -> None:
+                 log_every_s: float | None = None) -> None:
         self.console = stderr_console()
-        self.quiet, self.prefix, self.log_every_s = quiet, prefix, log_every_s
+        self.quiet, self.prefix = quiet, prefix
+        self.log_every_s = LOG_EVERY_S if log_every_s is None else log_every_s
         self.live = self.console.is_terminal and not quiet
         self._progress: Progress | None = None
         self._task = None

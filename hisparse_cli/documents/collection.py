@@ -7,7 +7,7 @@ file anywhere (pyproject.toml, package.json, Makefile, … — see repo.CONFIG_F
 dotfiles (.gitignore, …), lock files and binaries that are not documents (images, archives),
 which neither make a folder code nor prose; a symlink counts as what it points to.
 
-Members are read by their own readers (formats.py: PDF, .docx, HTML, text — each within its
+Members (hidden files aside) are read by their own readers (formats.py: PDF, .docx, HTML, text — each within its
 size limit, opened with `open_checked`), in natural order of their relative paths
 ("ch2.md" before "ch10.md"). A member that cannot be read (encrypted, scanned, corrupt,
 binary, empty) or whose text holds a secret (secret_files.py, unless `include_secrets`) is
@@ -73,14 +73,19 @@ def natural_key(rel: str) -> tuple:
 
 def collection_files(candidates: list[Candidate], skipped: list[tuple[str, str]], limits
                      ) -> list[tuple[str, Path]]:
-    """The members to read, in natural order; lock files, non-document binaries (a link is
-    judged by its target's name too), empty files and files over their format's size limit
-    go to `skipped`."""
+    """The members to read, in natural order; hidden files (a dot in front of the name or of
+    a folder on the way: .gitignore, .obsidian/…), lock files, non-document binaries (a link
+    is judged by its target's name too), empty files and files over their format's size
+    limit go to `skipped`."""
     files = []
     for rel, file_path, target_rel in sorted(candidates, key=lambda c: natural_key(c[0])):
         reason = None
+        if any(part.startswith(".") for part in rel.split("/")):
+            reason = "hidden file (not a document)"
         for name in {PurePosixPath(r).name for r in (rel, target_rel) if r}:
             suffix = PurePosixPath(name).suffix.lower()
+            if reason is not None:
+                break
             if _is_lock(name):
                 reason = "lock file"
             elif suffix in BINARY_SUFFIXES and suffix not in DOCUMENT_SUFFIXES:
