@@ -90,7 +90,7 @@ def resolve_config(spec: str | None):
 
 def plan(
     path: Annotated[Optional[str], typer.Argument(
-        help="A document, folder or - (stdin) to plan for: its tokens, strategy, chunks and "
+        metavar="PATH", help="A document, folder or - (stdin) to plan for: its tokens, strategy, chunks and "
              "memory, counted with the tokenizer alone (no weights).",
         show_default=False)] = None,
     model: Annotated[Optional[str], _opt("--model", "-m", panel=P_MODEL, help=(

@@ -85,7 +85,7 @@ def _read_piped(path: str):
 
 def summarize(
     path: Annotated[str, typer.Argument(
-        help="A PDF, .docx, HTML or text file, a folder (a code repository or a collection of "
+        metavar="PATH", help="A PDF, .docx, HTML or text file, a folder (a code repository or a collection of "
              "documents), or - to read the document from stdin.", show_default=False)],
     reference: Annotated[Optional[Path], typer.Option(
         "--reference", "-r", rich_help_panel=P_OUT, readable=False,
