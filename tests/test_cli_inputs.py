@@ -349,3 +349,26 @@ def test_plan_path_table_and_usage(tiny, doc):
         assert needle in table.stdout, needle
     assert_error(run("plan", doc, "--context", "100", "--model", tiny), 2, "--context")
     assert_error(run("plan", doc, "--model", "llama-3-8b"), 2, "without a tokenizer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("document", ["contract/services_agreement.pdf", "repo/tinykv"])
+def test_plan_path_matches_the_real_model_run(document, monkeypatch):
+    """The embedded model (HISPARSE_TEST_HOME): plan PATH's prompt tokens, strategy and
+    chunks are the summarize run's."""
+    home = os.environ.get("HISPARSE_TEST_HOME") or str(Path.home() / ".cache" / "hisparse")
+    monkeypatch.setenv("HISPARSE_HOME", home)
+    path = ROOT / "samples" / document
+    flags = ["--profile", "cpu", "--max-new-tokens", "16", "--json"]
+    planned, ran = run("plan", path, *flags), run("summarize", path, *flags)
+    assert planned.exit_code == 0, show(planned)
+    assert ran.exit_code == 0, show(ran)
+    plan, record = json.loads(planned.stdout)["input"], json.loads(ran.stdout)
+    assert plan["strategy"] == record["strategy"]
+    if record["strategy"] == "stream":
+        assert plan["prompt_tokens"] == record["prompt_tokens"]
+    else:
+        assert [(c["label"], c["prompt_tokens"]) for c in plan["chunks"]] == [
+            (c["label"], c["prompt_tokens"]) for c in record["chunks"] if c["level"] == 0]
+    assert [i["path"] for i in plan["document"]["items"]] == [
+        i["path"] for i in record["document"]["items"]]
