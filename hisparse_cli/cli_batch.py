@@ -112,7 +112,7 @@ def batch(
     items = [(given, path) for given, path in items if path != out_path]  # not its own input
     if not items:
         raise InputError("no documents found in the given inputs",
-                         hint=f"folders contribute files ending in .pdf, .docx, .txt, .md, …; "
+                         hint="folders contribute files ending in .pdf, .docx, .txt, .md, …; "
                               "name a repository folder inside an @list file")
     results = ResultsFile(out)
     results.open(resume=resume)  # takes the file's lock: a second writer stops here (exit 3)
