@@ -13,13 +13,15 @@ below two scored documents: one value has no interval).
 
 from __future__ import annotations
 
+import hashlib
+import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hisparse_cli.batch import (ResultsFile, content_sha256, find_reference, printable,
-                                record_key)
+from hisparse_cli.batch import (ResultsFile, StdinInput, content_sha256, find_reference,
+                                printable, record_key)
 from hisparse_cli.errors import EXIT_INTERNAL, HisparseError, InputError
 from hisparse_cli.scoring import ROUGE_TYPES, bootstrap_ci
 
@@ -45,22 +47,25 @@ def error_record(exc: BaseException) -> dict:
             "exit_code": EXIT_INTERNAL}
 
 
-def _identify(path: Path) -> str:
+def _identify(path: Path | StdinInput, include_secrets: bool = False) -> str:
+    if isinstance(path, StdinInput):
+        return hashlib.sha256(path.data).hexdigest()
     if not path.exists():
         raise InputError(f"{path}: no such file or directory", hint="check the input path")
     try:
-        return content_sha256(path)
+        return content_sha256(path, include_secrets=include_secrets)
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
+def run_batch(items: list[tuple[str, Path | StdinInput]], job, results: ResultsFile, *,
               references: Path | None = None, password: str | None = None,
               retry_failed: bool = False, progress_factory=None,
-              report: Report | None = None) -> BatchOutcome:
-    """Summarize `items` ((as given, resolved path)) with `job`, appending to `results`
-    (already opened). Documents whose (path, sha256) is in `results` are skipped (failed
-    ones are redone with `retry_failed`)."""
+              report: Report | None = None, include_secrets: bool = False) -> BatchOutcome:
+    """Summarize `items` ((as given, resolved path or the stdin document)) with `job`,
+    appending to `results` (already opened). Documents whose (path, sha256) is in `results`
+    are skipped (failed ones are redone with `retry_failed`). `include_secrets`: a folder's
+    secrets are read (and fingerprinted) too."""
     report = report or (lambda *args: None)
     done = results.latest()
     outcome = BatchOutcome()
@@ -75,7 +80,7 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
                 record["settings_id"] = settings_id()
             started = time.perf_counter()
             try:
-                record["sha256"] = _identify(path)
+                record["sha256"] = _identify(path, include_secrets)
             except Exception as exc:  # noqa: BLE001 - one unreadable input never ends the batch
                 record.update(status="error", error=error_record(exc))
             outcome.keys.append(record_key(record))
@@ -92,7 +97,8 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
                 try:
                     progress = progress_factory(index, total) if progress_factory else None
                     record.update(status="ok", **_summarize(job, path, started, references,
-                                                            password, progress))
+                                                            password, progress,
+                                                            include_secrets))
                 except HisparseError as exc:
                     record.update(status="error", error=error_record(exc))
                 except Exception as exc:  # noqa: BLE001 - record it, go on with the next document
@@ -109,16 +115,19 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
     return outcome
 
 
-def _summarize(job, path: Path, started: float, references: Path | None,
-               password: str | None, progress) -> dict:
+def _summarize(job, path: Path | StdinInput, started: float, references: Path | None,
+               password: str | None, progress, include_secrets: bool = False) -> dict:
     from contextlib import nullcontext
 
     from hisparse_cli.documents import load_document
     from hisparse_cli.job import read_reference
 
-    doc = load_document(path, password=password)
+    if isinstance(path, StdinInput):  # the bytes read once, before the batch started
+        doc = load_document("-", password=password, stdin=io.BytesIO(path.data))
+    else:
+        doc = load_document(path, password=password, include_secrets=include_secrets)
     ingest = time.perf_counter() - started
-    ref = find_reference(path, references)
+    ref = None if isinstance(path, StdinInput) else find_reference(path, references)
     ref = ref.resolve() if ref is not None else None  # like "input": resolved
     ref_text, warnings = None, []
     if ref is not None:

@@ -1,7 +1,8 @@
 """`hisparse batch INPUTS… --out results.jsonl`: many documents, one engine, resumable.
 
-Input forms, reference matching and the results-file format are in batch.py. stderr gets
-one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
+Input forms, reference matching and the results-file format are in batch.py. The results
+file is locked for the whole run (a second run on the same file is refused, exit 3, before
+any model loads). stderr gets one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
 stdout gets nothing, or the batch summary as one JSON object with --json. Exit codes: 0 all
 documents succeeded (a document whose reference could not be read succeeded, with a warning
 and no ROUGE), 6 at least one failed (recorded in the file), 130 interrupted (finished lines
@@ -74,8 +75,9 @@ def _summary_table(summary: dict):
 
 def batch(
     inputs: Annotated[List[str], typer.Argument(
-        help="Files, folders (their document files) or @list.txt (one path per line; a "
-             "folder named there is one repository).", show_default=False)],
+        help="Files, folders (their document files), @list.txt (one path per line; a "
+             "folder named there is one document: a repository or a collection), - (the "
+             "document on stdin) or @- (the list on stdin).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", rich_help_panel=P_OUT,
                                       help="Results file (JSON lines, appended).")],
     references: Annotated[Optional[Path], typer.Option(
@@ -98,14 +100,10 @@ def batch(
 ) -> None:
     """Summarize many documents into a JSON-lines file (one engine, resumable)."""
     from hisparse_cli.batch import ResultsFile, expand_inputs
-    from hisparse_cli.batch_runner import batch_summary, run_batch
-    from hisparse_cli.cli_summarize import build_job
-    from hisparse_cli.console import TokenProgress, note, print_table, warn, write_result
 
     if retry_failed and not resume:
         raise ConfigError("--retry-failed reruns failed documents of an existing results file",
                           hint="add --resume (--retry-failed only works with it)")
-    job = build_job(opts)
     if references is not None and not references.is_dir():
         raise InputError(f"--references {references} is not a folder",
                          hint="give the folder that holds the reference summaries")
@@ -114,10 +112,24 @@ def batch(
     items = [(given, path) for given, path in items if path != out_path]  # not its own input
     if not items:
         raise InputError("no documents found in the given inputs",
-                         hint=f"folders contribute files ending in .pdf, .txt, .md, …; "
+                         hint="folders contribute files ending in .pdf, .docx, .txt, .md, …; "
                               "name a repository folder inside an @list file")
     results = ResultsFile(out)
-    results.open(resume=resume)
+    results.open(resume=resume)  # takes the file's lock: a second writer stops here (exit 3)
+    try:
+        _run(results, items, opts, out=out, references=references, retry_failed=retry_failed,
+             as_json=as_json)
+    finally:
+        results.close()
+
+
+def _run(results, items, opts: RunOptions, *, out: Path, references: Path | None,
+         retry_failed: bool, as_json: bool) -> None:
+    from hisparse_cli.batch_runner import batch_summary, run_batch
+    from hisparse_cli.cli_summarize import build_job
+    from hisparse_cli.console import TokenProgress, note, print_table, warn, write_result
+
+    job = build_job(opts)
     if results.torn_bytes and not opts.quiet:
         note(f"removed an incomplete last line ({results.torn_bytes} bytes) from {out}")
     if results.unterminated and not opts.quiet:
@@ -131,7 +143,7 @@ def batch(
     try:
         outcome = run_batch(items, job, results, references=references, password=opts.password,
                             retry_failed=retry_failed, progress_factory=progress_factory,
-                            report=_reporter(opts.quiet))
+                            report=_reporter(opts.quiet), include_secrets=opts.include_secrets)
     except KeyboardInterrupt:
         if opts.quiet:
             pass
