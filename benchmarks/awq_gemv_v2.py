@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse_cli.kernels.awq_pack import PACK, unpack_int4
+from hisparse_cli.kernels.int4.awq_pack import PACK, unpack_int4
 
 
 def repack_v2(qweight: torch.Tensor) -> torch.Tensor:

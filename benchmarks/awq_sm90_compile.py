@@ -29,11 +29,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hisparse_cli.kernels import awq_gemm_k as agk  # noqa: E402
-from hisparse_cli.kernels import awq_gemv as ag  # noqa: E402
-from hisparse_cli.kernels import awq_items_triton as ait  # noqa: E402
-from hisparse_cli.kernels import awq_triton as at  # noqa: E402
-from hisparse_cli.kernels.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemm_k as agk  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemv as ag  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_items_triton as ait  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_triton as at  # noqa: E402
+from hisparse_cli.kernels.int4.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noqa: E402
                                              GEMV_CANDIDATES, GemvConfig)
 
 OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "I2F",

@@ -34,7 +34,7 @@ def rtn_checkpoint(src: Path, dst: Path, group: int) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -83,7 +83,7 @@ def fidelity(a) -> None:
     from hisparse_cli.engine import Engine, SparseConfig
     from hisparse_cli.quality.capture import logits_at, teacher_forced
     from hisparse_cli.quality.metrics import token_fidelity
-    from hisparse_cli.models.resolve import resolve_model
+    from hisparse_cli.hub.resolve import resolve_model
 
     model = a.model or str(resolve_model("smollm2-135m-instruct"))
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
@@ -147,7 +147,7 @@ def main() -> None:
         return
     from cpu_engine_vs_hf import prompt_ids
 
-    from hisparse_cli.models.resolve import resolve_model
+    from hisparse_cli.hub.resolve import resolve_model
 
     model = a.model or str(resolve_model("smollm2-135m-instruct"))
     ids = prompt_ids(model, a.doc, a.prompt_tokens)

@@ -48,10 +48,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from hisparse_cli.kernels import awq_layout as al  # noqa: E402
-from hisparse_cli.kernels import awq_triton as at  # noqa: E402
-from hisparse_cli.kernels.awq_pack import unpack_int4  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout as al  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_triton as at  # noqa: E402
+from hisparse_cli.kernels.int4.awq_pack import unpack_int4  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 PEAK_TBS = 4.24

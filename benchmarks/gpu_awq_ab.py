@@ -69,11 +69,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from gpu_engine import build_ours, pick_backend, prompt, run_ours  # noqa: E402
-from hisparse_cli.kernels import awq_layout, awq_triton  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_triton  # noqa: E402
 from hisparse_cli.model.awq import AWQLinear  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
-from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
-from hisparse_cli.profiles import load_profile  # noqa: E402
+from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
+from hisparse_cli.config.profiles import load_profile  # noqa: E402
 
 OLD_TABLE = dict(awq_layout.GEMV_TABLE,
                  small_n=awq_layout.GemvTile(block_n=32, num_warps=1, num_stages=1,
@@ -179,7 +180,7 @@ def silu_ab(a, model, cfg, sparse, backend, dev) -> None:
     """Decode and prefill tok/s at --context over --decode-tokens, fp16 and INT4, with the
     fused silu * up kernel and with KernelBackend.silu_mul_ patched to the torch reference
     (F.silu in place, then mul_: the model's ops before the kernel), alternating."""
-    from hisparse_cli.kernels import norm_rope_ref
+    from hisparse_cli.kernels.norm_rope import norm_rope_ref
     from hisparse_cli.kernels.dispatch import KernelBackend
 
     fused = KernelBackend.silu_mul_
@@ -284,7 +285,7 @@ def chain_ab(a, model, cfg, sparse, backend, dev) -> None:
 
 def fuse_mass_ab(a, model, cfg, sparse, backend, dev) -> None:
     """attention_triton.FUSE_REDUCE_MASS on and off (gpu_awq_ab_fuse_mass.json)."""
-    from hisparse_cli.kernels import attention_triton
+    from hisparse_cli.kernels.attention import attention_triton
 
     _switch_ab(a, model, cfg, sparse, backend, dev, "fused",
                lambda on: setattr(attention_triton, "FUSE_REDUCE_MASS", on),
@@ -294,7 +295,7 @@ def fuse_mass_ab(a, model, cfg, sparse, backend, dev) -> None:
 def pair_prmt_ab(a, model, cfg, sparse, backend, dev) -> None:
     """awq_gemv.PAIR_PRMT on and off (gpu_awq_ab_pair_prmt.json); the fp16 model does not
     use the GEMV, so its on/off pair measures the rounds' noise."""
-    from hisparse_cli.kernels import awq_gemv
+    from hisparse_cli.kernels.int4 import awq_gemv
 
     _switch_ab(a, model, cfg, sparse, backend, dev, "prmt",
                lambda on: setattr(awq_gemv, "PAIR_PRMT", on), "gpu_awq_ab_pair_prmt.json",

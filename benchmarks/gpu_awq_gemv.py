@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 import gpu_awq as g
 from awq_gemv_v2 import gemv_v2, repack_v2
-from hisparse_cli.kernels import awq_layout as al
-from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k
-from hisparse_cli.kernels.awq_ref import dequantize_weight
+from hisparse_cli.kernels.int4 import awq_layout as al
+from hisparse_cli.kernels.int4.awq_gemv import _sm_count, awq_gemv_k
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
 
 DECODE_SHAPES = {"qkv 4096x6144": (4096, 6144), "q/o 4096x4096": (4096, 4096),
                  "k/v 4096x1024": (4096, 1024), "gate_up 4096x28672": (4096, 28672),

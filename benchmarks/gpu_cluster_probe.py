@@ -31,7 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hisparse_cli.kernels import cuda_launch, cuda_rt, cuda_step  # noqa: E402
+from hisparse_cli.kernels.cuda import cuda_launch  # noqa: E402
+from hisparse_cli.kernels.cuda import cuda_rt  # noqa: E402
+from hisparse_cli.kernels.cuda import cuda_step  # noqa: E402
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 RING = Path(cuda_step.__file__).resolve().parent / "cuda" / "ring.cuh"

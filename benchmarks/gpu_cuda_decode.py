@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from hisparse_cli.engine.config import SparseConfig  # noqa: E402
+from hisparse_cli.config.settings import SparseConfig  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
 
 SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 1024,
@@ -45,7 +45,7 @@ SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 1024,
 def to_items(model) -> None:
     """Every AWQ linear of the model (the head too, when INT4) into the item layout (as the
     Engine does itself with HISPARSE_DECODE_KERNEL=persistent on sm_90)."""
-    from hisparse_cli.kernels.cuda_step import use_item_layout
+    from hisparse_cli.kernels.cuda.cuda_step import use_item_layout
 
     use_item_layout(model)
 
@@ -60,8 +60,8 @@ CHECKS = (  # (INT4 head, window, globals, prompt): one unit page a split / seve
 def phase_check(model, run, dec, step) -> dict:
     """The kernel stopped after its first phase (layer 0's q|k|v) and after its second (the
     attention: the current K/V stored), against torch on the kernel's own inputs."""
-    from hisparse_cli.kernels.awq_items import dequantize_items_ref
-    from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope
+    from hisparse_cli.kernels.int4.awq_items import dequantize_items_ref
+    from hisparse_cli.kernels.norm_rope.norm_rope_ref import rms_norm, rope
 
     cfg, cache = model.cfg, run.cache
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -122,7 +122,7 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
     from hisparse_cli.engine.block_pool import BlockPool
     from hisparse_cli.engine.cuda_graph import GraphDecoder
     from hisparse_cli.engine.runner import KVRun
-    from hisparse_cli.kernels.cuda_step import CudaDecodeStep, unsupported
+    from hisparse_cli.kernels.cuda.cuda_step import CudaDecodeStep, unsupported
     from hisparse_cli.kernels.dispatch import select_backend
 
     model = build_ours(cfg, dev, awq=True, host_emb=False, awq_lm_head=head_int4, seed=3)
@@ -235,8 +235,8 @@ def time_rows(a, dev) -> list[dict]:
     from gpu_engine import build_ours, prompt, run_ours
 
     from hisparse_cli.engine.engine import Engine
-    from hisparse_cli.planner_shapes import SHAPES
-    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.planner.shapes import SHAPES
+    from hisparse_cli.config.profiles import load_profile
 
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     backend = "triton"
@@ -391,7 +391,7 @@ def main() -> None:
     if a.check_shape == "small":
         cfg = ModelConfig.from_dict(SMALL)
     else:
-        from hisparse_cli.planner_shapes import SHAPES
+        from hisparse_cli.planner.shapes import SHAPES
         name, _, layers = a.check_shape.partition(":")
         cfg = ModelConfig.from_dict({**SHAPES[name], "num_hidden_layers": int(layers or 2)})
     cases = [CHECKS[int(i)] for i in a.check_cases.split(",")] if a.check_cases else CHECKS

@@ -57,10 +57,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from gpu_engine import SMOKE, build_ours, environment, free_all, pick_backend, prompt  # noqa: E402
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig  # noqa: E402
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
-from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
-from hisparse_cli.profiles import load_profile  # noqa: E402
+from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
+from hisparse_cli.config.profiles import load_profile  # noqa: E402
 
 T0 = time.perf_counter()
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -160,7 +160,7 @@ def prefill(eng, run, ids) -> tuple[torch.Tensor, float]:
 # -- (b)-(d) the instrumented decode loop ----------------------------------------------------
 def decode_profile(eng, ids, steps: int, prof_steps: int, replays: int) -> dict:
     from hisparse_cli.engine.cuda_graph import DeviceSampler, GraphDecoder
-    from hisparse_cli.kernels import graph_sampler
+    from hisparse_cli.kernels.sampling import graph_sampler
 
     dev, out = eng.device, {}
     total = steps + prof_steps + 2
@@ -571,7 +571,7 @@ def main() -> None:
     ap.add_argument("--no-scoring", action="store_true", help="skip phase (e)")
     a = ap.parse_args()
     if a.cli_sampling:
-        from hisparse_cli.cli_options import RunOptions
+        from hisparse_cli.cli.options import RunOptions
 
         d = RunOptions()
         GEN_EXTRA.update(repetition_penalty=d.repetition_penalty,

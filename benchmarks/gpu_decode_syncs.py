@@ -42,12 +42,12 @@ import torch  # noqa: E402
 
 from gpu_engine import build_ours, pick_backend, prompt  # noqa: E402
 from hisparse_cli.engine import engine as engine_mod  # noqa: E402
-from hisparse_cli.engine.config import GenerationConfig  # noqa: E402
+from hisparse_cli.config.settings import GenerationConfig  # noqa: E402
 from hisparse_cli.engine.cuda_graph import DeviceSampler  # noqa: E402
 from hisparse_cli.engine.runner import KVRun  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
-from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
-from hisparse_cli.profiles import load_profile  # noqa: E402
+from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
+from hisparse_cli.config.profiles import load_profile  # noqa: E402
 
 GENS = {"greedy, min_new_tokens (benchmarks)": dict(),
         "CLI defaults (rep. penalty 1.1, no-repeat 8-grams)": dict(repetition_penalty=1.1,

@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_awq import graph_ms  # noqa: E402
-from hisparse_cli.kernels import awq_layout  # noqa: E402
-from hisparse_cli.kernels.awq_triton import _dequant_matmul  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4.awq_triton import _dequant_matmul  # noqa: E402
 
 GROUP = 128
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]

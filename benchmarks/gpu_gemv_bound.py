@@ -28,9 +28,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_awq as g  # noqa: E402
-from hisparse_cli.kernels import awq_gemv as ag  # noqa: E402
-from hisparse_cli.kernels import awq_layout as al  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemv as ag  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout as al  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 
 SHAPES = {"qkv 4096x6144": (4096, 6144), "gate_up 4096x28672": (4096, 28672),
           "down 14336x4096": (14336, 4096), "q/o 4096x4096": (4096, 4096)}

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_awq import graph_ms  # noqa: E402
-from hisparse_cli.kernels import awq_layout  # noqa: E402
-from hisparse_cli.kernels.awq_gemv import awq_gemv_k  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4.awq_gemv import awq_gemv_k  # noqa: E402
 
 GROUP, LAYERS = 128, 32
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]

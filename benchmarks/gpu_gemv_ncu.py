@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from hisparse_cli.kernels.awq_gemv import awq_gemv_k  # noqa: E402
-from hisparse_cli.kernels.awq_layout import GemvConfig, repack_kmajor  # noqa: E402
+from hisparse_cli.kernels.int4.awq_gemv import awq_gemv_k  # noqa: E402
+from hisparse_cli.kernels.int4.awq_layout import GemvConfig, repack_kmajor  # noqa: E402
 
 
 def main() -> None:

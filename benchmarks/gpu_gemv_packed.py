@@ -43,9 +43,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import gpu_awq as g  # noqa: E402
-from hisparse_cli.kernels import awq_layout as al  # noqa: E402
-from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout as al  # noqa: E402
+from hisparse_cli.kernels.int4.awq_gemv import _sm_count, awq_gemv_k  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 
 SHAPES = {"qkv 4096x6144": (4096, 6144), "o 4096x4096": (4096, 4096),
           "gate_up 4096x28672": (4096, 28672), "down 14336x4096": (14336, 4096),

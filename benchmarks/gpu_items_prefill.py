@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hisparse_cli.kernels import awq_items  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_items  # noqa: E402
 from hisparse_cli.model.awq import AWQLinear  # noqa: E402
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]

@@ -49,11 +49,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hisparse_cli.kernels import awq_layout  # noqa: E402
-from hisparse_cli.kernels.awq_gemv import _gemv_step, _load_rows, _load_words, _row_bases  # noqa: E402
-from hisparse_cli.kernels.awq_gemv import _word_ptrs, awq_gemv_k  # noqa: E402
-from hisparse_cli.kernels.awq_gemv import _bits2, _codes_packed2, _dot_packed2  # noqa: E402
-from hisparse_cli.kernels.awq_gemv import _halves1  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4.awq_gemv import _gemv_step, _load_rows, _load_words, _row_bases  # noqa: E402
+from hisparse_cli.kernels.int4.awq_gemv import _word_ptrs, awq_gemv_k  # noqa: E402
+from hisparse_cli.kernels.int4.awq_gemv import _bits2, _codes_packed2, _dot_packed2  # noqa: E402
+from hisparse_cli.kernels.int4.awq_gemv import _halves1  # noqa: E402
 
 GROUP = 128
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]
@@ -461,7 +461,7 @@ class Chain:
         """Largest error of any GEMV's output, relative to its largest value, against fp32
         matmuls of its input (as the kernel read it: rounded to fp16) with the dequantized
         weight (awq_ref, through the AWQ layout: an independent unpacking)."""
-        from hisparse_cli.kernels.awq_ref import dequantize_weight
+        from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
         worst = 0.0
         for i, r in enumerate(self.srows[:gemvs or len(self.srows)]):
             n, k = r[2] * 64, r[1] * 128

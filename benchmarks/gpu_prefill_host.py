@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 from gpu_engine import build_ours, pick_backend, prompt  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
-from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
-from hisparse_cli.profiles import load_profile  # noqa: E402
+from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
+from hisparse_cli.config.profiles import load_profile  # noqa: E402
 
 
 def prefill(eng, ids) -> tuple[float, float]:
@@ -76,7 +76,7 @@ def graph_census(model) -> dict:
     """The INT4 prefill linears' dequantize graphs (awq_triton.PreparedLinearK): how many
     linears, graphs kept, and linears whose cache is full (their further addresses launch
     eagerly)."""
-    from hisparse_cli.kernels.awq_triton import GRAPHS_PER_LINEAR
+    from hisparse_cli.kernels.int4.awq_triton import GRAPHS_PER_LINEAR
 
     preps = [m._prepared for m in model.modules() if getattr(m, "_prepared", None) is not None]
     sizes = [len(p.graphs) for p in preps if getattr(p, "graphs", None) is not None]
@@ -99,7 +99,7 @@ def host_us(fn, n: int = 300) -> float:
 def awq_launch_costs(dev) -> dict:
     """Host us per call of the INT4 prefill pieces on a 4096 x 4096 layer (small GPU work, so
     the host never waits) and of the raw kernel launch without the wrapper's checks."""
-    from hisparse_cli.kernels import awq_triton as at
+    from hisparse_cli.kernels.int4 import awq_triton as at
 
     n = k = 4096
     g = torch.Generator(device=dev).manual_seed(0)
@@ -132,7 +132,7 @@ def graph_probe(dev) -> dict:
     replayed from a graph into a persistent workspace + an eager cuBLAS call, and the whole
     linear as one graph (x copied into a static input, the output a static buffer); each
     graph variant's output is checked against the eager one (bit for bit)."""
-    from hisparse_cli.kernels import awq_triton as at
+    from hisparse_cli.kernels.int4 import awq_triton as at
     from hisparse_cli.model.awq import AWQLinear
 
     n = k = 4096
@@ -188,8 +188,8 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def launch_costs(dev) -> dict:
-    from hisparse_cli.kernels import attention_triton as tri
-    from hisparse_cli.kernels.norm_rope_triton import rms_norm
+    from hisparse_cli.kernels.attention import attention_triton as tri
+    from hisparse_cli.kernels.norm_rope.norm_rope_triton import rms_norm
 
     a = torch.randn(8, 64, device=dev, dtype=torch.float16)
     w = torch.ones(64, device=dev, dtype=torch.float16)

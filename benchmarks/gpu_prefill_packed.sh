@@ -12,7 +12,7 @@ for mode in packed unpacked; do
   OUT="$OUT/$mode" timeout $((budget + 60)) python3 -c "
 import runpy, sys
 sys.argv = ['gpu_awq.py', '--quick', '--prefill-sweep', '--no-timing', '--budget-s', '$budget']
-from hisparse_cli.kernels import awq_gemm_k
+from hisparse_cli.kernels.int4 import awq_gemm_k
 awq_gemm_k.GEMM_PACKED = '$mode' == 'packed'
 runpy.run_path('gpu_awq.py', run_name='__main__')
 " 2>&1 | grep -v Warning | tee "$OUT/$mode/run.log" | grep -E "m=|suggest|correctness"

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hisparse_cli.kernels import norm_rope_triton as nt  # noqa: E402
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as nt  # noqa: E402
 
 DT = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 # as launched on sm_90 (kernels/pdl.py: a decode-chain kernel waits, then triggers)

@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import attention_ref as ref  # noqa: E402
-from hisparse_cli.kernels import attention_triton as tri  # noqa: E402
-from hisparse_cli.kernels.importance_triton import strided_mass_reference  # noqa: E402
+from hisparse_cli.kernels.attention import attention_ref as ref  # noqa: E402
+from hisparse_cli.kernels.attention import attention_triton as tri  # noqa: E402
+from hisparse_cli.kernels.attention.importance_triton import strided_mass_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # |triton - reference| <= atol + rtol * |reference|

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_cli.kernels import attention_ref as ref
+from hisparse_cli.kernels.attention import attention_ref as ref
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_cli.kernels import awq_cpu
-from hisparse_cli.kernels.awq_pack import quantize_weight
-from hisparse_cli.kernels.awq_ref import awq_linear, dequantize_weight
+from hisparse_cli.kernels.int4 import awq_cpu
+from hisparse_cli.kernels.int4.awq_pack import quantize_weight
+from hisparse_cli.kernels.int4.awq_ref import awq_linear, dequantize_weight
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
 
 pytestmark = pytest.mark.skipif(not awq_cpu.int4pack_available(),

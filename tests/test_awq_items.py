@@ -17,11 +17,11 @@ import torch
 if not torch.cuda.is_available():  # must precede the first triton import in this process
     os.environ["TRITON_INTERPRET"] = "1"
 
-from hisparse_cli.kernels import awq_items  # noqa: E402
-from hisparse_cli.kernels.awq_items import (dequantize_items, dequantize_items_ref,  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_items  # noqa: E402
+from hisparse_cli.kernels.int4.awq_items import (dequantize_items, dequantize_items_ref,  # noqa: E402
                                             items_from_awq, items_linear, items_to_awq)
-from hisparse_cli.kernels.awq_pack import pack_int4, quantize_weight  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4.awq_pack import pack_int4, quantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_cuda_chain.py"
@@ -204,7 +204,7 @@ def test_triton_dequantize_equals_reference(cols, dtype):
 
 @pytest.mark.parametrize("block_rt", [1, 2, 4])
 def test_triton_dequantize_row_blocks(block_rt):
-    from hisparse_cli.kernels.awq_items_triton import dequant_items_launch
+    from hisparse_cli.kernels.int4.awq_items_triton import dequant_items_launch
 
     k, n = 128, 256
     items = items_from_awq(*random_awq(k, n, seed=block_rt, device=DEV))
@@ -243,7 +243,7 @@ def test_prepared_items_linear_equals_items_linear(m, chunk, monkeypatch):
     """The prepared form (checks once, dequantize launches replayed from CUDA graphs on CUDA)
     gives items_linear's values exactly: the same dequantized W^T into the same matmul;
     repeated calls replay the captured graphs and still agree."""
-    from hisparse_cli.kernels import awq_items_triton as t
+    from hisparse_cli.kernels.int4 import awq_items_triton as t
 
     k, n = 256, 384
     items = items_from_awq(*random_awq(k, n, seed=m, device=DEV))
@@ -257,7 +257,7 @@ def test_prepared_items_linear_equals_items_linear(m, chunk, monkeypatch):
         assert torch.equal(prep(x), want)
     assert torch.equal(prep(x.view(1, m, k)), want.view(1, m, n))
     if DEV == "cuda":  # one graph per chunk (the workspace comes back at the same address)
-        from hisparse_cli.kernels.awq_triton import GRAPHS_PER_LINEAR
+        from hisparse_cli.kernels.int4.awq_triton import GRAPHS_PER_LINEAR
 
         assert 1 <= len(prep.graphs) <= GRAPHS_PER_LINEAR
     with pytest.raises(ValueError, match="x must be"):
@@ -270,7 +270,7 @@ _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
-from hisparse_cli.kernels import awq_items_triton as t
+from hisparse_cli.kernels.int4 import awq_items_triton as t
 for dt in ('*fp16', '*bf16'):
     k = c.compile_one(t._dequant_items_kernel, dict(it_ptr='*i32', s_ptr='*fp16', z_ptr='*u8',
                       w_ptr=dt, G='i32', tile0='i32', stride_wn='i32'),

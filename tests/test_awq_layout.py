@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_layout import (GemvConfig, gemv_config, kmajor_to_awq,
+from hisparse_cli.kernels.int4 import awq_layout
+from hisparse_cli.kernels.int4.awq_layout import (GemvConfig, gemv_config, kmajor_to_awq,
                                              repack_kmajor, unpack_kmajor)
-from hisparse_cli.kernels.awq_pack import pack_int4, quantize_weight, unpack_int4
-from hisparse_cli.kernels.awq_ref import awq_linear, awq_linear_k
+from hisparse_cli.kernels.int4.awq_pack import pack_int4, quantize_weight, unpack_int4
+from hisparse_cli.kernels.int4.awq_ref import awq_linear, awq_linear_k
 
 
 def test_hand_built_words():
@@ -56,7 +56,7 @@ def test_tiled_back_to_awq_in_chunks(k, n, group, chunk_rows, monkeypatch):
 
 def test_kmajor_to_awq_temporaries_are_bounded(monkeypatch):
     """No chunk converts more than TO_AWQ_CHUNK_ELEMS codes (rounded up to one 64-row tile)."""
-    from hisparse_cli.kernels import awq_pack
+    from hisparse_cli.kernels.int4 import awq_pack
 
     seen = []
     real = awq_pack.pack_int4

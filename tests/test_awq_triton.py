@@ -17,9 +17,12 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import awq_gemm_k, awq_gemv, awq_layout, awq_triton  # noqa: E402
-from hisparse_cli.kernels.awq_layout import GemmConfig, GemvConfig  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemm_k  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemv  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_triton  # noqa: E402
+from hisparse_cli.kernels.int4.awq_layout import GemmConfig, GemvConfig  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 from test_awq_ref import random_awq  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402,F401 - the interpreter wants it in jit'd globals
@@ -156,7 +159,7 @@ def test_kernels_cuda(dtype, group, k, n, m, fn):
 
 # -- K-major layout (kernels/awq_layout.py): what AWQLinear runs on CUDA -----------------------
 def case_k(m, k, n, group, dtype, device, bias=True, seed=0):
-    from hisparse_cli.kernels.awq_layout import repack_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import repack_kmajor
 
     x, qw, qz, s, b = case(m, k, n, group, dtype, device, bias=bias, seed=seed)
     return x, qw, repack_kmajor(qw), qz, s, b
@@ -220,8 +223,8 @@ def test_gemv_k_interpreter_stream_same_bits(stream, prefetch, split, m):
 def test_repack_straight_into_tiles(monkeypatch):
     """repack_kmajor(tiled_group=...) writes tile_kmajor's order chunk by chunk (chunks of
     whole 64-row tiles, here several of them): the same tensor as tiling the K-major one."""
-    from hisparse_cli.kernels.awq_layout import repack_kmajor, tile_kmajor
-    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.int4.awq_layout import repack_kmajor, tile_kmajor
+    from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 
     p = quantize_weight(torch.randn(320, 256, generator=torch.Generator().manual_seed(1)), 64)
     monkeypatch.setattr(awq_layout, "REPACK_CHUNK_ELEMS", 8 * 256 * 3)  # 3 words: rounded up
@@ -231,7 +234,7 @@ def test_repack_straight_into_tiles(monkeypatch):
 def test_tile_kmajor_puts_each_word_where_the_formula_says():
     """awq_layout.tile_kmajor: word (n, w) at ((n // 64) KW/T + w // T) 64 T + (n % 64) T +
     w % T (T = tile_words(group)); untile_kmajor inverts it."""
-    from hisparse_cli.kernels.awq_layout import tile_kmajor, tile_words, untile_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import tile_kmajor, tile_words, untile_kmajor
 
     for group, (n, kw) in ((128, (128, 48)), (32, (192, 12)), (64, (64, 8))):
         qt = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, kw), dtype=torch.int32,
@@ -255,7 +258,7 @@ def test_gemv_k_interpreter_tiled_same_bits(group, block_n, split, m, packed, pr
     arithmetic, so the same bits as the plain K-major layout, for every path (packed 0/1/2,
     the register prefetch, split-K, 128-row programs spanning two tiles, partial last tile of
     columns masked by n)."""
-    from hisparse_cli.kernels.awq_layout import tile_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import tile_kmajor
 
     n = 192  # three 64-row tiles; block_n 128: the second program's upper half is masked
     x, qw, qt, qz, s, b = case_k(m, 8 * group, n, group, torch.float16, "cpu", seed=m)
@@ -534,7 +537,7 @@ def test_planner_mirrors_awq_linear_k_allocations(m, dtype, max_fused, monkeypat
 
     from test_planner import AllocRecorder
 
-    from hisparse_cli.planner_trace import Trace, _awq_triton
+    from hisparse_cli.planner.trace import Trace, _awq_triton
 
     monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", max_fused)
     k, n = 128, 200
@@ -598,7 +601,7 @@ def test_packed_gemv_constants_exact(packed, div):
     for every code q and zero point z, the fp16 1024 + q (1024 + 16 q for a byte's upper
     nibble) times the scale plus the offset is (q - z) / div exactly, in one fp16 rounding
     (an HFMA2), and the offsets' bits are what the kernel builds from z."""
-    from hisparse_cli.kernels import awq_gemv as ag
+    from hisparse_cli.kernels.int4 import awq_gemv as ag
 
     z1, z16 = (ag._Z1_64, ag._Z16_64) if packed == 1 else (ag._Z1_128, ag._Z16_128)
     c1, c16 = 1.0 / div, 1.0 / (16 * div)
@@ -649,7 +652,7 @@ def test_awq_linear_tiled_layout_and_stacking(monkeypatch):
     through the reference (which reads an untiled copy); q|k stacked from tiled pieces
     (llama._stack_linears, whole 64-row tiles) equals the pieces' outputs side by side; a
     shape whose rows do not fill tiles stays K-major."""
-    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.int4.awq_pack import quantize_weight
     from hisparse_cli.kernels.dispatch import KernelBackend
     from hisparse_cli.model import awq as awq_mod
     from hisparse_cli.model.awq import AWQLinear
@@ -701,7 +704,7 @@ def test_awq_linear_tiled_layout_and_stacking(monkeypatch):
 def test_tiled_gemv_cuda_same_bits(group, k, n, m):
     """GemvConfig.tiled on sm_90 (16-byte loads of the tiled words): the same bits as the
     K-major layout with the table's tile and split, and with a 128-row and a 32-row tile."""
-    from hisparse_cli.kernels.awq_layout import gemv_config, tile_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import gemv_config, tile_kmajor
 
     x, qw, qt, qz, s, b = case_k(m, k, n, group, torch.float16, "cuda", seed=m)
     tiled = tile_kmajor(qt, group)
@@ -833,7 +836,7 @@ _COMPILE_PACKED = """
 import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
-from hisparse_cli.kernels.awq_layout import GemvConfig
+from hisparse_cli.kernels.int4.awq_layout import GemvConfig
 for packed, m, partial in ((1, 1, False), (2, 2, True)):
     cfg = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1, stream=2,
                      packed=packed)
@@ -844,7 +847,7 @@ for rows2d in (0, 1):
                      packed=2, rows2d=rows2d)
     print(f'rows2d{rows2d} loop barriers', c.loop_count(c.compile_gemv(cfg, 1, False, 128,
                                                                       '*fp16'), 'BAR'))
-from hisparse_cli.kernels import awq_gemv
+from hisparse_cli.kernels.int4 import awq_gemv
 for prmt in (True, False):  # the x pairs by PRMT or by bit operations (the table's tile)
     awq_gemv.PAIR_PRMT = prmt
     cfg = GemvConfig(block_n=64, block_kw=16, split=1, num_warps=2, num_stages=1, stream=2,

@@ -30,7 +30,7 @@ def test_probe_source_is_self_contained():
 
 @pytest.mark.parametrize("cl", [1, 2, 4, 8, 16])
 def test_probe_builds_for_sm90(cl, tmp_path, monkeypatch):
-    from hisparse_cli.kernels import cuda_rt
+    from hisparse_cli.kernels.cuda import cuda_rt
 
     if not cuda_rt.nvrtc_available():
         pytest.skip("no libnvrtc found (HISPARSE_NVRTC points at one)")

@@ -141,7 +141,7 @@ def test_device_sampler_ngram_blocking_equals_host_sampler(n):
     on logits built to repeat: a few favourite tokens dominate every step."""
     from hisparse_cli.engine import GenerationConfig
     from hisparse_cli.engine.cuda_graph import DeviceSampler
-    from hisparse_cli.engine.sampling import Sampler
+    from hisparse_cli.engine.sampling.host import Sampler
 
     vocab, steps = 12, (10 if n == 1 else 80)  # n = 1 bans every generated token
     g = GenerationConfig(max_new_tokens=steps, no_repeat_ngram_size=n, repetition_penalty=1.05)

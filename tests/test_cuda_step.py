@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hisparse_cli.kernels import cuda_step
+from hisparse_cli.kernels.cuda import cuda_step
 from hisparse_cli.model.awq import AWQLinear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def test_unsupported_says_why_on_the_cpu():
 
 
 def test_settings_the_kernel_serves():
-    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.config.settings import SparseConfig
 
     ok = SparseConfig(block_size=16, global_tokens=64, importance="attention")
     assert cuda_step.settings_unsupported(ok, torch.float16) is None
@@ -121,7 +121,7 @@ def test_engine_keeps_the_layout_where_the_kernel_cannot_run(monkeypatch, kernel
     """HISPARSE_DECODE_KERNEL=persistent, or unset (auto), on a CPU engine: the note says why
     and the INT4 linears keep their layout (items would make every decode product a dequantize
     + matmul)."""
-    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.config.settings import SparseConfig
     from hisparse_cli.engine.engine import Engine
     from hisparse_cli.model.config import ModelConfig
     from hisparse_cli.model.llama import CausalLM
@@ -153,7 +153,7 @@ def test_awq_linear_item_layout_round_trip_and_forward():
     lin = _awq(384, 256)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
     qw, qz, sc = lin.checkpoint_qweight().clone(), lin.qzeros.clone(), lin.scales.clone()
-    from hisparse_cli.kernels.awq_ref import dequantize_weight
+    from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
 
     ref = x @ dequantize_weight(qw, qz, sc, 128).float()  # the AutoAWQ tensors' own meaning
     assert lin.set_layout("items") and lin.layout == "items"
@@ -168,7 +168,7 @@ def test_awq_linear_item_layout_round_trip_and_forward():
 def test_item_layout_conversion_failure_leaves_a_working_linear(monkeypatch):
     """Out of memory (or Ctrl-C) while the items are made: the linear keeps its weights in
     the AWQ layout and computes what it did; the error reaches the caller."""
-    from hisparse_cli.kernels import awq_items
+    from hisparse_cli.kernels.int4 import awq_items
 
     lin = _awq(256, 256, 7)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8))
@@ -204,7 +204,7 @@ def test_stacked_item_linears_equal_their_parts():
 
 
 def _nvrtc() -> bool:
-    from hisparse_cli.kernels import cuda_rt
+    from hisparse_cli.kernels.cuda import cuda_rt
 
     return cuda_rt.nvrtc_available()
 
@@ -220,7 +220,7 @@ def _nvrtc() -> bool:
 def test_kernel_compiles_for_the_shapes_it_serves(gqa, norm_pairs, extra, tmp_path,
                                                   monkeypatch):
     """The shapes and the benchmark's variant builds compile with NVRTC (no CUDA headers)."""
-    from hisparse_cli.kernels import cuda_rt
+    from hisparse_cli.kernels.cuda import cuda_rt
 
     monkeypatch.setenv("HISPARSE_HOME", str(tmp_path))
     names = ["decode_step<false>", "decode_step<true>"]
@@ -327,7 +327,7 @@ def test_the_ring_goes_round_soundly(shape, variant, want):
     2-warp attention's 8 groups would not own their slots, so 4 warps a page) at 19 pages a
     split. Same bounds as above."""
     from hisparse_cli.model.config import ModelConfig
-    from hisparse_cli.planner_shapes import SHAPES
+    from hisparse_cli.planner.shapes import SHAPES
 
     bench = _bench()
     if shape == "gqa8":  # 8 query heads over 1 KV head (32 splits): a longer window
@@ -361,7 +361,7 @@ def test_engine_generate_runs_the_kernel_in_its_graph(monkeypatch, kernel):
 
 
 def _engine_tokens(kernel: str, monkeypatch) -> tuple[list[int], dict]:
-    from hisparse_cli.engine.config import SparseConfig
+    from hisparse_cli.config.settings import SparseConfig
     from hisparse_cli.engine.engine import Engine
     from hisparse_cli.model.config import ModelConfig
 
@@ -412,7 +412,7 @@ def test_config_unsupported():
     from dataclasses import replace
 
     from hisparse_cli.model.awq import AWQConfig
-    from hisparse_cli.planner_shapes import shape_config
+    from hisparse_cli.planner.shapes import shape_config
 
     cfg = shape_config("llama-3-8b-awq")
     assert cuda_step.config_unsupported(cfg) is None
@@ -434,9 +434,9 @@ def test_planner_plans_the_decode_the_engine_takes(monkeypatch, kernel, gpu):
     """Unset (auto): the buffers are counted only where this machine's GPU runs the kernel
     (device_unsupported stubbed here); =persistent: wherever the model and settings allow;
     =layers: never. The plan's notes say which decode it counts."""
-    from hisparse_cli.engine.config import SparseConfig
-    from hisparse_cli.planner import plan_memory
-    from hisparse_cli.planner_shapes import shape_config
+    from hisparse_cli.config.settings import SparseConfig
+    from hisparse_cli.planner.memory import plan_memory
+    from hisparse_cli.planner.shapes import shape_config
 
     if kernel:
         monkeypatch.setenv("HISPARSE_DECODE_KERNEL", kernel)
@@ -462,9 +462,9 @@ def test_planner_plans_the_decode_the_engine_takes(monkeypatch, kernel, gpu):
 
 
 def test_planner_counts_the_persistent_buffers(monkeypatch):
-    from hisparse_cli.engine.config import SparseConfig
-    from hisparse_cli.planner import plan_memory
-    from hisparse_cli.planner_shapes import shape_config
+    from hisparse_cli.config.settings import SparseConfig
+    from hisparse_cli.planner.memory import plan_memory
+    from hisparse_cli.planner.shapes import shape_config
 
     cfg = shape_config("llama-3-8b-awq")
     # by hand, 132 SMs (the MLP as one K_MLP2 phase): workspace 4 + 32 x 6144 + 128256 floats

@@ -22,8 +22,8 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import norm_rope_ref as ref  # noqa: E402
-from hisparse_cli.kernels import norm_rope_triton as tri  # noqa: E402
+from hisparse_cli.kernels.norm_rope import norm_rope_ref as ref  # noqa: E402
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as tri  # noqa: E402
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend  # noqa: E402
 
 CPU = not torch.cuda.is_available()
@@ -136,7 +136,7 @@ def test_rope_store_kv_interpreter(dtype, cache_dtype, t, hq, hkv, d, pad_slot, 
     """One launch = rope() then store_kv() of the Triton kernels, bit for bit (q, and every
     cache entry, the untouched ones included), and the torch reference (fp16: bit-exact; other
     dtypes within the interpreter's casts); a padding slot stores nothing."""
-    from hisparse_cli.kernels.attention_triton import store_kv
+    from hisparse_cli.kernels.attention.attention_triton import store_kv
 
     qkv, cos, sin, slots, (kc, vc) = rope_store_case(t, hq, hkv, d, dtype, cache_dtype,
                                                      head_major, pad_slot)
@@ -278,7 +278,7 @@ def test_dispatch_picks_triton_or_the_reference():
 
 
 def test_planner_counts_only_the_kernel_outputs():
-    from hisparse_cli.planner_trace import (StepShape, Trace, add_rms_norm, cuda_block_bytes,
+    from hisparse_cli.planner.trace import (StepShape, Trace, add_rms_norm, cuda_block_bytes,
                                             rms_norm, rope)
 
     s = StepShape(layers=2, hidden=4096, inter=14336, vocab=128256, hq=32, hkv=8, d=128, cb=2,
@@ -297,10 +297,10 @@ def test_planner_counts_only_the_kernel_outputs():
 def test_planner_models_the_fused_rope_store(monkeypatch, fuse):
     """planner_step._attention: with the fused RoPE + K/V store the step allocates q [t, hq, D]
     (no q|k RoPE output); off, the q|k output [t, hq + hkv, D], as the engine does."""
-    from hisparse_cli import planner_step
+    from hisparse_cli.planner import step as planner_step
     from hisparse_cli.kernels import dispatch
-    from hisparse_cli.planner_attn import AttnStep
-    from hisparse_cli.planner_trace import StepShape, Trace
+    from hisparse_cli.planner.attn import AttnStep
+    from hisparse_cli.planner.trace import StepShape, Trace
 
     monkeypatch.setattr(dispatch, "FUSE_ROPE_STORE", fuse)
     s = StepShape(layers=2, hidden=4096, inter=14336, vocab=128256, hq=32, hkv=8, d=128, cb=2,
@@ -418,7 +418,7 @@ def test_model_logits_with_kernels_match_torch_backend_gpu(tmp_path, monkeypatch
 def test_rope_store_kv_llama_shapes_gpu(dtype, t):
     """Llama-3-8B heads: the fused kernel equals rope() then store_kv() bit for bit (the same
     rotation code), and the reference within its tolerance."""
-    from hisparse_cli.kernels.attention_triton import store_kv
+    from hisparse_cli.kernels.attention.attention_triton import store_kv
 
     hq, hkv, d, nb, bs = 32, 8, 128, 80, 16
     qkv = rnd(t, (hq + 2 * hkv) * d, dtype=dtype)

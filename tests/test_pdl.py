@@ -24,8 +24,10 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from hisparse_cli.kernels import awq_gemv, awq_layout, pdl  # noqa: E402
-from hisparse_cli.kernels.awq_layout import GemvConfig  # noqa: E402
+from hisparse_cli.kernels import pdl  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemv  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4.awq_layout import GemvConfig  # noqa: E402
 from hisparse_cli.kernels.pdl import gdc_launch_dependents  # noqa: E402
 from test_awq_triton import case_k, check  # noqa: E402
 
@@ -79,8 +81,9 @@ _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
-from hisparse_cli.kernels import awq_gemv as ag, norm_rope_triton as nr
-from hisparse_cli.kernels import store_kv_triton as sk
+from hisparse_cli.kernels.int4 import awq_gemv as ag
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as nr
+from hisparse_cli.kernels.attention import store_kv_triton as sk
 for pdl in (False, True):
     for pf in (0, 1):
         k = c.compile_one(ag._awq_gemv_kernel, c.GEMV_SIG, dict(

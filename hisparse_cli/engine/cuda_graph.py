@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import torch
 
-from hisparse_cli.engine.config import GenerationConfig
+from hisparse_cli.config.settings import GenerationConfig
 from hisparse_cli.engine.runner import KVRun, StepContext
 from hisparse_cli.engine.sparsity import cdiv
 
@@ -35,7 +35,7 @@ def _mapped(table: torch.Tensor) -> bool:
 
     if not triton_available():
         return False
-    from hisparse_cli.kernels.host_rows import is_mapped
+    from hisparse_cli.kernels.cuda.host_rows import is_mapped
 
     return is_mapped(table)
 
@@ -109,7 +109,7 @@ class DeviceSampler:
             self.rng.manual_seed(gen.seed if gen.seed is not None else 0)
 
     def __call__(self, logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
-        from hisparse_cli.kernels.argmax_triton import greedy_pick
+        from hisparse_cli.kernels.sampling.argmax_triton import greedy_pick
 
         g = self.gen
         x = logits[-1]  # [V]; copied before anything changes it (logits is the graph's buffer)
@@ -218,7 +218,7 @@ class GraphDecoder:
         if decode_kernel() != "layers":
             self.cuda_step_reason = self._persistent_unsupported()
             if self.cuda_step_reason is None:
-                from hisparse_cli.kernels.cuda_step import CudaDecodeStep
+                from hisparse_cli.kernels.cuda.cuda_step import CudaDecodeStep
 
                 self.cuda_step = CudaDecodeStep(model, run, self.dev, self.tok, self.nb_max)
 
@@ -226,7 +226,7 @@ class GraphDecoder:
         """Why this decoder cannot run the persistent kernel (None: it can)."""
         if self.host_table and not self.host_gather:
             return "the host embedding table is read by the host (not registered)"
-        from hisparse_cli.kernels.cuda_step import unsupported
+        from hisparse_cli.kernels.cuda.cuda_step import unsupported
 
         return unsupported(self.model, self.run)
 
@@ -313,7 +313,7 @@ class GraphDecoder:
         generate; False where it cannot (not greedy, or the host reads each token to copy its
         embedding row). A graph captured for other settings, or without the sampler, is
         dropped (the next step captures again)."""
-        from hisparse_cli.kernels.graph_sampler import GraphSampler
+        from hisparse_cli.kernels.sampling.graph_sampler import GraphSampler
 
         if not GraphSampler.serves(gen, eos) or (self.host_table and not self.host_gather):
             self.use_host_sampler()
@@ -350,7 +350,7 @@ class GraphDecoder:
             return self.cuda_step()     # embedding row itself)
         if self.host_table:
             if self.host_gather:  # the row read from host memory by a kernel in the graph
-                from hisparse_cli.kernels.host_rows import gather_rows
+                from hisparse_cli.kernels.cuda.host_rows import gather_rows
 
                 gather_rows(self.model.model.embed_tokens.weight, self.tok, self.x)
             return self.model.forward_hidden(self.x, self.dev[0:1], self.ctx)

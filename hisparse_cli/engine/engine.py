@@ -21,10 +21,10 @@ from typing import Callable
 import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig, check_positions
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig, check_positions
 from hisparse_cli.engine.kv_cache import int64_to_device
 from hisparse_cli.engine.runner import KVRun
-from hisparse_cli.engine.sampling import Sampler
+from hisparse_cli.engine.sampling.host import Sampler
 from hisparse_cli.kernels.dispatch import select_backend
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.engine.cuda_graph import decode_kernel
@@ -106,7 +106,7 @@ class Engine:
         will run (CUDA-graph decode, a model and settings it serves): in the item layout a
         linear's one-token product is a dequantize + matmul, far slower than the layer-by-layer
         GEMV, so a model the kernel cannot take keeps its layout (the note says why)."""
-        from hisparse_cli.kernels.cuda_step import (model_unsupported, settings_unsupported,
+        from hisparse_cli.kernels.cuda.cuda_step import (model_unsupported, settings_unsupported,
                                                     use_item_layout)
 
         why = (None if self._graph_enabled() else "CUDA-graph decode is off") or \
@@ -290,7 +290,7 @@ class Engine:
 
     def _decode_graph(self, run, logits, gen, eos, prompt_len, progress, sync_every: int = 16):
         from hisparse_cli.engine.cuda_graph import DeviceSampler
-        from hisparse_cli.kernels import graph_sampler
+        from hisparse_cli.kernels.sampling import graph_sampler
 
         # the kept decoder when its capture fits this run (its graph replays from the first
         # step), else a new one that warms up and captures on its first step

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from hisparse_cli.errors import ModelError
-from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_layout import kmajor_to_awq, repack_kmajor
+from hisparse_cli.kernels.int4 import awq_layout
+from hisparse_cli.kernels.int4.awq_layout import kmajor_to_awq, repack_kmajor
 from hisparse_cli.kernels.dispatch import select_backend
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -183,7 +183,7 @@ class AWQLinear(nn.Module):
 
     def _pack_for_cpu(self) -> None:
         """(Re)make or drop the CPU decode copy to match the buffers' device and dtypes."""
-        from hisparse_cli.kernels.awq_cpu import int4pack_applies, pack_for_cpu
+        from hisparse_cli.kernels.int4.awq_cpu import int4pack_applies, pack_for_cpu
 
         qw = self.qweight
         if (self.layout == "awq" and self.packs_on(qw.device)
@@ -207,7 +207,7 @@ class AWQLinear(nn.Module):
     def checkpoint_qweight(self) -> torch.Tensor:
         """qweight in the AutoAWQ GEMM layout [in, out/8], whatever the run-time layout."""
         if self.layout == "items":
-            from hisparse_cli.kernels.awq_items import items_to_awq
+            from hisparse_cli.kernels.int4.awq_items import items_to_awq
 
             return items_to_awq(self.qweight, self.in_features, self.out_features)[0]
         if self.layout == "tiled":
@@ -237,7 +237,7 @@ class AWQLinear(nn.Module):
         points into the items, so qweight becomes the items [T * G, 2128] and qzeros / scales
         are dropped; any other layout is reached through the AutoAWQ tensors. True when the
         layout is then the one asked for. One linear's conversion at a time (chunked)."""
-        from hisparse_cli.kernels import awq_items
+        from hisparse_cli.kernels.int4 import awq_items
 
         if layout == self.layout:
             return True
@@ -282,7 +282,7 @@ class AWQLinear(nn.Module):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                    dtype: torch.dtype | None = None) -> "AWQLinear":
         """Round-to-nearest INT4 of an fp weight [out, in] (tests, quantized lm_head)."""
-        from hisparse_cli.kernels.awq_pack import quantize_weight
+        from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 
         p = quantize_weight(weight.detach(), group_size)
         return cls.from_checkpoint(p.qweight, p.qzeros, p.scales, bias, group_size,
@@ -295,13 +295,13 @@ class AWQLinear(nn.Module):
                 b, key = self._buffers, self._prepared_key
                 if key is None or key[0] != "items" or key[1] is not b["qweight"] \
                         or key[2] is not b["bias"]:
-                    from hisparse_cli.kernels.awq_items_triton import PreparedItemsLinear
+                    from hisparse_cli.kernels.int4.awq_items_triton import PreparedItemsLinear
 
                     self._prepared = PreparedItemsLinear(b["qweight"], self.in_features,
                                                          self.out_features, b["bias"])
                     self._prepared_key = ("items", b["qweight"], b["bias"])
                 return self._prepared(x)
-            from hisparse_cli.kernels.awq_items import items_linear
+            from hisparse_cli.kernels.int4.awq_items import items_linear
 
             return items_linear(x, self.qweight, self.in_features, self.out_features, self.bias)
         backend = select_backend(x.device.type)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
-from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope_tabled, rope_tables, silu_mul_
+from hisparse_cli.kernels.norm_rope.norm_rope_ref import rms_norm, rope_tabled, rope_tables, silu_mul_
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.model.rope import RotaryEmbedding
 

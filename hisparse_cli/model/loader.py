@@ -38,7 +38,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        from hisparse_cli.models.resolve import PICKLE_HINT
+        from hisparse_cli.hub.resolve import PICKLE_HINT
 
         hint = PICKLE_HINT if pickles else None
         raise ModelError(f"no *.safetensors weights in {folder}", hint=hint)
@@ -204,7 +204,7 @@ def _map_host_table(emb: nn.Embedding) -> None:
 
     if not triton_available():  # the gather is a Triton kernel; graph decode needs Triton too
         return
-    from hisparse_cli.kernels import host_rows
+    from hisparse_cli.kernels.cuda import host_rows
 
     table = torch.empty(emb.weight.shape, dtype=emb.weight.dtype)
     table.copy_(emb.weight)

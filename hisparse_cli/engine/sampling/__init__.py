@@ -1,0 +1,1 @@
+"""Sampling the next token: on the host (host.py) for eager decodes."""
