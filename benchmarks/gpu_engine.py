@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -525,9 +524,15 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                 last: dict = {}
                 # --reuse-engine: one Engine for the repeats, as `hisparse batch` keeps one:
                 # the repeats after the first replay the kept decode graph
-                engs = {m: (Engine(model, cfg, sparse=sparse, device=dev,
-                                   kv_dtype=torch.float16, backend=backend)
-                            if a.reuse_engine else None) for m in modes}
+                # (an Engine resolves its execution plan from the environment when it is
+                # built: each mode's Engine is built with its value set)
+                def engine_for(m):
+                    if m is not None:
+                        os.environ[a.ab_var] = m
+                    return Engine(model, cfg, sparse=sparse, device=dev,
+                                  kv_dtype=torch.float16, backend=backend)
+
+                engs = {m: engine_for(m) if a.reuse_engine else None for m in modes}
                 for _ in range(a.repeat):  # the last repeat is kept (the first graph decode
                     # of a context size in a process has run slow: specializations compile)
                     for m in modes:

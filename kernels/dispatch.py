@@ -10,7 +10,6 @@ kernel (kernels/awq_cpu.py), `torch` keeps the exact fp32 reference there too.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -197,7 +196,9 @@ def select_backend(device_type: str, prefer: str | None = None) -> KernelBackend
     """Backend for a device type ("cpu", "cuda", ...). prefer: "torch" | "triton" | None
     (None: $HISPARSE_BACKEND, else "auto"). Memoised per (device type, preference): layers
     ask on every call, and on a slow host a fresh dataclass each time showed in the profile."""
-    return _backend_for(device_type, prefer or os.environ.get("HISPARSE_BACKEND") or "auto")
+    from hisparse_cli.config.env import backend_setting
+
+    return _backend_for(device_type, prefer or backend_setting())
 
 
 @lru_cache(maxsize=32)

@@ -31,12 +31,13 @@ kernel's tail (`chain_args`; CHAIN = False launches them the ordinary way).
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
+
+from hisparse_cli.config.env import pdl_allowed, triton_interpret
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -70,14 +71,14 @@ def _triton_has_launch_pdl() -> bool:
 def _device_ok(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_interpret():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL and wait / trigger (module doc)."""
-    if os.environ.get("HISPARSE_PDL", "1") == "0" or not _HAS_GDC:
+    if not pdl_allowed() or not _HAS_GDC:
         return False
     return _device_ok(device) and _TRITON_LAUNCH_PDL
 

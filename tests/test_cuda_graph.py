@@ -54,9 +54,11 @@ def _both(eng, ids, monkeypatch, **gen):
     assert eng._use_graph(g)
     graph = eng.generate(ids, gen=g)
     monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")
+    eng.replan()  # the plan is resolved once per engine: read the environment again
     assert not eng._use_graph(g)
     eager = eng.generate(ids, gen=g)
     monkeypatch.delenv("HISPARSE_CUDA_GRAPH")
+    eng.replan()
     return graph, eager
 
 
@@ -140,7 +142,7 @@ def test_device_sampler_ngram_blocking_equals_host_sampler(n):
     """DeviceSampler's tensor n-gram ban against sampling.Sampler's dictionary of n-grams,
     on logits built to repeat: a few favourite tokens dominate every step."""
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
     from hisparse_cli.engine.sampling.host import Sampler
 
     vocab, steps = 12, (10 if n == 1 else 80)  # n = 1 bans every generated token
@@ -160,7 +162,7 @@ def test_device_sampler_suppresses_and_remembers_tokens():
     """The suppressed ids are never chosen (the next best is) and every sampled token is marked
     seen, for the repetition penalty of later steps."""
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
 
     g = GenerationConfig(max_new_tokens=4, repetition_penalty=2.0)
     dev = DeviceSampler(g, 8, torch.device("cpu"))
@@ -265,11 +267,13 @@ def test_graph_sampler_equals_eager(tmp_path, monkeypatch, gen):
     ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(2))
     g = {"max_new_tokens": 120, "eos_token_ids": (), **gen}
     monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
+    eng.replan()
     first = eng.generate(ids, **g)
     again = eng.generate(ids, **g)
     assert first.extra["cuda_graph"] == "new" and again.extra["cuda_graph"] == "reused"
     assert eng._decode_state.decoder.sampled
     monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")
+    eng.replan()
     eager = eng.generate(ids, **g)
     assert first.token_ids == again.token_ids == eager.token_ids
 

@@ -29,7 +29,7 @@ def _rows(vocab: int, steps: int, seed: int) -> list[torch.Tensor]:
 
 def _oracle(rows, cfg) -> list[int]:
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
 
     pen, n, min_new, eos = cfg
     gen = GenerationConfig(max_new_tokens=len(rows), repetition_penalty=pen,
@@ -42,7 +42,7 @@ def _oracle(rows, cfg) -> list[int]:
 
 def _ours(rows, cfg, capacity=None) -> tuple[list[int], list[int]]:
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.kernels.sampling.graph_sampler import GraphSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
 
     pen, n, min_new, eos = cfg
     gen = GenerationConfig(max_new_tokens=len(rows), repetition_penalty=pen,
@@ -75,7 +75,7 @@ def test_the_state_is_reset_and_the_settings_are_watched(monkeypatch):
     (which a captured graph holds) differ from the last ones."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.kernels.sampling.graph_sampler import GraphSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
 
     rows = _rows(40, 20, seed=1)
     gen = GenerationConfig(max_new_tokens=20, repetition_penalty=1.1, no_repeat_ngram_size=2)
@@ -202,8 +202,8 @@ def test_buffer_bytes_are_what_the_samplers_allocate():
     from test_planner import AllocRecorder
 
     from hisparse_cli.config.settings import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
-    from hisparse_cli.kernels.sampling.graph_sampler import GraphSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
 
     for vocab, new in [(1000, 1), (49152, 200), (128256, 4096)]:
         rec = AllocRecorder()

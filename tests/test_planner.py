@@ -388,8 +388,8 @@ def test_graph_decode_counts_its_sampler(monkeypatch):
     the decode and are freed at its end; the in-graph sampler's (HISPARSE_GRAPH_SAMPLER on)
     stay with the kept graph (resident after the run) and it makes no per-token temporaries.
     A short text, whose decode is the peak, shows both in the peak."""
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
-    from hisparse_cli.kernels.sampling.graph_sampler import GraphSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
     from hisparse_cli.planner.trace import Trace
 
     size = Trace(True).size
@@ -489,7 +489,7 @@ def test_suggestions_make_a_non_fitting_plan_fit(budget, expect):
         fields = {k[7:]: over.pop(k) for k in list(over) if k.startswith("sparse.")}
         if fields:
             over["sparse"] = replace(H200_LIKE, **fields)
-        again = _replan(plan, **over)
+        again = _replan(plan, plan_memory, **over)
         assert again.peak_allocated_bytes == s.peak_allocated_bytes
         assert again.peak_allocated_bytes <= again.budget_bytes
 

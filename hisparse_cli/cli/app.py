@@ -48,7 +48,8 @@ def as_resource_error(exc: BaseException) -> ResourceError | None:
 def report_exception(exc: BaseException) -> int:
     """Print the one-line error for `exc` (traceback only with HISPARSE_DEBUG=1); return
     the exit code."""
-    from hisparse_cli.console import debug_enabled, print_error
+    from hisparse_cli.config.env import debug_enabled
+    from hisparse_cli.console import print_error
 
     if debug_enabled():
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)

@@ -178,7 +178,7 @@ def plan(
     ctx = context if context is not None else max(1, cfg.max_position_embeddings - new)
     report = None
     if doc is not None:
-        from hisparse_cli.planner.document_output import plan_for_document
+        from hisparse_cli.cli.plan_document import plan_for_document
 
         report = plan_for_document(doc, model, cfg, new, strategy=strategy.value,
                                    chunk_tokens=chunk_tokens, chunk_new_tokens=chunk_new_tokens,
@@ -192,7 +192,7 @@ def plan(
         awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
         model_name=name)
     if report is not None:
-        from hisparse_cli.planner.document_output import attention_choice, document_json, document_table
+        from hisparse_cli.cli.plan_document import attention_choice, document_json, document_table
 
         attention = attention_choice(result, sparse)
     if as_json:

@@ -14,10 +14,10 @@ Disk layout (all under `hisparse_home()`):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hisparse_cli.config.env import hisparse_home  # noqa: F401 (re-exported)
 from hisparse_cli.errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -102,13 +102,6 @@ def get_spec(name: str, accepts: str = "model") -> ModelSpec:
     if spec is None:
         raise unknown_model_error(name, accepts)
     return spec
-
-
-def hisparse_home() -> Path:
-    """Root of hisparse's cache: `$HISPARSE_HOME`, else `~/.cache/hisparse` (absolute)."""
-    env = os.environ.get("HISPARSE_HOME", "").strip()
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "hisparse"
-    return root.absolute()
 
 
 def models_dir() -> Path:

@@ -301,7 +301,7 @@ class AWQLinear(nn.Module):
                                                          self.out_features, b["bias"])
                     self._prepared_key = ("items", b["qweight"], b["bias"])
                 return self._prepared(x)
-            from hisparse_cli.kernels.int4.awq_items import items_linear
+            from hisparse_cli.kernels.int4.awq_items_linear import items_linear
 
             return items_linear(x, self.qweight, self.in_features, self.out_features, self.bias)
         backend = select_backend(x.device.type)

@@ -1,3 +1,4 @@
-"""The memory planner: what a run allocates, summed before anything loads (memory.py), its
-suggestions, the plan of a document (document.py) and its rendering; VRAM budget enforcement
-(vram.py)."""
+"""The memory planner: what a run allocates, summed before anything loads (memory.py: the
+weights, the components' declared buffers, and the run's steps replayed with the engine's own
+host policy), what to change when it does not fit (suggest.py), its rendering, and VRAM budget
+enforcement (vram.py)."""

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from hisparse_cli.config.execution import ExecutionPlan, resolve_execution
 from hisparse_cli.config.settings import SparseConfig, check_positions
-from hisparse_cli.engine.cuda_graph import decode_kernel
 from hisparse_cli.errors import ConfigError
+from hisparse_cli.kernels.dispatch import KernelBackend
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.planner.run import KVSummary, policy, simulate_run
-from hisparse_cli.planner.trace import StepShape
+from hisparse_cli.planner.suggest import Suggestion, suggestions
+from hisparse_cli.planner.trace import StepShape, cuda_block_bytes
 from hisparse_cli.planner.weights import check_awq_shapes, weight_items
 
 MIB = 1 << 20
@@ -65,14 +67,6 @@ class LineItem:
 
 
 @dataclass(frozen=True)
-class Suggestion:
-    change: str  # what to change, as CLI flags ("--window 1024")
-    overrides: dict  # plan_memory keyword overrides that make this plan
-    peak_allocated_bytes: int
-    fits: bool
-
-
-@dataclass(frozen=True)
 class MemoryPlan:
     model: str
     settings: dict
@@ -90,14 +84,16 @@ class MemoryPlan:
     suggestions: tuple[Suggestion, ...] = ()
     notes: tuple[str, ...] = ()
     request: dict = field(default_factory=dict, repr=False, compare=False)  # for re-planning
+    execution: ExecutionPlan | None = field(default=None, compare=False)
 
     @property
     def headroom_bytes(self) -> int | None:
         return None if self.budget_bytes is None else self.budget_bytes - self.peak_allocated_bytes
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "request"}
+        d = {k: v for k, v in asdict(self).items() if k not in ("request", "execution")}
         d["headroom_bytes"] = self.headroom_bytes
+        d["execution"] = self.execution.to_dict() if self.execution is not None else None
         return d
 
 
@@ -121,73 +117,27 @@ def _validate(weight_format: str, device_kind: str, backend: str, group_size: in
         raise ConfigError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
 
 
-def graph_sampler_planned(host_emb: bool) -> bool:
-    """Whether a graph decode samples inside its graph (Engine._decode_graph at the CLI's
-    greedy default): HISPARSE_GRAPH_SAMPLER's setting, and not where the host reads each token
-    to copy its embedding row (a host table the device cannot read itself)."""
-    from hisparse_cli.engine.cuda_graph import HOST_GATHER
-    from hisparse_cli.kernels.sampling.graph_sampler import enabled
+def planned_kernels(device_kind: str, backend: str) -> KernelBackend:
+    """The kernels a run on the planned device uses: `backend` for every family, except that a
+    CPU run's AWQ INT4 calls go through torch's packed int4 kernel where this machine's CPU
+    backend does (AWQLinear.packs_on; not with HISPARSE_BACKEND=torch)."""
+    int4 = backend
+    if device_kind == "cpu":
+        from hisparse_cli.kernels.dispatch import select_backend
 
-    return enabled() and (not host_emb or HOST_GATHER)
+        int4 = select_backend("cpu").int4_linear
+    return KernelBackend(attention=backend, int4_linear=int4, elementwise=backend)
 
 
 def sampler_buffer_bytes(vocab: int, new_tokens: int, in_graph: bool) -> tuple[int, ...]:
     """The graph decode's sampler buffers: the in-graph sampler's, or DeviceSampler's."""
     if in_graph:
-        from hisparse_cli.kernels.sampling.graph_sampler import GraphSampler
+        from hisparse_cli.engine.sampling.graph import GraphSampler
 
         return GraphSampler.buffer_bytes(vocab, new_tokens)
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
 
     return DeviceSampler.buffer_bytes(vocab, new_tokens)
-
-
-def graph_decode_enabled() -> bool:
-    """Engine._use_graph's switch: HISPARSE_CUDA_GRAPH=0 turns CUDA-graph decode off."""
-    import os
-
-    return os.environ.get("HISPARSE_CUDA_GRAPH") != "0"
-
-
-def persistent_decode_planned(model_cfg: ModelConfig, group_size: int, sparse: SparseConfig,
-                              kv_name: str, c_name: str) -> tuple[bool, str | None]:
-    """Whether an AWQ INT4 run's CUDA-graph decode takes the persistent kernel (so its buffers
-    are counted), and why not: what the Engine decides (engine/cuda_graph.py: decode_kernel,
-    Engine._prepare_persistent), from the config and settings. HISPARSE_DECODE_KERNEL=layers:
-    never; =persistent: wherever the model and settings allow (the plan may be for another
-    machine); unset ("auto"): there, and only on a machine whose GPU runs it (sm_90, NVRTC)."""
-    import torch
-
-    from hisparse_cli.kernels.cuda.cuda_step import (config_unsupported, device_unsupported,
-                                                settings_unsupported)
-    from hisparse_cli.model.awq import parse_quantization_config
-
-    mode = decode_kernel()
-    if mode == "layers":
-        return False, "HISPARSE_DECODE_KERNEL=layers"
-    why = (config_unsupported(model_cfg, group_size,
-                              parse_quantization_config(model_cfg.quantization_config))
-           or (None if c_name == "float16" else "fp16 activations only")
-           or settings_unsupported(sparse, torch.float16 if kv_name == "float16" else None))
-    if why is None and mode == "auto":
-        why = device_unsupported()
-    return why is None, why
-
-
-def residual_chain_enabled() -> bool:
-    """Whether a CUDA run with the Triton kernels chains its layers' residual adds into the
-    next norm (model/llama.py:FUSE_RESIDUAL_NORM)."""
-    from hisparse_cli.model import llama
-
-    return llama.FUSE_RESIDUAL_NORM
-
-
-def cpu_int4pack_enabled() -> bool:
-    """Whether a CPU run's AWQ linears keep the packed decode copy (AWQLinear.packs_on): the
-    CPU backend's INT4 choice, which HISPARSE_BACKEND=torch turns off."""
-    from hisparse_cli.kernels.dispatch import select_backend
-
-    return select_backend("cpu").int4_linear == "int4pack"
 
 
 def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int = 128,
@@ -195,8 +145,10 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                 sparse: SparseConfig, context_tokens: int, max_new_tokens: int, kv_dtype,
                 compute_dtype, device_kind: str, backend: str, budget_bytes: int | None = None,
                 num_sms: int = DEFAULT_NUM_SMS, model_name: str = "",
-                suggest: bool = True) -> MemoryPlan:
-    """Predict the device memory of one generate run (see the module docstring)."""
+                suggest: bool = True, execution: ExecutionPlan | None = None) -> MemoryPlan:
+    """Predict the device memory of one generate run (see the module docstring).
+    execution: how the run executes (an Engine's plan); default: resolved for the planned
+    device and backend, as an Engine there would (config/execution.py)."""
     _validate(weight_format, device_kind, backend, group_size, context_tokens, max_new_tokens,
               budget_bytes)
     check_positions(model_cfg.max_position_embeddings, sparse=sparse,
@@ -215,7 +167,12 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                    model_name=model_name)
     cuda = device_kind == "cuda"
     host_emb = embeddings_on_host and cuda  # on the cpu the table is already in host memory
-    cpu_int4 = awq and not cuda and backend == "torch" and cpu_int4pack_enabled()
+    if execution is None:
+        execution = resolve_execution(
+            device=device_kind, model_cfg=model_cfg, sparse=sparse, compute_dtype=c_name,
+            kv_dtype=kv_name, weight_awq=awq, group_size=group_size,
+            kernels=planned_kernels(device_kind, backend))
+    cpu_int4 = execution.int4_layout.value == "int4pack"
     cb, kvb = _DTYPE_BYTES[c_name], _DTYPE_BYTES[kv_name]
     seq = policy(sparse, model_cfg.sliding_window)
     use_globals = seq.window is not None and sparse.global_tokens > 0
@@ -236,9 +193,9 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         track_scores=track, score_tensor=track or (use_globals and imp == "probe"),
         score_stride=sparse.score_stride, min_distance=min_distance, importance=imp,
         num_sms=num_sms, cpu_int4=cpu_int4,
-        residual_chain=cuda and backend == "triton" and residual_chain_enabled())
-    graph = cuda and backend == "triton" and graph_decode_enabled()  # Engine._use_graph
-    in_graph = graph and graph_sampler_planned(host_emb)
+        residual_chain=cuda and execution.kernels.elementwise == "triton")
+    graph = bool(execution.graph_decode.value)  # Engine._use_graph
+    in_graph = graph and bool(execution.graph_sampler.value)
     run = simulate_run(shape, sparse, model_cfg.sliding_window, context_tokens, max_new_tokens,
                        graph_workspace=CUBLAS_WORKSPACE_BYTES if graph else 0,
                        graph_input_bytes=model_cfg.hidden_size * cb if host_emb else 0,
@@ -261,13 +218,13 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         items.append(LineItem("workspace.awq_gemv_counters", COUNTERS * 4,
                               "the split-K INT4 GEMV's column-tile counters (int32, made once "
                               "per device on its first split call, kept)"))
-    persistent, persistent_why = (persistent_decode_planned(model_cfg, group_size, sparse,
-                                                             kv_name, c_name)
-                                  if graph and awq else (False, None))
+    persistent = graph and awq and execution.persistent
+    persistent_why = (execution.decode_kernel.reason if graph and awq and not persistent
+                      else None)
     if persistent:  # kernels/cuda_step.py's buffers
         from hisparse_cli.kernels.cuda.cuda_step import buffer_bytes
 
-        pb = buffer_bytes(model_cfg, awq_lm_head, num_sms)
+        pb = sum(cuda_block_bytes(n) for n in buffer_bytes(model_cfg, awq_lm_head, num_sms))
         workspace += pb
         items.append(LineItem(
             "workspace.persistent_decode", pb,
@@ -292,7 +249,7 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     if persistent:
         notes += ("decode: the persistent kernel (one launch a token; its buffers are "
                   "workspace.persistent_decode)",)
-    elif persistent_why and decode_kernel() == "persistent":
+    elif persistent_why and execution.decode_kernel_asked == "persistent":
         notes += (f"decode: layer by layer, not the persistent kernel asked for: "
                   f"{persistent_why}",)
     if host_emb and graph:
@@ -309,13 +266,11 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                       resident_bytes=resident, cuda_context_bytes=context,
                       device_total_bytes=peak + context, budget_bytes=budget_bytes, fits=fits,
                       peak_when=run.peak_label, kv=run.kv, phase_peaks=dict(run.phase_peaks),
-                      notes=notes, request=request)
+                      notes=notes, request=request, execution=execution)
     if suggest and fits is False:
         from dataclasses import replace
 
-        from hisparse_cli.planner.suggest import suggestions
-
-        plan = replace(plan, suggestions=tuple(suggestions(plan)))
+        plan = replace(plan, suggestions=tuple(suggestions(plan, plan_memory)))
     return plan
 
 

@@ -66,8 +66,24 @@ def suggestions_table(plan: MemoryPlan) -> Table | None:
     return table
 
 
+def execution_table(plan: MemoryPlan) -> Table | None:
+    """The run's execution plan (config/execution.py): each choice, its value and why."""
+    if plan.execution is None:
+        return None
+    table = Table(title="execution", title_justify="left")
+    table.add_column("choice")
+    table.add_column("value")
+    table.add_column("why")
+    for name, value, reason in plan.execution.rows():
+        table.add_row(name, value, reason)
+    return table
+
+
 def render_plan(plan: MemoryPlan) -> Group:
     parts = [plan_table(plan)]
+    execution = execution_table(plan)
+    if execution is not None:
+        parts.append(execution)
     sug = suggestions_table(plan)
     if sug is not None:
         parts.append(sug)
@@ -76,4 +92,4 @@ def render_plan(plan: MemoryPlan) -> Group:
     return Group(*parts)
 
 
-__all__ = ["plan_table", "suggestions_table", "render_plan"]
+__all__ = ["plan_table", "execution_table", "suggestions_table", "render_plan"]

@@ -37,7 +37,7 @@ class BatchOutcome:
 
 
 def error_record(exc: BaseException) -> dict:
-    from hisparse_cli.cli.app import as_resource_error
+    from hisparse_cli.planner.vram import oom_error as as_resource_error
 
     err = exc if isinstance(exc, HisparseError) else as_resource_error(exc)
     if err is not None:

@@ -30,7 +30,6 @@ Invisible cache slots inside visited blocks must hold finite values (as for the 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -75,7 +74,9 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    from hisparse_cli.config.env import triton_interpret
+
+    return triton_interpret()
 
 
 @lru_cache(maxsize=8)

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from hisparse_cli.errors import HisparseError
-from hisparse_cli.hub.registry import hisparse_home
+from hisparse_cli.config.env import NVRTC_ENV, hisparse_home, nvrtc_override
 
 __all__ = [
     "CudaRtError", "KernelCompileError", "Compiled", "nvrtc_available",
@@ -57,7 +57,6 @@ __all__ = [
 ]
 
 FORMAT = 1  # of a disk cache entry: bump when its files' layout or meaning changes
-NVRTC_ENV = "HISPARSE_NVRTC"
 _LOG_HEAD = 20  # lines of NVRTC's log quoted in a KernelCompileError message
 # nvidia wheel layouts, by CUDA major: nvidia-cuda-nvrtc (13), nvidia-cuda-nvrtc-cu12 (12)
 _WHEEL_LIBS = {13: "nvidia/cu13/lib/libnvrtc.so.13", 12: "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"}
@@ -139,7 +138,7 @@ class _NvrtcLib:
 
 @lru_cache(maxsize=1)
 def _nvrtc_lib() -> _NvrtcLib:
-    override = os.environ.get(NVRTC_ENV, "").strip()
+    override = nvrtc_override()
     failed: dict[str, str] = {}  # candidate -> why it did not load
     for cand in [override] if override else nvrtc_candidates():
         try:

@@ -39,9 +39,9 @@ ITEM_BYTES, ITEM_WORDS, SLOT = 8512, 2128, 9216
 MAX_K, MAX_S, MAX_HQ, MAX_UNIT_PAGES, MASS_PAGES = 14336, 32, 64, 1024, 32
 MAX_HIDDEN = 8192  # the RMSNorm's x loads stay in registers (NORM_PAIRS)
 META = 12
-K_GEMV, K_ATTN, K_FINAL_NORM, K_MLP, K_MLP2 = 0, 1, 2, 3, 4
-X_NORM, X_SILU, X_ATT, X_NORM_EMB = 0, 1, 2, 3
-F_BARRIER, F_MASS, F_TIMELINE = 1, 2, 4
+K_GEMV, K_ATTN, K_FINAL_NORM, K_MLP2 = 0, 1, 2, 4  # decode_step.cu's phase kinds
+X_NORM, X_ATT, X_NORM_EMB = 0, 2, 3  # and a GEMV's x transforms
+F_MASS, F_TIMELINE = 2, 4
 STAGES = 16  # ring slots allocated at most (a multiple of 4; ring_plan picks how many run)
 SPLIT = 4  # warps a GEMV item (decode_step.cu's SPLIT): nw / SPLIT consumer groups
 
@@ -65,15 +65,6 @@ def smem_bytes(stages: int, red_tiles: int, gqa: int, mass: bool) -> int:
               + NW + 3 * HD + 8 + 16 + MAX_S * 16 + 512 + MAX_UNIT_PAGES
               + (MASS_PAGES * gqa * PAGE if mass else 0))
     return 1024 + stages * SLOT + (MAX_K // 2) * 4 + 4 * floats + 2 * stages * 8
-
-
-def mlp_form(intermediate: int, ctas: int) -> int:
-    """The MLP's form a step runs by default (CudaDecodeStep._phases): 2 (K_MLP2, one phase
-    over every CTA with tile flags between gate|up and down), whatever the sizes. Run 141
-    (Llama-3-8B shape, 132 SMs): 2.005 / 1.908 ms a step under the h200-141g / 4060ti-6g
-    settings against 2.055 / 1.928 for K_MLP (which leaves 20 CTAs idle) and 2.075 / 1.953
-    for the two GEMV phases (BENCHMARKS.md)."""
-    return 2
 
 
 ATT_WARPS_2_PAGES = 13  # unit pages from which the attention runs 2 warps a page (8 groups)
@@ -104,14 +95,14 @@ def ring_units(nw: int, att_warps_: int) -> int:
     return math.lcm(nw // SPLIT, nw // att_warps_)
 
 
-def ring_plan(allocated: int, nw: int, unit_pages: int, att_warps_: int | None = None,
-              stages: int | None = None) -> tuple[int, int]:
+def ring_plan(allocated: int, nw: int, unit_pages: int,
+              att_warps_: int | None = None) -> tuple[int, int]:
     """(warps an attention page, ring slots) a launch runs with, given the slots its shared
-    memory holds (ring_stages) and nw consumer warps. att_warps_ / stages: what a benchmark
-    variant asks for. Else the warps are att_warps(unit_pages), but 4 where the 2-warp build
-    (twice the attention groups) would run fewer slots (GQA 8 holds 12: 8 groups could use
-    only 8 of them), and the slots are the most that are a multiple of ring_units.
-    ValueError where what was asked for is unsound (ring_units) or does not fit."""
+    memory holds (ring_stages) and nw consumer warps (decode_step.cu's NW). att_warps_: the
+    build asked for (the checks run the 2-warp build on small models too); by default
+    att_warps(unit_pages), but 4 where the 2-warp build (twice the attention groups) would run
+    fewer slots (GQA 8 holds 12: 8 groups could use only 8 of them). The slots are the most
+    that are a multiple of ring_units. ValueError where none is sound (fewer than 8)."""
     def most(aw: int) -> int:
         units = ring_units(nw, aw)
         return allocated - allocated % units
@@ -121,34 +112,28 @@ def ring_plan(allocated: int, nw: int, unit_pages: int, att_warps_: int | None =
         if att_warps_ == 2 and most(2) < most(4):
             att_warps_ = 4
     units = ring_units(nw, att_warps_)
-    if stages is None:
-        stages = most(att_warps_)
-    if stages % units or not 8 <= stages <= allocated:
+    stages = most(att_warps_)
+    if not 8 <= stages <= allocated:
         raise ValueError(f"{stages} ring slots with {nw} consumer warps and {att_warps_} warps "
                          f"an attention page: a multiple of {units}, 8 to {allocated}")
     return att_warps_, stages
 
 
-def buffer_bytes(cfg, int4_head: bool, ctas: int) -> int:
-    """Device bytes of one CudaDecodeStep's own buffers (as the caching allocator counts
-    them): the step's zeroed workspace (barrier, each layer's q|k|v sums, the INT4 head's
-    logits), each layer's gate|up sums (unless the MLP is K_MLP), the residual
-    stream, the attention partials, the phase table, and the fp16 head's normed input. The
-    memory planner adds them where the decode takes the kernel (planner.py)."""
-    from hisparse_cli.planner.trace import cuda_block_bytes
-
+def buffer_bytes(cfg, int4_head: bool, ctas: int) -> tuple[int, ...]:
+    """The device buffers one CudaDecodeStep allocates (bytes requested): the step's zeroed
+    workspace (barrier, each layer's q|k|v sums, the INT4 head's logits),
+    the residual stream, the attention partials, the phase table, each layer's gate|up sums
+    and tile flags, and the fp16 head's normed input. The memory planner sums them (with its
+    allocator's rounding) where the decode takes the kernel."""
     L, hq, hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     S = min(MAX_S, ctas // hkv)
-    form = mlp_form(inter, ctas)
     ws = 4 + L * (hq + 2 * hkv) * HD + (cfg.vocab_size if int4_head else 0)
     parts = [4 * ws, 4 * hidden, 4 * hkv * S * (hq // hkv) * (HD + 2),
-             8 * META * ((5 if form == 0 else 4) * L + 1)]
-    if form != 1:  # each layer's gate|up sums and (K_MLP2) its tiles' flags
-        parts.append(4 * L * (2 * inter + 2 * (inter // 128)))
+             8 * META * (4 * L + 1), 4 * L * (2 * inter + 2 * (inter // 128))]
     if not int4_head:
         parts.append(2 * hidden)
-    return sum(cuda_block_bytes(b) for b in parts)
+    return tuple(parts)
 
 
 def ring_stages(red_tiles: int, gqa: int, mass: bool, limit: int) -> int | None:
@@ -173,8 +158,14 @@ def red_tiles_needed(phases: list[tuple[int, int]], ctas: int) -> int:
 
 
 def _items_of(lin) -> torch.Tensor | None:
-    """An AWQLinear's items (held as its qweight in the item layout), else None."""
+    """An AWQ INT4 linear's items (held as its qweight in the item layout), else None."""
     return lin.qweight if getattr(lin, "layout", None) == "items" else None
+
+
+def _int4_linear(mod) -> bool:
+    """An AWQ INT4 linear (model/awq.py's AWQLinear, told by what it holds: a layout, a group
+    size and set_layout; this kernel module imports nothing of the model)."""
+    return hasattr(mod, "set_layout") and hasattr(mod, "group_size") and hasattr(mod, "layout")
 
 
 def _readable(lin, convert: bool) -> bool:
@@ -182,9 +173,7 @@ def _readable(lin, convert: bool) -> bool:
     set_layout("items") would turn into them."""
     if _items_of(lin) is not None:
         return True
-    from hisparse_cli.model.awq import AWQLinear
-
-    return (convert and isinstance(lin, AWQLinear) and lin.group_size == 128
+    return (convert and _int4_linear(lin) and lin.group_size == 128
             and lin.in_features % 128 == 0 and lin.out_features % 128 == 0)
 
 
@@ -305,11 +294,9 @@ def use_item_layout(model) -> int:
     """Every AWQ INT4 linear of the model that the kernel can read (group size 128, sizes in
     whole 128s) into the item layout, one linear at a time; the count converted. Prefill then
     runs them through a dequantize + matmul of item chunks (AWQLinear.forward)."""
-    from hisparse_cli.model.awq import AWQLinear
-
     n = 0
     for mod in model.modules():
-        if isinstance(mod, AWQLinear) and mod.layout != "items" and mod.set_layout("items"):
+        if _int4_linear(mod) and mod.layout != "items" and mod.set_layout("items"):
             n += 1
     return n
 
@@ -321,9 +308,10 @@ def norm_pairs(hidden: int, nw: int = NW) -> int:
 
 
 @lru_cache(maxsize=None)
-def _module(gqa: int, norm_pairs: int, device_index: int, extra: tuple[str, ...] = ()):
-    """The kernel built for this GQA and hidden size (x pairs a thread in the RMSNorm); extra:
-    more compiler options (benchmarks' variants, e.g. "-DSILU_BATCH=4")."""
+def build_kernel(gqa: int, norm_pairs: int, device_index: int, extra: tuple[str, ...] = ()):
+    """The kernel built for this GQA and hidden size (x pairs a thread in the RMSNorm): its
+    decode_step<false> / <true> (without / with the importance mass) functions. extra: more
+    compiler options ("-DATT_WARPS=2"; "-DTIMELINE=1", the profiling stamps benchmarks read)."""
     from hisparse_cli.kernels.cuda import cuda_launch
     from hisparse_cli.kernels.cuda import cuda_rt
 
@@ -340,7 +328,10 @@ class CudaDecodeStep:
     """One run's persistent decode step (module doc). dev: the decoder's [2 + 2 nb] int64
     inputs; tok: [1] int64 token."""
 
-    def __init__(self, model, run, dev: torch.Tensor, tok: torch.Tensor, nb: int) -> None:
+    def __init__(self, model, run, dev: torch.Tensor, tok: torch.Tensor, nb: int,
+                 att_warps: int | None = None) -> None:
+        """att_warps: the attention build to run (2 or 4 warps a page; default: ring_plan's
+        choice for the unit's pages; the checks run the 2-warp build on small models too)."""
         from hisparse_cli.kernels.cuda import cuda_launch
 
         why = unsupported(model, run)
@@ -367,23 +358,23 @@ class CudaDecodeStep:
         head_items = _items_of(model.lm_head)
         self.vocab = cfg.vocab_size
         # per step zeroed: the barrier counter (4 floats' room), each layer's q|k|v sums, the
-        # INT4 head's logits; the gate|up sums (self.gu) only where the MLP is two phases
+        # INT4 head's logits; and each layer's gate|up sums and tile flags (self.gu)
         self.off_qkv = 4
         self.off_logits = self.off_qkv + L * self.qkv_n
         n_ws = self.off_logits + (self.vocab if head_items is not None else 0)
         self.ws = torch.zeros(n_ws, dtype=torch.float32, device=device)
-        self.gu: torch.Tensor | None = None
+        self.gu = torch.zeros(L * self.gu_stride, dtype=torch.float32, device=device)
         self.h = torch.zeros(hidden, dtype=torch.float32, device=device)
         self.part = torch.zeros(hkv * self.S * self.gqa * (HD + 2), dtype=torch.float32,
                                 device=device)
         self.normed = None if head_items is not None else torch.zeros(
             (1, hidden), dtype=torch.float16, device=device)
-        # shared memory: the most red tiles of either MLP form (the same launch for both)
+        # shared memory: the most red tiles a CTA touches in one GEMV
         shapes = [(hidden // 128, self.qkv_n // 128), (hq, hidden // 128),
                   (hidden // 128, self.gu_n // 128), (inter // 128, hidden // 128)]
         if head_items is not None:
             shapes.append((hidden // 128, self.vocab // 128))
-        red_tiles = max(2, red_tiles_needed(shapes, self.ctas))  # K_MLP: gate and up
+        red_tiles = max(2, red_tiles_needed(shapes, self.ctas))
         limit = props.shared_memory_per_block_optin
         self.stages = ring_stages(red_tiles, self.gqa, self.mass, limit)
         if self.stages is None:
@@ -391,10 +382,6 @@ class CudaDecodeStep:
         self.smem = smem_bytes(self.stages, red_tiles, self.gqa, self.mass)
         self.device_index = (device.index if device.index is not None
                              else torch.cuda.current_device())
-        self.fused_default = mlp_form(inter, self.ctas)  # the MLP's form (_phases)
-        self.fused: int | None = None
-        self.meta = None
-        self._tables: dict = {}
 
         table = model.model.embed_tokens.weight
         seq = run.seq
@@ -410,8 +397,8 @@ class CudaDecodeStep:
         p.gmass = cache.gmass.data_ptr() if G else 0
         p.gseen = cache.gseen.data_ptr() if G else 0
         p.capacity = cache.capacity
-        p.stages, p.red_tiles = self.stages, red_tiles  # (use_variant: ring_plan's)
-        p.flags = F_BARRIER | (F_MASS if self.mass else 0)
+        p.stages, p.red_tiles = self.stages, red_tiles  # (_load_build: ring_plan's slots)
+        p.flags = F_MASS if self.mass else 0
         p.nb, p.bs, p.hkv, p.hq, p.hidden, p.G, p.S = (
             nb, run.sparse.block_size, hkv, hq, hidden, G, self.S)
         p.sinks = seq.sinks
@@ -420,7 +407,8 @@ class CudaDecodeStep:
         p.scale, p.eps = run.scale, float(model.model.norm.eps)
         p.rope_scaling = float(model.rope.scaling)
         self.params = p
-        self.use_variant(())
+        self._phases()
+        self._load_build(att_warps)
         # TMA maps: the cache as [L * capacity * bs rows, Hkv, 128], K plain, V 128-B swizzled
         # in two 64-dim boxes; the globals as [L * Hkv * G rows, 1, 128] the same way
         rows_kv = L * cache.capacity * run.sparse.block_size
@@ -436,22 +424,13 @@ class CudaDecodeStep:
         else:  # never read (no global pages): any valid map
             self.maps += self.maps[:2]
 
-    def _phases(self, fused: int) -> None:
-        """The phase table (META int64 a row) with the MLP as the gate|up and down GEMVs (0),
-        as one phase with each CTA owning whole down groups (1, K_MLP) or as one phase over
-        every CTA with tile flags between the GEMVs (2, K_MLP2)."""
-        if fused in self._tables:  # kept: a captured graph's launch holds its address
-            self.meta, self.kinds = self._tables[fused]
-            self.params.meta, self.params.n_phase = self.meta.data_ptr(), len(self.kinds)
-            self.fused = fused
-            return
+    def _phases(self) -> None:
+        """The phase table (META int64 a row): per layer the q|k|v GEMV, the attention, the o
+        GEMV and the MLP as one phase over every CTA with tile flags between gate|up and down
+        (K_MLP2; run 141: 0.02-0.05 ms a step faster than the other forms); then the INT4
+        head's GEMV or the final norm (an fp16 head runs after the kernel)."""
         model, cfg = self.model, self.model.cfg
         hq, hidden, inter = cfg.num_attention_heads, cfg.hidden_size, cfg.intermediate_size
-        L = cfg.num_hidden_layers
-        if fused != 1 and self.gu is None:  # each layer's gate|up sums, then (K_MLP2) its
-            # tiles' flags
-            self.gu = torch.zeros(L * self.gu_stride, dtype=torch.float32,
-                                  device=self.ws.device)
         ws, h = self.ws.data_ptr(), self.h.data_ptr()
         rows, kinds = [], []
 
@@ -475,20 +454,11 @@ class CudaDecodeStep:
             kinds.append("attn")
             gemv("o", att.o_proj, hq * HD, hidden, h, X_ATT, 0, 0, i)
             norm = layer.post_attention_layernorm.weight.data_ptr()
-            gu = self.gu.data_ptr() + 4 * i * self.gu_stride if fused != 1 else 0
-            if fused == 2:
-                rows.append([K_MLP2, hidden, inter, hidden // 128, inter // 128,
-                             items(mlp.gate_up_proj, hidden, self.gu_n), h, gu, h, norm, i,
-                             items(mlp.down_proj, inter, hidden)])
-                kinds.append("mlp")
-            elif fused:
-                rows.append([K_MLP, hidden, inter, hidden // 128, inter // 128,
-                             items(mlp.gate_up_proj, hidden, self.gu_n), h, X_NORM, h, norm, i,
-                             items(mlp.down_proj, inter, hidden)])
-                kinds.append("mlp")
-            else:
-                gemv("gate|up", mlp.gate_up_proj, hidden, self.gu_n, gu, X_NORM, h, norm)
-                gemv("down", mlp.down_proj, inter, hidden, h, X_SILU, gu, 0)
+            gu = self.gu.data_ptr() + 4 * i * self.gu_stride
+            rows.append([K_MLP2, hidden, inter, hidden // 128, inter // 128,
+                         items(mlp.gate_up_proj, hidden, self.gu_n), h, gu, h, norm, i,
+                         items(mlp.down_proj, inter, hidden)])
+            kinds.append("mlp")
         final_w = model.model.norm.weight.data_ptr()
         if self.normed is None:
             gemv("head", model.lm_head, hidden, self.vocab, ws + 4 * self.off_logits, X_NORM, h,
@@ -499,64 +469,24 @@ class CudaDecodeStep:
             kinds.append("head")
         self.meta = torch.tensor(rows, dtype=torch.int64, device=self.ws.device)
         self.kinds = kinds
-        self._tables[fused] = (self.meta, kinds)
         self.params.meta, self.params.n_phase = self.meta.data_ptr(), len(rows)
-        self.fused = fused
 
-    def use_variant(self, extra: tuple[str, ...]) -> None:
-        """Launch the kernel built with these extra compiler options from now on (benchmarks;
-        () is the default build). "-DFUSE_MLP=0" / "=1" / "=2" picks the MLP's form instead
-        (_phases; the default: mlp_form); "-DSTAGES=n" runs n of the ring's slots; "-DNW=n"
-        builds n consumer warps; ATT_WARPS and the slots, where not given, are ring_plan's."""
-        fused = self.fused_default
-        opts, stages, aw = [], None, None
-        for o in extra:
-            if o.startswith("-DFUSE_MLP="):
-                fused = int(o.split("=", 1)[1])
-            elif o.startswith("-DSTAGES="):
-                stages = int(o.split("=", 1)[1])
-            else:
-                if o.startswith("-DATT_WARPS="):
-                    aw = int(o.split("=", 1)[1])
-                opts.append(o)
-        nw = [int(o.split("=", 1)[1]) for o in opts if o.startswith("-DNW=")]
-        nw = nw[-1] if nw else NW  # consumer warps (variant: -DNW=12)
-        aw_run, stages = ring_plan(self.stages, nw, self.unit_pages, aw, stages)
-        if aw is None and aw_run != 4:
-            opts.append(f"-DATT_WARPS={aw_run}")
-        if fused != self.fused:
-            self._phases(fused)
-        self.nw, self.att_warps, self.params.stages = nw, aw_run, stages
-        self.variant = tuple(opts)
-        self.function = _module(self.gqa, norm_pairs(self.model.cfg.hidden_size, self.nw),
-                                self.device_index, tuple(opts))[self.mass]
+    def _load_build(self, att_warps: int | None = None, extra: tuple[str, ...] = ()) -> None:
+        """Launch the build with `att_warps` warps an attention page (None: ring_plan's
+        choice) and the ring slots ring_plan gives it; extra: more compiler options (the
+        profiling stamps, -DTIMELINE=1)."""
+        aw, stages = ring_plan(self.stages, NW, self.unit_pages, att_warps)
+        opts = (*extra, f"-DATT_WARPS={aw}") if aw != 4 else tuple(extra)
+        self.att_warps, self.params.stages = aw, stages
+        self.function = build_kernel(self.gqa, norm_pairs(self.model.cfg.hidden_size),
+                                     self.device_index, opts)[self.mass]
         self.function.set_max_dynamic_shared_memory(self.smem)
-
-    def timeline(self) -> torch.Tensor:
-        """One step with the kernel's stamps (the current build's options plus TIMELINE) -> int64
-        [n_phase, CTAs, 5] globaltimer ns: phase
-        start, past the barrier, x (or the attention's q) ready, items (or pages) done,
-        arrived (benchmarks; 0 where a CTA had no such point). self.kinds names the phases."""
-        stamps = torch.zeros((self.params.n_phase, self.ctas, 5), dtype=torch.int64,
-                             device=self.ws.device)
-        function, variant = self.function, self.variant
-        self.use_variant(("-DTIMELINE=1", f"-DFUSE_MLP={int(self.fused)}",
-                          f"-DSTAGES={self.params.stages}", *variant))
-        self.params.stamps, self.params.flags = stamps.data_ptr(), self.params.flags | F_TIMELINE
-        try:
-            self()
-            torch.cuda.synchronize(self.ws.device)
-        finally:
-            self.params.stamps, self.params.flags = 0, self.params.flags & ~F_TIMELINE
-            self.function, self.variant = function, variant
-        return stamps
 
     def __call__(self) -> torch.Tensor:
         """One step on the current stream -> logits [1, V] fp32 (a static buffer)."""
         self.ws.zero_()
-        if self.fused != 1:
-            self.gu.zero_()
-        self.function.launch((self.ctas, 1, 1), ((self.nw + 1) * 32, 1, 1), self.smem,
+        self.gu.zero_()
+        self.function.launch((self.ctas, 1, 1), ((NW + 1) * 32, 1, 1), self.smem,
                              [self.params, *self.maps])
         if self.normed is None:
             return self.ws[self.off_logits:].view(1, -1)

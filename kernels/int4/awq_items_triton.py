@@ -1,6 +1,6 @@
 """Triton dequantize of the item INT4 layout (kernels/awq_items.py) into W^T rows: the
 first half of the "dequantize a chunk, then cuBLAS" prefill path of a linear held as items
-(awq_items.dequantize_items / items_linear call it; argument checks live there).
+(awq_items_linear.dequantize_items / items_linear call it; argument checks live there).
 
 One program per item (tile, j) and block of BLOCK_RT row tiles: it loads the words of its row
 tiles as a [BLOCK_RT * 8 (rt, g), 32 (kt4, tt, kc)] tile (each row two 64-byte runs, every
@@ -94,7 +94,7 @@ def dequant_items_launch(items: torch.Tensor, groups: int, t0: int, t1: int,
 
 
 class PreparedItemsLinear(GraphedDequant):
-    """awq_items.items_linear bound to one linear's items on CUDA, as PreparedLinearK is for
+    """awq_items_linear.items_linear bound to one linear's items on CUDA, as PreparedLinearK is for
     the tiled layout: the items are checked once, a call checks only x, and each chunk's
     dequantize is replayed from a CUDA graph (GraphedDequant) before its cuBLAS product. The
     prefill is host-bound at small chunks (4060ti-6g: 512 tokens), where the per-call checks

@@ -1,5 +1,6 @@
-"""Greedy decoding's whole sampler inside the captured decode graph (the default on CUDA;
-HISPARSE_GRAPH_SAMPLER=0 turns it off).
+"""The kernels of greedy decoding's whole sampler inside the captured decode graph (the default
+on CUDA; HISPARSE_GRAPH_SAMPLER=0 turns it off). Its state and the torch path of the same step
+live in engine/sampling/graph.py (`GraphSampler`); `sample_step` launches the kernels on it.
 
 engine/cuda_graph.py's `DeviceSampler` runs between two graph replays: with the CLI's default
 repetition penalty and no-repeat n-gram ban that is ~15 small kernels and their launches a
@@ -21,14 +22,11 @@ Kernels (CUDA, or the Triton interpreter):
   _pick1: one program per BLOCK ids: penalty, ban (and clears it), suppression, the block's
     best (value, first index, first NaN);
   _pick2: one program: the winner -> the step's input token, the history, seen; count + 1.
-The CPU runs the same state through torch (`_torch_step`).
+The CPU runs the same state through torch (engine/sampling/graph.py).
 """
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -37,13 +35,6 @@ from hisparse_cli.kernels.sampling.argmax_triton import (BLOCK, MAX_SUPPRESS, bl
                                                  store_block_best)
 
 BAN_BLOCK = 256  # n-gram windows a loop turn
-
-
-def enabled() -> bool:
-    """Greedy CUDA-graph decodes sample inside the graph unless HISPARSE_GRAPH_SAMPLER=0
-    (H200 runs 158-159: the same tokens as the host loop; 2.4 % faster INT4 decode at the
-    CLI's sampler settings, within 2 % either way at plain greedy)."""
-    return os.environ.get("HISPARSE_GRAPH_SAMPLER", "").strip() != "0"
 
 
 @triton.jit
@@ -99,103 +90,19 @@ def _pick2(vals_ptr, idx_ptr, nan_ptr, nb, n, out_ptr, toks_ptr, cap, seen_ptr, 
     tl.store(count_ptr, count + 1)
 
 
-class GraphSampler:
-    """A greedy sampler whose state is on the device (module doc). One per GraphDecoder: the
-    captured graph holds its buffers' addresses, so `reset` re-arms them for each generate and
-    says whether the settings (which the graph also holds) changed."""
+def sample_step(x: torch.Tensor, out: torch.Tensor, s) -> None:
+    """One greedy step on the sampler state `s` (engine/sampling/graph.py's GraphSampler:
+    toks, count, ban, seen, sup, scratch, capacity, penalty, inv_penalty, n, min_new, n_sup):
+    x the contiguous logits row [V], out the [1] int64 step input the pick is written to."""
+    n = x.shape[0]
+    pen = s.penalty != 1.0
+    if s.n:
+        _ban[(1,)](s.toks, s.count, s.ban, s.capacity, N=s.n, BAN_BLOCK=BAN_BLOCK, num_warps=4)
+    vals, idx, nan = s.scratch
+    nb = vals.shape[0]
+    _pick1[(nb,)](x, n, s.seen, s.ban, s.count, s.sup, vals, idx, nan, s.penalty,
+                  s.inv_penalty, s.min_new, PEN=pen, NG=s.n > 0, S=s.n_sup, BLOCK=BLOCK,
+                  num_warps=4)
+    _pick2[(1,)](vals, idx, nan, nb, n, out, s.toks, s.capacity, s.seen, s.count, PEN=pen,
+                 NB=max(16, triton.next_power_of_2(nb)), num_warps=4)
 
-    @staticmethod
-    def buffer_bytes(vocab: int, capacity: int) -> tuple[int, ...]:
-        """Its device buffers' sizes, as __init__ allocates them (the planner's count)."""
-        nb = triton.cdiv(vocab, BLOCK)
-        return (vocab, vocab, 8, max(capacity, 1) * 8, MAX_SUPPRESS * 8, nb * 4, nb * 4, nb * 4)
-
-    def __init__(self, vocab: int, capacity: int, device: torch.device) -> None:
-        self.vocab, self.capacity, self.device = vocab, max(capacity, 1), device
-        self.seen = torch.zeros(vocab, dtype=torch.uint8, device=device)
-        self.ban = torch.zeros(vocab, dtype=torch.uint8, device=device)
-        self.count = torch.zeros(1, dtype=torch.int64, device=device)
-        self.toks = torch.zeros(self.capacity, dtype=torch.int64, device=device)
-        self.sup = torch.zeros(MAX_SUPPRESS, dtype=torch.int64, device=device)
-        self.key: tuple | None = None
-        nb = triton.cdiv(vocab, BLOCK)
-        self.scratch = (torch.empty(nb, dtype=torch.float32, device=device),
-                        torch.empty(nb, dtype=torch.int32, device=device),
-                        torch.empty(nb, dtype=torch.int32, device=device))
-
-    @staticmethod
-    def serves(gen, eos) -> bool:
-        """Greedy, with at most MAX_SUPPRESS EOS ids to suppress."""
-        return gen.temperature == 0 and len(eos) <= MAX_SUPPRESS
-
-    def reset(self, gen, eos) -> bool:
-        """Arm the state for a new generate (nothing generated); True when the settings differ
-        from the last ones (a graph captured with those must be captured again)."""
-        sup = tuple(sorted(eos)) if gen.min_new_tokens > 0 else ()
-        key = (float(gen.repetition_penalty), int(gen.no_repeat_ngram_size),
-               int(gen.min_new_tokens), sup)
-        changed = key != self.key
-        self.key = key
-        self.penalty, self.n, self.min_new = key[0], key[1], key[2]
-        self.inv_penalty = float(np.float32(1.0) / np.float32(self.penalty))
-        self.n_sup = len(sup)
-        if sup:  # (pinned and asynchronous: no wait for the device)
-            from hisparse_cli.engine.kv_cache import int64_to_device
-
-            self.sup[:len(sup)].copy_(int64_to_device(list(sup), self.device))
-        self.seen.zero_()
-        self.ban.zero_()
-        self.count.zero_()
-        return changed
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """x: the logits row [V] (any float dtype); out: [1] int64, the step's input token.
-        Appends the pick to self.toks; nothing here waits for the device."""
-        if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-            self._triton_step(x.contiguous(), out)
-        else:
-            self._torch_step(x, out)
-
-    def _triton_step(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        n = x.shape[0]
-        pen = self.penalty != 1.0
-        if self.n:
-            _ban[(1,)](self.toks, self.count, self.ban, self.capacity, N=self.n,
-                       BAN_BLOCK=BAN_BLOCK,
-                       num_warps=4)
-        vals, idx, nan = self.scratch
-        nb = vals.shape[0]
-        _pick1[(nb,)](x, n, self.seen, self.ban, self.count, self.sup, vals, idx, nan,
-                      self.penalty, self.inv_penalty, self.min_new, PEN=pen, NG=self.n > 0,
-                      S=self.n_sup,
-                      BLOCK=BLOCK, num_warps=4)
-        _pick2[(1,)](vals, idx, nan, nb, n, out, self.toks, self.capacity, self.seen,
-                     self.count, PEN=pen, NB=max(16, triton.next_power_of_2(nb)), num_warps=4)
-
-    def _torch_step(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """The same step in torch (the CPU; DeviceSampler's operations on this state)."""
-        from hisparse_cli.kernels.sampling.argmax_triton import greedy_pick
-
-        count = int(self.count[0])
-        x = x.float()
-        if self.penalty != 1.0:
-            pen = torch.where(x > 0, x / self.penalty, x * self.penalty)
-            x = torch.where(self.seen.bool(), pen, x)
-        length = min(count, self.capacity)  # the history (as _ban reads it)
-        if self.n and length >= self.n - 1 and length > 0:
-            n, h = self.n, self.toks[:length]
-            starts = length - n + 1
-            if n == 1:
-                x = x.index_fill(0, h, float("-inf"))
-            elif starts > 0:
-                windows = h.unfold(0, n - 1, 1)[:starts]
-                match = (windows == h[length - n + 1:]).all(dim=1)
-                x = x.index_fill(0, h[n - 1:length][match], float("-inf"))
-        sup = self.sup[:self.n_sup] if self.n_sup and count < self.min_new else None
-        tok = greedy_pick(x, sup)
-        out.copy_(tok.reshape(1))
-        if count < self.capacity:
-            self.toks[count] = tok.reshape(())
-        if self.penalty != 1.0:
-            self.seen[tok.reshape(())] = 1
-        self.count += 1

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from hisparse_cli.documents.base import Document
 from hisparse_cli.errors import ConfigError
-from hisparse_cli.planner.document import DocumentPlan, load_tokenizer, plan_document
+from hisparse_cli.summarize.plan_document import DocumentPlan, load_tokenizer, plan_document
 
 
 def plan_for_document(doc: Document, model_spec: str | None, cfg, max_new_tokens: int, *,
