@@ -123,8 +123,6 @@ def test_gemv_config_rejects_bad_fields():
         GemvConfig(block_n=32, block_kw=16, split=1, num_warps=2, num_stages=1, packed=3)
     with pytest.raises(ValueError, match="maxnreg"):
         GemvConfig(block_n=32, block_kw=16, split=1, num_warps=2, num_stages=1, maxnreg=300)
-    with pytest.raises(ValueError, match="rows2d"):
-        GemvConfig(block_n=32, block_kw=16, split=1, num_warps=2, num_stages=1, rows2d=2)
 
 
 @pytest.mark.parametrize("n", [6144, 4096, 28672, 128256, 40])

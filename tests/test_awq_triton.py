@@ -633,12 +633,6 @@ def test_packed_gemv_cuda(packed, group, k, n, m, split, monkeypatch):
     check(y, x, qw, qz, s, b, group)
     if group != 128 or m not in (1, 4):
         return
-    # x pairs by PRMT or by bit operations: the same pairs, so the same products
-    monkeypatch.setattr(awq_gemv, "PAIR_PRMT", not awq_gemv.PAIR_PRMT)
-    yb = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
-    check(yb, x, qw, qz, s, b, group)
-    assert torch.equal(yb, y) or float((yb.float() - y.float()).abs().max()) <= \
-        1e-3 * float(y.float().abs().max()), "PAIR_PRMT flipped"
     for other in (replace(cfg, maxnreg=64), replace(cfg, num_stages=3)):  # same products
         yo = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=other)
         assert torch.equal(yo, y) or float((yo.float() - y.float()).abs().max()) <= \
@@ -770,44 +764,6 @@ def test_packed_gemv_interpreter(packed, group, m, split):
 
 
 @interp
-@pytest.mark.parametrize("packed,prefetch,m,split,group", [
-    (0, 0, 1, 1, 128), (0, 1, 3, 2, 64), (1, 0, 3, 2, 64), (2, 0, 1, 1, 128), (2, 1, 3, 2, 64),
-    (2, 0, 2, 4, 32)])
-def test_gemv_rows2d_interpreter_same_bits(packed, prefetch, m, split, group):
-    """GemvConfig.rows2d loads each step's zero points and scales as [BN, BKW] tiles (every
-    word column of a row the row's value) instead of [BN] vectors: a layout choice, the same
-    products and sums, so the same bits, on every path (fp32, packed 1 and 2, prefetch)."""
-    x, qw, qt, qz, s, b = case_k(m, 4 * group, 200, group, torch.float16, "cpu", seed=m)
-    cfg = GemvConfig(block_n=32, block_kw=min(16, group // 8), split=split, num_warps=1,
-                     num_stages=1, prefetch=prefetch, packed=packed)
-    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
-    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=replace(cfg, rows2d=1))
-    assert torch.equal(y, plain)
-    check(y, x, qw, qz, s, b, group)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(CPU, reason="needs CUDA")
-@pytest.mark.parametrize("packed,prefetch", [(0, 0), (2, 0), (2, 1)])
-@pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
-@pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("block_n,warps", [(64, 2), (128, 4)])
-def test_gemv_rows2d_cuda(packed, prefetch, k, n, m, block_n, warps):
-    """rows2d on sm_90 (the packed path's PTX included): within the tolerance of the fp32
-    reference, and within 1e-3 of max |y| of rows2d 0 (the same arithmetic; the compiler may
-    contract other products into FMAs in the other layout, so not always the same bits)."""
-    x, qw, qt, qz, s, b = case_k(m, k, n, 128, torch.float16, "cuda", seed=m)
-    sms = awq_gemv._sm_count(x.device)
-    cfg = GemvConfig(block_n=block_n, block_kw=16,
-                     split=awq_layout.gemv_split(k, n, block_n, 16, 16, sms), num_warps=warps,
-                     num_stages=1, prefetch=prefetch, stream=2, packed=packed, rows2d=1)
-    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=cfg)
-    check(y, x, qw, qz, s, b, 128)
-    y0 = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=replace(cfg, rows2d=0))
-    assert float((y.float() - y0.float()).abs().max()) <= 1e-3 * float(y0.float().abs().max())
-
-
-@interp
 @pytest.mark.parametrize("packed", [1, 2])
 def test_packed_gemv_interpreter_extreme_x(packed):
     _extreme_x(packed, "cpu", 256, 64)
@@ -842,18 +798,6 @@ for packed, m, partial in ((1, 1, False), (2, 2, True)):
                      packed=packed)
     k = c.compile_gemv(cfg, m, partial, 128, '*fp16')
     c.report(f'packed{packed}', k, None)
-for rows2d in (0, 1):
-    cfg = GemvConfig(block_n=128, block_kw=16, split=1, num_warps=4, num_stages=1, stream=2,
-                     packed=2, rows2d=rows2d)
-    print(f'rows2d{rows2d} loop barriers', c.loop_count(c.compile_gemv(cfg, 1, False, 128,
-                                                                      '*fp16'), 'BAR'))
-from hisparse_cli.kernels.int4 import awq_gemv
-for prmt in (True, False):  # the x pairs by PRMT or by bit operations (the table's tile)
-    awq_gemv.PAIR_PRMT = prmt
-    cfg = GemvConfig(block_n=64, block_kw=16, split=1, num_warps=2, num_stages=1, stream=2,
-                     packed=2, pdl=1)
-    k = c.compile_gemv(cfg, 1, False, 128, '*fp16')
-    print(f'prmt{int(prmt)} loop', c.loop_length(k), 'PRMT', c.loop_count(k, 'PRMT'))
 """
 
 
@@ -878,16 +822,5 @@ def test_packed_gemv_ptx_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("packed")]
     assert len(lines) == 2, out.stdout
-    # rows2d 0: the [BN] zero points / scales convert layouts through shared memory, with
-    # barriers in the loop; rows2d 1 loads them in the word tile's layout: none
-    bars = dict(ln.split(" loop barriers ") for ln in out.stdout.splitlines()
-                if " loop barriers " in ln)
-    assert int(bars["rows2d0"]) > 0 and int(bars["rows2d1"]) == 0, out.stdout
     for ln in lines:
         assert " local 0 " in ln and "HFMA2=" in ln and "LOP3=" in ln, ln
-    # PAIR_PRMT: one PRMT per x pair (16 a 16-word step at 1 token), a shorter loop than the
-    # bit operations' (327 -> 311 instructions with Triton 3.9's compiler)
-    prmt = {ln.split()[0]: (int(ln.split()[2]), int(ln.split()[4]))
-            for ln in out.stdout.splitlines() if ln.startswith("prmt")}
-    assert prmt["prmt1"][1] == 16 and prmt["prmt0"][1] == 0, out.stdout
-    assert prmt["prmt1"][0] < prmt["prmt0"][0], out.stdout

@@ -88,7 +88,7 @@ for pdl in (False, True):
     for pf in (0, 1):
         k = c.compile_one(ag._awq_gemv_kernel, c.GEMV_SIG, dict(
             GROUP=128, M=1, BLOCK_N=64, BLOCK_KW=16, NUM_STAGES=1, HAS_BIAS=False, SPLIT=4,
-            PREFETCH=pf, STREAM=2, PACKED=2, ASM=True, ROWS2D=0, PDL=pdl, PDL_TRIGGER=pdl),
+            PREFETCH=pf, STREAM=2, PACKED=2, ASM=True, PDL=pdl, PDL_TRIGGER=pdl),
             2, c.GEMV_ALIGNED)
         ptx = k.asm['ptx']
         print('gemv', pdl, pf, ptx.count('griddepcontrol.wait'),

@@ -7,7 +7,7 @@
 // producer warp per CTA streams everything that does not depend on the token (the INT4 weight
 // items and the attention's KV pages) into a shared-memory ring ahead of the barriers, so the
 // weights stream through the dependencies. The benchmark skeleton it grew from
-// (benchmarks/cuda/step_ring.cu) measured 2.45-2.55x the fp16 engine at 32K context.
+// (benchmarks/cuda/step_ring.cu, in git history) measured 2.45-2.55x the fp16 engine at 32K context.
 //
 // Phases (a table of META int64 rows built by kernels/cuda_step.py):
 //   per layer: q|k|v GEMV (x = RMSNorm(h); layer 0 reads the token's embedding row and writes
@@ -16,12 +16,9 @@
 //   split-K partials) -> o GEMV (its x load combines the partials; it adds into h, the
 //   residual stream, kept in fp32; with the importance mass, each attention unit's keys'
 //   probabilities are added to the run's score / global mass after the phase's arrival) ->
-//   MLP: gate|up and down in one phase, either over every CTA with per-tile flags between
-//   the two GEMVs (K_MLP2: x = RMSNorm(h); gate|up sums through memory; then x = silu(g) u of
-//   the CTA's down groups; adds into h) or with each CTA owning whole down input groups, so
-//   that the gate|up sums it needs are its own (K_MLP, which leaves CTAs idle where the
-//   intermediate has fewer 128-groups than there are CTAs), or as two phases, gate|up GEMV
-//   (x = RMSNorm(h)) -> down GEMV (x = silu(g) u; adds into h);
+//   MLP: gate|up and down in one phase over every CTA with per-tile flags between the two
+//   GEMVs (K_MLP2: x = RMSNorm(h); gate|up sums through memory; then x = silu(g) u of the
+//   CTA's down groups; adds into h);
 //   then either the INT4 lm_head GEMV (x = RMSNorm(h) with the final norm) into the logits, or
 //   FINAL_NORM (the normed hidden state in fp16 for an fp16 head run by the host after this).
 //
@@ -46,8 +43,12 @@
 //
 // No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
 // raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
-// kernels/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS (hidden /
-// 1024), and the benchmarks' variants below (SILU_VEC, DOWN_V4, ITEM_ILP, TIMELINE).
+// kernels/cuda/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS
+// (hidden / 1024), ATT_WARPS (warps an attention page, chosen by the step for its pages a
+// unit) and TIMELINE (profiling stamps, for benchmarks). The variants that lost their A/B
+// (two-phase and K_MLP MLPs, NW = 12, ITEM_ILP, SILU_VEC = 0, DOWN_V4 = 0, NORM_PF,
+// ATT_COMBINE, RING_HINT = 0 / 2) and the XSKIP diagnostics are gone (git history, and
+// docs/history/ for their measurements).
 
 #include "ring.cuh"
 
@@ -55,18 +56,15 @@
 #define GQA 4
 #endif
 #define HD 128           // head dim (one item column tile = one head)
-#ifndef NW
-#define NW 16            // consumer warps (variant: 12, so that 13 warps leave 128 registers a
-#endif                   // thread instead of 96)
+#define NW 16            // consumer warps (run 155: 12 gained nothing)
 #define SPLIT 4          // warps an item (each two of its 8 row tiles)
 #define GROUPS (NW / SPLIT)  // consumer groups of the GEMV items
 #ifndef ATT_WARPS
 #define ATT_WARPS 4      // warps an attention page (each HD / ATT_WARPS dims of P.V; every one
-#endif                   // computes the page's q.K): 4, or 2 (variant: twice the groups, half
-                         // the pages one after another in a group)
+#endif                   // computes the page's q.K): 4, or 2 (twice the groups, half the pages
+                         // one after another in a group: kernels/cuda/cuda_step.py picks it)
 #define AGROUPS (NW / ATT_WARPS)  // attention groups; a unit's page e goes to group e % AGROUPS
 #define MERGE_GROUPS 8   // attention groups the merge space holds (>= AGROUPS)
-static_assert(NW % SPLIT == 0 && NW >= 8 && NW <= 16, "NW: 8, 12 or 16 consumer warps");
 static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * ATT_WARPS) == 0,
               "ATT_WARPS: 2 or 4");
 #define ITEM_BYTES 8512  // 128 x 128 INT4 words (8192 B), scales (256 B), zero points (64 B)
@@ -83,41 +81,10 @@ static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * AT
 #define MASS_PAGES 32    // pages a unit may read with the importance mass (its scores in smem)
 #define ATT_STRIDE (GQA * (HD + 2))  // floats of one unit's partial: acc [GQA][128], m, l
 #define META 12
-#ifndef SILU_VEC
-#define SILU_VEC 1       // the silu(g) u x load reads 2 pairs a 16-byte load (run 132:
-#endif                   // -0.045 ms a step; 0: one pair a thread, a 8-byte load)
-#ifndef ITEM_ILP
-#define ITEM_ILP 0       // 1: an item's row tile accumulates even and odd K tiles apart (two
-#endif                   // chains of 4 dependent mma.sync instead of one of 8) (variant)
-#ifndef DOWN_V4
-#define DOWN_V4 1        // the fused MLP's down sums leave as one 16-byte reduction a 4 rows
-#endif                   // (red.global.add.v4.f32; run 133: -0.03 / -0.06 ms a step);
-                         // 0: 4-byte atomics
-#ifndef NORM_PF
-#define NORM_PF 0        // the RMSNorm weights of a phase into L2 ahead of its x load (variant):
-#endif                   // 1 by the producer as it starts the phase's stream, 2 by a consumer
-                         // before the phase's barrier; 0: none. Run 157: the q|k|v x load
-                         // 117 -> 102-104 us a step, but the step 1.952 vs 1.951-1.953 ms (the
-                         // critical path moves to the MLP phase): no gain, so not the default
-#ifndef ATT_COMBINE
-#define ATT_COMBINE 0    // the o GEMV's x from the split partials: 0 the heads' split weights
-#endif                   // first into shared memory, a barrier, then the pairs (two trips to
-                         // L2); 1 (variant) a warp a half head, its lanes loading the splits'
-                         // m, l and their pair of every split at once (one trip). Run 162: 1
-                         // takes the o phase's x load 120 -> 110 us a step, but its registers
-                         // spill more (32 / 48 bytes against 12 / 20) and the step is 0.03 ms
-                         // slower
-#ifndef RING_HINT
-#define RING_HINT 1      // the ring's loads under the L2 policy evict_first: 1 the weight items
-#endif                   // (read once a step; run 162: -0.03 to -0.06 ms a step, as the small
-                         // data every phase re-reads (h, partials, sums, norm weights) stay in
-                         // L2), 2 the KV pages too (variant), 0 none
-#ifndef XSKIP
-#define XSKIP 0          // diagnostics only (wrong results, for timing what a stage costs): bits
-#endif                   // 1 the RMSNorm's global loads, 2 its block reduction, 4 the o GEMV's
-                         // split combine, 8 the fused MLP's silu(g) u loads, 16 its tile-flag
-                         // waits, 32 the attention's q / k / v loads, 64 the GEMVs' output
-                         // atomics, all left out
+// The ring's loads of weight items go under the L2 policy evict_first (the weights are read
+// once a step; run 162: -0.03 to -0.06 ms a step, as the small data every phase re-reads -- h,
+// partials, sums, norm weights -- stays in L2). The silu(g) u x load reads 2 pairs a 16-byte
+// load (run 132: -0.045 ms); the down sums leave as one 16-byte reduction a 4 rows (run 133).
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
 #endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
@@ -125,14 +92,11 @@ static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * AT
 #define K_GEMV 0
 #define K_ATTN 1
 #define K_FINAL_NORM 2
-#define K_MLP 3       // gate|up + down in one phase (no barrier between them)
 #define K_MLP2 4      // gate|up + down in one phase over every CTA, tile flags between them
 #define X_NORM 0      // x = RMSNorm(h) * w
-#define X_SILU 1      // x = silu(g) * u of the gate|up output
 #define X_ATT 2       // x = the attention output combined from the split partials
 #define X_NORM_EMB 3  // x = RMSNorm(embedding row) * w, and h = the row (layer 0)
 
-#define F_BARRIER 1   // wait at the grid barriers (off only to time the phases' floor)
 #define F_MASS 2      // importance mass (the MASS instance)
 #define F_TIMELINE 4  // stamps: phase start, past the barrier, x ready, items done, arrived
 #ifndef TIMELINE
@@ -194,9 +158,6 @@ __device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum
     const uint4 wa = words[(rt * 2) * 32 + lane], wb = words[(rt * 2 + 1) * 32 + lane];
     const u32 w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
     float d[4] = {0.f, 0.f, 0.f, 0.f};
-#if ITEM_ILP
-    float d2[4] = {0.f, 0.f, 0.f, 0.f};  // odd K tiles: two chains of 4 dependent mma
-#endif
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
       const u32 hi = w[kt] >> 8;
@@ -204,15 +165,8 @@ __device__ __forceinline__ void item_mma(const u8* it, const u32* xw, float xsum
                         lop3_or_and(w[kt], 0x00F000F0u, 0x64006400u),
                         lop3_or_and(hi, 0x000F000Fu, 0x64006400u),
                         lop3_or_and(hi, 0x00F000F0u, 0x64006400u)};
-#if ITEM_ILP
-      mma16816(kt & 1 ? d2 : d, a, b[2 * kt], b[2 * kt + 1]);
-#else
       mma16816(d, a, b[2 * kt], b[2 * kt + 1]);
-#endif
     }
-#if ITEM_ILP
-    d[0] += d2[0], d[2] += d2[2];
-#endif
     const u32 zbits = z8[rt];
     const float z0 = (float)(zbits & 15), z1 = (float)(zbits >> 4);
     const float2 sf = h22f2(s2[rt]);
@@ -333,27 +287,17 @@ __device__ __forceinline__ void red_add(float* red, int tile, int part, int lane
 
 // one item's sums f (item_mma: this warp's rows 32 part + g + {0, 8, 16, 24}) added into the
 // 128 rows at out (16-byte aligned): a 16-byte reduction a 4 rows through the warp's 32 floats
-// of scratch (DOWN_V4), else 4-byte atomics
+// of scratch
 __device__ __forceinline__ void item_out(float* out, float* scratch, int part, int lane,
                                          const float* f) {
-#if DOWN_V4
   if ((lane & 3) == 0) {
     const int g = lane >> 2;
     scratch[g] = f[0], scratch[g + 8] = f[1], scratch[g + 16] = f[2], scratch[g + 24] = f[3];
   }
   __syncwarp();
-  if (lane < 8 && !(XSKIP & 64))
+  if (lane < 8)
     red_add_v4(out + 32 * part + 4 * lane, *reinterpret_cast<const float4*>(scratch + 4 * lane));
   __syncwarp();
-#else
-  if ((lane & 3) == 0) {
-    float* o = out + 32 * part + (lane >> 2);
-    atomicAdd(o, f[0]);
-    atomicAdd(o + 8, f[1]);
-    atomicAdd(o + 16, f[2]);
-    atomicAdd(o + 24, f[3]);
-  }
-#endif
 }
 
 // The GEMV items of one phase on this warp: its consumer group takes ring entries pos + e,
@@ -400,20 +344,12 @@ __device__ __forceinline__ void norm_x(const u32* erow, const float* in, const u
     v[u] = make_float2(0.f, 0.f);
     wv[u] = 0u;
     if (kp < K / 2) {
-#if XSKIP & 1
-      v[u] = make_float2(1.f, 1.f), wv[u] = 0x3c003c00u;
-#else
       v[u] = erow ? h22f2(erow[kp]) : ldcg2(in + 2 * kp);
       wv[u] = reinterpret_cast<const u32*>(nw)[kp];
-#endif
     }
     ss += v[u].x * v[u].x + v[u].y * v[u].y;
   }
-#if XSKIP & 2
-  const float rs = rsqrtf(ss / (float)K + eps);
-#else
   const float rs = rsqrtf(consumers_sum<NW>(ss, ssum, warp, lane) / (float)K + eps);
-#endif
 #pragma unroll
   for (int u = 0; u < NORM_PAIRS; ++u) {
     const int kp = threadIdx.x + u * NW * 32;
@@ -423,18 +359,6 @@ __device__ __forceinline__ void norm_x(const u32* erow, const float* in, const u
       xs[kp] = x2;
       group_sum(xsum, kp, x2, lane);
     }
-  }
-}
-
-// a phase's RMSNorm weights (fp16 [K]) into L2: the weights streamed between two reads of
-// one layer's norm (~100 MB a layer) evict them, so the x load after the barrier would wait on
-// HBM for them (NORM_PF)
-__device__ __forceinline__ void prefetch_norm(const i64* m) {
-  const bool norm = m[0] == K_MLP || m[0] == K_MLP2 || m[0] == K_FINAL_NORM ||
-                    (m[0] == K_GEMV && (m[7] == X_NORM || m[7] == X_NORM_EMB));
-  if (norm) {
-    const u64 a = (u64)m[9] & ~(u64)15, b = ((u64)m[9] + 2 * (u64)m[1] + 15) & ~(u64)15;
-    prefetch_l2(reinterpret_cast<const void*>(a), (u32)(b - a));
   }
 }
 
@@ -501,18 +425,15 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       auto advance = [&]() {
         if (++slot == stages) slot = 0, ++round;
       };
-      const u64 pol_ring = RING_HINT ? l2_evict_first() : 0;
+      const u64 pol_ring = l2_evict_first();
       auto load_item = [&](u8* dst, const u8* src) {
-        if (RING_HINT) bulk_g2s_hint(dst, src, ITEM_BYTES, &full[slot], pol_ring);
-        else bulk_g2s(dst, src, ITEM_BYTES, &full[slot]);
+        bulk_g2s_hint(dst, src, ITEM_BYTES, &full[slot], pol_ring);
       };
       auto load_page = [&](u8* dst, const TensorMap* map, int c0, int c1, int c2) {
-        if (RING_HINT >= 2) tma_3d_hint(dst, map, c0, c1, c2, &full[slot], pol_ring);
-        else tma_3d(dst, map, c0, c1, c2, &full[slot]);
+        tma_3d(dst, map, c0, c1, c2, &full[slot]);
       };
       for (int ph = 0; ph < p.n_phase; ++ph) {
         const i64* m = p.meta + ph * META;
-        if (NORM_PF == 1) prefetch_norm(m);
         if (m[0] == K_GEMV) {
           const Range r = cta_range(m[3] * m[4], c, P);
           const u8* src = reinterpret_cast<const u8*>(m[5]) + (size_t)r.a * ITEM_BYTES;
@@ -521,22 +442,6 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             mbar_arrive_tx(&full[slot], ITEM_BYTES);
             load_item(dst, src);
             advance();
-          }
-        } else if (m[0] == K_MLP) {  // per down group j of this CTA: gate tile j, up tile j
-          // (all hidden / 128 groups each), then the down items of input group j (every tile)
-          const int G = (int)m[3], NGI = (int)m[4], T = (int)(m[1] / HD);
-          const u8* gu = reinterpret_cast<const u8*>(m[5]);
-          const u8* dn = reinterpret_cast<const u8*>(m[11]);
-          for (int j = c; j < NGI; j += P) {
-            for (int e = 0; e < 2 * G + T; ++e) {
-              const i64 idx = e < G ? (i64)j * G + e
-                              : e < 2 * G ? (i64)(NGI + j) * G + (e - G)
-                                          : (i64)(e - 2 * G) * NGI + j;
-              u8* dst = next();
-              mbar_arrive_tx(&full[slot], ITEM_BYTES);
-              load_item(dst, (e < 2 * G ? gu : dn) + idx * ITEM_BYTES);
-              advance();
-            }
           }
         } else if (m[0] == K_MLP2) {  // this CTA's range of the gate|up items (tile-major),
           // then its range of the down items taken group by group (entry i: tile i % T of
@@ -591,8 +496,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
     const i64* m = p.meta + ph * META;
     u64* st = TIMELINE && (p.flags & F_TIMELINE) ? p.stamps + ((size_t)ph * P + c) * 5 : nullptr;
     if (st && threadIdx.x == 0) st[0] = gtimer(), st[2] = st[3] = 0;
-    if (NORM_PF == 2 && threadIdx.x == 0) prefetch_norm(m);
-    if (m[0] == K_GEMV || m[0] == K_MLP || m[0] == K_MLP2)  // the x loads add each group's
+    if (m[0] == K_GEMV || m[0] == K_MLP2)  // the x loads add each group's
       for (int t = threadIdx.x; t < (int)m[3]; t += NW * 32) xsum[t] = 0.f;  // x sum here
     if (m[0] == K_ATTN && c < units) {  // before the barrier (they do not depend on the
       // step's results): the visibility masks of this unit's pages
@@ -602,7 +506,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         if (lane == 0) vmask[e] = v;
       }
     }
-    if (ph > 0 && (p.flags & F_BARRIER) && threadIdx.x == 0) {
+    if (ph > 0 && threadIdx.x == 0) {
       const unsigned target = (unsigned)(ph * P);
       while (ld_acquire(p.counter) < target) {
       }
@@ -638,7 +542,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         const int j1 = (int)((r.b - 1) % G);
         const bool all = n >= G;
         const int ngrp = all ? G : (j1 >= j0 ? j1 - j0 + 1 : G - j0 + j1 + 1);
-        if (xform == X_ATT && !ATT_COMBINE && !(XSKIP & 4)) {  // each used head's split weights
+        if (xform == X_ATT) {  // each used head's split weights
           // exp(m_s - M) / L
           for (int q = warp; q < ngrp; q += NW) {
             const int hq = all ? q : (j0 + q) % G;
@@ -655,70 +559,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
                      ? reinterpret_cast<const u32*>(p.embed + (size_t)p.tok[0] * K)
                      : nullptr,
                  in, nw, K, p.eps, xs, xsum, ssum, warp, lane);
-        } else if (xform == X_SILU && SILU_VEC) {  // 2 pairs a thread and 16-byte load: a
-          // warp's 64 pairs are one group
-          const int npairs = ngrp * 64;
-          for (int t = 2 * threadIdx.x; t < npairs; t += 2 * NW * 32) {
-            const int kp = all ? t : ((j0 * 64 + t) % (K / 2));  // even: 16-byte aligned
-            const float4 gv = __ldcg(reinterpret_cast<const float4*>(in + 2 * kp));
-            const float4 uv = __ldcg(reinterpret_cast<const float4*>(in + K + 2 * kp));
-            const float g[4] = {rh(gv.x), rh(gv.y), rh(gv.z), rh(gv.w)};
-            const float u[4] = {uv.x, uv.y, uv.z, uv.w};
-            float x[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) x[i] = rh(rh(g[i] / (1.0f + ex(-g[i]))) * rh(u[i]));
-            const u32 a = f22h2(x[0], x[1]), b = f22h2(x[2], x[3]);
-            *reinterpret_cast<uint2*>(xs + kp) = make_uint2(a, b);
-            const float2 fa = h22f2(a), fb = h22f2(b);
-            float v = (fa.x + fa.y) + (fb.x + fb.y);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) atomicAdd(&xsum[kp >> 6], v);
-          }
-        } else if (xform == X_SILU) {  // the used groups' pairs, one a thread at once
-          const int npairs = ngrp * 64;
-          for (int t = threadIdx.x; t < npairs; t += NW * 32) {
-            // (npairs: whole groups, so whole warps in or out)
-            const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
-            const float2 gv = ldcg2(in + 2 * kp), uv = ldcg2(in + K + 2 * kp);
-            const float g0 = rh(gv.x), g1 = rh(gv.y);
-            const u32 x2 = f22h2(rh(g0 / (1.0f + ex(-g0))) * rh(uv.x),
-                                 rh(g1 / (1.0f + ex(-g1))) * rh(uv.y));
-            xs[kp] = x2;
-            group_sum(xsum, kp, x2, lane);
-          }
-        } else if (ATT_COMBINE) {  // X_ATT: the used heads' pairs, combined from the split
-          // partials. A warp takes half heads hh = warp, warp + NW, ...: pairs 32 (hh & 1) +
-          // lane of used head hh / 2. Lane s < S loads split s's m and l while every lane loads
-          // its pair of each split, so the weights exp(m_s - M) / L (on lane s) and the pairs
-          // come in one trip to L2, with no barrier between them.
-          for (int hh = warp; hh < 2 * ngrp; hh += NW) {
-            const int hq = all ? hh >> 1 : (j0 + (hh >> 1)) % G;
-            const int kp = hq * 64 + (hh & 1) * 32 + lane;
-            const float* pb = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE;
-            const float* pml = pb + GQA * HD + hq % GQA;
-            const float ms = lane < S && !(XSKIP & 4) ? ldcg(pml + lane * ATT_STRIDE) : neg_inf();
-            const float ls = lane < S && !(XSKIP & 4) ? ldcg(pml + lane * ATT_STRIDE + GQA) : 0.f;
-            const float* pp = pb + (hq % GQA) * HD + 2 * (kp % 64);
-            float f0 = 0.f, f1 = 0.f, w = 0.f;
-            for (int s0 = 0; s0 < ((XSKIP & 4) ? 0 : S); s0 += 16) {  // (S <= MAX_S = 32)
-              float2 a[16];
-#pragma unroll
-              for (int s = 0; s < 16; ++s)
-                a[s] = s0 + s < S ? ldcg2(pp + (s0 + s) * ATT_STRIDE) : make_float2(0.f, 0.f);
-              if (s0 == 0) w = split_weight(ms, ls, lane, S);
-#pragma unroll
-              for (int s = 0; s < 16; ++s) {  // (splits past S: weight 0, pair 0)
-                const float ws = __shfl_sync(0xffffffffu, w, s0 + s);
-                f0 += ws * a[s].x, f1 += ws * a[s].y;
-              }
-            }
-            const u32 x2 = f22h2(f0, f1);
-            xs[kp] = x2;
-            group_sum(xsum, kp, x2, lane);
-          }
-        } else {  // X_ATT (ATT_COMBINE 0): the used heads' pairs, combined from the split
-          // partials with the weights in shared memory
+        } else {  // X_ATT: the used heads' pairs, combined from the split partials with the
+          // weights in shared memory
           const int npairs = ngrp * 64;
           for (int t = threadIdx.x; t < npairs; t += NW * 32) {
             const int kp = all ? t : ((j0 * 64 + t) % (K / 2));
@@ -727,7 +569,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
             const float* pp = p.part + (size_t)((hq / GQA) * S) * ATT_STRIDE + (hq % GQA) * HD + d;
             float f0 = 0.f, f1 = 0.f;
             // 16 splits' loads in flight at once
-            for (int s0 = 0; s0 < ((XSKIP & 4) ? 0 : S); s0 += 16) {
+            for (int s0 = 0; s0 < S; s0 += 16) {
               float2 a[16];
 #pragma unroll
               for (int s = 0; s < 16; ++s)
@@ -754,72 +596,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       if (n > 0) {
         const int span = (int)((r.b - 1) / G) - tile0 + 1;
         for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
-          if (!(XSKIP & 64)) atomicAdd(out + (i64)tile0 * 128 + t, red[t]);
+          atomicAdd(out + (i64)tile0 * 128 + t, red[t]);
           red[t] = 0.f;
         }
       }
-    } else if (m[0] == K_MLP) {  // ---------------------------------------- gate|up + down
-      // [1] hidden [2] intermediate [3] G (hidden / 128) [4] NGI (intermediate / 128) [5]
-      // gate|up items [6] out (h, added into) [8] in (h) [9] norm weight [11] down items.
-      // This CTA takes down groups j = c, c + P, ...: gate and up tile j over all of x =
-      // RMSNorm(h) (so their sums are whole here, in red tiles 0 and 1), x_j = silu(g) u of
-      // them (fp16, as the engine's), then the down items of group j, each one output tile,
-      // added into h straight from the registers. No barrier and no gate|up round trip
-      // through memory between the two GEMVs.
-      const int K = (int)m[1], G = (int)m[3], NGI = (int)m[4], T = K / HD, per = 2 * G + T;
-      const int cnt = c < NGI ? (NGI - 1 - c) / P + 1 : 0;
-      float* out = reinterpret_cast<float*>(m[6]);
-      n_streamed = cnt * per;
-      if (cnt > 0)
-        norm_x(nullptr, reinterpret_cast<const float*>(m[8]),
-               reinterpret_cast<const u16*>(m[9]), K, p.eps, xs, xsum, ssum, warp, lane);
-      consumers_sync();
-      if (st && threadIdx.x == 0) st[2] = gtimer();
-      const int part_ = warp % SPLIT, grp = warp / SPLIT;
-      u32* xd = xs + MAX_K / 2 - HD / 2;  // x_j (64 pairs), past any hidden's x
-      float* dsum = xsum + MAX_G - 1;      // its sum (past any hidden's groups)
-      for (int q = 0; q < cnt; ++q) {
-        const int base = q * per;
-        // gate | up: entries base + e, e < 2 G: tile e / G (0 gate, 1 up), group e % G
-        gemv_items(ring, full, empty, stages, pos0 + base, 2 * G, G, 0, xs, xsum, red, warp, lane);
-        consumers_sync();
-        if (warp == 0) {  // x_j = silu(g) u, the sums rounded to fp16 as the engine's output
-          float v = 0.f;
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int kp = lane + 32 * h2;
-            const float g0 = rh(red[2 * kp]), g1 = rh(red[2 * kp + 1]);
-            const u32 x2 = f22h2(rh(g0 / (1.0f + ex(-g0))) * rh(red[HD + 2 * kp]),
-                                 rh(g1 / (1.0f + ex(-g1))) * rh(red[HD + 2 * kp + 1]));
-            xd[kp] = x2;
-            const float2 fx = h22f2(x2);
-            v += fx.x + fx.y;
-            red[2 * kp] = red[2 * kp + 1] = red[HD + 2 * kp] = red[HD + 2 * kp + 1] = 0.f;
-          }
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-          if (lane == 0) *dsum = v;
-        }
-        consumers_sync();
-        {  // down: entries base + 2 G + t, t < T: output tile t of input group j
-          int slot;
-          u32 phase;
-          const int first = ring_start(pos0 + base + 2 * G, grp, GROUPS, stages, slot, phase);
-          const float xsd = *dsum;
-          for (int t = first; t < T; t += GROUPS, slot += GROUPS) {
-            if (slot >= stages) slot -= stages, phase ^= 1u;
-            warp_wait(&full[slot], phase);
-            float f[4] = {0.f, 0.f, 0.f, 0.f};
-            item_mma(ring + (size_t)slot * SLOT, xd, xsd, part_, lane, f);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[slot]);
-            // (scratch: 32 floats of merge a warp, the attention's own)
-            item_out(out + (i64)t * HD, merge + warp * 32, part_, lane, f);
-          }
-        }
-      }
-      consumers_sync();
-      if (st && threadIdx.x == 0) st[3] = gtimer();
     } else if (m[0] == K_MLP2) {  // ------------------------- gate|up + down over every CTA
       // [1] hidden [2] intermediate [3] G (hidden / 128) [4] NGI (intermediate / 128) [5]
       // gate|up items [6] out (h, added into) [7] gate|up sums (fp32 [2 intermediate], then
@@ -830,7 +610,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       // group: a CTA's range is one or two input groups j, whose x_j = silu(g) u it makes
       // once the flags of gate tile j and up tile j say all G items are in (acquire); each
       // down item's sums go into h at once. No grid barrier between the two GEMVs, and no
-      // CTA left out (K_MLP leaves CTAs past the intermediate's groups idle).
+      // CTA left out.
       const int K = (int)m[1], G = (int)m[3], NGI = (int)m[4], T = K / HD, I = NGI * HD;
       float* out = reinterpret_cast<float*>(m[6]);
       float* gus = reinterpret_cast<float*>(m[7]);
@@ -849,7 +629,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
       if (n1 > 0) {  // the sums into the gate|up buffer, then each tile's item count
         const int tile0 = (int)(r1.a / G), span = (int)((r1.b - 1) / G) - tile0 + 1;
         for (int t = threadIdx.x; t < span * 128; t += NW * 32) {
-          if (!(XSKIP & 64)) atomicAdd(gus + (i64)tile0 * 128 + t, red[t]);
+          atomicAdd(gus + (i64)tile0 * 128 + t, red[t]);
           red[t] = 0.f;
         }
         consumers_sync();
@@ -864,15 +644,15 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t = threadIdx.x; t < nj; t += NW * 32) xsum[j0 + t] = 0.f;
         if (threadIdx.x < 2 * nj) {  // gate and up tile of each group: all G items in
           const int j = j0 + threadIdx.x / 2, tile = (threadIdx.x & 1) ? NGI + j : j;
-          while (!(XSKIP & 16) && ld_acquire(flag + tile) < (unsigned)G) {
+          while (ld_acquire(flag + tile) < (unsigned)G) {
           }
         }
         consumers_sync();
         for (int t = threadIdx.x; t < nj * 64; t += NW * 32) {  // x_j = silu(g) u (fp16, the
           // sums rounded as the engine's output); a warp's 32 pairs are one group's
           const int kp = j0 * 64 + t;
-          const float2 gv = (XSKIP & 8) ? make_float2(1.f, 1.f) : ldcg2(gus + 2 * kp);
-          const float2 uv = (XSKIP & 8) ? make_float2(1.f, 1.f) : ldcg2(gus + I + 2 * kp);
+          const float2 gv = ldcg2(gus + 2 * kp);
+          const float2 uv = ldcg2(gus + I + 2 * kp);
           const float g0 = rh(gv.x), g1 = rh(gv.y);
           const u32 x2 = f22h2(rh(rh(g0 / (1.0f + ex(-g0))) * rh(uv.x)),
                                rh(rh(g1 / (1.0f + ex(-g1))) * rh(uv.y)));
@@ -913,18 +693,18 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1)
         for (int t = threadIdx.x; t < GQA * HD; t += NW * 32) {
           const int d = t % HD, i = d & 63;
           const float* qh = qkv + (size_t)kvh * GQA * HD + (t - d);
-          const float a = (XSKIP & 32) ? 1.f : rh(ldcg(qh + d));
-          const float b = (XSKIP & 32) ? 1.f : rh(ldcg(qh + (d ^ 64)));
+          const float a = rh(ldcg(qh + d));
+          const float b = rh(ldcg(qh + (d ^ 64)));
           qf[t] = rh(a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]);
         }
         const bool last = s == S - 1;
         if (last && threadIdx.x < HD) {  // the current token's k (rotated) and v, to its slot
           const int d = threadIdx.x, i = d & 63;
           const float* kh = qkv + (size_t)p.hq * HD + (size_t)kvh * HD;
-          const float a = (XSKIP & 32) ? 1.f : rh(ldcg(kh + d));
-          const float b = (XSKIP & 32) ? 1.f : rh(ldcg(kh + (d ^ 64)));
+          const float a = rh(ldcg(kh + d));
+          const float b = rh(ldcg(kh + (d ^ 64)));
           const u16 kq = f2h(a * rope[i] + (d < 64 ? -b : b) * rope[64 + i]);
-          const u16 vq = f2h((XSKIP & 32) ? 1.f : ldcg(kh + (size_t)p.hkv * HD + d));
+          const u16 vq = f2h(ldcg(kh + (size_t)p.hkv * HD + d));
           kcur[d] = h2f(kq), vcur[d] = h2f(vq);
           const size_t at = (((size_t)layer * p.capacity * p.bs + slot_q) * p.hkv + kvh) * HD + d;
           p.kcache[at] = kq;

@@ -1,7 +1,6 @@
-// Device helpers shared by the persistent decode kernel (decode_step.cu) and the benchmark
-// kernels that preceded it (benchmarks/cuda/): fixed-width types, the mbarrier ring, bulk and
-// TMA copies, the grid barrier's acquire/release, mma.sync and ldmatrix. No CUDA headers:
-// NVRTC builds it as is (kernels/cuda_step.py inlines it), nvcc through its include path.
+// Device helpers of the persistent decode kernel (decode_step.cu): fixed-width types, the
+// mbarrier ring, bulk and TMA copies, the grid barrier's acquire/release, mma.sync and
+// ldmatrix. No CUDA headers: NVRTC builds it as is (kernels/cuda/cuda_step.py inlines it).
 #pragma once
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -49,15 +48,7 @@ __device__ __forceinline__ void warp_wait(u64* bar, u32 parity) {
   mbar_wait(bar, parity);
   __syncwarp();
 }
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-// an L2 cache policy (createpolicy) for data read once, and the bulk copies that take one
+// an L2 cache policy (createpolicy) for data read once, and the bulk copy that takes one
 __device__ __forceinline__ u64 l2_evict_first() {
   u64 pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -76,14 +67,6 @@ __device__ __forceinline__ void tma_3d(void* dst, const TensorMap* map, int c0, 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4}], [%5];"
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ void tma_3d_hint(void* dst, const TensorMap* map, int c0, int c1,
-                                            int c2, u64* bar, u64 pol) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".L2::cache_hint [%0], [%1, {%2, %3, %4}], [%5], %6;"
-      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar)), "l"(pol)
       : "memory");
 }
 __device__ __forceinline__ u64 gtimer() {

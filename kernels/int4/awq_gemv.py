@@ -2,7 +2,7 @@
 M <= GEMV_MAX_TOKENS tokens (kernels/awq_layout.py owns the layout and the launch table).
 
 Version 3 (v2, the natural-nibble-order kernel of H200 run 4, lives on as the baseline in
-benchmarks/awq_gemv_v2.py). What changed and why:
+benchmarks/awq_gemv_v2.py in git history). What changed and why:
 - Layout: a word's nibble i holds K index 32 (w // 4) + 4 i + w % 4 (w = word index in its
   row), so for a fixed nibble the 4 words of one 16-byte load need 4 *consecutive* x values:
   one 8-byte load per nibble and token instead of v2's four 2-byte gathers (v2's SASS: 32
@@ -34,21 +34,18 @@ and keep 2^-25 absolute precision (x 64 or 128 in y's units). SASS for sm_90
 on the fp32 path, 370 packed 1, 338 packed 2 (96 registers); at 4 tokens 1270 / 891 / 752.
 The two PTX blocks run only on CUDA (ASM); the CPU interpreter runs an fp16 emulation of them
 (_dequant_pairs_emulated, _dot_lanes_emulated) through the same Triton code around them.
-Timed on the H200 (run 39, benchmarks/gpu_gemv_packed.py): at 1 token 1.02-1.20x the fp32
+Timed on the H200 (run 39, benchmarks/gpu_gemv_packed.py in git history): at 1 token 1.02-1.20x the fp32
 path per Llama-3-8B shape (with its best tile), at 2-4 tokens 1.1-1.45x; GEMV_TABLE uses
 packed 2 for every shape class.
 
 The x pairs (x of nibbles p and p + 4 in one fp16x2 register) come from two 8-byte loads,
-each holding the x of 4 neighbouring words; PAIR_PRMT builds each pair with one PRMT, where
-the bit operations compile to LOP3 + LEA: the sm_90 loop of the table's tile at 1
-token 327 -> 311 instructions (2 tokens 465 -> 433, 4 tokens 741 -> 677), same bits. Off
-until the H200 has run it (tests/test_awq_triton.py's packed GPU cases, `gpu_awq_ab.py
---pair-prmt`).
+each holding the x of 4 neighbouring words, joined by bit operations (one PRMT a pair
+instead was neutral on the H200, run 57, and is gone).
 
 Per-row zero points and scales: loaded as [BN] vectors, which the compiler converts to the
-word tile's layout through shared memory (6 barriers a step in the sm_90 SASS); rows2d 1
-loads them in the word tile's layout instead (no barrier), same bits, but slower on the H200
-on every shape (run 44: gate|up 25.9 -> 34.7 us), so GEMV_TABLE keeps rows2d 0.
+word tile's layout through shared memory (6 barriers a step in the sm_90 SASS); loading them
+in the word tile's layout instead (no barrier) was slower on every shape (run 44: gate|up
+25.9 -> 34.7 us) and is gone.
 Programmatic dependent launch (pdl 1, GEMV_TABLE since H200 run 46; kernels/pdl.py): the
 first step's weights are loaded before gdc_wait(), x and every store after it; the kernel
 then triggers its dependents. +5.9 % INT4 decode at 32K with the producers' early trigger.
@@ -303,21 +300,14 @@ def _dot_lanes_emulated(v0, v1, v2, v3, p0, p1, p2, p3, lo, hi):
 
 
 @triton.jit
-def _x_pair(xp, off, STREAM: tl.constexpr, PRMT: tl.constexpr):
-    """fp16x2 bits (x[xp + off], x[xp + off + 16]): the x of nibbles p and p + 4.
-    PRMT (CUDA): one PRMT a pair, straight from the two loads' registers (each holds the x
-    of two neighbouring words); the bit operations below cost two (LOP3 + LEA) in the sm_90
-    SASS. Same bits either way."""
+def _x_pair(xp, off, STREAM: tl.constexpr):
+    """fp16x2 bits (x[xp + off], x[xp + off + 16]): the x of nibbles p and p + 4."""
     if STREAM == 2:
         lo = tl.load(xp + off, eviction_policy="evict_last")
         hi = tl.load(xp + off + 16, eviction_policy="evict_last")
     else:
         lo = tl.load(xp + off)
         hi = tl.load(xp + off + 16)
-    if PRMT:  # pack=2: $2 = (lo_e, lo_e+1), $3 = (hi_e, hi_e+1) -> $0 = pair e, $1 = pair e+1
-        return tl.inline_asm_elementwise(
-            asm="prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;",
-            constraints="=r,=r,r,r", args=[lo, hi], dtype=tl.int32, is_pure=True, pack=2)
     lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
     return lo | hi
@@ -336,14 +326,13 @@ def _halves1(t, BKW: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: tl.constexpr,
-                       PRMT: tl.constexpr):
+def _accumulate_packed(acc, v0, v1, v2, v3, xp, sc, STREAM: tl.constexpr, ASM: tl.constexpr):
     """acc + s (q - z) x of one loop step for one token on the packed path (sc = 64 s,
     [BN, 1] or [BN, BKW])."""
-    p0 = _x_pair(xp, 0, STREAM, PRMT)[None, :]
-    p1 = _x_pair(xp, 4, STREAM, PRMT)[None, :]
-    p2 = _x_pair(xp, 8, STREAM, PRMT)[None, :]
-    p3 = _x_pair(xp, 12, STREAM, PRMT)[None, :]
+    p0 = _x_pair(xp, 0, STREAM)[None, :]
+    p1 = _x_pair(xp, 4, STREAM)[None, :]
+    p2 = _x_pair(xp, 8, STREAM)[None, :]
+    p3 = _x_pair(xp, 12, STREAM)[None, :]
     if ASM:
         d = _dot_pairs(v0, v1, v2, v3, p0, p1, p2, p3)
     else:
@@ -386,13 +375,13 @@ def _dot_packed2(acc, ve, vo, p0, r0, p1, r1, p2, r2, p3, r3, sc, ASM: tl.conste
 
 @triton.jit
 def _accumulate_packed2(acc, ve, vo, xp, sc, STREAM: tl.constexpr, BKW: tl.constexpr,
-                        ASM: tl.constexpr, PRMT: tl.constexpr):
+                        ASM: tl.constexpr):
     """PACKED 2: acc [BN, BKW/2] + s (q - z) x summed over each pair of words (sc = 128 s,
     [BN, 1] or [BN, BKW/2]; ve, vo: the codes of the even and odd words)."""
-    p0, r0 = _halves1(_x_pair(xp, 0, STREAM, PRMT), BKW)
-    p1, r1 = _halves1(_x_pair(xp, 4, STREAM, PRMT), BKW)
-    p2, r2 = _halves1(_x_pair(xp, 8, STREAM, PRMT), BKW)
-    p3, r3 = _halves1(_x_pair(xp, 12, STREAM, PRMT), BKW)
+    p0, r0 = _halves1(_x_pair(xp, 0, STREAM), BKW)
+    p1, r1 = _halves1(_x_pair(xp, 4, STREAM), BKW)
+    p2, r2 = _halves1(_x_pair(xp, 8, STREAM), BKW)
+    p3, r3 = _halves1(_x_pair(xp, 12, STREAM), BKW)
     return _dot_packed2(acc, ve, vo, p0, r0, p1, r1, p2, r2, p3, r3, sc, ASM)
 
 
@@ -438,54 +427,35 @@ def _reduce_tile(p_ptr, b_ptr, y_ptr, offs_n, mask_n, stride_ps, stride_pm, stri
 
 
 @triton.jit
-def _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D: tl.constexpr):
-    """The zero-point words and scales of group g for the program's rows: [BN] vectors, or
-    (ROWS2D) [BN, BKW] tiles with every word column of a row holding the row's value. The
-    [BN] loads take a layout of their own (one row a thread), so broadcasting them against
-    the word tile converts layouts through shared memory with barriers every step (sm_90
-    SASS: 6 BAR.SYNC a step); the tiles are loaded in the word tile's layout directly, each
-    thread reading its own rows (a few more loads, L1 hits, no barrier)."""
-    if ROWS2D:
-        bcast = offs_w[None, :] * 0  # [1, BKW]: the word tile's shape and layout
-        zw = tl.load(qz_ptr + g * W8 + (rows // 8)[:, None] + bcast)
-        sv = tl.load(s_ptr + g * N + rows[:, None] + bcast)
-    else:
-        zw = tl.load(qz_ptr + g * W8 + rows // 8)
-        sv = tl.load(s_ptr + g * N + rows)
+def _load_rows(qz_ptr, s_ptr, g, W8, N, rows):
+    """The zero-point words and scales of group g for the program's rows, as [BN] vectors
+    (broadcast against the word tile through shared memory: 6 BAR.SYNC a step in the sm_90
+    SASS)."""
+    zw = tl.load(qz_ptr + g * W8 + rows // 8)
+    sv = tl.load(s_ptr + g * N + rows)
     return zw, sv
 
 
 @triton.jit
 def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, stride_xm,
                M: tl.constexpr, STREAM: tl.constexpr, PACKED: tl.constexpr,
-               BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr, ROWS2D: tl.constexpr,
-               PRMT: tl.constexpr = False):
+               BN: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr):
     """One loop step: the [BN, BKW] word tile at K word w0 (inside one group: zw, sv are its
     rows' zero-point words and scales, from _load_rows) added into the M tokens'
     accumulators."""
-    if ROWS2D:
-        zi = (zw >> zshift[:, None]) & 0xF  # [BN, BKW] int32
-        s = sv.to(tl.float32)
-        if PACKED == 2:  # the accumulators hold word pairs: one column of each pair
-            zi = _halves(zi, BN, BKW)[0]
-            s = _halves(s, BN, BKW)[0]
-    else:
-        zi = ((zw >> zshift) & 0xF)[:, None]  # [BN, 1] int32
-        s = sv.to(tl.float32)[:, None]
+    zi = ((zw >> zshift) & 0xF)[:, None]  # [BN, 1] int32
+    s = sv.to(tl.float32)[:, None]
     xq = x_ptr + w0 * 8 + x_off  # [BKW]: the x of nibble 0 of each word
     if PACKED == 2:  # two words per fp32 conversion, codes / 128
         ve, vo = _codes_packed2(words, zi, BN, BKW, ASM)
         sc = s * 128.0
-        acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM, PRMT)
+        acc0 = _accumulate_packed2(acc0, ve, vo, xq, sc, STREAM, BKW, ASM)
         if M > 1:
-            acc1 = _accumulate_packed2(acc1, ve, vo, xq + stride_xm, sc, STREAM, BKW, ASM,
-                                        PRMT)
+            acc1 = _accumulate_packed2(acc1, ve, vo, xq + stride_xm, sc, STREAM, BKW, ASM)
         if M > 2:
-            acc2 = _accumulate_packed2(acc2, ve, vo, xq + 2 * stride_xm, sc, STREAM, BKW,
-                                        ASM, PRMT)
+            acc2 = _accumulate_packed2(acc2, ve, vo, xq + 2 * stride_xm, sc, STREAM, BKW, ASM)
         if M > 3:
-            acc3 = _accumulate_packed2(acc3, ve, vo, xq + 3 * stride_xm, sc, STREAM, BKW,
-                                        ASM, PRMT)
+            acc3 = _accumulate_packed2(acc3, ve, vo, xq + 3 * stride_xm, sc, STREAM, BKW, ASM)
     elif PACKED == 1:
         h1 = zi + _Z1_64
         h16 = zi * 16 + _Z16_64
@@ -496,16 +466,13 @@ def _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr, x_off, zshift, 
         else:
             v0, v1, v2, v3 = _dequant_pairs_emulated(words, z1, z16, False)
         sc = s * 64.0
-        acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM, PRMT)
+        acc0 = _accumulate_packed(acc0, v0, v1, v2, v3, xq, sc, STREAM, ASM)
         if M > 1:
-            acc1 = _accumulate_packed(acc1, v0, v1, v2, v3, xq + stride_xm, sc, STREAM, ASM,
-                                      PRMT)
+            acc1 = _accumulate_packed(acc1, v0, v1, v2, v3, xq + stride_xm, sc, STREAM, ASM)
         if M > 2:
-            acc2 = _accumulate_packed(acc2, v0, v1, v2, v3, xq + 2 * stride_xm, sc, STREAM,
-                                      ASM, PRMT)
+            acc2 = _accumulate_packed(acc2, v0, v1, v2, v3, xq + 2 * stride_xm, sc, STREAM, ASM)
         if M > 3:
-            acc3 = _accumulate_packed(acc3, v0, v1, v2, v3, xq + 3 * stride_xm, sc, STREAM,
-                                      ASM, PRMT)
+            acc3 = _accumulate_packed(acc3, v0, v1, v2, v3, xq + 3 * stride_xm, sc, STREAM, ASM)
     else:
         z = zi.to(tl.float32)
         s49 = s * 562949953421312.0  # s 2^49 t = s q x (powers of two: exact)
@@ -528,9 +495,9 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
                      BLOCK_KW: tl.constexpr, NUM_STAGES: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
                      STREAM: tl.constexpr, PACKED: tl.constexpr = 0,
-                     ASM: tl.constexpr = True, ROWS2D: tl.constexpr = 0,
+                     ASM: tl.constexpr = True,
                      PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
-                     PRMT: tl.constexpr = False, TILED: tl.constexpr = False):
+                     TILED: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] for the M (1..4) tokens over this program's K range
     (a multiple of BLOCK_KW words; a step lies inside one group, so z and s are one value per
     row and step). One [BLOCK_N, BLOCK_KW] accumulator per token, all in the word tile's
@@ -561,7 +528,7 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
         w_last = w_start + KW_PER_SPLIT - BLOCK_KW
         g = (w_start * 8) // GROUP
         words_n = _load_words(_word_ptrs(w_row, w_start, offs_w, TILED, BLOCK_KW), STREAM)
-        zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
+        zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows)
         if PDL:  # the loads above read weights only; x is the previous kernel's output
             pdl_enter(True, PDL_TRIGGER)
         for w0 in range(w_start, w_start + KW_PER_SPLIT, BLOCK_KW):
@@ -571,30 +538,29 @@ def _awq_gemv_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr,
             nxt = tl.minimum(w0 + BLOCK_KW, w_last)
             g = (nxt * 8) // GROUP
             words_n = _load_words(_word_ptrs(w_row, nxt, offs_w, TILED, BLOCK_KW), STREAM)
-            zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
+            zw_n, s_n = _load_rows(qz_ptr, s_ptr, g, W8, N, rows)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
+                                                BLOCK_N, BLOCK_KW, ASM)
     else:
         w_first = w_start
         if PDL:  # the first step's weights, zero points and scales (no kernel writes them)
             # are loaded while the previous kernel may still run; x (its output) after the wait
             words = _load_words(_word_ptrs(w_row, w_start, offs_w, TILED, BLOCK_KW), STREAM)
-            zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows, offs_w,
-                                ROWS2D)
+            zw, sv = _load_rows(qz_ptr, s_ptr, (w_start * 8) // GROUP, W8, N, rows)
             pdl_enter(True, PDL_TRIGGER)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w_start,
                                                 x_ptr, x_off, zshift, stride_xm, M, STREAM,
-                                                PACKED, BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
+                                                PACKED, BLOCK_N, BLOCK_KW, ASM)
             w_first = w_start + BLOCK_KW
         for w0 in tl.range(w_first, w_start + KW_PER_SPLIT, BLOCK_KW, num_stages=NUM_STAGES):
             words = _load_words(_word_ptrs(w_row, w0, offs_w, TILED, BLOCK_KW),
                                 STREAM)  # [BN, BKW] int32
             g = (w0 * 8) // GROUP
-            zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows, offs_w, ROWS2D)
+            zw, sv = _load_rows(qz_ptr, s_ptr, g, W8, N, rows)
             acc0, acc1, acc2, acc3 = _gemv_step(acc0, acc1, acc2, acc3, words, zw, sv, w0, x_ptr,
                                                 x_off, zshift, stride_xm, M, STREAM, PACKED,
-                                                BLOCK_N, BLOCK_KW, ASM, ROWS2D, PRMT)
+                                                BLOCK_N, BLOCK_KW, ASM)
     if SPLIT == 1:
         _store_rows(y_ptr, stride_ym, acc0, acc1, acc2, acc3, b_ptr, offs_n, mask_n, M,
                     HAS_BIAS, False)
@@ -642,8 +608,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
     common = dict(GROUP=group_size, M=m, BLOCK_N=cfg.block_n, BLOCK_KW=bkw,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
-                  PACKED=packed, ASM=asm, ROWS2D=cfg.rows2d, PDL=pdl,
-                  PRMT=bool(packed) and asm and PAIR_PRMT, TILED=bool(cfg.tiled),
+                  PACKED=packed, ASM=asm, PDL=pdl, TILED=bool(cfg.tiled),
                   PDL_TRIGGER=pdl and _pdl.TRIGGERS,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x
@@ -662,11 +627,6 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                                      kw // split, **common)
     return y
 
-
-# True: the packed path builds its x pairs with one PRMT each (_x_pair; fewer SASS
-# instructions a step, same bits). False until an H200 run has checked it against the
-# reference and timed it (`gpu_awq_ab.py --pair-prmt`; the CPU interpreter cannot run PTX)
-PAIR_PRMT = False
 
 COUNTERS = 1 << 14  # column-tile counters of the split-K GEMV (64 KiB per device)
 

@@ -205,9 +205,7 @@ class GemvConfig:
     (.cg); 2 marks the words first and x last to evict; packed: 1 dequantizes to fp16x2
     pairs and multiplies in fp16 within a word, 2 the same over two words (fp16 x only,
     other dtypes take the fp32 path); maxnreg: a register cap per thread for ptxas (0: its
-    own choice), for more resident warps at the price of spills; rows2d: 1 loads each step's
-    zero points and scales straight into the word tile's layout (no shared-memory layout
-    conversion, no barrier in the loop), 0 as [BN] vectors; pdl: 1 launches with
+    own choice), for more resident warps at the price of spills; pdl: 1 launches with
     programmatic dependent launch where kernels/pdl.py enables it (sm_90+): the first
     step's weights are loaded before waiting for the kernel that wrote x; tiled: 1 reads
     the weights in tile_kmajor's order (block_kw = tile_words(group), n a multiple of 64)."""
@@ -221,7 +219,6 @@ class GemvConfig:
     stream: int = 0
     packed: int = 0
     maxnreg: int = 0
-    rows2d: int = 0
     pdl: int = 0
     tiled: int = 0
 
@@ -238,8 +235,6 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.stream = {self.stream}: 0, 1 or 2")
         if self.packed not in (0, 1, 2):
             raise ValueError(f"GemvConfig.packed = {self.packed}: 0, 1 or 2")
-        if self.rows2d not in (0, 1):
-            raise ValueError(f"GemvConfig.rows2d = {self.rows2d}: 0 or 1")
         if self.pdl not in (0, 1):
             raise ValueError(f"GemvConfig.pdl = {self.pdl}: 0 or 1")
         if self.tiled not in (0, 1):
@@ -261,22 +256,23 @@ class GemvTile:
     stream: int = 0
     packed: int = 0
     maxnreg: int = 0
-    rows2d: int = 0
     pdl: int = 0
 
 
 # Shape classes by output columns n at 1..4 tokens; `benchmarks/gpu_awq.py --gemv-sweep` times
-# GEMV_CANDIDATES and prints the rows, `benchmarks/gpu_gemv_packed.py` the packed variants.
+# GEMV_CANDIDATES and prints the rows (the packed variants were swept by gpu_gemv_packed.py,
+# in git history).
 GEMV_TABLE = {
     # tiles from the H200 sweeps of 2026-12-01 (benchmarks/gpu_awq.py --gemv-sweep; results in
     # benchmarks/results/h200-run6 and h200-run31; stream 2: words evict-first, x evict-last);
     # packed 2 (the packed fp16 GEMV, two words per fp32 conversion) and the small/large_n
-    # tiles from benchmarks/gpu_gemv_packed.py, H200 run 39 (benchmarks/results/h200-run39):
+    # tiles from gpu_gemv_packed.py (git history), H200 run 39 (benchmarks/results/h200-run39):
     # 1 token, per layer qkv+o+gate_up+down 60.9 -> 55.6 us, lm_head 118.5 -> 116.2 us;
     # 2-4 tokens 1.1-1.45x faster than packed 0
     # pdl 1 (kernels/pdl.py, H200 run 46, gpu_awq_ab.py --pdl, 3 rounds at 32K): INT4 decode
-    # +5.9 % with the producers' early trigger (+1.7 % without it); rows2d 1 lost on every
-    # shape (run 44: 9.0 -> 9.5 us qkv, 14.4 -> 19.9 us down), so it stays 0
+    # +5.9 % with the producers' early trigger (+1.7 % without it); zero points / scales in
+    # the word tile's layout lost on every shape (run 44: 9.0 -> 9.5 us qkv, 14.4 -> 19.9 us
+    # down) and are gone
     # large_n / huge_n: the fastest tiles on the tiled layout (H200 run 65, `gpu_gemv_packed.py
     # --tiled`): gate|up 21.8 -> 21.1 us with bn 128 / 2 warps, lm_head 95.5 -> 81.7 us with
     # 32 programs an SM and no pipelining; small_n's tile is within 0.3 us of the best there
@@ -330,7 +326,7 @@ def gemv_config(m: int, k: int, n: int, group: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=tile.block_n, block_kw=block_kw, split=split,
                       num_warps=tile.num_warps, num_stages=tile.num_stages,
                       prefetch=tile.prefetch, stream=tile.stream, packed=tile.packed,
-                      maxnreg=tile.maxnreg, rows2d=tile.rows2d, pdl=tile.pdl)
+                      maxnreg=tile.maxnreg, pdl=tile.pdl)
 
 
 def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:

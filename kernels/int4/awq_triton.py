@@ -377,7 +377,7 @@ GRAPHS_PER_LINEAR = 4  # dequantize graphs kept per (rows, workspace address); t
 class GraphedDequant:
     """The dequantize half of a prefill linear (W^T rows into a workspace, then cuBLAS),
     launched from CUDA graphs: a Triton launch costs the host ~18-23 us, a graph replay ~4 us
-    (H200 box, `gpu_prefill_host.py --graph-probe`). A graph holds its kernel's arguments, so
+    (H200 box, `gpu_prefill_host.py --graph-probe`, git history). A graph holds its kernel's arguments, so
     one is captured per (W^T rows, workspace address, dtype): the workspace is still
     allocated per call (the planner's transient), and the caching allocator hands back the
     same block chunk after chunk, so a few graphs per linear serve a whole prefill. Beyond
