@@ -166,7 +166,7 @@ def main() -> None:
             for label, path, env in order:
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", path, str(ids_file),
-                     str(a.new_tokens)], env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                     str(a.new_tokens)], env={**os.environ, **env},
                     capture_output=True, text=True, check=True)
                 row = dict(json.loads(out.stdout.strip().splitlines()[-1]), variant=label,
                            round=r)

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hisparse_cli.kernels.attention import attention_ref as ref  # noqa: E402
 from hisparse_cli.kernels.attention import attention_triton as tri  # noqa: E402
 from hisparse_cli.kernels.attention.importance_triton import strided_mass_reference  # noqa: E402

@@ -39,7 +39,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SMOKE = "--smoke-cpu" in sys.argv  # script check without a GPU: interpreter, tiny shapes
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"

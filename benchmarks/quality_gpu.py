@@ -40,7 +40,6 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 START = time.monotonic()
 
 # Documents that fill 8K tokens (legal_tldr has none: its documents are 300-1,300 tokens),
