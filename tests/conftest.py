@@ -27,17 +27,19 @@ if importlib.util.find_spec("hisparse_cli.kernels") is None:  # kernels/ maps in
                 "--no-build-isolation -e .), PYTHONPATH alone does not map kernels/", 2)
 
 # GPU test groups, each within a ~6-minute device call (H200 run logs: test_awq_triton's
-# kernels_k_cuda cases took 205 s for the fp16 half and 249 s for the bf16 one, the engine
-# files 124-136 s together). name -> (test files, predicate on the test's name); a gpu test
+# kernels_k_cuda cases took 205 s for the fp16 half and 249 s for the bf16 one, its
+# kernels_cuda cases 131 s, 64 of its 192 packed GEMV cases 64 s, the engine files 124-136 s). name -> (test files, predicate on the test's name); a gpu test
 # in no group is in "rest". Run one with `python3 -m pytest -q -m gpu tests --gpu-group NAME`.
 GPU_GROUPS = {
     "int4-k-a": (("test_awq_triton.py",),
                  lambda name: "kernels_k_cuda" in name and "dtype0" in name),
     "int4-k-b": (("test_awq_triton.py",),
                  lambda name: "kernels_k_cuda" in name and "dtype0" not in name),
+    "int4-kernels": (("test_awq_triton.py",), lambda name: name.startswith("test_kernels_cuda[")),
     "int4-rest": (("test_awq_triton.py", "test_awq_items.py", "test_awq_model.py",
                    "test_awq_cpu.py", "test_awq_layout.py"),
-                  lambda name: "kernels_k_cuda" not in name),
+                  lambda name: "kernels_k_cuda" not in name
+                  and not name.startswith("test_kernels_cuda[")),
     "kernels": (("test_attention_kernels.py", "test_norm_rope_kernels.py",
                  "test_argmax_triton.py", "test_graph_sampler.py", "test_host_rows.py",
                  "test_pdl.py", "test_cuda_rt.py", "test_attention_ref.py"), lambda name: True),
