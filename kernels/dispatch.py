@@ -14,11 +14,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 
-# True: a decode or prefill step's RoPE and K/V store run as one Triton kernel
-# (norm_rope_triton.rope_store_kv, 32 launches a Llama-3-8B token fewer) where both would run
-# in Triton; benchmarks/gpu_awq_ab.py --fuse-rope-store times it off and on.
-FUSE_ROPE_STORE = True
-
 
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
@@ -86,9 +81,10 @@ class KernelBackend:
         """RoPE of the stacked projection's q and k heads (qkv [T, (hq + 2 hkv) D], cos/sin
         [T, D]), k and v stored at slot_mapping (norm_rope_ref.rope_store_kv) -> q [T, hq, D].
         One Triton kernel where RoPE and store_kv would both run in Triton and its layout
-        applies (FUSE_ROPE_STORE), else self.rope then self.store_kv: the same values."""
+        applies (32 launches a Llama-3-8B token fewer; run 86: neutral in time, kept for the
+        launches), else self.rope then self.store_kv: the same values."""
         t, d = qkv.shape[0], k_cache.shape[-1]
-        if (FUSE_ROPE_STORE and self.elementwise == "triton" and self.attention == "triton"
+        if (self.elementwise == "triton" and self.attention == "triton"
                 and qkv.dim() == 2 and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1
                 and cos.dtype == sin.dtype == qkv.dtype and cos.stride(-1) == 1
                 and sin.stride(-1) == 1):

@@ -289,8 +289,8 @@ def test_eviction_and_recalibration_traces_equal_recorded_allocations():
 @pytest.mark.parametrize("layers", [1, 2, 4])
 @pytest.mark.parametrize("chain", [False, True])
 def test_triton_layer_order_equals_recorded_allocations(tmp_path, monkeypatch, chain, layers):
-    """planner_step.forward_peak's Triton layer order, with llama.FUSE_RESIDUAL_NORM's
-    residual chain (chain) and without, against every byte a CPU forward allocates. The path
+    """planner_step.forward_peak's Triton layer order, with model/llama.py's residual chain
+    (chain) and without (a hooked layer), against every byte a CPU forward allocates. The path
     is CUDA's; here its elementwise kernels are stand-ins that allocate what the Triton kernels
     return (norm: the output; add + norm: the sum, then the output; silu * up: in place) and
     the attention, on both sides, is one fresh [rows, hidden] output after which the normed
@@ -323,7 +323,8 @@ def test_triton_layer_order_equals_recorded_allocations(tmp_path, monkeypatch, c
     path, _ = save_tiny(tmp_path, "llama", num_hidden_layers=layers)
     model = Engine.from_pretrained(path).model
     cfg, hidden, t = model.cfg, model.cfg.hidden_size, 23
-    monkeypatch.setattr(llama, "FUSE_RESIDUAL_NORM", chain)
+    if not chain:  # forward_hidden takes the layer-by-layer path while a layer has a hook
+        model.model.layers[0].register_forward_pre_hook(lambda m, args: None)
     monkeypatch.setattr(llama.CausalLM, "_fused", lambda self, x: TritonAllocs())
     monkeypatch.setattr(llama.Attention, "forward", attn_model)
     monkeypatch.setattr("hisparse_cli.planner.step._attention", attn_plan)
@@ -375,7 +376,7 @@ def test_8b_at_128k_on_h200_by_hand():
     # at down_proj: the stacked gate|up output [2048, 2 x 14336] fp16 (silu and product in
     # place in its gate half) and down's output [2048, 4096], the residual after the
     # attention [2048, 4096] fp16 (the layer's input died at that add: the residual chain of
-    # llama.FUSE_RESIDUAL_NORM), the normed input, RoPE cos/sin [2048, 128] fp16
+    # model/llama.py's residual chain), the normed input, RoPE cos/sin [2048, 128] fp16
     assert "forward" in plan.peak_when
     assert items["activations.at_peak"] == (2 * 56 + 16 + 16 + 16 + 1) * MiB
     shorter = plan_memory(shape_config("llama-3-8b"), context_tokens=32768, **base)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hisparse_cli.kernels import dispatch
 from hisparse_cli.planner.attn import AttnStep, attn_ref, attn_triton, memo_bytes
 from hisparse_cli.planner.trace import (StepShape, SubPeak, Trace, add_rms_norm, cos_sin, linear,
                                        rms_norm, rope)
@@ -29,7 +28,7 @@ def _attention(tr: Trace, s: StepShape, a: AttnStep, first: bool, last_only: boo
         q = rope(tr, s, "attn.q", t, s.hq)
         k = rope(tr, s, "attn.k", t, s.hkv)
         tr.free(q2, k2)
-    elif s.backend == "triton" and dispatch.FUSE_ROPE_STORE:
+    elif s.backend == "triton":
         # KernelBackend.rope_store_kv: q rotated into its own tensor, k and v into the cache
         q, k = rope(tr, s, "attn.q", t, s.hq), -1
     else:  # one RoPE over the q and k heads; q and k are views of its output
@@ -63,7 +62,7 @@ def layer_peak(s: StepShape, a: AttnStep, first: bool = False, last_only: bool =
     last_only: the model's last layer in a step that needs one logit row (model/llama.py):
     attention over all t rows, then o_proj, residual and MLP of the last row only.
     chained: DecoderLayer.forward_unadded in CausalLM.forward_hidden's residual chain
-    (llama.FUSE_RESIDUAL_NORM, Triton): the layer owns its input (here allocated first, not
+    (model/llama.py's residual chain, Triton): the layer owns its input (here allocated first, not
     held by the caller) - x, and with pair_in the previous layer's unadded output h_prev,
     added inside the input norm - and leaves its own output unadded: (x', d) stay live."""
     tr = Trace(s.cuda)
@@ -128,7 +127,7 @@ def forward_peak(s: StepShape, a: AttnStep) -> tuple[SubPeak, list[int]]:
 
 def _chained_forward_peak(s: StepShape, a: AttnStep, tr: Trace, x: int, cos: int,
                           sin: int) -> SubPeak:
-    """forward_peak's rest with llama.FUSE_RESIDUAL_NORM (Triton): the embedding rows x
+    """forward_peak's rest with the residual chain (model/llama.py; Triton): the embedding rows x
     pass to the first layer (the chain holds each layer's input in its call alone), every
     layer leaves its output unadded as (x', d), and the final norm adds the last pair."""
     n = s.layers

@@ -140,7 +140,7 @@ class StepShape:
     importance: str
     num_sms: int
     cpu_int4: bool = False  # CPU AWQ linears keep the packed decode copy (kernels/awq_cpu.py)
-    # CausalLM.forward_hidden's residual chain (model/llama.py:FUSE_RESIDUAL_NORM; Triton)
+    # CausalLM.forward_hidden's residual chain (model/llama.py; Triton elementwise kernels)
     residual_chain: bool = False
 
     @property
