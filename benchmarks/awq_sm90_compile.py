@@ -220,7 +220,7 @@ def main() -> None:
              ((16,) + tiles[0][1:], "*fp16", 128, True)]  # block_m cut for 5..16 tokens
     for (bm, bn, bk, warps, stages), dt, group, bias in gemm:
         bk = min(bk, group)
-        packed = agk.GEMM_PACKED and dt == "*fp16"  # as awq_gemm_k launches it on CUDA
+        packed = dt == "*fp16"  # as awq_gemm_k launches it on CUDA
         k = compile_one(agk._awq_gemm_k_kernel, dict(gemm_sig, x_ptr=dt, b_ptr=dt, y_ptr=dt),
                         dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bk // 8,
                              HAS_BIAS=bias, IEEE=dt == "*fp32", PACKED=packed, ASM=True,

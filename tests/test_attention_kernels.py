@@ -373,16 +373,16 @@ def test_fused_reduce_mass_equals_two_launches(monkeypatch, accum):
     n_phys, bs, hkv, _ = step["k_cache"].shape
     results = {}
     for fuse in (False, True):
-        monkeypatch.setattr(tri, "FUSE_REDUCE_MASS", fuse)
         launched.clear()
         if accum:
             into = (torch.zeros(n_phys, bs, hkv, device=DEV), torch.zeros(hkv, 7, device=DEV),
                     torch.zeros(hkv, 7, device=DEV))
             out = tri.sparse_attention(**step, return_scores=True, num_splits=3,
-                                       scores_into=into)
+                                       scores_into=into, fuse_reduce_mass=fuse)
             results[fuse] = (out[0], *into)
         else:
-            results[fuse] = tri.sparse_attention(**step, return_scores=True, num_splits=3)
+            results[fuse] = tri.sparse_attention(**step, return_scores=True, num_splits=3,
+                                                 fuse_reduce_mass=fuse)
         assert launched == (["_attn_reduce_mass"] if fuse
                             else ["_attn_reduce", "_mass_from_logits"]), launched
     # the forward's lse tail left its split counters at zero for the next call / replay

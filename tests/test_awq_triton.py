@@ -455,7 +455,7 @@ def test_gemm_k_interpreter(group, m, block_m):
 
 
 def _gemm_packed_same_bits(group, tiled, monkeypatch):
-    """awq_gemm_k.GEMM_PACKED: fp16 x through the packed dequantization (PTX on CUDA, its fp32
+    """awq_gemm_k's packed dequantization: fp16 x through it (PTX on CUDA, its fp32
     emulation in the interpreter) gives the bits of the fp32-path dequantization: the same
     fp16 (q - z) s values into the same dot."""
     dev = "cpu" if CPU else "cuda"
@@ -465,8 +465,8 @@ def _gemm_packed_same_bits(group, tiled, monkeypatch):
     cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2)
     ys = []
     for packed in (True, False):
-        monkeypatch.setattr(awq_gemm_k, "GEMM_PACKED", packed)
-        ys.append(awq_gemm_k.awq_gemm_k(x, words, qz, s, b, group, config=cfg, tiled=tiled))
+        ys.append(awq_gemm_k.awq_gemm_k(x, words, qz, s, b, group, config=cfg, tiled=tiled,
+                                        packed=packed))
     assert torch.equal(ys[0], ys[1])
     check(ys[0], x, qw, qz, s, b, group)
 
@@ -682,9 +682,8 @@ def test_awq_linear_tiled_layout_and_stacking(monkeypatch):
     assert q.set_tiled(False) and q.layout == "kmajor" and torch.equal(q(x), want)
     odd, _ = lin_of(72, 2)  # 72 rows: not whole 64-row tiles
     assert not odd.set_tiled(True) and odd.layout == "kmajor"
-    # awq_layout.TILED_WEIGHTS: what from_checkpoint stores on CUDA + Triton
+    # what from_checkpoint stores on CUDA + Triton: the tiled words
     monkeypatch.setattr(AWQLinear, "repacks_on", staticmethod(lambda device: True))
-    monkeypatch.setattr(awq_layout, "TILED_WEIGHTS", True)
     loaded = AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, None, 32,
                                        dtype=torch.float16)
     assert loaded.layout == "tiled" and torch.equal(loaded.qweight, q.set_tiled(True) and q.qweight)

@@ -44,16 +44,13 @@ def test_pdl_off_on_cpu_and_by_env(monkeypatch):
 
 def test_chain_args_wait_whenever_launched_with_pdl(monkeypatch):
     """launch_pdl only ever comes with PDL_WAIT (a consumer that did not wait could read
-    what the previous kernel has not written yet); CHAIN / TRIGGERS switch the parts."""
+    what the previous kernel has not written yet); where PDL is on, the kernel also triggers
+    its dependents."""
     assert pdl.chain_args(torch.device("cpu")) == {"PDL_WAIT": False, "PDL_TRIGGER": False}
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
-    for chain in (False, True):
-        for trig in (False, True):
-            monkeypatch.setattr(pdl, "CHAIN", chain)
-            monkeypatch.setattr(pdl, "TRIGGERS", trig)
-            args = pdl.chain_args(torch.device("cuda", 0))
-            assert args.get("launch_pdl", False) == args["PDL_WAIT"] == chain
-            assert args["PDL_TRIGGER"] == trig
+    args = pdl.chain_args(torch.device("cuda", 0))
+    assert args.get("launch_pdl", False) == args["PDL_WAIT"] is True
+    assert args["PDL_TRIGGER"] is True
 
 
 @pytest.mark.skipif(not CPU, reason="interpreter test")

@@ -375,8 +375,8 @@ def test_8b_at_128k_on_h200_by_hand():
         2 * 128 * 2 + 8 + 4 + 4) == 66 * MiB
     # at down_proj: the stacked gate|up output [2048, 2 x 14336] fp16 (silu and product in
     # place in its gate half) and down's output [2048, 4096], the residual after the
-    # attention [2048, 4096] fp16 (the layer's input died at that add: the residual chain of
-    # model/llama.py's residual chain), the normed input, RoPE cos/sin [2048, 128] fp16
+    # attention [2048, 4096] fp16 (the layer's input died at that add: model/llama.py's
+    # residual chain), the normed input, RoPE cos/sin [2048, 128] fp16
     assert "forward" in plan.peak_when
     assert items["activations.at_peak"] == (2 * 56 + 16 + 16 + 16 + 1) * MiB
     shorter = plan_memory(shape_config("llama-3-8b"), context_tokens=32768, **base)

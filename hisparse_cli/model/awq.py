@@ -98,7 +98,7 @@ class AWQLinear(nn.Module):
 
     On CUDA with the Triton backend, `from_checkpoint` repacks qweight once into the K-major
     run-time layout int32 [out, in/8] (kernels/awq_layout.py; `layout` == "kmajor"; with
-    awq_layout.TILED_WEIGHTS its words in tiled order, "tiled"): same bytes, the
+    a shape of whole 64-row tiles its words in tiled order, "tiled"): same bytes, the
     checkpoint-layout tensor is dropped. `checkpoint_qweight()` gives the AutoAWQ
     layout back. On the CPU (backend "int4pack", the default there) it also keeps a packed
     copy for decode-sized calls, non-persistent buffers `int4pack` uint8 [out, in/2] and
@@ -107,7 +107,7 @@ class AWQLinear(nn.Module):
     """
 
     # "awq": qweight [in, out/8] (AutoAWQ GEMM); "kmajor": [out, in/8]; "tiled": the K-major
-    # words in awq_layout.tile_kmajor's order (awq_layout.TILED_WEIGHTS)
+    # words in awq_layout.tile_kmajor's order (every shape of whole 64-row tiles)
     layout = "awq"
     _prepared_key: tuple | None = None  # forward: what `_prepared` was made for
     _prepared = None  # the backend's awq_linear_k bound to these buffers
@@ -171,7 +171,7 @@ class AWQLinear(nn.Module):
             mod = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype)
         mod.qweight = qweight.to(device).contiguous()
         if cls.repacks_on(mod.qweight.device):
-            tiled = awq_layout.TILED_WEIGHTS and awq_layout.tileable(out_f, in_f, group_size)
+            tiled = awq_layout.tileable(out_f, in_f, group_size)
             # the AWQ-layout tensor is freed here
             mod.qweight = repack_kmajor(mod.qweight, group_size if tiled else None)
             mod.layout = "tiled" if tiled else "kmajor"

@@ -21,8 +21,8 @@ plus keyword-only tuning knobs the reference does not have:
 Kernels: attention_fwd_triton.py (forward + split reduce), importance_triton.py (mass). A
 decode step with split keys and stored logits (the engine's decode) launches two: the forward,
 whose last split program per KV head writes the rows' lse, then `_attn_reduce_mass` (the
-reduce and the mass in one launch; FUSE_REDUCE_MASS, H200 run 53: +2-6 % INT4 decode, +1-3 %
-fp16 at 32K against three launches).
+reduce and the mass in one launch; H200 run 53: +2-6 % INT4 decode, +1-3 % fp16 at 32K against
+the two launches `fuse_reduce_mass=False` makes, the tests' oracle).
 Everything is launched asynchronously: no host sync, so decode steps can be graph-captured.
 Invisible cache slots inside visited blocks must hold finite values (as for the reference).
 """
@@ -49,9 +49,6 @@ SCORE_BUDGET = 0.03  # default stride keeps scoring under ~3% of a layer's weigh
 EXACT_SCORE_MAX_T = 64  # steps shorter than this are scored from every query
 LOGITS_MAX_ROWS = 16  # T * GRP <= this: exact mass from stored logits (no K re-read)
 LOG2E = 1.4426950408889634
-# decode steps with split keys and stored logits: the split reduce and the mass kernel in one
-# launch (importance_triton._attn_reduce_mass); False: two (benchmarks A/B it)
-FUSE_REDUCE_MASS = True
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -144,7 +141,8 @@ def _pick_splits(m_tiles: int, hkv: int, key_tiles: int, device: torch.device) -
 def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window, scale,
                      g_k=None, g_v=None, g_pos=None, return_scores=False, *,
                      num_splits: int | None = None, score_stride: int | None = None,
-                     config: AttnConfig | None = None, scores_into: tuple | None = None):
+                     config: AttnConfig | None = None, scores_into: tuple | None = None,
+                     fuse_reduce_mass: bool = True):
     t_len, hq, d = q.shape
     n_blocks, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}"
@@ -178,7 +176,7 @@ def sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sink
     splits = num_splits or _pick_splits(m_tiles, hkv, key_tiles, dev)
     store_s = return_scores and n_rows <= LOGITS_MAX_ROWS
     # reduce + mass in one launch (below); the forward's last split program writes the lse
-    fused = FUSE_REDUCE_MASS and splits > 1 and store_s and m_tiles == 1
+    fused = fuse_reduce_mass and splits > 1 and store_s and m_tiles == 1
     write_lse = return_scores
     p2 = triton.next_power_of_2(splits)
 

@@ -17,7 +17,7 @@ register operand. Per K step (BLOCK_K inside one group, so one z and s per outpu
 - x^T [BLOCK_K, BLOCK_M] loaded from rows of x (unit stride in K, any row stride; padding
   tokens read row 0 and are masked at the store);
 - tl.dot with fp32 accumulation (fp32 x: IEEE products, no TF32).
-Packed dequantization (GEMM_PACKED, fp16 x on NVIDIA; the interpreter runs an fp32
+Packed dequantization (fp16 x on NVIDIA; the interpreter runs an fp32
 emulation): per word, one LOP3 a nibble pair into the fp16 magic 1024 + q (1024 + 16 q for a
 byte's upper nibble), one HADD2 / HFMA2 to the exact integer q - z, one HMUL2 by s: fp16
 (q - z) s rounded once, the same bits as the fp32 path above (whose q s - z s is exact in
@@ -169,13 +169,16 @@ def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
 
 
 def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
-               checked: bool = False, tiled: bool = False):
+               checked: bool = False, tiled: bool = False, packed: bool = True):
     """Fused dequant-GEMM on the K-major layout: x2 [M, K] -> y [M, N] in x2's dtype
     (fp16/bf16 on tensor cores; fp32 with IEEE products). Allocates only y.
 
     config: awq_layout.GemmConfig; default awq_layout.gemm_config (the table). Its block_k
     is capped at the group size (one z and s per column and step). checked: as awq_gemv_k.
-    tiled: the words are in awq_layout.tile_kmajor's order.
+    tiled: the words are in awq_layout.tile_kmajor's order. packed: fp16 x takes the packed
+    dequantization (_dequant8_packed: the same weight values in ~30 % fewer sm_90 loop
+    instructions, run 89: 1-16 % faster); False runs the fp32-path dequantization (the tests'
+    bit-equality oracle).
     """
     if checked:
         check_x(x2, qweight_k)
@@ -191,7 +194,7 @@ def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
         return y
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     asm = x2.is_cuda and torch.version.hip is None  # the packed path's PTX: NVIDIA only
-    packed = GEMM_PACKED and x2.dtype == torch.float16 and (asm or not x2.is_cuda)
+    packed = packed and x2.dtype == torch.float16 and (asm or not x2.is_cuda)
     _awq_gemm_k_kernel[grid](
         x2, qweight_k, qzeros, scales, bias if bias is not None else scales, y, m, n, kw,
         n // 8, x2.stride(0), y.stride(0), GROUP=group_size, BLOCK_M=cfg.block_m,
@@ -200,7 +203,3 @@ def awq_gemm_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
         PACKED=packed, ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
-
-# True: fp16 activations take the packed dequantization (_dequant8_packed: the same weight
-# values in ~30 % fewer sm_90 loop instructions); `benchmarks/gpu_gemm_packed.py` times it
-GEMM_PACKED = True

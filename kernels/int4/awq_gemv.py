@@ -67,7 +67,6 @@ import triton
 import triton.language as tl
 
 from hisparse_cli.kernels.int4 import awq_layout
-from hisparse_cli.kernels import pdl as _pdl
 from hisparse_cli.kernels.pdl import enter as pdl_enter
 from hisparse_cli.kernels.pdl import pdl_enabled
 from hisparse_cli.kernels.int4.awq_layout import check_gemv_args, check_x  # noqa: F401 (re-export)
@@ -609,7 +608,7 @@ def awq_gemv_k(x2, qweight_k, qzeros, scales, bias, group_size, *, config=None,
                   NUM_STAGES=cfg.num_stages, HAS_BIAS=has_bias, SPLIT=split,
                   PREFETCH=cfg.prefetch, STREAM=cfg.stream,
                   PACKED=packed, ASM=asm, PDL=pdl, TILED=bool(cfg.tiled),
-                  PDL_TRIGGER=pdl and _pdl.TRIGGERS,
+                  PDL_TRIGGER=pdl,
                   num_warps=cfg.num_warps)
     if pdl:  # kernels/pdl.py: may start before the previous kernel ends, waits before x
         common["launch_pdl"] = True

@@ -116,7 +116,7 @@ def kmajor_to_awq(qweight_k: torch.Tensor, tiled_group: int | None = None) -> to
     return out
 
 
-# -- tiled K-major (the engine's layout on CUDA since H200 run 65: TILED_WEIGHTS) -------------
+# -- tiled K-major (the engine's layout on CUDA since H200 run 65) ----------------------------
 # The K-major GEMV reads each loop step as BN rows x 16 words: 64 contiguous bytes from each
 # of BN rows 2 KB apart (K = 4096), i.e. short segments spread over many DRAM pages. The tiled
 # order keeps a [TILE_ROWS, T] block of words (T = tile_words(group) = the GEMV's block_kw)
@@ -127,10 +127,9 @@ def kmajor_to_awq(qweight_k: torch.Tensor, tiled_group: int | None = None) -> to
 # 7.0 us, o 5.6 -> 5.3, gate|up 25.9 -> 21.1, down 14.1 -> 12.3, lm_head 135.5 -> 81.7 (3.3
 # TB/s): -8.4 us a Llama-3-8B layer.
 TILE_ROWS = 64
-# True: AWQLinear.from_checkpoint stores the K-major words of a CUDA + Triton run in the tiled
-# order (layout "tiled", where the rows fill 64-row tiles; other shapes stay K-major), which
-# every K-major kernel reads (awq_gemv / awq_gemm_k / the dequantize: TILED). Same bytes.
-TILED_WEIGHTS = True
+# AWQLinear.from_checkpoint stores the K-major words of a CUDA + Triton run in the tiled order
+# (layout "tiled", where the rows fill 64-row tiles; other shapes stay K-major), which every
+# K-major kernel reads (awq_gemv / awq_gemm_k / the dequantize: TILED). Same bytes.
 
 
 def tileable(out_features: int, in_features: int, group_size: int) -> bool:
