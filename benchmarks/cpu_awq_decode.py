@@ -1,5 +1,5 @@
 """CPU: an AWQ INT4 model through the engine with the packed int4 decode path
-(kernels/awq_cpu.py, the CPU default) against the exact fp32 reference path
+(kernels/int4/awq_cpu.py, the CPU default) against the exact fp32 reference path
 (HISPARSE_BACKEND=torch) and the unquantized fp32 model, same prompt, greedy, in one run.
 
 The INT4 checkpoint is round-to-nearest (group 64) of the model's own weights, written once

@@ -3,7 +3,7 @@
     OUT=./out python benchmarks/gpu_attention.py [SECTIONS]   # from the repo root, on a CUDA machine
     SECTIONS: comma list of correctness,prefill,decode,sweep,dsweep,ssweep (default: first four)
 
-1. correctness: every kernel vs the torch reference (kernels/attention_ref.py) over a grid of
+1. correctness: every kernel vs the torch reference (kernels/attention/attention_ref.py) over a grid of
    shapes -> max errors, PASS/FAIL;
 2. prefill attention (chunk 512/1024/2048 x window 2048/4096/8192 x block 16/64, 256 globals,
    Hq 32, Hkv 8, D 128) vs torch SDPA (dense, same number of keys), TFLOP/s; importance scoring

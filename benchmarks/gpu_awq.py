@@ -1,6 +1,6 @@
-"""GPU check and timing of the Triton AWQ INT4 kernels (hisparse_cli/kernels/awq_triton.py).
+"""GPU check and timing of the Triton AWQ INT4 kernels (kernels/int4/awq_triton.py).
 
-What `AWQLinear` runs on CUDA is the K-major path (kernels/awq_layout.py: qweight repacked
+What `AWQLinear` runs on CUDA is the K-major path (kernels/int4/awq_layout.py: qweight repacked
 once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else (as
 awq_layout.prefill_path says) the fused dequant-GEMM or dequantize W^T + cuBLAS. The
 AWQ-layout kernels (`awq_gemv`, `awq_dequant_matmul`) are timed for comparison.

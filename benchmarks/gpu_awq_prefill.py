@@ -1,5 +1,5 @@
 """Prefill sweep for `gpu_awq.py --prefill-sweep`: the fused dequant-GEMM
-(hisparse_cli/kernels/awq_gemm_k.py) against dequantize + cuBLAS (awq_dequant_matmul_k) and
+(kernels/int4/awq_gemm_k.py) against dequantize + cuBLAS (awq_dequant_matmul_k) and
 fp16 cuBLAS (F.linear on the dense [N, K] weight), per Llama-3-8B decoder shape (stacked
 qkv, o, stacked gate|up, down) at 64/256/1024/2048 tokens, fp16, group 128.
 

@@ -1,4 +1,4 @@
-"""The persistent decode step (kernels/cuda_step.py, kernels/cuda/decode_step.cu) on the GPU:
+"""The persistent decode step (kernels/cuda/cuda_step.py, kernels/cuda/decode_step.cu) on the GPU:
 checked against the engine's layer-by-layer Triton step, then timed inside the engine.
 
     python3 benchmarks/gpu_cuda_decode.py [--out DIR] [--skip-time]

@@ -17,7 +17,7 @@ One run, one H200, random weights built on the device (no download, no files):
       4060ti-6g profile, 32K and 128K prompts, an 8B-shaped random AWQ INT4 model with host
       embeddings and a Llama-3.2-1B-shaped fp16 model, each run only if the planner says it fits.
 Prints compact tables; writes $OUT/gpu_engine.json (OUT env or --out, default ./out).
-Attention backend: Triton when kernels/attention_triton.py imports and agrees with the torch
+Attention backend: Triton when kernels/attention/attention_triton.py imports and agrees with the torch
 reference on a smoke shape, else the torch reference (HISPARSE_BACKEND=torch), said loudly.
 Phases that would overrun --time-budget are skipped with the reason printed.
 --smoke: tiny shapes and contexts (also runs on a CPU, without the memory/bandwidth parts).
@@ -231,7 +231,7 @@ def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, s
                                                        requires_grad=False)
         from hisparse_cli.kernels.cuda.host_rows import map_table
 
-        map_table(model.model.embed_tokens.weight)  # as the loader does (kernels/host_rows.py)
+        map_table(model.model.embed_tokens.weight)  # as the loader does (kernels/cuda/host_rows.py)
         model.lm_head.weight = rnd(cfg.vocab_size, cfg.hidden_size)  # loader: a device copy
     else:
         model.model.embed_tokens.weight = rnd(cfg.vocab_size, cfg.hidden_size)

@@ -5,7 +5,7 @@ methods and never import an implementation module directly. Triton kernels are u
 when triton imports; the torch references run everywhere (and are the test oracles).
 `HISPARSE_BACKEND=torch` forces the references (read once, when a backend is selected); on
 the CPU the default ("auto") runs decode-sized AWQ INT4 calls through torch's packed int4
-kernel (kernels/awq_cpu.py), `torch` keeps the exact fp32 reference there too.
+kernel (kernels/int4/awq_cpu.py), `torch` keeps the exact fp32 reference there too.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class KernelBackend:
     """Names the implementation used for each kernel family on one device."""
 
     attention: str = "torch"  # "torch" | "triton"
-    int4_linear: str = "torch"  # "torch" | "triton" | "int4pack" (CPU: kernels/awq_cpu.py)
+    int4_linear: str = "torch"  # "torch" | "triton" | "int4pack" (CPU: kernels/int4/awq_cpu.py)
     elementwise: str = "torch"  # "torch" | "triton": RMSNorm (+ residual add), RoPE, silu * up
 
     # -- attention -------------------------------------------------------------------------
     def sparse_attention(self, *args, scores_into: tuple | None = None, **kwargs):
-        """See kernels/attention_ref.py:sparse_attention for the contract. With scores_into
+        """See kernels/attention/attention_ref.py:sparse_attention for the contract. With scores_into
         (a layer's score, global_mass, global_seen) and return_scores, the step's masses are
         added there (`attention_ref.accumulate_scores`; the Triton kernels do it themselves)
         and (out, None, None) is returned."""
@@ -70,7 +70,7 @@ class KernelBackend:
         return sparse_attention(*args, **kwargs)
 
     def store_kv(self, *args, **kwargs):
-        """See kernels/attention_ref.py:store_kv for the contract."""
+        """See kernels/attention/attention_ref.py:store_kv for the contract."""
         if self.attention == "triton":
             from hisparse_cli.kernels.attention.attention_triton import store_kv
         else:
@@ -98,8 +98,8 @@ class KernelBackend:
 
     # -- INT4 (AWQ GEMM layout) linear -----------------------------------------------------
     def awq_linear(self, x, qweight, qzeros, scales, bias, group_size, *, cpu_pack=None):
-        """See kernels/awq_ref.py:awq_linear for the contract. cpu_pack: the layer's
-        (packed, scales-and-zeros) CPU copy (kernels/awq_cpu.py), which runs calls of at most
+        """See kernels/int4/awq_ref.py:awq_linear for the contract. cpu_pack: the layer's
+        (packed, scales-and-zeros) CPU copy (kernels/int4/awq_cpu.py), which runs calls of at most
         CPU_INT4_MAX_TOKENS rows on the CPU; the CPU backend's other calls dequantize with
         awq_cpu.dequantize_cpu (the reference's bits); other backends: the reference (or,
         with Triton, the AWQ-layout Triton kernels)."""
@@ -117,7 +117,7 @@ class KernelBackend:
         return awq_linear(x, qweight, qzeros, scales, bias, group_size)
 
     def awq_linear_k(self, *args, **kwargs):
-        """awq_linear with qweight in the K-major run-time layout (kernels/awq_layout.py)."""
+        """awq_linear with qweight in the K-major run-time layout (kernels/int4/awq_layout.py)."""
         if self.int4_linear == "triton":
             from hisparse_cli.kernels.int4.awq_triton import awq_linear_k
         else:
@@ -146,7 +146,7 @@ class KernelBackend:
 
     # -- RMSNorm, residual add + RMSNorm, RoPE -------------------------------------------
     # Triton where the kernel's layout applies (weight/cos/sin in x's dtype, unit stride
-    # along the last dim), else the reference; see kernels/norm_rope_ref.py for the contracts.
+    # along the last dim), else the reference; see kernels/norm_rope/norm_rope_ref.py for the contracts.
     def rms_norm(self, x, weight, eps: float):
         if (self.elementwise == "triton" and x.dim() in (2, 3) and weight.dtype == x.dtype
                 and x.stride(-1) == 1 and weight.is_contiguous()):

@@ -3,7 +3,7 @@
 A kernel launched with PDL (`launch_pdl=True`) may start while the kernel before it in the
 stream is still running: its programs are scheduled early, do work that needs nothing from
 that kernel, then `gdc_wait()` blocks until the previous kernel has completed and its writes
-are visible. The INT4 decode GEMV (kernels/awq_gemv.py) uses it to load its first weight
+are visible. The INT4 decode GEMV (kernels/int4/awq_gemv.py) uses it to load its first weight
 tile (weights, zero points and scales are never written by a kernel) before it reads x, the
 output of the kernel before it; the producers of a GEMV's x (RMSNorm, silu * up, the
 attention reduce and mass kernels) call `gdc_launch_dependents()` as they start (right after

@@ -1,4 +1,4 @@
-"""kernels/argmax_triton.py: greedy_pick against torch.argmax on a masked copy (the oracle),
+"""kernels/sampling/argmax_triton.py: greedy_pick against torch.argmax on a masked copy (the oracle),
 under the Triton interpreter on the CPU and on CUDA (gpu marker)."""
 
 from __future__ import annotations

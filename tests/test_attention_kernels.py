@@ -1,4 +1,4 @@
-"""Triton attention kernels vs the torch reference (kernels/attention_ref.py, the oracle).
+"""Triton attention kernels vs the torch reference (kernels/attention/attention_ref.py, the oracle).
 
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before the
 kernel modules are imported) with small shapes; `gpu`-marked tests use larger shapes and the

@@ -1,4 +1,4 @@
-"""The CPU INT4 decode path (kernels/awq_cpu.py: torch's packed int4 kernel on bf16
+"""The CPU INT4 decode path (kernels/int4/awq_cpu.py: torch's packed int4 kernel on bf16
 activations) against the fp32 dequantized matmul, and the dispatch rules around it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The item INT4 layout (kernels/awq_items.py): single nibbles, scales and zero points placed
+"""The item INT4 layout (kernels/int4/awq_items.py): single nibbles, scales and zero points placed
 by hand against the spec (decode_step.cu item_mma: word ((rt * 2 + kt // 4) * 32 + lane) * 4 + kt % 4,
 bits 4 p + 16 h), AWQ <-> items round trips, the reference against the AWQ oracle and a
 reading of the words in mma.sync fragment order (_dequant_mma, below), the Triton

@@ -1,4 +1,4 @@
-"""The K-major run-time INT4 layout (kernels/awq_layout.py): repack against the reference
+"""The K-major run-time INT4 layout (kernels/int4/awq_layout.py): repack against the reference
 unpacking and hand-built words, its inverse, the torch reference on it, AWQLinear's repack,
 and the GEMV launch choices the planner mirrors."""
 

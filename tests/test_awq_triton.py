@@ -157,7 +157,7 @@ def test_kernels_cuda(dtype, group, k, n, m, fn):
     check(y, x, qw, qz, s, b, group)
 
 
-# -- K-major layout (kernels/awq_layout.py): what AWQLinear runs on CUDA -----------------------
+# -- K-major layout (kernels/int4/awq_layout.py): what AWQLinear runs on CUDA -----------------------
 def case_k(m, k, n, group, dtype, device, bias=True, seed=0):
     from hisparse_cli.kernels.int4.awq_layout import repack_kmajor
 

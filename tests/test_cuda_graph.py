@@ -69,7 +69,7 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
                                               gather):
     """The decoder's static buffers (padded block list, q_start read from a tensor, pinned
     copies; with host_table, the embedded row copied from the table into a static input, by
-    the host or (gather) by kernels/host_rows.py's kernel at the device-side token) run
+    the host or (gather) by kernels/cuda/host_rows.py's kernel at the device-side token) run
     eagerly, without capture, through the Triton kernels under the interpreter: the same
     tokens as the plain eager loop, across a block boundary inside the padding and a
     recalibration."""
@@ -100,7 +100,7 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
 
 
 def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):
-    """HISPARSE_GRAPH_SAMPLER=1: the step samples itself (kernels/graph_sampler.py, its
+    """HISPARSE_GRAPH_SAMPLER=1: the step samples itself (kernels/sampling/graph_sampler.py, its
     kernels under the interpreter) and writes the next token into its own input; uncaptured
     here. The same tokens as the plain eager loop, generate after generate: the penalty and
     n-gram ban, a suppressed EOS under min_new_tokens and a stop at EOS, new settings (the
@@ -188,13 +188,13 @@ def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeyp
     sync debug mode is on for the loop of a run that replays the kept graph, across evictions,
     recalibrations, suppressed EOS, the penalty and n-gram ban, and top-p sampling; host: with
     the embedding table in host memory, whose rows a kernel gathers at the device-side token
-    (kernels/host_rows.py; the host read the token every step before)."""
+    (kernels/cuda/host_rows.py; the host read the token every step before)."""
     import traceback
     import warnings
 
     from hisparse_cli.engine import Engine, GenerationConfig
 
-    gen = dict(gen)  # graph_sampler: the step samples (kernels/graph_sampler.py)
+    gen = dict(gen)  # graph_sampler: the step samples (kernels/sampling/graph_sampler.py)
     monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1" if gen.pop("graph_sampler", False) else "0")
     eng = _engine(tmp_path, torch.float16, embeddings_on_host=host)
     assert (eng.model.model.embed_tokens.weight.device.type == "cpu") == host
@@ -325,7 +325,7 @@ def test_graph_with_host_embeddings_equals_eager(tmp_path, monkeypatch):
     graph, eager = _both(eng, ids, monkeypatch, max_new_tokens=100, eos_token_ids=(),
                          repetition_penalty=1.1, no_repeat_ngram_size=3)
     assert len(graph.token_ids) == 100 and graph.token_ids == eager.token_ids
-    assert used == {True}  # the row gathered on the device (kernels/host_rows.py)
+    assert used == {True}  # the row gathered on the device (kernels/cuda/host_rows.py)
 
 
 @pytest.mark.parametrize("window,sinks", [(64, 4), (48, 20), (None, 0)])

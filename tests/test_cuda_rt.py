@@ -1,4 +1,4 @@
-"""Runtime-built CUDA kernels (kernels/cuda_rt.py, cuda_launch.py): NVRTC compile, cubin cache,
+"""Runtime-built CUDA kernels (kernels/cuda/cuda_rt.py, cuda_launch.py): NVRTC compile, cubin cache,
 driver launch.
 
 CPU, always: argument bytes as cuLaunchKernel reads them, the cache key, the disk cache with a

@@ -1,4 +1,4 @@
-"""The persistent decode step (kernels/cuda_step.py, kernels/cuda/decode_step.cu) and the item
+"""The persistent decode step (kernels/cuda/cuda_step.py, kernels/cuda/decode_step.cu) and the item
 layout of AWQLinear it reads.
 
 CPU: the host mirror of the kernel's parameter struct, the CTA ranges behind the reduction

@@ -1,4 +1,4 @@
-"""kernels/graph_sampler.py: the greedy sampler with its state on the device, against
+"""kernels/sampling/graph_sampler.py: the greedy sampler with its state on the device, against
 engine/cuda_graph.py's DeviceSampler (the oracle: the host-side loop's sampler), token by token
 over sequences built to repeat (so the penalty, the n-gram ban and the EOS suppression all
 bite): its torch path on the CPU, its kernels under the Triton interpreter (a subprocess)."""

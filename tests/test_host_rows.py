@@ -1,4 +1,4 @@
-"""kernels/host_rows.py: the zero-copy gather of embedding rows from a host-resident table.
+"""kernels/cuda/host_rows.py: the zero-copy gather of embedding rows from a host-resident table.
 Oracle: torch indexing `table[ids]`. On the CPU the kernel runs under the Triton interpreter;
 on CUDA it reads a table registered with cudaHostRegister (`gpu` tests)."""
 

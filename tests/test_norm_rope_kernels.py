@@ -1,5 +1,5 @@
-"""Triton RMSNorm / residual-add + RMSNorm / RoPE / silu(gate) * up (kernels/norm_rope_triton.py)
-against their torch references (kernels/norm_rope_ref.py, the ops the model runs on the CPU).
+"""Triton RMSNorm / residual-add + RMSNorm / RoPE / silu(gate) * up (kernels/norm_rope/norm_rope_triton.py)
+against their torch references (kernels/norm_rope/norm_rope_ref.py, the ops the model runs on the CPU).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes; the interpreter casts
 fp32 -> bf16 by truncation (not round-to-nearest), so bf16 gets a tolerance of a few ulps

@@ -1,7 +1,7 @@
 """`hisparse plan PATH`'s document part: the dry run's inputs, the attention line, rendering.
 
 `plan_for_document` builds the summary settings exactly as `summarize` does from the same
-flags (strategy, chunk sizes, instructions, --max-new-tokens) and runs plan_document.py;
+flags (strategy, chunk sizes, instructions, --max-new-tokens) and runs summarize/plan_document.py;
 `attention_choice` is the one place that says which attention the run will use;
 `document_table` / `document_json` show the result (the memory plan follows it).
 """

@@ -11,7 +11,7 @@ bookkeeping (block table, eviction, recalibration) runs between replays as plain
 eager tensor ops; per-step inputs travel in one pinned-memory copy. Sampling stays on the
 device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
 no host synchronisation per token. With the input embedding table in host memory (the
-tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/host_rows.py),
+tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/cuda/host_rows.py),
 where the loader could register the table for device access.
 """
 
@@ -71,7 +71,7 @@ class GraphDecoder:
         host_embeddings (default: the table is not on the run's device): the graph starts
         from a static [1, hidden] input, filled with the token's row of the host table.
         host_gather (default: the loader registered the table for device access,
-        kernels/host_rows.py): a kernel in the graph reads the row from host memory at the
+        kernels/cuda/host_rows.py): a kernel in the graph reads the row from host memory at the
         device-resident token; otherwise the host reads the sampled token (one
         synchronisation a token) and copies its row. persistent: the execution plan chose
         the persistent decode kernel (kernels/cuda/cuda_step.py), which the step then runs
@@ -108,7 +108,7 @@ class GraphDecoder:
                                     self.dev[2 + self.nb_max:])
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        # the greedy sampler inside the step (kernels/graph_sampler.py), where attached: the
+        # the greedy sampler inside the step (kernels/sampling/graph_sampler.py), where attached: the
         # step then writes the next token into self.tok itself
         self.sampler = None
         self.sampled = False  # the step (and its captured graph) runs self.sampler
@@ -213,7 +213,7 @@ class GraphDecoder:
             done.record()
 
     def sample_in_graph(self, gen, eos) -> bool:
-        """Have the step sample greedily itself (kernels/graph_sampler.py), armed for this
+        """Have the step sample greedily itself (kernels/sampling/graph_sampler.py), armed for this
         generate; False where it cannot (not greedy, or the host reads each token to copy its
         embedding row). A graph captured for other settings, or without the sampler, is
         dropped (the next step captures again)."""

@@ -5,7 +5,7 @@ Supported: what AutoAWQ publishes as "GEMM" checkpoints (`*-AWQ` models on the H
      "group_size": 32 | 64 | 128, "zero_point": true, "modules_to_not_convert": [...] | null}
 Tensors per quantized linear `<name>`: qweight int32 [in, out/8], qzeros int32
 [in/group, out/8], scales fp16 [in/group, out], optional bias [out]; layout and nibble order in
-kernels/awq_pack.py. Everything else (GEMV, GEMV-fast, llm-awq, exllama, marlin, other bit
+kernels/int4/awq_pack.py. Everything else (GEMV, GEMV-fast, llm-awq, exllama, marlin, other bit
 widths, symmetric, GPTQ, ...) is refused with a `ModelError` naming what is supported.
 A module is quantized exactly when its `<name>.qweight` is in the checkpoint, so mixed
 checkpoints (some linears fp16, `modules_to_not_convert`) load as they are.
@@ -97,12 +97,12 @@ class AWQLinear(nn.Module):
     (fp16 as stored), bias [out] or None (in the compute dtype).
 
     On CUDA with the Triton backend, `from_checkpoint` repacks qweight once into the K-major
-    run-time layout int32 [out, in/8] (kernels/awq_layout.py; `layout` == "kmajor"; with
+    run-time layout int32 [out, in/8] (kernels/int4/awq_layout.py; `layout` == "kmajor"; with
     a shape of whole 64-row tiles its words in tiled order, "tiled"): same bytes, the
     checkpoint-layout tensor is dropped. `checkpoint_qweight()` gives the AutoAWQ
     layout back. On the CPU (backend "int4pack", the default there) it also keeps a packed
     copy for decode-sized calls, non-persistent buffers `int4pack` uint8 [out, in/2] and
-    `int4pack_sz` bf16 [in/group, out, 2] (kernels/awq_cpu.py: ~25x faster one-token calls,
+    `int4pack_sz` bf16 [in/group, out, 2] (kernels/int4/awq_cpu.py: ~25x faster one-token calls,
     bf16 activations); prefill-sized calls keep the fp32 reference.
     """
 
@@ -127,7 +127,7 @@ class AWQLinear(nn.Module):
                                                    device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device)
                              if bias else None)
-        # the CPU decode copy (kernels/awq_cpu.py), made by from_checkpoint on the CPU where
+        # the CPU decode copy (kernels/int4/awq_cpu.py), made by from_checkpoint on the CPU where
         # the shape allows; not part of the checkpoint (non-persistent)
         self.register_buffer("int4pack", None, persistent=False)
         self.register_buffer("int4pack_sz", None, persistent=False)
@@ -232,7 +232,7 @@ class AWQLinear(nn.Module):
         return True
 
     def set_layout(self, layout: str) -> bool:
-        """layout "items": the persistent decode kernel's layout (kernels/awq_items.py: group
+        """layout "items": the persistent decode kernel's layout (kernels/int4/awq_items.py: group
         size 128, in and out features multiples of 128), which packs the scales and zero
         points into the items, so qweight becomes the items [T * G, 2128] and qzeros / scales
         are dropped; any other layout is reached through the AutoAWQ tensors. True when the

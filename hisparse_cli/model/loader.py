@@ -198,7 +198,7 @@ def _load_fused(parent: nn.Module, attr: str, parts: tuple[str, ...], pre: str, 
 def _map_host_table(emb: nn.Embedding) -> None:
     """A host-resident table for a CUDA run: copied into memory of its own (the checkpoint's
     tensor may share a file mapping) and registered for the device to read
-    (kernels/host_rows.py: CUDA-graph decode then gathers the token's row on the device).
+    (kernels/cuda/host_rows.py: CUDA-graph decode then gathers the token's row on the device).
     Left as it is, read on the host, where registration is not possible."""
     from hisparse_cli.kernels.dispatch import triton_available
 

@@ -1,7 +1,7 @@
 """Allocation traces of the two attention backends for one layer of one step:
-kernels/attention_triton.py (explicit outputs and workspaces) and kernels/attention_ref.py
+kernels/attention/attention_triton.py (explicit outputs and workspaces) and kernels/attention/attention_ref.py
 (the torch reference; its per-step mask memo is built by the step's first layer and lives
-until the step ends). Rules as in planner_trace.py.
+until the step ends). Rules as in planner/trace.py.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@
                        embeddings_on_host=True, budget_bytes=profile.vram_budget_bytes)
     plan.peak_allocated_bytes, plan.fits, plan.suggestions, plan.to_dict()
 
-How: weights are summed tensor by tensor (planner_weights.py); the run is replayed step by
-step with the engine's own host policy (planner_run.py) and op-level allocation traces of
-every step (planner_trace.py, planner_step.py). `peak_allocated_bytes` predicts
+How: weights are summed tensor by tensor (planner/weights.py); the run is replayed step by
+step with the engine's own host policy (planner/run.py) and op-level allocation traces of
+every step (planner/trace.py, planner/step.py). `peak_allocated_bytes` predicts
 `torch.cuda.max_memory_allocated()` over a generate call (the engine resets the peak at its
 start). Counted line items sum to it exactly: the weights, cuBLAS's workspace, and what was
 live at the peak moment (ids, paged KV storage, slots, logits, that step's temporaries).
@@ -221,7 +221,7 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     persistent = graph and awq and execution.persistent
     persistent_why = (execution.decode_kernel.reason if graph and awq and not persistent
                       else None)
-    if persistent:  # kernels/cuda_step.py's buffers
+    if persistent:  # kernels/cuda/cuda_step.py's buffers
         from hisparse_cli.kernels.cuda.cuda_step import buffer_bytes
 
         pb = sum(cuda_block_bytes(n) for n in buffer_bytes(model_cfg, awq_lm_head, num_sms))

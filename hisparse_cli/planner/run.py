@@ -2,7 +2,7 @@
 `SparseSequence` on an engine/block_pool.py `BlockPool`: plain Python, no torch) decides,
 step by step, how many blocks are live, how many each step reads, which are evicted and when
 the globals are recalibrated; the device-side tensors of each step are replayed with the
-traces of planner_step.py on top of what is resident (ids, slots, logits, and the paged KV
+traces of planner/step.py on top of what is resident (ids, slots, logits, and the paged KV
 storage, which `KVRun` allocates once before prefill at the working-set bound of the prefill
 chunk over prompt + new tokens and which never grows).
 
@@ -95,7 +95,7 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
     stream holds a cuBLAS workspace of that many bytes from the first decode step on;
     graph_input_bytes: its static embedded-row input (host-resident table), if any;
     sampler_bytes: the graph decode's sampler buffers, allocated at its start; sampler_kept:
-    they are the in-graph sampler's (kernels/graph_sampler.py: no per-token temporaries, kept
+    they are the in-graph sampler's (kernels/sampling/graph_sampler.py: no per-token temporaries, kept
     with the decode graph after the run), else DeviceSampler's (freed at the run's end)."""
     pool = BlockPool()
     seq = SparseSequence(sparse, pool, model_window=model_window)

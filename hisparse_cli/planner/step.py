@@ -1,7 +1,7 @@
 """Allocation traces of a whole engine step: the forward pass (model/llama.py), the attention
-backends (kernels/attention_ref.py, kernels/attention_triton.py) and the KV cache's own work
+backends (kernels/attention/attention_ref.py, kernels/attention/attention_triton.py) and the KV cache's own work
 (engine/kv_cache.py: eviction into candidate slots, recalibration). Each function returns the
-peak of its temporaries measured from zero (`SubPeak`); see planner_trace.py for the rules.
+peak of its temporaries measured from zero (`SubPeak`); see planner/trace.py for the rules.
 """
 
 from __future__ import annotations

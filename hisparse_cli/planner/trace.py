@@ -2,8 +2,8 @@
 
 `Trace` is a live-bytes simulator: `alloc` / `free` named tensors, remember the peak and what
 was live at it. The functions below replay, in order, the tensors that model/llama.py,
-kernels/attention_ref.py, kernels/attention_triton.py, kernels/awq_*.py,
-kernels/norm_rope_triton.py and engine/kv_cache.py create and drop while a step runs (a
+kernels/attention/attention_ref.py, kernels/attention/attention_triton.py, kernels/awq_*.py,
+kernels/norm_rope/norm_rope_triton.py and engine/kv_cache.py create and drop while a step runs (a
 view or an in-place op allocates nothing; a temporary dies when the statement that made it
 ends). They are transcriptions of
 that code: when it changes, these must follow (tests/test_planner.py replays a real CPU run
@@ -139,7 +139,7 @@ class StepShape:
     min_distance: int  # snapkv: score_min_distance passed to the kernel (0: none)
     importance: str
     num_sms: int
-    cpu_int4: bool = False  # CPU AWQ linears keep the packed decode copy (kernels/awq_cpu.py)
+    cpu_int4: bool = False  # CPU AWQ linears keep the packed decode copy (kernels/int4/awq_cpu.py)
     # CausalLM.forward_hidden's residual chain (model/llama.py; Triton elementwise kernels)
     residual_chain: bool = False
 
@@ -160,7 +160,7 @@ def linear(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, quant: bo
     cb = s.cb
     if not quant:  # F.linear: one addmm/mm output
         return tr.alloc(name, m * n * cb)
-    if s.backend == "triton":  # K-major kernels for every dtype (kernels/awq_layout.py)
+    if s.backend == "triton":  # K-major kernels for every dtype (kernels/int4/awq_layout.py)
         return _awq_triton(tr, s, name, m, k, n)
     if s.cpu_int4 and not s.cuda:
         from hisparse_cli.kernels.int4.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_applies
@@ -295,7 +295,7 @@ def add_rms_norm(tr: Trace, s: StepShape, name: str, rows: int, dim: int) -> tup
 def rms_norm(tr: Trace, s: StepShape, name: str, rows: int, dim: int) -> int:
     """RMSNorm of [rows, dim] in the compute dtype (model/llama.py:RMSNorm)."""
     el, cb = rows * dim, s.cb
-    if s.backend == "triton":  # kernels/norm_rope_triton.py: the output only
+    if s.backend == "triton":  # kernels/norm_rope/norm_rope_triton.py: the output only
         return tr.alloc(name, el * cb)
     xf = tr.alloc(name, el * 4) if cb != 4 else -1  # x.float() (no-op in fp32)
     p = tr.alloc(name, el * 4)  # pow(2)
@@ -316,7 +316,7 @@ def rms_norm(tr: Trace, s: StepShape, name: str, rows: int, dim: int) -> int:
 def rope(tr: Trace, s: StepShape, name: str, t: int, heads: int) -> int:
     """RoPE of [t, heads, d]: returns the rotated tensor (input kept by the caller)."""
     el, cb = t * heads * s.d, s.cb
-    if s.backend == "triton":  # kernels/norm_rope_triton.py: the output only
+    if s.backend == "triton":  # kernels/norm_rope/norm_rope_triton.py: the output only
         return tr.alloc(name, el * cb)
     # norm_rope_ref.rope_tabled: x * cos + x.roll(d / 2) * sin_rot
     xc = tr.alloc(name, el * cb)  # x * cos

@@ -43,7 +43,7 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
 
 
 def cpu_int4pack_items(cfg: ModelConfig, group: int, awq_lm_head: bool) -> list[WeightItem]:
-    """The packed CPU decode copies of the AWQ linears (kernels/awq_cpu.py), per linear as the
+    """The packed CPU decode copies of the AWQ linears (kernels/int4/awq_cpu.py), per linear as the
     loader stacks them (q|k|v, gate|up) and only where the shape allows the packing."""
     from hisparse_cli.kernels.int4.awq_cpu import int4pack_applies, packed_bytes
 

@@ -1,7 +1,7 @@
 """Triton forward kernel of paged sparse attention (prefill chunks and decode, one kernel).
 
-Torch reference: kernels/attention_ref.py:sparse_attention (same layouts, same visibility rule).
-Public entry: kernels/attention_triton.py. Versions: v1 flash-style online softmax over
+Torch reference: kernels/attention/attention_ref.py:sparse_attention (same layouts, same visibility rule).
+Public entry: kernels/attention/attention_triton.py. Versions: v1 flash-style online softmax over
 {globals ∪ sinks ∪ window}, GQA rows, optional split along the keys (flash-decoding) with a
 reduce kernel, optional logits side-output for exact small-T importance scoring; v2 one
 pipelined loop per segment kind (a pointer select between the globals and the cache broke

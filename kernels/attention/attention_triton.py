@@ -1,6 +1,6 @@
 """Triton backend of the paged sparse attention contract (selected by kernels/dispatch.py).
 
-Same signatures and semantics as kernels/attention_ref.py (the torch oracle):
+Same signatures and semantics as kernels/attention/attention_ref.py (the torch oracle):
     store_kv(k_cache, v_cache, k, v, slot_mapping)                 -> store_kv_triton.py
     sparse_attention(q, k_cache, v_cache, block_ids, block_starts, q_start, sinks, window,
                      scale, g_k=None, g_v=None, g_pos=None, return_scores=False)

@@ -1,6 +1,6 @@
 """Importance scoring kernels: key_mass / global_mass of one attention step (return_scores).
 
-Definition (kernels/attention_ref.py:sparse_attention): mass[kvh, j] = sum over the step's
+Definition (kernels/attention/attention_ref.py:sparse_attention): mass[kvh, j] = sum over the step's
 queries t and the query heads g of KV head kvh of softmax probability p[t, g, j]. Both kernels
 need the row log-sum-exp that the attention kernel writes (lse2, log2 domain, [Hkv, T*GRP]).
 

@@ -1,6 +1,6 @@
 """Triton `store_kv`: scatter the step's new K/V tokens into their paged cache slots.
 
-Torch reference: kernels/attention_ref.py:store_kv (index_copy_ into the [nb*bs, Hkv, D] view).
+Torch reference: kernels/attention/attention_ref.py:store_kv (index_copy_ into the [nb*bs, Hkv, D] view).
 One program per new token copies its [Hkv, D] K and V rows to slot_mapping[t] (converted to
 the cache dtype). A negative slot (padding) is skipped, which the reference does not accept.
 """

@@ -1,7 +1,7 @@
 """Runtime-built CUDA C++ kernels, the launch half: the CUDA driver API through ctypes.
 
 `load_module(compiled, device).function("k<float, 4>")` -> `Function` (a cubin from
-kernels/cuda_rt.py's `compile_cubin`), then `fn.launch(grid, block, shared_bytes, [ptr(y),
+kernels/cuda/cuda_rt.py's `compile_cubin`), then `fn.launch(grid, block, shared_bytes, [ptr(y),
 i32(n), f32(eps), tensor_map])` on torch's current stream, so `torch.cuda.graph` captures it
 like any kernel. Every scalar argument states its width (`i32`, `u32`, `i64`, `u64`, `f32`;
 `ptr` for a tensor's address); a `ctypes.Structure` goes by value as a struct parameter; a

@@ -14,7 +14,7 @@ name expression; `Compiled.lowered` maps each one to its mangled name. Cubins ar
 NVRTC version and FORMAT) and memoized in the process; an entry that cannot be read or does
 not check out is rebuilt, a folder that cannot be written is skipped silently.
 
-Launch: kernels/cuda_launch.py (the driver API: modules, launches, TMA tensor maps).
+Launch: kernels/cuda/cuda_launch.py (the driver API: modules, launches, TMA tensor maps).
 
 libnvrtc is looked for in this order: `$HISPARSE_NVRTC` (a file, used alone when set); the
 nvidia wheel folders under every sys.path / site-packages entry (CUDA 13, then 12; 12 first

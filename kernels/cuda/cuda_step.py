@@ -10,7 +10,7 @@ step's workspace plus one kernel launch (plus the fp16 head's matmul when the he
 INT4), all on the current stream, so the graph captures it like the Triton step.
 
 `unsupported(model, run)` says why a model/run cannot take it (None when it can): sm_90 with
-NVRTC, Llama-family layers whose linears are AWQ INT4 held as items (kernels/awq_items.py,
+NVRTC, Llama-family layers whose linears are AWQ INT4 held as items (kernels/int4/awq_items.py,
 group size 128), no biases or q/k norms, head dim 128, at most 8 query heads a KV head, fp16
 activations and KV cache, 16-token pages, global slots in whole pages, and the attention,
 SnapKV or uniform importance (the learned probe reads hidden states the kernel does not make).
@@ -182,7 +182,7 @@ def config_unsupported(cfg, group_size: int = 128, awq=None) -> str | None:
     says: the shapes the kernel is built for, Llama-family layers without biases or q/k norms,
     SiLU, AWQ INT4 of group size 128 for every layer's linears (awq: the checkpoint's
     AWQConfig, whose modules_to_not_convert must leave every layer linear INT4; the lm_head may
-    stay fp16). The memory planner asks this (planner.py); model_unsupported asks it too."""
+    stay fp16). The memory planner asks this (planner/memory.py); model_unsupported asks it too."""
     if cfg.head_dim != HD:
         return f"head dim {cfg.head_dim} (the kernel is built for {HD})"
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads

@@ -9,7 +9,7 @@
 // weights stream through the dependencies. The benchmark skeleton it grew from
 // (benchmarks/cuda/step_ring.cu, in git history) measured 2.45-2.55x the fp16 engine at 32K context.
 //
-// Phases (a table of META int64 rows built by kernels/cuda_step.py):
+// Phases (a table of META int64 rows built by kernels/cuda/cuda_step.py):
 //   per layer: q|k|v GEMV (x = RMSNorm(h); layer 0 reads the token's embedding row and writes
 //   h) -> ATTENTION (RoPE of q and the current k, K/V store into the paged cache, sparse
 //   attention over the step's block list + the layer's global slots + the current token,
@@ -22,7 +22,7 @@
 //   then either the INT4 lm_head GEMV (x = RMSNorm(h) with the final norm) into the logits, or
 //   FINAL_NORM (the normed hidden state in fp16 for an fp16 head run by the host after this).
 //
-// Semantics are the engine's (kernels/attention_ref.py is the oracle): a query at position q
+// Semantics are the engine's (kernels/attention/attention_ref.py is the oracle): a query at position q
 // sees key position k iff k <= q and (k < sinks or k > q - window), plus every global slot of
 // its KV head whose position is >= 0; decode importance mass = each key's attention
 // probability summed over the query heads of its KV head, added to score[block, offset, head]
@@ -32,7 +32,7 @@
 // position q and the last split adds the current token from registers.
 //
 // Layouts:
-//   INT4 items (kernels/awq_items.py): a linear's weights as items of one 128-row input group x
+//   INT4 items (kernels/int4/awq_items.py): a linear's weights as items of one 128-row input group x
 //   128 output columns (8512 bytes: mma.sync A fragments, scales, zero points), item index =
 //   column tile * G + group, G = in / 128.
 //   KV cache [L, capacity, block_size, Hkv, 128] fp16 (the engine's), read page by page (16
@@ -41,7 +41,7 @@
 //   128-byte half-row), which makes ldmatrix.trans conflict-free; globals [L, Hkv, G, 128]
 //   through maps of the same form (Hkv = 1, rows = L * Hkv * G).
 //
-// No CUDA headers: compiled at run time by NVRTC (kernels/cuda_rt.py), so fp16 is handled as
+// No CUDA headers: compiled at run time by NVRTC (kernels/cuda/cuda_rt.py), so fp16 is handled as
 // raw 16-bit values with PTX conversions; ring.cuh (the shared helpers) is inlined by
 // kernels/cuda/cuda_step.py. Compile-time: GQA (query heads a KV head, <= 8), NORM_PAIRS
 // (hidden / 1024), ATT_WARPS (warps an attention page, chosen by the step for its pages a
@@ -87,7 +87,7 @@ static_assert(AGROUPS <= MERGE_GROUPS && SPLIT % ATT_WARPS == 0 && HD % (16 * AT
 // load (run 132: -0.045 ms); the down sums leave as one 16-byte reduction a 4 rows (run 133).
 #ifndef NORM_PAIRS
 #define NORM_PAIRS 4     // x pairs a thread in the RMSNorm (held in registers): hidden <= 1024 x
-#endif                   // this; compiled per model (kernels/cuda_step.py: hidden / 1024)
+#endif                   // this; compiled per model (kernels/cuda/cuda_step.py: hidden / 1024)
 
 #define K_GEMV 0
 #define K_ATTN 1

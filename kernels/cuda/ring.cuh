@@ -8,7 +8,7 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
-struct __align__(64) TensorMap {  // a CUtensorMap (kernels/cuda_rt.py encodes it), by value
+struct __align__(64) TensorMap {  // a CUtensorMap (kernels/cuda/cuda_rt.py encodes it), by value
   u64 opaque[16];
 };
 
@@ -110,7 +110,7 @@ __device__ __forceinline__ Range cta_range(i64 n, int c, int P) {
 // (returned), that entry's slot and the parity to wait for
 // (stages must be a multiple of units: a unit then waits only on slots whose previous fill in
 // the phase it waited for itself. Bulk copies may land out of order, so a parity wait on a slot
-// whose previous fill is still in flight would pass at once; kernels/cuda_step.py ring_units)
+// whose previous fill is still in flight would pass at once; kernels/cuda/cuda_step.py ring_units)
 __device__ __forceinline__ int ring_start(int pos0, int unit, int units, int stages, int& slot,
                                           u32& parity) {
   const int first = (((unit - pos0) % units) + units) % units;

@@ -1,6 +1,6 @@
 """CPU INT4 linear for decode-sized calls: torch's packed int4 weight-only matmul
 (`aten._weight_int4pack_mm_for_cpu`, the CPU kernel behind torchao's int4 weight-only) on
-bfloat16 activations. The torch reference (kernels/awq_ref.py) dequantizes the whole weight
+bfloat16 activations. The torch reference (kernels/int4/awq_ref.py) dequantizes the whole weight
 to fp32 on every call; at one token that is ~25x the matmul (SmolLM2-135M's linears on the
 2-core CI machine: 393 ms a token against 22 ms for fp32 weights; this path: 14 ms).
 

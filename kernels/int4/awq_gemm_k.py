@@ -13,7 +13,7 @@ register operand. Per K step (BLOCK_K inside one group, so one z and s per outpu
 - a [BLOCK_N, BLOCK_KW] word tile (rows contiguous along K: 16-byte loads), each nibble
   dequantized as q s - z s in fp32 (q through the 2^23 magic-number bitcast, one rounding to
   x's dtype; bit-identical to awq_dequantize_k), then put back in K order by a permutation
-  inside each run of 4 words (kernels/awq_layout.py);
+  inside each run of 4 words (kernels/int4/awq_layout.py);
 - x^T [BLOCK_K, BLOCK_M] loaded from rows of x (unit stride in K, any row stride; padding
   tokens read row 0 and are masked at the store);
 - tl.dot with fp32 accumulation (fp32 x: IEEE products, no TF32).

@@ -1,5 +1,5 @@
 """Triton INT4 (AWQ) decode GEMV on the K-major run-time layout: y [M, N] = x [M, K] @ W for
-M <= GEMV_MAX_TOKENS tokens (kernels/awq_layout.py owns the layout and the launch table).
+M <= GEMV_MAX_TOKENS tokens (kernels/int4/awq_layout.py owns the layout and the launch table).
 
 Version 3 (v2, the natural-nibble-order kernel of H200 run 4, lives on as the baseline in
 benchmarks/awq_gemv_v2.py in git history). What changed and why:

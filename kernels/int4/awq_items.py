@@ -21,7 +21,7 @@ tile's groups are consecutive, as the kernel walks K.
 
 Conversion is pure byte shuffling: an AWQ word holds the 8 rows g = 0..7 of one (rt, pr) and
 one K, byte b holding rows AWQ_ORDER[2 b] (low nibble) and AWQ_ORDER[2 b + 1] (high) (AWQ
-order, kernels/awq_pack.py); an item byte holds one (row g, K) for pr = 0 (low) and 1
+order, kernels/int4/awq_pack.py); an item byte holds one (row g, K) for pr = 0 (low) and 1
 (high). Both directions are the same 2 x 2 nibble transpose between the two pr bytes of an
 AWQ word pair (_transpose) plus one permutation of whole bytes, on uint8 tensors (int32 seen
 as little-endian bytes, as on every CUDA and x86/ARM host), chunk by chunk of output tiles

@@ -17,7 +17,7 @@ def dequantize_items(items: torch.Tensor, in_features: int, out_features: int,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton: W^T rows [col_start, col_end) (whole tiles) -> [cols, in] in out's dtype (fp16
     when out is None; written into out, unit stride in K). Values: the reference's, rounded
-    once to the dtype. One program per item (kernels/awq_items_triton.py)."""
+    once to the dtype. One program per item (kernels/int4/awq_items_triton.py)."""
     from hisparse_cli.kernels.int4.awq_items_triton import dequant_items_launch
 
     check_items(items, in_features, out_features)

@@ -1,4 +1,4 @@
-"""Triton dequantize of the item INT4 layout (kernels/awq_items.py) into W^T rows: the
+"""Triton dequantize of the item INT4 layout (kernels/int4/awq_items.py) into W^T rows: the
 first half of the "dequantize a chunk, then cuBLAS" prefill path of a linear held as items
 (awq_items_linear.dequantize_items / items_linear call it; argument checks live there).
 
@@ -12,7 +12,7 @@ joined to [R, 32, pk, h] and permuted from (kt4, tt, kc, pk, h) to K = 64 kt4 + 
 (256 bytes in fp16). Consecutive programs take consecutive groups j of one tile: they read
 consecutive items and write adjacent stretches of the same W^T rows.
 
-Written for Triton >= 3.0 like kernels/awq_triton.py: plain loads/stores, tl.join /
+Written for Triton >= 3.0 like kernels/int4/awq_triton.py: plain loads/stores, tl.join /
 tl.reshape / tl.permute; runs under TRITON_INTERPRET=1.
 """
 

@@ -2,7 +2,7 @@
 AutoAWQ GEMM layout, and the launch choices the memory planner must mirror. Torch only.
 
 Checkpoints, `hisparse quantize` and the torch reference keep the AutoAWQ GEMM layout
-(kernels/awq_pack.py): qweight int32 [in, out/8], 8 output columns per word. The Triton GEMV
+(kernels/int4/awq_pack.py): qweight int32 [in, out/8], 8 output columns per word. The Triton GEMV
 and dequantize kernels read qweight instead as
 
     qweight_k  int32 [out, in/8]   word (n, w) holds q[32 (w // 4) + 4 i + w % 4, n]
@@ -160,7 +160,7 @@ def untile_kmajor(tiled: torch.Tensor, group_size: int) -> torch.Tensor:
     return tiles.contiguous().view(n, kw)
 
 
-# -- argument checks of the K-major kernels (kernels/awq_gemv.py, awq_gemm_k.py, awq_triton.py)
+# -- argument checks of the K-major kernels (kernels/int4/awq_gemv.py, awq_gemm_k.py, awq_triton.py)
 def check_gemv_args(x2, qweight_k, qzeros, scales, bias, group_size):
     """Assert the K-major GEMV/dequantize contract: x2 [M, K] unit stride in K, qweight_k
     int32 [N, K/8], qzeros int32 [K/group, N/8], scales [K/group, N], bias [N] or None."""
@@ -195,7 +195,7 @@ DEQUANT_CHUNK_ELEMS = 1 << 26  # temp W^T of the cuBLAS path: 128 MiB in fp16, s
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """One launch of the K-major GEMV (kernels/awq_gemv.py). block_n: output columns per
+    """One launch of the K-major GEMV (kernels/int4/awq_gemv.py). block_n: output columns per
     program; block_kw: words of K per loop step (a multiple of 4, inside one group); split:
     programs along K (> 1: fp32 partials [split, m, n] + a reduction kernel); num_warps;
     num_stages: software-pipelining depth of the K loop (1: none); prefetch: 1 loads the next
@@ -336,7 +336,7 @@ def dequant_chunk(k: int, n: int, chunk_elems: int) -> int:
 # -- prefill (M > GEMV_MAX_TOKENS): fused dequant-GEMM or dequantize + cuBLAS -------------------
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch of the fused dequant-GEMM (kernels/awq_gemm_k.py). block_m: tokens per
+    """One launch of the fused dequant-GEMM (kernels/int4/awq_gemm_k.py). block_m: tokens per
     program (the MMA's N slot); block_n: output columns per program (the MMA's M slot);
     block_k: K rows per loop step (capped at the group size; a multiple of 32)."""
 

@@ -1,10 +1,10 @@
 """Torch reference for the AWQ INT4 linear (GEMM layout): unpack, dequantize, matmul.
 
-Contract shared with kernels/awq_triton.py (the dispatch point calls either one):
+Contract shared with kernels/int4/awq_triton.py (the dispatch point calls either one):
 
     awq_linear(x, qweight, qzeros, scales, bias, group_size) -> y
         x        [..., in]          fp16 / bf16 (fp32 also accepted here)
-        qweight  int32 [in, out/8]  AWQ nibble order (kernels/awq_pack.py)
+        qweight  int32 [in, out/8]  AWQ nibble order (kernels/int4/awq_pack.py)
         qzeros   int32 [in/group, out/8]
         scales   [in/group, out]    fp16 (bf16/fp32 accepted)
         bias     [out] or None
@@ -68,7 +68,7 @@ def awq_linear_k(x: torch.Tensor, qweight_k: torch.Tensor, qzeros: torch.Tensor,
                  scales: torch.Tensor, bias: torch.Tensor | None, group_size: int, *,
                  checked: bool = False) -> torch.Tensor:
     """awq_linear with qweight in the K-major run-time layout [out, in/8]
-    (kernels/awq_layout.py): converted back to the AWQ GEMM layout, then the reference
+    (kernels/int4/awq_layout.py): converted back to the AWQ GEMM layout, then the reference
     (which checks every argument; `checked` is accepted for the Triton path's signature)."""
     from hisparse_cli.kernels.int4.awq_layout import kmajor_to_awq
 

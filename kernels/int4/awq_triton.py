@@ -1,18 +1,18 @@
 """Triton INT4 (AWQ) linear for CUDA.
 
 What `AWQLinear` runs on CUDA is the K-major path (qweight repacked once at load into
-kernels/awq_layout.py's int32 [N, K/8], same bytes):
-    awq_linear_k      M <= GEMV_MAX_TOKENS: `awq_gemv_k` (kernels/awq_gemv.py: fused dequant
+kernels/int4/awq_layout.py's int32 [N, K/8], same bytes):
+    awq_linear_k      M <= GEMV_MAX_TOKENS: `awq_gemv_k` (kernels/int4/awq_gemv.py: fused dequant
                       GEMV, all tokens in one program); otherwise, as
                       awq_layout.prefill_path says (token threshold per N class, set by
-                      `gpu_awq.py --prefill-sweep`), `awq_gemm_k` (kernels/awq_gemm_k.py:
+                      `gpu_awq.py --prefill-sweep`), `awq_gemm_k` (kernels/int4/awq_gemm_k.py:
                       fused dequant-GEMM, tl.dot) or `awq_dequant_matmul_k` (dequantize W^T
                       [N, K] with 16-byte stores, then cuBLAS x @ W^T.T).
 The AWQ-GEMM-layout kernels below (`awq_linear`: `awq_gemv`, `awq_gemm`,
 `awq_dequant_matmul`) serve callers holding checkpoint-layout tensors; they are slower
 (BENCHMARKS.md).
 
-Contract: identical to kernels/awq_ref.py:awq_linear / awq_linear_k (the oracles). Written
+Contract: identical to kernels/int4/awq_ref.py:awq_linear / awq_linear_k (the oracles). Written
 for Triton >= 3.0 (checked with 3.6 on the H200 and 3.9 locally, also under
 TRITON_INTERPRET=1): plain loads, `tl.join`/`tl.reshape`/`tl.permute`, `tl.dot`,
 `tl.atomic_add`; no
@@ -250,7 +250,7 @@ def awq_dequant_matmul(x2, qweight, qzeros, scales, bias, group_size):
 
 
 def awq_linear(x, qweight, qzeros, scales, bias, group_size):
-    """y [..., out] = x [..., in] @ dequant(W) + bias (contract: kernels/awq_ref.py)."""
+    """y [..., out] = x [..., in] @ dequant(W) + bias (contract: kernels/int4/awq_ref.py)."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         from hisparse_cli.kernels.int4.awq_ref import awq_linear as ref
 
@@ -269,10 +269,10 @@ def awq_linear(x, qweight, qzeros, scales, bias, group_size):
     return y.reshape(*lead, y.shape[-1])
 
 
-# == K-major layout (kernels/awq_layout.py): what AWQLinear holds on CUDA ======================
+# == K-major layout (kernels/int4/awq_layout.py): what AWQLinear holds on CUDA ======================
 # qweight_k int32 [N, K/8]: word (n, w) holds q[32 (w // 4) + 4 i + w % 4, n] at bits 4i. A
 # row of words is contiguous along K, so a [BLOCK_N, BLOCK_KW] word tile loads with 16-byte
-# coalesced loads, each word exactly once. The decode GEMV is kernels/awq_gemv.py.
+# coalesced loads, each word exactly once. The decode GEMV is kernels/int4/awq_gemv.py.
 
 @triton.jit
 def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, stride_wn,
@@ -470,7 +470,7 @@ class PreparedLinearK(GraphedDequant):
 def awq_linear_k(x, qweight_k, qzeros, scales, bias, group_size, *, checked: bool = False,
                  tiled: bool = False):
     """y [..., out] = x [..., in] @ dequant(W) + bias with qweight in the K-major layout
-    (kernels/awq_layout.py); any float dtype (fp32 too). Contract otherwise as awq_linear.
+    (kernels/int4/awq_layout.py); any float dtype (fp32 too). Contract otherwise as awq_linear.
     checked: the weights passed check_gemv_args before (AWQLinear checks them once): only x
     is checked per call (the host time of a prefill linear is what bounds INT4 prefill).
     tiled: the words in awq_layout.tile_kmajor's order (every path reads them so)."""

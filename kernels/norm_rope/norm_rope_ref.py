@@ -1,7 +1,7 @@
 """Torch references for the decoder's elementwise chains: RMSNorm, residual add + RMSNorm,
 rotate-half RoPE, and the gated MLP's silu(gate) * up. These are the ops model/llama.py runs
 on the CPU (and under HISPARSE_BACKEND=torch), and the oracles of
-kernels/norm_rope_triton.py.
+kernels/norm_rope/norm_rope_triton.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 or with the step's K/V store into the paged cache: rope_store_kv), and the gated MLP's
 silu(gate) * up in place.
 
-Torch references: kernels/norm_rope_ref.py. One launch replaces the ~8 elementwise kernels of
+Torch references: kernels/norm_rope/norm_rope_ref.py. One launch replaces the ~8 elementwise kernels of
 an fp16 RMSNorm and the ~5 of RoPE. Rounding follows the references step by step: the
 statistics in fp32, the normalised row rounded to the dtype before the weight product (done
 in fp32, rounded once), RoPE's two products each rounded to the dtype before their sum, so

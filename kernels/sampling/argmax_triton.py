@@ -28,7 +28,7 @@ MAX_SUPPRESS = 16  # ids masked in-kernel; longer lists are masked by index_fill
 
 @triton.jit
 def store_block_best(x, offs, inside, n, pid, vals_ptr, idx_ptr, nan_ptr):
-    """Stage 1's end (also kernels/graph_sampler.py's): the block's best value, its first
+    """Stage 1's end (also kernels/sampling/graph_sampler.py's): the block's best value, its first
     index and its first NaN's index (n: none) into the scratch at pid."""
     isnan = (x != x) & inside
     first_nan = tl.min(tl.where(isnan, offs, n), axis=0)  # n: no NaN here
@@ -41,7 +41,7 @@ def store_block_best(x, offs, inside, n, pid, vals_ptr, idx_ptr, nan_ptr):
 
 @triton.jit
 def blocks_winner(vals_ptr, idx_ptr, nan_ptr, nb, n, NB: tl.constexpr):
-    """Stage 2 (also kernels/graph_sampler.py's): the winner over the nb blocks' bests, int64."""
+    """Stage 2 (also kernels/sampling/graph_sampler.py's): the winner over the nb blocks' bests, int64."""
     b = tl.arange(0, NB)
     ok = b < nb
     v = tl.load(vals_ptr + b, mask=ok, other=float("-inf"))

@@ -15,7 +15,7 @@ tests/test_graph_sampler.py): the repetition penalty divides positive logits of 
 the penalty and multiplies the others; a token that would complete an n-gram already generated
 is banned (generated tokens only); the EOS ids are suppressed while fewer than min_new_tokens
 tokens were generated; then the first index of the maximum (NaN larger than any number, all
--inf gives 0: kernels/argmax_triton.py's rules).
+-inf gives 0: kernels/sampling/argmax_triton.py's rules).
 
 Kernels (CUDA, or the Triton interpreter):
   _ban: one program: the n-gram matches over the generated tokens -> ban[id] = 1;
