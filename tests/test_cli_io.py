@@ -367,8 +367,9 @@ def test_probe_file_implies_importance_probe(doc):
 
     cpu = load_profile("cpu")
     assert RunOptions(probe=Path("p.safetensors")).sparse(cpu).importance == "probe"
-    assert RunOptions().sparse(cpu).importance == cpu.importance
+    assert RunOptions().sparse(cpu).importance == cpu.sparse.importance
     with pytest.raises(ConfigError, match="--importance probe"):
-        RunOptions(probe=Path("p.safetensors"), importance="snapkv").sparse(cpu)
+        RunOptions(probe=Path("p.safetensors"),
+                   sparse_flags={"importance": "snapkv"}).sparse(cpu)
     assert_error(run("summarize", doc, "--probe", "p.safetensors", "--dense", "-p", "cpu"), 2,
                  "--dense")

@@ -304,7 +304,7 @@ def test_sparse_precedence_flag_over_profile_over_default():
     profile = load_profile("4060ti-6g")
     cfg = sparse_settings(profile, window_size=100)
     assert cfg.window_size == 100  # flag
-    assert cfg.global_tokens == profile.global_tokens  # profile
+    assert cfg.global_tokens == profile.sparse.global_tokens  # profile
     assert cfg.importance == SparseConfig().importance  # default (profile leaves it)
     dense = sparse_settings(profile, dense=True, block_size=32)
     assert dense.window_size is None and dense.global_tokens == 0 and dense.block_size == 32

@@ -35,7 +35,8 @@ SPEC = {
 def test_shipped_profiles_load_with_issue_values(name):
     p = load_profile(name)
     assert p.name == name and p.description
-    assert (p.window_size, p.global_tokens, p.block_size, p.prefill_chunk, p.kv_dtype,
+    assert (p.sparse.window_size, p.sparse.global_tokens, p.sparse.block_size,
+            p.sparse.prefill_chunk, p.kv_dtype,
             p.weight_format, p.embeddings_on_host) == SPEC[name]
     if name == "cpu":
         assert p.vram_budget_gib is None
@@ -82,16 +83,19 @@ def _write(tmp_path, body: str, name: str = "mine"):
 
 @pytest.mark.parametrize("body, field", [
     ("windw_size = 10\n", "windw_size"),
-    ('window_size = "big"\n', "window_size"),
-    ("global_tokens = -1\n", "global_tokens"),
-    ("block_size = 0\n", "block_size"),
-    ("block_size = true\n", "block_size"),
-    ("prefill_chunk = 1.5\n", "prefill_chunk"),
+    ('[sparse]\nwindow_size = "big"\n', "window_size"),
+    ("[sparse]\nglobal_tokens = -1\n", "global_tokens"),
+    ("[sparse]\nblock_size = 0\n", "block_size"),
+    ("[sparse]\nblock_size = true\n", "block_size"),
+    ("[sparse]\nprefill_chunk = 1.5\n", "prefill_chunk"),
+    ("[sparse]\nwindw_size = 10\n", "windw_size"),
+    ("window_size = 10\n", "window_size"),  # a sparse field outside its table
     ("vram_budget_gib = 0\n", "vram_budget_gib"),
     ("vram_budget_gib = -3.0\n", "vram_budget_gib"),
     ('kv_dtype = "int8"\n', "kv_dtype"),
     ('weight_format = "gptq"\n', "weight_format"),
-    ('importance = "random"\n', "importance"),
+    ('[sparse]\nimportance = "random"\n', "importance"),
+    ('sparse = 3\n', "sparse"),
     ('embeddings_on_host = "yes"\n', "embeddings_on_host"),
     ("max_new_tokens = 0\n", "max_new_tokens"),
 ])
@@ -108,7 +112,7 @@ def test_bad_syntax_missing_name_and_name_mismatch(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
         profile_from_toml(broken)
     nameless = tmp_path / "nameless.toml"
-    nameless.write_text("window_size = 8\n")
+    nameless.write_text("[sparse]\nwindow_size = 8\n")
     with pytest.raises(ConfigError, match="missing field name"):
         profile_from_toml(nameless)
     with pytest.raises(ConfigError, match="file is named"):
@@ -116,12 +120,12 @@ def test_bad_syntax_missing_name_and_name_mismatch(tmp_path):
 
 
 def test_window_smaller_than_block_is_allowed(tmp_path):
-    p = profile_from_toml(_write(tmp_path, "window_size = 8\nblock_size = 16\n"))
+    p = profile_from_toml(_write(tmp_path, "[sparse]\nwindow_size = 8\nblock_size = 16\n"))
     assert p.sparse_config().window_size == 8
 
 
 def test_precedence_cli_over_profile_over_default(tmp_path):
-    p = profile_from_toml(_write(tmp_path, "window_size = 3000\nglobal_tokens = 99\n"))
+    p = profile_from_toml(_write(tmp_path, "[sparse]\nwindow_size = 3000\nglobal_tokens = 99\n"))
     default = SparseConfig()
     cfg = p.sparse_config()
     assert (cfg.window_size, cfg.global_tokens) == (3000, 99)  # profile beats default
@@ -145,9 +149,11 @@ def test_load_profile_from_path(tmp_path):
 def test_profile_dataclass_is_frozen_and_validated():
     p = load_profile("cpu")
     with pytest.raises(AttributeError):
-        p.window_size = 1  # type: ignore[misc]
+        p.sparse = SparseConfig()  # type: ignore[misc]
     with pytest.raises(ConfigError, match="sink_tokens"):
-        HardwareProfile(name="x", sink_tokens=-1)
+        HardwareProfile(name="x", sparse=SparseConfig(sink_tokens=-1))
+    with pytest.raises(ConfigError, match="window_size must be set"):
+        HardwareProfile(name="x", sparse=SparseConfig(window_size=None))
 
 
 @pytest.mark.parametrize("total_gib, device, expected", [

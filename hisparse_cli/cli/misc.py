@@ -72,7 +72,7 @@ def profiles_list(as_json: JsonOpt = False) -> None:
     table = Table("name", "VRAM budget", "window", "globals", "weights", "description")
     for p in profiles:
         budget = f"{p.vram_budget_gib:g} GiB" if p.vram_budget_gib else "cpu"
-        table.add_row(escape(p.name), budget, str(p.window_size), str(p.global_tokens),
+        table.add_row(escape(p.name), budget, str(p.sparse.window_size), str(p.sparse.global_tokens),
                       _weights_shown(p), escape(p.description))
     print_table(table, to_stdout=True)
 
@@ -98,7 +98,10 @@ def profiles_show(
     for key, value in profile.to_dict().items():
         if key == "weight_format":
             value = _weights_shown(profile)
-        table.add_row(key, "none" if value is None else escape(str(value)))
+        rows = value.items() if key == "sparse" else [(None, value)]
+        for sub, shown in rows:  # the [sparse] table's fields as sparse.NAME
+            table.add_row(f"{key}.{sub}" if sub else key,
+                          "none" if shown is None else escape(str(shown)))
     print_table(table, to_stdout=True)
 
 

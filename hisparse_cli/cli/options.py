@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, Mapping, Optional, get_type_hints
 
 import typer
 
@@ -64,95 +64,53 @@ _TEMPERATURE, _TEMPERATURE_NOTE = finite_float(0.0)
 _PENALTY, _PENALTY_NOTE = finite_float(0.0, low_open=True)
 
 
-_SHARED: list[tuple[str, object, object]] = [
-    ("profile", Annotated[str, _opt("--profile", "-p", panel=P_MODEL, help=(
-        "Hardware profile: a name from `hisparse profiles list`, 'auto' (detect the GPU) or "
-        "a .toml file."))], "auto"),
-    ("model", Annotated[Optional[str], _opt("--model", "-m", panel=P_MODEL, help=(
-        "Model: a registry name, a local HF folder, a .gguf file, or an org/name already in "
-        "the Hugging Face cache.  [default: the embedded smollm2-135m-instruct]"))], None),
-    ("strategy", Annotated[Strategy, _opt("--strategy", panel=P_GEN, case_sensitive=False,
-        help="stream: one pass; map-reduce: chunk summaries then a final one; auto: stream "
-             "when it fits the model's positions.")], Strategy.auto),
-    ("max_new_tokens", Annotated[Optional[int], _opt("--max-new-tokens", "-n", panel=P_GEN,
-        min=1, help="Summary length limit in tokens.  [default: the profile's]")], None),
-    ("chunk_tokens", Annotated[Optional[int], _opt("--chunk-tokens", panel=P_GEN, min=16,
-        help="Map-reduce: document tokens per chunk.  [default: as many as fit]")], None),
-    ("chunk_new_tokens", Annotated[Optional[int], _opt("--chunk-new-tokens", panel=P_GEN,
-        min=16, help="Map-reduce: length of each chunk summary in tokens.")], None),
-    ("instructions", Annotated[Optional[str], _opt("--instructions", "-i", panel=P_GEN,
-        help="Replace the genre's task sentence in the prompt.")], None),
-    ("temperature", Annotated[float, _opt("--temperature", panel=P_GEN, parser=_TEMPERATURE,
-        help=f"0 = greedy.  {_TEMPERATURE_NOTE}")], 0.0),
-    ("top_p", Annotated[float, _opt("--top-p", panel=P_GEN, parser=_TOP_P,
-        help=f"Nucleus sampling mass (with --temperature > 0).  {_TOP_P_NOTE}")], 1.0),
-    ("seed", Annotated[Optional[int], _opt("--seed", panel=P_GEN,
-        help="Random seed for sampling.")], None),
-    ("repetition_penalty", Annotated[float, _opt("--repetition-penalty", panel=P_GEN,
-        parser=_PENALTY, help=f"> 1 discourages repeating tokens.  {_PENALTY_NOTE}")], 1.1),
-    ("no_repeat_ngram", Annotated[int, _opt("--no-repeat-ngram", panel=P_GEN, min=0,
-        help="Never repeat an n-gram of this size (0 = off).")], 8),
-    ("window", Annotated[Optional[int], _opt("--window", panel=P_SPARSE, min=1,
-        help="Sliding window of recent tokens.  [default: the profile's]")], None),
-    ("global_tokens", Annotated[Optional[int], _opt("--global-tokens", panel=P_SPARSE, min=0,
-        help="Important evicted tokens kept per layer and KV head.")], None),
-    ("sink_tokens", Annotated[Optional[int], _opt("--sink-tokens", panel=P_SPARSE, min=0,
-        help="First positions every query always sees.")], None),
-    ("block_size", Annotated[Optional[int], _opt("--block-size", panel=P_SPARSE, min=1,
-        help="Tokens per paged KV block.")], None),
-    ("recalibrate_every", Annotated[Optional[int], _opt("--recalibrate-every", panel=P_SPARSE,
-        min=1, help="Re-choose the global tokens every N tokens.")], None),
-    ("recalibrate_topk", Annotated[Optional[int], _opt("--recalibrate-topk", panel=P_SPARSE,
-        min=0, help="Candidates per layer/head held for the next recalibration.")], None),
-    ("prefill_chunk", Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1,
-        help="Tokens per forward pass while prefilling.")], None),
-    ("importance", Annotated[Optional[str], _opt("--importance", panel=P_SPARSE,
-        help="How global tokens are chosen: attention, snapkv, uniform or probe.  "
-             "[default: the profile's]")], None),
-    ("probe", Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE, readable=False,
-        help="Probe file for --importance probe (implies it).  [default: the shipped one for "
-             "the model]")],
-     None),
-    ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,
-        help="Dense attention (no window, no globals): the exact baseline.")], False),
-    ("password", Annotated[Optional[str], _opt("--password", panel=P_MODEL,
-        help="Password of encrypted PDFs.")], None),
-    ("include_secrets", Annotated[bool, _opt("--include-secrets", panel=P_MODEL, help=(
-        "Also read a folder's secrets (.env*, private keys, credential files, text holding a "
-        "key or token), which are otherwise skipped and reported."))], False),
-    ("quiet", Annotated[bool, _opt("--quiet", "-q", panel=P_OUT,
-        help="No progress, log lines or stats table on stderr (errors still).")], False),
-]
-SHARED_NAMES = tuple(name for name, _, _ in _SHARED)
-
-
 @dataclass(frozen=True)
 class RunOptions:
-    profile: str = "auto"
-    model: str | None = None
-    strategy: Strategy = Strategy.auto
-    max_new_tokens: int | None = None
-    chunk_tokens: int | None = None
-    chunk_new_tokens: int | None = None
-    instructions: str | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    repetition_penalty: float = 1.1
-    no_repeat_ngram: int = 8
-    window: int | None = None
-    global_tokens: int | None = None
-    sink_tokens: int | None = None
-    block_size: int | None = None
-    recalibrate_every: int | None = None
-    recalibrate_topk: int | None = None
-    prefill_chunk: int | None = None
-    importance: str | None = None
-    probe: Path | None = None
-    dense: bool = False
-    password: str | None = None
-    include_secrets: bool = False
-    quiet: bool = False
+    """The shared options, each declared once: its field here is its CLI option (the
+    annotation's typer.Option) and its default. The sparse policy's options are not listed:
+    they come from SparseConfig's fields (config/settings.py) and arrive in `sparse_flags`
+    (field name -> value given; absent = not given)."""
+
+    profile: Annotated[str, _opt("--profile", "-p", panel=P_MODEL, help=(
+        "Hardware profile: a name from `hisparse profiles list`, 'auto' (detect the GPU) or "
+        "a .toml file."))] = "auto"
+    model: Annotated[Optional[str], _opt("--model", "-m", panel=P_MODEL, help=(
+        "Model: a registry name, a local HF folder, a .gguf file, or an org/name already in "
+        "the Hugging Face cache.  [default: the embedded smollm2-135m-instruct]"))] = None
+    strategy: Annotated[Strategy, _opt("--strategy", panel=P_GEN, case_sensitive=False,
+        help="stream: one pass; map-reduce: chunk summaries then a final one; auto: stream "
+             "when it fits the model's positions.")] = Strategy.auto
+    max_new_tokens: Annotated[Optional[int], _opt("--max-new-tokens", "-n", panel=P_GEN,
+        min=1, help="Summary length limit in tokens.  [default: the profile's]")] = None
+    chunk_tokens: Annotated[Optional[int], _opt("--chunk-tokens", panel=P_GEN, min=16,
+        help="Map-reduce: document tokens per chunk.  [default: as many as fit]")] = None
+    chunk_new_tokens: Annotated[Optional[int], _opt("--chunk-new-tokens", panel=P_GEN,
+        min=16, help="Map-reduce: length of each chunk summary in tokens.")] = None
+    instructions: Annotated[Optional[str], _opt("--instructions", "-i", panel=P_GEN,
+        help="Replace the genre's task sentence in the prompt.")] = None
+    temperature: Annotated[float, _opt("--temperature", panel=P_GEN, parser=_TEMPERATURE,
+        help=f"0 = greedy.  {_TEMPERATURE_NOTE}")] = 0.0
+    top_p: Annotated[float, _opt("--top-p", panel=P_GEN, parser=_TOP_P,
+        help=f"Nucleus sampling mass (with --temperature > 0).  {_TOP_P_NOTE}")] = 1.0
+    seed: Annotated[Optional[int], _opt("--seed", panel=P_GEN,
+        help="Random seed for sampling.")] = None
+    repetition_penalty: Annotated[float, _opt("--repetition-penalty", panel=P_GEN,
+        parser=_PENALTY, help=f"> 1 discourages repeating tokens.  {_PENALTY_NOTE}")] = 1.1
+    no_repeat_ngram: Annotated[int, _opt("--no-repeat-ngram", panel=P_GEN, min=0,
+        help="Never repeat an n-gram of this size (0 = off).")] = 8
+    probe: Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE, readable=False,
+        help="Probe file for --importance probe (implies it).  [default: the shipped one for "
+             "the model]")] = None
+    dense: Annotated[bool, _opt("--dense", panel=P_SPARSE,
+        help="Dense attention (no window, no globals): the exact baseline.")] = False
+    password: Annotated[Optional[str], _opt("--password", panel=P_MODEL,
+        help="Password of encrypted PDFs.")] = None
+    include_secrets: Annotated[bool, _opt("--include-secrets", panel=P_MODEL, help=(
+        "Also read a folder's secrets (.env*, private keys, credential files, text holding a "
+        "key or token), which are otherwise skipped and reported."))] = False
+    quiet: Annotated[bool, _opt("--quiet", "-q", panel=P_OUT,
+        help="No progress, log lines or stats table on stderr (errors still).")] = False
+    sparse_flags: Mapping[str, object] = field(default_factory=dict)
 
     def load_profile(self):
         from hisparse_cli.config.profiles import load_profile
@@ -163,7 +121,8 @@ class RunOptions:
         from hisparse_cli.errors import ConfigError
         from hisparse_cli.summarize.runtime import sparse_settings
 
-        importance = self.importance
+        flags = dict(self.sparse_flags)
+        importance = flags.pop("importance", None)
         if self.probe is not None:  # a probe file says which importance is wanted
             if self.dense:
                 raise ConfigError("--dense cannot be combined with --probe",
@@ -174,11 +133,7 @@ class RunOptions:
                 raise ConfigError(f"--probe is used only with --importance probe, not "
                                   f"--importance {importance}",
                                   hint="drop --probe, or use --importance probe")
-        return sparse_settings(
-            profile, dense=self.dense, window_size=self.window, global_tokens=self.global_tokens,
-            sink_tokens=self.sink_tokens, block_size=self.block_size,
-            recalibrate_every=self.recalibrate_every, recalibrate_topk=self.recalibrate_topk,
-            prefill_chunk=self.prefill_chunk, importance=importance)
+        return sparse_settings(profile, dense=self.dense, importance=importance, **flags)
 
     def summary_settings(self, profile):
         from hisparse_cli.config.settings import GenerationConfig
@@ -194,19 +149,42 @@ class RunOptions:
                                instructions=self.instructions)
 
 
-assert SHARED_NAMES == tuple(f.name for f in fields(RunOptions)), "keep _SHARED and RunOptions in step"
+def _sparse_parameters() -> list[inspect.Parameter]:
+    """One CLI option per SparseConfig field, from the field's declaration (config/settings.py):
+    its flag, help and rule; None = not given (the profile's value applies)."""
+    from hisparse_cli.config.settings import SparseConfig
+
+    params = []
+    for f in fields(SparseConfig):
+        meta, kind = f.metadata, (str if f.metadata["choices"] else int)
+        extra = {} if meta["minimum"] is None else {"min": meta["minimum"]}
+        note = "  [default: the profile's]"
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[Optional[kind], _opt(
+                                            meta["flag"], panel=P_SPARSE, help=meta["help"] + note,
+                                            **extra)]))
+    return params
+
+
+def _shared_parameters() -> list[inspect.Parameter]:
+    hints = get_type_hints(RunOptions, include_extras=True)
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                              annotation=hints[f.name])
+            for f in fields(RunOptions) if f.name != "sparse_flags"] + _sparse_parameters()
 
 
 def run_options(func):
     """Decorator: add the shared options to `func`'s CLI signature; pass them as `opts`."""
     sig = inspect.signature(func, eval_str=True)  # real objects: wrapper has other globals
     own = [p for p in sig.parameters.values() if p.name != "opts"]
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                               annotation=annotation) for name, annotation, default in _SHARED]
+    extra = _shared_parameters()
+    sparse_names = {p.name for p in _sparse_parameters()}
 
     @functools.wraps(func)
     def wrapper(**kwargs):
-        opts = RunOptions(**{name: kwargs.pop(name) for name in SHARED_NAMES})
+        sparse = {n: kwargs.pop(n) for n in sparse_names}
+        opts = RunOptions(**{p.name: kwargs.pop(p.name) for p in extra if p.name not in sparse},
+                          sparse_flags={n: v for n, v in sparse.items() if v is not None})
         return func(opts=opts, **kwargs)
 
     del wrapper.__wrapped__  # Typer must read the new signature, not func's
@@ -215,4 +193,4 @@ def run_options(func):
     return wrapper
 
 
-__all__ = ["RunOptions", "Strategy", "run_options", "SHARED_NAMES", "P_OUT"]
+__all__ = ["RunOptions", "Strategy", "run_options", "P_OUT"]

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from hisparse_cli.config.settings import IMPORTANCE_POLICIES, GenerationConfig, SparseConfig
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig
 from hisparse_cli.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -30,10 +30,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 KV_DTYPES = ("float16", "bfloat16", "float32")
 WEIGHT_FORMATS = ("fp16", "awq-int4")
 GIB = 1 << 30
-_DEFAULT_SPARSE = SparseConfig()
-_SPARSE_FIELDS = ("sink_tokens", "window_size", "global_tokens", "block_size",
-                  "recalibrate_every", "recalibrate_topk", "prefill_chunk", "importance",
-                  "score_stride")
 
 
 def _int_field(name: str, value: object, minimum: int) -> None:
@@ -53,7 +49,8 @@ class HardwareProfile:
     """Settings for one device class. Sizes in tokens unless stated.
 
     vram_budget_gib:     GPU memory the run may use (GiB); None = CPU, no device budget
-    sink_tokens … importance: the sparse KV policy, as in SparseConfig
+    sparse:              the sparse KV policy (the TOML's `[sparse]` table; omitted fields
+                         take SparseConfig's defaults, which also validates them)
     kv_dtype:            dtype of the paged K/V cache
     weight_format:       "fp16" weights or "awq-int4" quantized linear layers
     embeddings_on_host:  keep the token-embedding table in host RAM (saves VRAM)
@@ -63,15 +60,7 @@ class HardwareProfile:
     name: str
     description: str = ""
     vram_budget_gib: float | None = None
-    sink_tokens: int = _DEFAULT_SPARSE.sink_tokens
-    window_size: int = _DEFAULT_SPARSE.window_size  # type: ignore[assignment]
-    global_tokens: int = _DEFAULT_SPARSE.global_tokens
-    block_size: int = _DEFAULT_SPARSE.block_size
-    recalibrate_every: int = _DEFAULT_SPARSE.recalibrate_every
-    recalibrate_topk: int = _DEFAULT_SPARSE.recalibrate_topk
-    prefill_chunk: int = _DEFAULT_SPARSE.prefill_chunk
-    importance: str = _DEFAULT_SPARSE.importance
-    score_stride: int = _DEFAULT_SPARSE.score_stride
+    sparse: SparseConfig = SparseConfig()
     kv_dtype: str = "float16"
     weight_format: str = "fp16"
     embeddings_on_host: bool = False
@@ -87,16 +76,12 @@ class HardwareProfile:
                 budget, (int, float)) or not budget > 0):
             raise ConfigError(f"vram_budget_gib must be a number > 0, got {budget!r}",
                               hint="give the GPU memory budget in GiB, or omit it for cpu")
-        _int_field("sink_tokens", self.sink_tokens, 0)
-        _int_field("window_size", self.window_size, 1)
-        _int_field("global_tokens", self.global_tokens, 0)
-        _int_field("block_size", self.block_size, 1)
-        _int_field("recalibrate_every", self.recalibrate_every, 1)
-        _int_field("recalibrate_topk", self.recalibrate_topk, 0)
-        _int_field("prefill_chunk", self.prefill_chunk, 1)
-        _int_field("score_stride", self.score_stride, 1)
+        if not isinstance(self.sparse, SparseConfig):
+            raise ConfigError(f"sparse must be a SparseConfig, got {type(self.sparse).__name__}")
+        if self.sparse.window_size is None:
+            raise ConfigError("sparse.window_size must be set in a profile",
+                              hint="dense attention is a run's choice (--dense), not a profile's")
         _int_field("max_new_tokens", self.max_new_tokens, 1)
-        _choice_field("importance", self.importance, IMPORTANCE_POLICIES)
         _choice_field("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice_field("weight_format", self.weight_format, WEIGHT_FORMATS)
         if not isinstance(self.embeddings_on_host, bool):
@@ -114,14 +99,34 @@ class HardwareProfile:
         built-in default (already folded into the profile's own defaults). None = "flag not
         given". Unknown override names raise ConfigError.
         """
-        base = SparseConfig(**{name: getattr(self, name) for name in _SPARSE_FIELDS})
-        return base.with_overrides(**overrides)
+        return self.sparse.with_overrides(**overrides)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(HardwareProfile))
+_SPARSE_NAMES = tuple(f.name for f in fields(SparseConfig))
+
+
+def _sparse_table(path: Path, data: dict) -> None:
+    """Replace `data["sparse"]` (the TOML's `[sparse]` table) by its SparseConfig, in place."""
+    misplaced = sorted(set(data) & set(_SPARSE_NAMES))
+    if misplaced:
+        raise ConfigError(f"profile {path}: {', '.join(misplaced)} belong(s) in the [sparse] "
+                          "table", hint="move them under a [sparse] line (see `hisparse "
+                                        "profiles show cpu` or the shipped profiles)")
+    table = data.get("sparse", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"profile {path}: sparse must be a table ([sparse]), got {table!r}")
+    unknown = sorted(set(table) - set(_SPARSE_NAMES))
+    if unknown:
+        raise ConfigError(f"profile {path}: unknown field(s) in [sparse]: {', '.join(unknown)}",
+                          hint=f"known fields: {', '.join(_SPARSE_NAMES)}")
+    try:
+        data["sparse"] = SparseConfig(**table)
+    except ConfigError as exc:
+        raise ConfigError(f"profile {path}: [sparse] {exc.message}", hint=exc.hint) from None
 
 
 def profile_from_toml(path: Path | str, text: str | None = None) -> HardwareProfile:
@@ -135,6 +140,7 @@ def profile_from_toml(path: Path | str, text: str | None = None) -> HardwareProf
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"profile {path} is not valid TOML: {exc}",
                           hint="fix the syntax (see the shipped profiles for examples)") from None
+    _sparse_table(path, data)
     unknown = sorted(set(data) - set(_FIELD_NAMES))
     if unknown:
         raise ConfigError(f"profile {path}: unknown field(s) {', '.join(unknown)}",

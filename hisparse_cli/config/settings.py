@@ -11,7 +11,7 @@ that leaves no room for a prompt); the engine, the pipeline and the planner all 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 
 from hisparse_cli.errors import ConfigError
 
@@ -24,52 +24,77 @@ def _check_int(name: str, value: object, minimum: int) -> None:
                           hint=f"set {name} to a whole number of at least {minimum}")
 
 
+def setting(default: object, *, flag: str, help: str, short: str | None = None,
+            aliases: tuple[str, ...] = (), minimum: int | None = None,
+            choices: tuple[str, ...] | None = None, positions: bool = False,
+            optional: bool = False) -> object:
+    """A SparseConfig field and everything said about it, declared once: its CLI flag and help
+    (cli/options.py makes `--flag` from it), its `hisparse eval --settings` short letter and
+    key aliases (quality/settings.py), its rule (`minimum` for whole numbers, `choices` for
+    names; `optional`: None allowed), and `positions`: counted in positions, so never above
+    the model's (check_positions). Profiles hold these fields in their `[sparse]` table."""
+    return field(default=default, metadata={
+        "flag": flag, "help": help, "short": short, "aliases": aliases, "minimum": minimum,
+        "choices": choices, "positions": positions, "optional": optional})
+
+
+def check_setting(f: Field, value: object) -> None:
+    """ConfigError (exit 2) naming the field when `value` breaks `f`'s declared rule."""
+    meta = f.metadata
+    if value is None and meta["optional"]:
+        return
+    if meta["minimum"] is not None:
+        _check_int(f.name, value, meta["minimum"])
+    elif meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}",
+                          hint=f"set {f.name} to one of: {', '.join(meta['choices'])}")
+
+
 @dataclass(frozen=True)
 class SparseConfig:
-    """Sparse attention policy. All sizes are in tokens.
+    """Sparse attention policy. All sizes are in tokens; each field's metadata (see `setting`)
+    is its one declaration: help text, flag, eval key, rule.
 
-    sink_tokens:        first positions every query always sees (attention sinks)
-    window_size:        sliding window of most recent positions; None = dense attention
-    global_tokens:      per layer and KV head, evicted tokens kept for their importance
-    block_size:         tokens per paged KV block
-    recalibrate_every:  re-choose the global set every this many tokens ("segment")
-    recalibrate_topk:   best evicted candidates per layer/head held for the next recalibration
-    prefill_chunk:      tokens fed per forward pass while prefilling
-    importance:         "attention" (H2O-like: attention mass received while in the window),
-                        "snapkv" (mass from the last `observation_window` queries before the
-                        token leaves the window), "uniform" (evenly spaced tokens: the naive
-                        baseline), or "probe" (a learned scorer on hidden states; needs a probe)
-    score_stride:       importance is estimated from the queries at positions that are multiples
-                        of this (1 = exact; 4 cuts scoring cost 4x, see QUALITY.md)
+    "snapkv" importance: attention mass from the last `observation_window` queries before the
+    token leaves the window; "attention" (H2O-like): mass received while in the window;
+    "uniform": evenly spaced tokens (the naive baseline); "probe": a learned scorer on hidden
+    states (needs a probe). `window_size=None` is dense attention through the same paged path.
     """
 
-    sink_tokens: int = 4
-    window_size: int | None = 1024
-    global_tokens: int = 64
-    block_size: int = 16
-    recalibrate_every: int = 256
-    recalibrate_topk: int = 64
-    prefill_chunk: int = 256
-    importance: str = "attention"
-    score_stride: int = 4
-    observation_window: int = 64
+    sink_tokens: int = setting(4, flag="--sink-tokens", short="s", aliases=("sinks", "sink"),
+                               minimum=0, positions=True,
+                               help="First positions every query always sees.")
+    window_size: int | None = setting(1024, flag="--window", short="w", aliases=("window",),
+                                      minimum=1, optional=True,
+                                      help="Sliding window of recent tokens.")
+    global_tokens: int = setting(64, flag="--global-tokens", short="g",
+                                 aliases=("globals", "global"), minimum=0, positions=True,
+                                 help="Important evicted tokens kept per layer and KV head.")
+    block_size: int = setting(16, flag="--block-size", short="b", aliases=("block",),
+                              minimum=1, positions=True, help="Tokens per paged KV block.")
+    recalibrate_every: int = setting(256, flag="--recalibrate-every", short="r",
+                                     aliases=("recal", "every"), minimum=1,
+                                     help="Re-choose the global tokens every N tokens.")
+    recalibrate_topk: int = setting(64, flag="--recalibrate-topk", short="k", aliases=("topk",),
+                                    minimum=0, positions=True,
+                                    help="Candidates per layer/head held for the next "
+                                         "recalibration.")
+    prefill_chunk: int = setting(256, flag="--prefill-chunk", short="c", aliases=("chunk",),
+                                 minimum=1, help="Tokens per forward pass while prefilling.")
+    importance: str = setting("attention", flag="--importance", aliases=("policy",),
+                              choices=IMPORTANCE_POLICIES,
+                              help="How global tokens are chosen: attention, snapkv, uniform "
+                                   "or probe.")
+    score_stride: int = setting(4, flag="--score-stride", short="t", aliases=("stride",),
+                                minimum=1, help="Importance is scored from every N-th query "
+                                                "(1 = exact).")
+    observation_window: int = setting(64, flag="--observation-window", short="o",
+                                      aliases=("obs",), minimum=1,
+                                      help="snapkv: queries before eviction that score a token.")
 
     def __post_init__(self) -> None:
-        _check_int("sink_tokens", self.sink_tokens, 0)
-        if self.window_size is not None:
-            _check_int("window_size", self.window_size, 1)
-        _check_int("global_tokens", self.global_tokens, 0)
-        _check_int("block_size", self.block_size, 1)
-        _check_int("recalibrate_every", self.recalibrate_every, 1)
-        _check_int("recalibrate_topk", self.recalibrate_topk, 0)
-        _check_int("prefill_chunk", self.prefill_chunk, 1)
-        _check_int("score_stride", self.score_stride, 1)
-        _check_int("observation_window", self.observation_window, 1)
-        if self.importance not in IMPORTANCE_POLICIES:
-            raise ConfigError(
-                f"importance must be one of {', '.join(IMPORTANCE_POLICIES)}, got {self.importance!r}",
-                hint="use importance='attention' (default), 'snapkv', 'uniform' or 'probe'",
-            )
+        for f in fields(self):
+            check_setting(f, getattr(self, f.name))
 
     @property
     def dense(self) -> bool:
@@ -124,8 +149,6 @@ class GenerationConfig:
                               hint="1 = no penalty; > 1 discourages repeats (e.g. 1.1)")
 
 
-# Sparse sizes counted in positions: a run never holds more of them than the model has.
-_POSITION_FIELDS = ("sink_tokens", "global_tokens", "recalibrate_topk", "block_size")
 
 
 def check_positions(max_positions: int, *, sparse: SparseConfig | None = None,
@@ -134,10 +157,9 @@ def check_positions(max_positions: int, *, sparse: SparseConfig | None = None,
     a sparse size above it (a run sees at most that many tokens: sinks, globals and candidates
     are chosen among them, a block holds them all), or a summary length that leaves no room for
     even one prompt token. Caught before anything is allocated for them."""
-    for name in _POSITION_FIELDS if sparse is not None else ():
-        value = getattr(sparse, name)
-        if value > max_positions:
-            flag = "--" + name.replace("_", "-")
+    for f in fields(sparse) if sparse is not None else ():
+        name, value, flag = f.name, getattr(sparse, f.name), f.metadata["flag"]
+        if f.metadata["positions"] and value > max_positions:
             raise ConfigError(f"{name} {value:,} is larger than the model's {max_positions:,} "
                               "positions", hint=f"lower {flag} to at most {max_positions:,} "
                               "(`hisparse profiles show NAME` lists a profile's values)")
@@ -147,4 +169,5 @@ def check_positions(max_positions: int, *, sparse: SparseConfig | None = None,
                           hint=f"lower --max-new-tokens (below {max_positions:,})")
 
 
-__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES", "check_positions"]
+__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES", "check_positions",
+           "check_setting", "setting"]

@@ -11,7 +11,8 @@ A spec names one `SparseConfig`, applied over a base config (the profile's):
 Short tokens: w<N> window, g<N> globals, s<N> sinks, r<N> recalibrate_every,
 k<N> recalibrate_topk, c<N> prefill_chunk, b<N> block_size, t<N> score_stride,
 o<N> observation_window, and a policy name (attention, snapkv, uniform, probe).
-Keys of the key=value form: the SparseConfig field names and the aliases in `ALIASES`.
+Keys of the key=value form: the SparseConfig field names and their aliases. Letters and
+aliases are declared with each field (config/settings.py), so a new field needs no edit here.
 When a spec sets the number of globals but not recalibrate_topk, the candidate pool follows
 the global count (the profiles' convention: full turnover possible at each recalibration).
 """
@@ -24,14 +25,9 @@ from dataclasses import dataclass, fields, replace
 from hisparse_cli.config.settings import IMPORTANCE_POLICIES, SparseConfig
 from hisparse_cli.errors import ConfigError
 
-SHORT = {"w": "window_size", "g": "global_tokens", "s": "sink_tokens", "r": "recalibrate_every",
-         "k": "recalibrate_topk", "c": "prefill_chunk", "b": "block_size", "t": "score_stride",
-         "o": "observation_window"}
-ALIASES = {"window": "window_size", "globals": "global_tokens", "global": "global_tokens",
-           "sinks": "sink_tokens", "sink": "sink_tokens", "recal": "recalibrate_every",
-           "every": "recalibrate_every", "topk": "recalibrate_topk", "chunk": "prefill_chunk",
-           "block": "block_size", "stride": "score_stride", "obs": "observation_window",
-           "policy": "importance"}
+# Both from each SparseConfig field's declaration (config/settings.py: `short`, `aliases`).
+SHORT = {f.metadata["short"]: f.name for f in fields(SparseConfig) if f.metadata["short"]}
+ALIASES = {alias: f.name for f in fields(SparseConfig) for alias in f.metadata["aliases"]}
 _SHORT_RE = re.compile(r"^([a-z])(\d+)$")
 HINT = ("use e.g. 'dense', 'w1024-g64', 'w512-g32-uniform' or "
         "'window=1024,globals=64,importance=snapkv'")
@@ -58,7 +54,8 @@ def _int(spec: str, key: str, value: str) -> int:
 
 
 def _pairs(spec: str) -> dict[str, object]:
-    known = {f.name for f in fields(SparseConfig)}
+    declared = {f.name: f for f in fields(SparseConfig)}
+    known = set(declared)
     out: dict[str, object] = {}
     if "=" in spec:
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -68,9 +65,10 @@ def _pairs(spec: str) -> dict[str, object]:
             key = ALIASES.get(key, key)
             if key not in known:
                 raise ConfigError(f"setting {spec!r}: unknown key {key!r}", hint=HINT)
-            if key == "importance":
+            meta = declared[key].metadata
+            if meta["choices"]:
                 out[key] = value
-            elif key == "window_size" and value.lower() in ("none", "dense"):
+            elif meta["optional"] and value.lower() in ("none", "dense"):
                 out[key] = None
             else:
                 out[key] = _int(spec, key, value)

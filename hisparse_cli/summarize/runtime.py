@@ -13,7 +13,7 @@ warning (the caller shows it). Nothing here imports torch at module import time.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -21,8 +21,6 @@ from hisparse_cli.config.settings import SparseConfig, check_positions
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.config.profiles import HardwareProfile
 
-SPARSE_FLAGS = ("sink_tokens", "window_size", "global_tokens", "block_size",
-                "recalibrate_every", "recalibrate_topk", "prefill_chunk", "importance")
 
 
 @dataclass(frozen=True)
@@ -54,13 +52,11 @@ def sparse_settings(profile: HardwareProfile, *, dense: bool = False,
 
     `dense=True` turns the sliding window off (every query sees every key); it cannot be
     combined with --window or --global-tokens."""
-    unknown = set(flags) - set(SPARSE_FLAGS)
-    if unknown:
-        raise ConfigError(f"unknown sparse setting(s): {', '.join(sorted(unknown))}")
     if dense:
         clash = [name for name in ("window_size", "global_tokens") if flags.get(name) is not None]
         if clash:
-            opts = " and ".join("--" + n.replace("_size", "").replace("_", "-") for n in clash)
+            flag = {f.name: f.metadata["flag"] for f in fields(SparseConfig)}
+            opts = " and ".join(flag[n] for n in clash)
             raise ConfigError(f"--dense cannot be combined with {opts}",
                               hint="dense attention has no window and no global tokens")
     config = profile.sparse_config(**flags)
@@ -156,5 +152,4 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
 
 
 __all__ = ["DevicePlan", "plan_device", "sparse_settings", "load_engine", "load_probe_for",
-           "model_info", "remote_code_warning",
-           "SPARSE_FLAGS"]
+           "model_info", "remote_code_warning"]
