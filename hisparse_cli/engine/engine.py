@@ -89,8 +89,9 @@ class Engine:
                  probe=None) -> None:
         # q|k|v and gate|up as one matmul each (from_pretrained's loader already did it)
         self.model, self.cfg, self.sparse, self.device = fuse_projections(model), cfg, sparse, device
-        if device.type == "cpu":  # decode's one-row products on every thread (model/row_split.py)
-            split_row_products(self.model)
+        self.native_note = None  # why the CPU decode does not run the native kernels
+        if device.type == "cpu":
+            self._prepare_cpu_decode()
         self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self.backend = select_backend(device.type, backend)
@@ -100,6 +101,26 @@ class Engine:
             self._prepare_persistent()
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
+
+    def _prepare_cpu_decode(self) -> None:
+        """One-token steps through the native kernels (model/cpu_decode.py) where the model
+        and machine allow (a C compiler, float32 nn.Linear weights); otherwise through torch,
+        decode's one-row products split over the threads (model/row_split.py)."""
+        from hisparse_cli.model.cpu_decode import NativeDecode
+
+        self.native_note = NativeDecode.attach(self.model)
+        if self.model.native_decode is None:
+            split_row_products(self.model)
+
+    @property
+    def decode_path(self) -> str:
+        """How a decode step runs: "native (float16 weights)", "torch", "cuda graph", ..."""
+        if self.device.type == "cuda":
+            return "cuda graph" if self._graph_enabled() else "cuda eager"
+        native = self.model.native_decode
+        if native is not None:
+            return f"native ({native.weight_dtype} weights)"
+        return f"torch ({self.native_note})" if self.native_note else "torch"
 
     def _prepare_persistent(self) -> None:
         """The INT4 linears into the persistent decode kernel's item layout, only where it
