@@ -26,6 +26,10 @@ import zipfile
 from pathlib import Path
 
 SDIST = "llama-cpp-python"
+# -march=native turns on ggml's AMX matmul on CPUs that have AMX; on the development VM (a
+# Sapphire Rapids guest) that path crashes in ggml::cpu::amx::tensor_traits::compute_forward
+# (SIGSEGV), so the build leaves AMX out; AVX-512 (VNNI, BF16) stays on.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 def cache_dir(explicit: str | None = None) -> Path:
@@ -52,7 +56,7 @@ def build_llama_bench(cache: Path, version: str | None = None, jobs: int | None 
     """Path of a CPU-only `llama-bench` built from the sdist's vendored llama.cpp (cached)."""
     sdist = fetch_sdist(cache, version)
     stem = sdist.name[: -len(".tar.gz")]  # llama_cpp_python-X.Y.Z
-    src = cache / stem.replace("llama_cpp_python", "llama.cpp")
+    src = cache / (stem.replace("llama_cpp_python", "llama.cpp") + "-noamx")
     binary = src / "build" / "bin" / "llama-bench"
     if binary.is_file():
         return binary
@@ -71,7 +75,8 @@ def build_llama_bench(cache: Path, version: str | None = None, jobs: int | None 
                     "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF",
                     "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF"], check=True, stdout=subprocess.DEVNULL)
+                    "-DLLAMA_BUILD_SERVER=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}",
+                    f"-DCMAKE_CXX_FLAGS={NO_AMX}"], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "-j",
                     str(jobs or os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
     return binary

@@ -172,6 +172,9 @@ def _root(version: Annotated[Optional[bool], typer.Option(
         "--version", "-V", callback=_version, is_eager=True,
         help="Print the version and exit.")] = None) -> None:
     """hisparse: long-document summarizer with sparse attention."""
+    from hisparse_cli.threads import prepare_openmp
+
+    prepare_openmp()  # before any command loads torch (OpenMP reads it once; threads.py)
 
 
 def _register() -> None:

@@ -115,6 +115,9 @@ _SHARED: list[tuple[str, object, object]] = [
      None),
     ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,
         help="Dense attention (no window, no globals): the exact baseline.")], False),
+    ("threads", Annotated[Optional[int], _opt("--threads", "-t", panel=P_MODEL, min=1,
+        help="CPU threads, in every phase (overrides HISPARSE_THREADS).  [default: every CPU "
+             "this process may use, fewer while other work holds CPUs]")], None),
     ("password", Annotated[Optional[str], _opt("--password", panel=P_MODEL,
         help="Password of encrypted PDFs.")], None),
     ("quiet", Annotated[bool, _opt("--quiet", "-q", panel=P_OUT,
@@ -147,6 +150,7 @@ class RunOptions:
     importance: str | None = None
     probe: Path | None = None
     dense: bool = False
+    threads: int | None = None
     password: str | None = None
     quiet: bool = False
 

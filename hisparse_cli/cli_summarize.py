@@ -32,6 +32,7 @@ def build_job(opts: RunOptions):
     settings = opts.summary_settings(profile)
     progress = None if opts.quiet else stderr_console()
     return Job(profile, sparse, settings, model_spec=opts.model, probe_path=opts.probe,
+               threads=opts.threads,
                warn=None if opts.quiet else warn, model_progress=progress)
 
 
