@@ -132,11 +132,13 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 
 # -- weights -------------------------------------------------------------------------------
-def exact_dtype(w: torch.Tensor) -> torch.dtype:
-    """The narrowest of float16 / bfloat16 / float32 that holds every value of the float32
-    tensor w exactly (a checkpoint stored in a 16-bit format converts back without loss)."""
-    for dt in (torch.float16, torch.bfloat16):
-        if torch.equal(w.to(dt).to(torch.float32), w):
+def exact_dtype(*ws: torch.Tensor) -> torch.dtype:
+    """The first of bfloat16 / float16 / float32 that holds every value of the float32
+    tensors `ws` exactly (a checkpoint stored in a 16-bit format converts back without loss;
+    bfloat16 first: a bfloat16 checkpoint's values often fit float16 too, a float16
+    checkpoint's practically never fit bfloat16)."""
+    for dt in (torch.bfloat16, torch.float16):
+        if all(torch.equal(w.to(dt).to(torch.float32), w) for w in ws):
             return dt
     return torch.float32
 

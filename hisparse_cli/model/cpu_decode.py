@@ -22,7 +22,7 @@ import ctypes
 import torch
 from torch import nn
 
-from hisparse_cli.kernels.cpu_native import (TK, TiledWeight, native_library,
+from hisparse_cli.kernels.cpu_native import (TK, TiledWeight, exact_dtype, native_library,
                                              native_unavailable_reason)
 
 
@@ -77,9 +77,8 @@ class NativeDecode:
         self.h = torch.empty(self.inter)
         self.scratch = torch.empty(0)
         tiled = [w for L in self.layers for w in L[1]] + [self.head]
-        self.weight_dtype = str(tiled[0].data.dtype).replace("torch.", "")
-        if len({w.data.dtype for w in tiled}) > 1:
-            self.weight_dtype = "mixed"
+        self.weight_dtype = "+".join(sorted({str(w.data.dtype).replace("torch.", "")
+                                             for w in tiled}))
         self.nbytes = sum(w.nbytes for w in tiled)
 
     @classmethod
@@ -91,13 +90,9 @@ class NativeDecode:
 
     def _layer(self, layer: nn.Module):
         att, mlp = layer.self_attn, layer.mlp
-        ws = [TiledWeight.from_linear(lin.weight, lin.bias)
-              for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        wts = {w.wtype for w in ws}
-        if len(wts) > 1:  # one format per layer struct: the widest exact one for all four
-            dt = max((w.data.dtype for w in ws), key=lambda t: t.itemsize)
-            ws = [TiledWeight.from_linear(lin.weight, lin.bias, dtype=dt)
-                  for lin in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        lins = (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        dt = exact_dtype(*(lin.weight.detach() for lin in lins))  # one format per layer
+        ws = [TiledWeight.from_linear(lin.weight, lin.bias, dtype=dt) for lin in lins]
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         qkn = [att.q_norm.weight, att.k_norm.weight] if att.q_norm is not None else [None, None]
         tensors = [t.detach().contiguous() if t is not None else None for t in norms + qkn]
