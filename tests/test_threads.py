@@ -193,3 +193,69 @@ def test_cpu_load_reads_proc_stat():
     sum(i * i for i in range(200_000))
     busy = load.busy_elsewhere()
     assert busy is not None and busy >= 0.0
+
+
+# -- the CLI and the engine ------------------------------------------------------------------
+def test_threads_flag_and_env_reach_the_run(tmp_path, monkeypatch):
+    """--threads N runs every phase on N threads and says so in --json (settings and
+    stats); HISPARSE_THREADS does the same, a bad value is a usage error (exit 2)."""
+    import json
+
+    from helpers_cli import assert_error, run, show
+    from helpers_tokenizer import make_tiny_model_dir
+
+    monkeypatch.setenv("HISPARSE_HOME", str(tmp_path / "home"))
+    model = make_tiny_model_dir(tmp_path / "m")
+    doc = tmp_path / "d.txt"
+    doc.write_text("The client pays a monthly fee within thirty days. " * 20)
+    flags = ["--model", model, "--profile", "cpu", "-n", "4", "--json"]
+    res = run("summarize", doc, "--threads", "1", *flags)
+    assert res.exit_code == 0, show(res)
+    record = json.loads(res.stdout)
+    policy = record["settings"]["device"]["threads"]
+    assert (policy["override"], policy["source"]) == (1, "--threads")
+    assert record["stats"]["threads"] == {"prefill": [1], "decode": [1]}
+    assert record["stats"]["decode_path"]
+    res = run("summarize", doc, *flags, env={"HISPARSE_THREADS": "2"})
+    assert res.exit_code == 0, show(res)
+    record = json.loads(res.stdout)
+    assert record["settings"]["device"]["threads"]["source"] == "HISPARSE_THREADS"
+    assert set(record["stats"]["threads"]["decode"]) == {2}
+    assert_error(run("summarize", doc, *flags, env={"HISPARSE_THREADS": "many"}), 2,
+                 "HISPARSE_THREADS")
+    res = run("summarize", doc, "--threads", "0", *flags)
+    assert res.exit_code == 2 and "--threads" in res.stderr
+
+
+def test_engine_threads_argument(tiny_models):
+    from hisparse_cli.engine import Engine, SparseConfig
+
+    path, _ = tiny_models["llama"]
+    eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config(), threads=1)
+    res = eng.generate([3, 4, 5], max_new_tokens=3, eos_token_ids=())
+    assert res.stats.threads == {"prefill": [1], "decode": [1]}
+    assert eng.governor.policy.source == "--threads" and eng.governor.load is None
+
+
+@pytest.mark.slow
+def test_summarize_completes_beside_a_busy_process(real_home):
+    """One CPU-bound process at normal priority beside a short summarize with the automatic
+    policy: it completes (how long it takes is a benchmark's business, BENCHMARKS.md)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers_cli import run, show
+
+    sample = Path(__file__).resolve().parent.parent / "samples" / "medical" / "discharge_report.txt"
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        res = run("summarize", sample, "--profile", "cpu", "--max-new-tokens", "16", "--json")
+    finally:
+        busy.kill()
+        busy.wait()
+    assert res.exit_code == 0, show(res)
+    record = json.loads(res.stdout)
+    assert record["summary"].strip() and record["stats"]["new_tokens"] > 0
+    assert record["settings"]["device"]["threads"]["source"] == "auto"
