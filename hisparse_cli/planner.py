@@ -190,6 +190,20 @@ def cpu_int4pack_enabled() -> bool:
     return select_backend("cpu").int4_linear == "int4pack"
 
 
+def cpu_decode_bytes(model_cfg: ModelConfig, compute: str, awq: bool) -> int:
+    """Element size of the native CPU decode copy a run of this model will hold
+    (model/cpu_decode.py; 0: none): float32 models whose shapes the kernels take, on a
+    machine with a C compiler; 2 bytes for a float16/bfloat16 checkpoint, else 4."""
+    from hisparse_cli.kernels.cpu_native import TK, compiler_available
+
+    d = model_cfg.head_dim
+    sizes = (model_cfg.hidden_size, model_cfg.num_attention_heads * d, model_cfg.intermediate_size)
+    if awq or compute != "float32" or any(x % TK for x in sizes) or d % 2 \
+            or not compiler_available():
+        return 0
+    return 2 if (model_cfg.torch_dtype or "") in ("float16", "bfloat16") else 4
+
+
 def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int = 128,
                 awq_lm_head: bool = False, embeddings_on_host: bool = False,
                 sparse: SparseConfig, context_tokens: int, max_new_tokens: int, kv_dtype,
@@ -246,7 +260,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                                                            in_graph) if graph else ()),
                        sampler_kept=in_graph)
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
-                          embeddings_on_host=host_emb, cuda=cuda, cpu_int4=cpu_int4)
+                          embeddings_on_host=host_emb, cuda=cuda, cpu_int4=cpu_int4,
+                          cpu_decode=0 if cuda else cpu_decode_bytes(model_cfg, c_name, awq))
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
                       counted=w.on_device) for w in witems]
     weights = sum(w.bytes for w in witems if w.on_device)

@@ -53,6 +53,12 @@ def _compiler() -> str | None:
     return None
 
 
+def compiler_available() -> bool:
+    """Whether native_library() can be built here (a compiler, not HISPARSE_BACKEND=torch)."""
+    return (os.environ.get("HISPARSE_BACKEND", "").strip().lower() != "torch"
+            and _compiler() is not None)
+
+
 def library_key(source: str, compiler_version: str) -> str:
     blob = "\0".join([source, compiler_version, " ".join(FLAGS), _cpu_flags(), platform.machine()])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -212,6 +218,6 @@ def attn_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.einsum("hn,hnd->hd", p, vv)
 
 
-__all__ = ["native_library", "native_unavailable_reason", "TiledWeight", "exact_dtype",
+__all__ = ["native_library", "compiler_available", "native_unavailable_reason", "TiledWeight", "exact_dtype",
            "tiled_bytes", "tile_reference", "linear_reference", "attn_dense_reference",
            "build", "load", "library_key", "cache_dir", "ptr"]
