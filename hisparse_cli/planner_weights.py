@@ -71,7 +71,9 @@ def cpu_int4pack_items(cfg: ModelConfig, group: int, awq_lm_head: bool) -> list[
 
 def cpu_decode_item(cfg: ModelConfig, esize: int) -> WeightItem:
     """The native CPU decode's tiled copy of the linears and the head (model/cpu_decode.py),
-    `esize` bytes an element (2: a float16/bfloat16 checkpoint's own values)."""
+    `esize` bytes an element (2: a float16/bfloat16 checkpoint's own values). An upper
+    bound where the checkpoint's values are exactly GGUF Q4_1 / Q8_0 groups (the default
+    model): the copy then holds 0.625 / 1.06 bytes a weight, which only the values tell."""
     from hisparse_cli.kernels.cpu_native import tiled_bytes
 
     H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
@@ -81,7 +83,8 @@ def cpu_decode_item(cfg: ModelConfig, esize: int) -> WeightItem:
                  + tiled_bytes(2 * im, H, esize) + tiled_bytes(H, im, esize))
     return WeightItem("weights.cpu_decode_copy", L * per_layer + tiled_bytes(V, H, esize),
                       f"{L} layers x (q|k|v, o, gate|up, down) + head [{V}, {H}], tiled, "
-                      f"{esize} B (the native decode's copy; rows padded to 8)")
+                      f"{esize} B (the native decode's copy; rows padded to 8; at most: "
+                      "4-/8-bit where the values are exactly GGUF Q4_1/Q8_0 groups)")
 
 
 def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_head: bool,

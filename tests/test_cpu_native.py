@@ -68,6 +68,52 @@ def test_linear_matches_reference(lib, dtype, out_f, in_f, nth):
     assert (y - ref).abs().max().item() <= 1e-6 * scale + 1e-6
 
 
+def gguf_like(out_f: int, in_f: int, fmt: str, seed: int = 0) -> torch.Tensor:
+    """A float32 [out, in] matrix whose every group of 32 inputs is exactly a GGUF Q4_1
+    (fp16(d*q + m), q in 0..15, min and max used) or Q8_0 (fp16(d*q), q int8) group, as
+    the GGUF dequantization followed by a float16 conversion makes them."""
+    g = torch.Generator().manual_seed(seed)
+    groups = (out_f, in_f // 32)
+    d = (torch.rand(groups, generator=g) * 0.02 + 1e-3).half().float()[..., None]
+    if fmt == "q4":
+        q = torch.randint(0, 16, (*groups, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = (-torch.rand(groups, generator=g) * 0.1).half().float()[..., None]
+        w = (d * q + m).half().float()
+    else:
+        q = torch.randint(-127, 128, (*groups, 32), generator=g).float()
+        q[..., 0] = 127
+        w = (d * q).half().float()
+    return w.reshape(out_f, in_f)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("out_f, in_f", [(960, 576), (13, 64), (576, 1536)])
+def test_quantized_exact_formats(lib, fmt, out_f, in_f):
+    """A GGUF-derived matrix packs into its 4-/8-bit form without loss (every value
+    reproduced: dense() equals it), input-major storage included, and its product matches
+    the reference in every ISA version of the kernel."""
+    w = gguf_like(out_f, in_f, fmt, seed=out_f)
+    tw = cn.TiledWeight.from_linear(w)
+    assert tw.fmt == fmt and torch.equal(tw.dense(), w)
+    assert tw.nbytes == cn.tiled_bytes(out_f, in_f, fmt)
+    assert torch.equal(cn.TiledWeight.from_linear(w.t().contiguous().t()).data, tw.data)
+    x = torch.randn(in_f, generator=torch.Generator().manual_seed(1))
+    y = torch.empty(out_f)
+    lib.hs_linear(tw.data.data_ptr(), tw.wtype, None, x.data_ptr(), y.data_ptr(), out_f, in_f, 2)
+    ref = w.double() @ x.double()
+    assert (y.double() - ref).abs().max().item() <= 1e-6 * (w.abs() @ x.abs()).max().item()
+
+
+def test_a_value_off_the_grid_keeps_a_16_bit_format():
+    w = gguf_like(64, 64, "q4")
+    w[5, 7] = (w[5, 7].half().view(torch.int16) + 1).view(torch.float16).float()  # one ulp
+    tw = cn.TiledWeight.from_linear(w)
+    assert tw.fmt in (torch.float16, torch.bfloat16) and torch.equal(tw.dense(), w)
+    q8 = gguf_like(64, 64, "q8")
+    assert cn.TiledWeight.from_linear(q8).fmt == "q8"  # not a Q4_1 grid: the 8-bit form
+
+
 def test_tile_layout_matches_reference_for_strided_sources():
     w = torch.randn(37, 48)
     for src in (w, w.t().contiguous().t()):  # [out, in] rows and input-major storage

@@ -30,8 +30,9 @@ import torch
 SOURCE = Path(__file__).with_name("cpu") / "decode.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared",
          "-fno-math-errno")
-TR, TK = 8, 16  # rows per tile, inputs per tile step (decode.c)
-W_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+TR, TK, QG = 8, 16, 32  # rows per tile, inputs per tile step, inputs per quantized group
+W_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "q4": 3, "q8": 4}
+Q_STEP = {"q4": TR * (QG // 2 + 4), "q8": TR * (QG + 2)}  # bytes per 8-row step of 32 inputs
 
 _REASON: list[str] = []  # why native_library() is None (filled once)
 
@@ -98,6 +99,8 @@ def load(path: str) -> ctypes.CDLL:
         "hs_attn_scratch": ([L, i, i, i], L),
         "hs_attn_dense": ([p, p, p, p, p, L, L, L, i, i, i, f, p, p, i], None),
         "hs_tile": ([p, L, L, i, p, L, L], None),
+        "hs_pack": ([p, L, L, L, L, i, p], L),
+        "hs_weight_bytes": ([i, L, L], L),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
@@ -150,37 +153,56 @@ def exact_dtype(*ws: torch.Tensor) -> torch.dtype:
 
 
 class TiledWeight:
-    """A linear's weight [out, in] in decode.c's tiled layout, in `dtype` (exact: see
-    exact_dtype), with its float32 bias. `in` must be a multiple of 16."""
+    """A linear's weight [out, in] in decode.c's tiled layout, in format `fmt`: float32,
+    float16, bfloat16 (the narrowest exact one, exact_dtype), or "q4" / "q8" where every
+    group of 32 inputs is exactly a GGUF Q4_1 / Q8_0 group (hs_pack verifies each value);
+    with its float32 bias. `in` must be a multiple of 16 (of 32 for q4/q8)."""
 
-    def __init__(self, data: torch.Tensor, out_features: int, in_features: int,
+    def __init__(self, data: torch.Tensor, fmt, out_features: int, in_features: int,
                  bias: torch.Tensor | None) -> None:
-        self.data, self.out_features, self.in_features = data, out_features, in_features
+        self.data, self.fmt = data, fmt
+        self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.wtype = W_TYPES[data.dtype]
+        self.wtype = W_TYPES[fmt]
 
     @classmethod
     def from_linear(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    dtype: torch.dtype | None = None) -> "TiledWeight":
+                    dtype: torch.dtype | None = None, quantized: bool = True) -> "TiledWeight":
+        """quantized: try q4, then q8 first (on AVX-512 CPUs, where their kernel is the
+        fast one); dtype: a float format to use (default: exact_dtype's)."""
         out_f, in_f = weight.shape
         if in_f % TK:
             raise ValueError(f"in_features {in_f} is not a multiple of {TK}")
-        dtype = dtype or exact_dtype(weight.detach())
-        groups = -(-out_f // TR)
-        src = weight.detach().to(dtype)  # keeps the [out, in] strides of `weight` (any layout)
-        data = torch.empty(groups * TR * in_f, dtype=dtype)
         lib = native_library()
+        w = weight.detach()
+        if quantized and dtype is None and lib is not None and lib.hs_isa() == 2 and in_f % QG == 0:
+            for fmt in ("q4", "q8"):
+                data = torch.empty(tiled_bytes(out_f, in_f, fmt), dtype=torch.uint8)
+                if lib.hs_pack(w.data_ptr(), w.stride(0), w.stride(1), out_f, in_f,
+                               W_TYPES[fmt], data.data_ptr()) == 0:
+                    return cls(data, fmt, out_f, in_f, bias)
+        dtype = dtype or exact_dtype(w)
+        groups = -(-out_f // TR)
+        src = w.to(dtype)  # keeps the [out, in] strides of `weight` (any layout)
+        data = torch.empty(groups * TR * in_f, dtype=dtype)
         if lib is not None:
             lib.hs_tile(src.data_ptr(), src.stride(0), src.stride(1), src.element_size(),
                         data.data_ptr(), out_f, in_f)
         else:
             data.copy_(tile_reference(src))
-        return cls(data, out_f, in_f, bias)
+        return cls(data, dtype, out_f, in_f, bias)
+
+    @property
+    def fmt_name(self) -> str:
+        return self.fmt if isinstance(self.fmt, str) else str(self.fmt).replace("torch.", "")
 
     def dense(self) -> torch.Tensor:
         """The float32 [out, in] matrix (reference and tests)."""
         groups = -(-self.out_features // TR)
-        w = self.data.view(groups, self.in_features // TK, TR, TK).permute(0, 2, 1, 3)
+        if isinstance(self.fmt, str):
+            w = dequantize_reference(self.data, self.fmt, groups, self.in_features)
+        else:
+            w = self.data.view(groups, self.in_features // TK, TR, TK).permute(0, 2, 1, 3)
         return w.reshape(groups * TR, self.in_features)[: self.out_features].float()
 
     @property
@@ -188,18 +210,39 @@ class TiledWeight:
         return self.data.numel() * self.data.element_size()
 
 
-def tiled_bytes(out_features: int, in_features: int, element_size: int) -> int:
-    """Bytes of a TiledWeight (the memory planner's count)."""
-    return -(-out_features // TR) * TR * in_features * element_size
+def tiled_bytes(out_features: int, in_features: int, fmt) -> int:
+    """Bytes of a TiledWeight (the memory planner's count): fmt an element size in bytes
+    (4, 2) or "q4" / "q8"."""
+    groups = -(-out_features // TR)
+    if isinstance(fmt, str):
+        return groups * (in_features // QG) * Q_STEP[fmt]
+    return groups * TR * in_features * fmt
 
 
 def tile_reference(w: torch.Tensor) -> torch.Tensor:
-    """Torch reference of hs_tile: [out, in] -> the flat tiled layout."""
+    """Torch reference of hs_tile: [out, in] -> the flat tiled layout (float formats)."""
     out_f, in_f = w.shape
     groups = -(-out_f // TR)
     padded = torch.zeros(groups * TR, in_f, dtype=w.dtype)
     padded[:out_f] = w
     return padded.view(groups, TR, in_f // TK, TK).permute(0, 2, 1, 3).reshape(-1)
+
+
+def dequantize_reference(data: torch.Tensor, fmt: str, groups: int, in_f: int) -> torch.Tensor:
+    """Torch reference of the q4 / q8 tiles -> float32 [groups, 8, in] (decode.c's comment)."""
+    steps = in_f // QG
+    raw = data.view(groups, steps, Q_STEP[fmt])
+    if fmt == "q4":
+        qs = raw[..., : TR * 16].reshape(groups, steps, TR, 16).int()
+        q = torch.cat((qs & 15, qs >> 4), dim=-1).float()  # [G, S, 8, 32]
+        dm = raw[..., TR * 16:].contiguous().view(torch.float16).float()  # [G, S, 16]
+        d, m = dm[..., :TR, None], dm[..., TR:, None]
+        w = (d * q + m).half().float()
+    else:
+        q = raw[..., : TR * QG].contiguous().view(torch.int8).reshape(groups, steps, TR, QG).float()
+        d = raw[..., TR * QG:].contiguous().view(torch.float16).float()[..., None]
+        w = (d * q).half().float()
+    return w.permute(0, 2, 1, 3).reshape(groups, TR, in_f)
 
 
 # -- torch references ----------------------------------------------------------------------
@@ -218,6 +261,6 @@ def attn_dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.einsum("hn,hnd->hd", p, vv)
 
 
-__all__ = ["native_library", "compiler_available", "native_unavailable_reason", "TiledWeight", "exact_dtype",
+__all__ = ["native_library", "compiler_available", "dequantize_reference", "native_unavailable_reason", "TiledWeight", "exact_dtype",
            "tiled_bytes", "tile_reference", "linear_reference", "attn_dense_reference",
            "build", "load", "library_key", "cache_dir", "ptr"]

@@ -22,12 +22,13 @@ import ctypes
 import torch
 from torch import nn
 
-from hisparse_cli.kernels.cpu_native import (TK, TiledWeight, exact_dtype, native_library,
+from hisparse_cli.kernels.cpu_native import (TK, TiledWeight, native_library,
                                              native_unavailable_reason)
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int) for n in ("hidden", "hq", "hkv", "d", "inter", "wt")] + [
+    _fields_ = [(n, ctypes.c_int) for n in ("hidden", "hq", "hkv", "d", "inter", "wt_qkv",
+                                             "wt_o", "wt_gate_up", "wt_down")] + [
         ("eps", ctypes.c_float)] + [(n, ctypes.c_void_p) for n in (
             "in_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
             "qkv_b", "o_b", "gate_up_b", "down_b")]
@@ -77,8 +78,7 @@ class NativeDecode:
         self.h = torch.empty(self.inter)
         self.scratch = torch.empty(0)
         tiled = [w for L in self.layers for w in L[1]] + [self.head]
-        self.weight_dtype = "+".join(sorted({str(w.data.dtype).replace("torch.", "")
-                                             for w in tiled}))
+        self.weight_dtype = "+".join(sorted({w.fmt_name for w in tiled}))
         self.nbytes = sum(w.nbytes for w in tiled)
 
     @classmethod
@@ -91,15 +91,14 @@ class NativeDecode:
     def _layer(self, layer: nn.Module):
         att, mlp = layer.self_attn, layer.mlp
         lins = (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        dt = exact_dtype(*(lin.weight.detach() for lin in lins))  # one format per layer
-        ws = [TiledWeight.from_linear(lin.weight, lin.bias, dtype=dt) for lin in lins]
+        ws = [TiledWeight.from_linear(lin.weight, lin.bias) for lin in lins]
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         qkn = [att.q_norm.weight, att.k_norm.weight] if att.q_norm is not None else [None, None]
         tensors = [t.detach().contiguous() if t is not None else None for t in norms + qkn]
         self.keep += [t for t in tensors if t is not None] + [w.data for w in ws] + [
             w.bias for w in ws if w.bias is not None]
         p = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        struct = _Layer(self.hidden, self.hq, self.hkv, self.d, self.inter, ws[0].wtype,
+        struct = _Layer(self.hidden, self.hq, self.hkv, self.d, self.inter, *(w.wtype for w in ws),
                         layer.input_layernorm.eps, *map(p, tensors), *(w.data.data_ptr() for w in ws),
                         *(p(w.bias) for w in ws))
         return struct, ws

@@ -13,6 +13,15 @@
  * checkpoint's values, accumulated in float32 (only the summation order differs from a
  * float32 GEMV), and read half the bytes.
  *
+ * Two more formats hold a checkpoint that came from a GGUF Q4_1 / Q8_0 file without loss:
+ * W_Q4: per row and group of 32 inputs an fp16 scale d and offset m and 4-bit q, the weight
+ * being the float16 rounding of d*q + m (float32 multiply, then add): exactly how the GGUF
+ * dequantization and the float16 conversion made the checkpoint's values; W_Q8: an fp16 d
+ * and an int8 q, the weight fp16(d*q). hs_pack_q4 / hs_pack_q8 find d, m and q from the
+ * float32 weights and verify every value (any group that does not reproduce exactly: the
+ * tensor keeps a 16-bit format). Tile step (8 rows x 32 inputs): W_Q4 [8][16 bytes: byte b
+ * holds input b in its low and b+16 in its high nibble] [8] d [8] m; W_Q8 [8][32] q [8] d.
+ *
  * Versions of the one-row product (the hot loop): AVX-512F (+F16C), AVX2 + FMA + F16C, and
  * portable C (any other CPU). The rest is portable C that the compiler vectorizes.
  * Compiled with -ffp-contract=off: RoPE, RMSNorm and the residual adds round like the torch
@@ -37,7 +46,10 @@
 #define HS_ISA 0
 #endif
 
-enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2, W_Q4 = 3, W_Q8 = 4 };
+#define QG 32                        /* inputs per quantization group (W_Q4, W_Q8) */
+#define Q4_STEP (TR * (QG / 2 + 4))  /* bytes per 8-row tile step of 32 inputs: 160 */
+#define Q8_STEP (TR * (QG + 2))      /* 272 */
 #define TR 8             /* output rows per tile */
 #define TK 16            /* inputs per tile step */
 #define TILE (TR * TK)   /* elements per tile step */
@@ -73,6 +85,31 @@ static inline float f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+static inline uint16_t f32_to_f16(float f) { /* round to nearest even, like vcvtps2ph */
+#if HS_ISA >= 1
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000;
+    int32_t exp = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+    uint32_t man = u & 0x7fffff;
+    if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) { /* subnormal half (or zero) */
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        int shift = 14 - exp;
+        uint32_t h = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = (uint32_t)exp << 10 | man >> 13, rem = man & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+#endif
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -164,18 +201,106 @@ static void tile_dot(const void *w, int wt, const float *x, long steps, float ou
 #endif
 }
 
-static inline size_t wsize(int wt) { return wt == W_F32 ? 4 : 2; }
+/* the 8 rows of a W_Q4 / W_Q8 tile group against x[in] (steps = in / 32) */
+static void tile_dot_q(const uint8_t *w, int wt, const float *x, long steps, float out[TR]) {
+#if HS_ISA == 2
+    __m512 a[TR];
+    for (int j = 0; j < TR; j++) a[j] = _mm512_setzero_ps();
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low = _mm512_set1_epi32(15);
+    for (long k = 0; k < steps; k++) {
+        __m512 x0 = _mm512_loadu_ps(x + QG * k), x1 = _mm512_loadu_ps(x + QG * k + 16);
+        if (wt == W_Q4) {
+            const uint8_t *p = w + k * Q4_STEP;
+            const uint16_t *dv = (const uint16_t *)(p + TR * 16), *mv = dv + TR;
+            _mm_prefetch((const char *)(p + 4 * Q4_STEP), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 4 * Q4_STEP + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 4 * Q4_STEP + 128), _MM_HINT_T0);
+            for (int j = 0; j < TR; j++) {
+                __m512 d = _mm512_set1_ps(f16_to_f32(dv[j])), m = _mm512_set1_ps(f16_to_f32(mv[j]));
+                __m512 lut = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_add_ps(_mm512_mul_ps(d, iota), m),
+                                                             _MM_FROUND_TO_NEAREST_INT));
+                __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * j)));
+                a[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_and_si512(q, low), lut), x0, a[j]);
+                a[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut), x1, a[j]);
+            }
+        } else {
+            const uint8_t *p = w + k * Q8_STEP;
+            const uint16_t *dv = (const uint16_t *)(p + TR * QG);
+            _mm_prefetch((const char *)(p + 4 * Q8_STEP), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 4 * Q8_STEP + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 4 * Q8_STEP + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 4 * Q8_STEP + 192), _MM_HINT_T0);
+            for (int j = 0; j < TR; j++) {
+                __m512 d = _mm512_set1_ps(f16_to_f32(dv[j]));
+                const int8_t *q = (const int8_t *)(p + QG * j);
+                __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+                __m512 w0 = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(d, q0), _MM_FROUND_TO_NEAREST_INT));
+                __m512 w1 = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(d, q1), _MM_FROUND_TO_NEAREST_INT));
+                a[j] = _mm512_fmadd_ps(w0, x0, a[j]);
+                a[j] = _mm512_fmadd_ps(w1, x1, a[j]);
+            }
+        }
+    }
+    for (int j = 0; j < TR; j++) out[j] = _mm512_reduce_add_ps(a[j]);
+#else
+    for (int j = 0; j < TR; j++) out[j] = 0.f;
+    float acc[TR][QG];
+    memset(acc, 0, sizeof acc);
+    for (long k = 0; k < steps; k++) {
+        const float *xv = x + QG * k;
+        for (int j = 0; j < TR; j++) {
+            float wv[QG];
+            if (wt == W_Q4) {
+                const uint8_t *p = w + k * Q4_STEP;
+                const uint16_t *dv = (const uint16_t *)(p + TR * 16), *mv = dv + TR;
+                float d = f16_to_f32(dv[j]), m = f16_to_f32(mv[j]);
+                for (int b = 0; b < 16; b++) {
+                    uint8_t byte = p[16 * j + b];
+                    wv[b] = f16_to_f32(f32_to_f16(d * (float)(byte & 15) + m));
+                    wv[b + 16] = f16_to_f32(f32_to_f16(d * (float)(byte >> 4) + m));
+                }
+            } else {
+                const uint8_t *p = w + k * Q8_STEP;
+                float d = f16_to_f32(((const uint16_t *)(p + TR * QG))[j]);
+                for (int b = 0; b < QG; b++)
+                    wv[b] = f16_to_f32(f32_to_f16(d * (float)((const int8_t *)p)[QG * j + b]));
+            }
+            for (int b = 0; b < QG; b++) acc[j][b] = fmaf(wv[b], xv[b], acc[j][b]);
+        }
+    }
+    for (int j = 0; j < TR; j++) {
+        float s = 0.f;
+        for (int b = 0; b < QG; b++) s += acc[j][b];
+        out[j] = s;
+    }
+#endif
+}
 
-/* y[out] = W x (+ bias); x holds `in` floats (in a multiple of 16). */
+/* bytes of one 8-row tile group of a [?, in] weight in format wt */
+static inline size_t group_bytes(int wt, long in) {
+    if (wt == W_Q4) return (size_t)(in / QG) * Q4_STEP;
+    if (wt == W_Q8) return (size_t)(in / QG) * Q8_STEP;
+    return (size_t)(in / TK) * TILE * (wt == W_F32 ? 4 : 2);
+}
+
+long hs_weight_bytes(int wt, long out, long in) { return (long)group_bytes(wt, in) * ((out + TR - 1) / TR); }
+
+/* y[out] = W x (+ bias); x holds `in` floats (in a multiple of 16; of 32 for W_Q4/W_Q8). */
 void hs_linear(const void *w, int wt, const float *bias, const float *x, float *y, long out,
                long in, int nth) {
-    long groups = (out + TR - 1) / TR, steps = in / TK;
-    size_t gbytes = (size_t)steps * TILE * wsize(wt);
+    long groups = (out + TR - 1) / TR;
+    size_t gbytes = group_bytes(wt, in);
+    int quant = wt == W_Q4 || wt == W_Q8;
     if (out * in < SMALL) nth = 1;
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (long g = 0; g < groups; g++) {
         float o[TR];
-        tile_dot((const char *)w + g * gbytes, wt, x, steps, o);
+        if (quant)
+            tile_dot_q((const uint8_t *)w + g * gbytes, wt, x, in / QG, o);
+        else
+            tile_dot((const char *)w + g * gbytes, wt, x, in / TK, o);
         for (int j = 0; j < TR; j++) {
             long r = g * TR + j;
             if (r < out) y[r] = bias ? o[j] + bias[r] : o[j];
@@ -211,7 +336,7 @@ static void rope(float *x, int heads, int d, const float *cos_, const float *sin
 
 /* One decoder layer's weights, tiled (see the top of this file). */
 typedef struct {
-    int hidden, hq, hkv, d, inter, wt;
+    int hidden, hq, hkv, d, inter, wt_qkv, wt_o, wt_gate_up, wt_down; /* formats per linear */
     float eps;
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* q/k norms: NULL unless qk_norm */
     const void *qkv, *o, *gate_up, *down;
@@ -223,7 +348,7 @@ void hs_pre_attn(const hs_layer *L, const float *x, const float *cos_, const flo
                  float *xn, float *qkv, int nth) {
     int qd = L->hq * L->d, kd = L->hkv * L->d;
     hs_rms_norm(x, L->in_norm, L->eps, xn, L->hidden);
-    hs_linear(L->qkv, L->wt, L->qkv_b, xn, qkv, qd + 2 * kd, L->hidden, nth);
+    hs_linear(L->qkv, L->wt_qkv, L->qkv_b, xn, qkv, qd + 2 * kd, L->hidden, nth);
     if (L->q_norm) {
         for (int h = 0; h < L->hq; h++) hs_rms_norm(qkv + h * L->d, L->q_norm, L->eps, qkv + h * L->d, L->d);
         for (int h = 0; h < L->hkv; h++)
@@ -239,12 +364,12 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 void hs_post_attn(const hs_layer *L, float *x, const float *attn, float *xn, float *gu,
                   float *h, int nth) {
     int hs = L->hidden, im = L->inter;
-    hs_linear(L->o, L->wt, L->o_b, attn, xn, hs, L->hq * L->d, nth);
+    hs_linear(L->o, L->wt_o, L->o_b, attn, xn, hs, L->hq * L->d, nth);
     for (int i = 0; i < hs; i++) x[i] = x[i] + xn[i];
     hs_rms_norm(x, L->post_norm, L->eps, xn, hs);
-    hs_linear(L->gate_up, L->wt, L->gate_up_b, xn, gu, 2L * im, hs, nth);
+    hs_linear(L->gate_up, L->wt_gate_up, L->gate_up_b, xn, gu, 2L * im, hs, nth);
     for (int i = 0; i < im; i++) h[i] = silu(gu[i]) * gu[im + i];
-    hs_linear(L->down, L->wt, L->down_b, h, xn, hs, im, nth);
+    hs_linear(L->down, L->wt_down, L->down_b, h, xn, hs, im, nth);
     for (int i = 0; i < hs; i++) x[i] = x[i] + xn[i];
 }
 
@@ -470,4 +595,98 @@ void hs_tile(const void *src, long row_stride, long col_stride, int esize, void 
                     for (int l = 0; l < TK; l++) memcpy(d + l * esize, s + l * col_stride * esize, esize);
                 }
             }
+}
+
+/* Find the W_Q4 form of one group of 32 values (module comment): 1 and fills q[32], *d16,
+ * *m16 when every value is reproduced exactly, else 0. */
+static int group_q4(const float *v, long cs, uint8_t q[QG], uint16_t *d16, uint16_t *m16) {
+    float mn = v[0], mx = v[0];
+    for (int i = 1; i < QG; i++) {
+        float x = v[i * cs];
+        mn = x < mn ? x : mn;
+        mx = x > mx ? x : mx;
+    }
+    uint16_t m = f32_to_f16(mn);
+    if (f16_to_f32(m) != mn) return 0;
+    uint16_t d0 = f32_to_f16((mx - mn) / 15.0f);
+    static const int tries[] = {0, -1, 1, -2, 2, -3, 3};
+    for (int t = 0; t < 7; t++) {
+        int db = (int)d0 + tries[t];
+        if (db < 0 || (db & 0x7fff) >= 0x7c00) continue;
+        float d = f16_to_f32((uint16_t)db), lut[16];
+        for (int k = 0; k < 16; k++) lut[k] = f16_to_f32(f32_to_f16(d * (float)k + mn));
+        int ok = 1;
+        for (int i = 0; i < QG && ok; i++) {
+            float x = v[i * cs];
+            int k = 0;
+            while (k < 16 && lut[k] != x) k++;
+            if (k == 16) ok = 0;
+            else q[i] = (uint8_t)k;
+        }
+        if (ok) {
+            *d16 = (uint16_t)db;
+            *m16 = m;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int group_q8(const float *v, long cs, int8_t q[QG], uint16_t *d16) {
+    float amax = 0.f;
+    for (int i = 0; i < QG; i++) {
+        float x = fabsf(v[i * cs]);
+        amax = x > amax ? x : amax;
+    }
+    uint16_t d0 = f32_to_f16(amax / 127.0f);
+    static const int tries[] = {0, -1, 1, -2, 2, -3, 3};
+    for (int t = 0; t < 7; t++) {
+        int db = (int)d0 + tries[t];
+        if (db < 0 || (db & 0x7fff) >= 0x7c00) continue;
+        float d = f16_to_f32((uint16_t)db);
+        int ok = 1;
+        for (int i = 0; i < QG && ok; i++) {
+            float x = v[i * cs];
+            float r = d == 0.f ? 0.f : nearbyintf(x / d);
+            if (r < -128.f || r > 127.f) { ok = 0; break; }
+            if (f16_to_f32(f32_to_f16(d * r)) != x) ok = 0;
+            else q[i] = (int8_t)r;
+        }
+        if (ok) {
+            *d16 = (uint16_t)db;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Pack the float32 matrix src [out, in] (element strides rs, cs) into W_Q4 (wt 3) or W_Q8
+ * (wt 4) tiles at dst (hs_weight_bytes(wt, out, in) bytes; in a multiple of 32). Returns 0
+ * when dst holds the matrix without loss, else a positive count of groups that could not
+ * be reproduced (the search stops soon after the first). */
+long hs_pack(const float *src, long rs, long cs, long out, long in, int wt, uint8_t *dst) {
+    long groups = (out + TR - 1) / TR, steps = in / QG, failed = 0;
+    size_t step = wt == W_Q4 ? Q4_STEP : Q8_STEP;
+    volatile int stop = 0; /* the first failure ends the search (the caller falls back) */
+#pragma omp parallel for schedule(static) reduction(+ : failed)
+    for (long g = 0; g < groups; g++)
+        for (long k = 0; k < steps && !stop; k++) {
+            uint8_t *p = dst + (g * steps + k) * step;
+            memset(p, 0, step);
+            for (int j = 0; j < TR; j++) {
+                long r = g * TR + j;
+                if (r >= out) continue;
+                const float *v = src + r * rs + k * QG * cs;
+                if (wt == W_Q4) {
+                    uint8_t q[QG];
+                    uint16_t *dv = (uint16_t *)(p + TR * 16);
+                    if (!group_q4(v, cs, q, dv + j, dv + TR + j)) { failed++; stop = 1; continue; }
+                    for (int b = 0; b < 16; b++) p[16 * j + b] = (uint8_t)(q[b] | q[b + 16] << 4);
+                } else {
+                    uint16_t *dv = (uint16_t *)(p + TR * QG);
+                    if (!group_q8(v, cs, (int8_t *)(p + QG * j), dv + j)) { failed++; stop = 1; }
+                }
+            }
+        }
+    return failed;
 }
