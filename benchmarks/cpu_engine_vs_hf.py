@@ -11,9 +11,10 @@ Modes:
              --anchor builds each document's prompt as ../shared/tools/hf_truncation_baseline.py
              does (its system line, task sentence and truncation). HF runs as a user runs it
              (OpenMP defaults); ours as the CLI does (threads.py policy).
-  cli        `hisparse summarize DOC --profile cpu --json` (what users run) and, with
-             variant `anchor`, the anchor tool itself on the same document and --max-new:
-             process wall time and the run's own prefill / decode rates.
+  cli        `hisparse summarize DOC --profile cpu --json` (what users run; variants
+             default, dense, t1 / t2 = --threads 1 / 2, before = the same command from the
+             tree given as --before) and, with variant `anchor`, the anchor tool itself on the
+             same document and --max-new: process wall time, the run's own rates.
   llama.cpp  `llama-bench` (benchmarks/llama_cpp_peer.py: built from the llama-cpp-python
              sdist) on the GGUF inside the default model's wheel vs the engine (dense, the
              same threads) on the same token counts: prefill pp tokens, decode tg tokens
@@ -64,11 +65,17 @@ def condition(name: str):
             busy.wait()
 
 
+BEFORE: list[str] = []  # --before DIR: the tree whose code the `before` variant runs
+
+
 def child_env(variant: str) -> dict:
-    """HF and the anchor run with the user's OpenMP defaults; ours sets its own (threads.py)."""
+    """HF, the anchor and an older tree run with the user's OpenMP defaults; ours sets its
+    own (threads.py)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if variant in ("hf", "anchor"):
+    if variant in ("hf", "anchor", "before"):
         env.pop("GOMP_SPINCOUNT", None)
+    if variant == "before":
+        env["PYTHONPATH"] = BEFORE[0]
     return env
 
 
@@ -199,7 +206,7 @@ def cli_run(variant: str, doc: str, model: str, a) -> dict:
     if variant == "anchor":
         cmd = [sys.executable, str(ANCHOR), model, doc, "--max-new", str(a.new_tokens)]
     else:
-        extra = {"default": [], "dense": ["--dense"], "t1": ["--threads", "1"],
+        extra = {"default": [], "before": [], "dense": ["--dense"], "t1": ["--threads", "1"],
                  "t2": ["--threads", "2"]}[variant]
         cmd = [sys.executable, "-m", "hisparse_cli.cli", "summarize", doc, "--profile", "cpu",
                "--max-new-tokens", str(a.new_tokens), "--json", "--quiet", *extra]
@@ -351,6 +358,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cache", default=None)
     ap.add_argument("--slow", action="store_true")
+    ap.add_argument("--before", default=None, help="cli: a tree (e.g. a worktree of the "
+                    "previous commit) whose `hisparse summarize` the variant `before` runs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -372,6 +381,8 @@ def main() -> None:
         a.mode, "")
     if a.mode == "llama.cpp":
         a.threads = a.threads or 2
+    if a.before:
+        BEFORE.append(str(Path(a.before).resolve()))
     started = time.strftime("%Y-%m-%d %H:%M")
     rows = {"engine": engine_mode, "cli": cli_mode, "llama.cpp": llama_cpp_mode,
             "suite": suite_mode}[a.mode](a, model)
