@@ -43,7 +43,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+# the project's shared folder: ../shared beside the repository (a worktree one level deeper:
+# ../../shared), or HISPARSE_SHARED
+SHARED = Path(os.environ.get("HISPARSE_SHARED") or next(
+    (p / "shared" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()),
+    ROOT.parent / "shared"))
 DEFAULT_DOC = SHARED / "eval_dev" / "gov_report" / "govreport-00.txt"
 ANCHOR = SHARED / "tools" / "hf_truncation_baseline.py"
 SYSTEM = "You are a helpful assistant that writes concise, faithful summaries."  # the anchor's
@@ -208,10 +212,12 @@ def cli_run(variant: str, doc: str, model: str, a) -> dict:
     else:
         extra = {"default": [], "before": [], "dense": ["--dense"], "t1": ["--threads", "1"],
                  "t2": ["--threads", "2"]}[variant]
+        doc = str(Path(doc).resolve())
         cmd = [sys.executable, "-m", "hisparse_cli.cli", "summarize", doc, "--profile", "cpu",
                "--max-new-tokens", str(a.new_tokens), "--json", "--quiet", *extra]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(variant))
+    t0 = time.perf_counter()  # (`before` runs from its tree: `-m` imports from the cwd first)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(variant),
+                         cwd=BEFORE[0] if variant == "before" else None)
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")

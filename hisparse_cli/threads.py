@@ -10,7 +10,8 @@ quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`), and an override, by preceden
 An override is used as given, in every phase. `auto` uses every CPU the process may use
 (the quota rounded down), and the engine's `ThreadGovernor` lowers a phase's count while
 other work holds CPUs: each `interval` seconds it reads the CPU time the allowed CPUs spent
-outside this process (/proc/stat minus our own), and `plan_threads` (pure) gives the count.
+outside this process (/proc/stat minus our own) and how long our runnable threads waited for a
+CPU (/proc/self/task/*/schedstat), and `plan_threads` (pure) gives the count (`contention`).
 A CPU taken by another process costs a run that CPU and no more: OpenMP threads that must
 meet at a barrier after every operation (thousands per decode token) otherwise wait for the
 thread that lost its CPU, a time slice at a time (BENCHMARKS.md, CPU section: decode 25.6 ->
@@ -39,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from hisparse_cli.errors import ConfigError
 
@@ -216,9 +217,15 @@ def apply_thread_policy(policy: ThreadPolicy | None = None, phase: str = "prefil
 
 
 # -- contention, measured --------------------------------------------------------------------
+class Load(NamedTuple):
+    busy_elsewhere: float     # CPUs' worth of time the allowed CPUs ran other processes
+    waited: float | None      # CPUs' worth of time our runnable threads waited for a CPU
+
+
 class CpuLoad:
-    """CPU time the allowed CPUs spent outside this process, per wall second, between calls
-    (Linux /proc/stat; None elsewhere or on the first call)."""
+    """What the allowed CPUs did between two `sample()` calls, per wall second (Linux: the
+    CPUs' busy time in /proc/stat less our own CPU time; our threads' run-queue wait from
+    /proc/self/task/*/schedstat). None elsewhere, or on the first call."""
 
     def __init__(self, cpus: list[int] | None = None, clock: Callable[[], float] = time.monotonic):
         self.cpus = set(affinity_cpus() if cpus is None else cpus)
@@ -226,7 +233,7 @@ class CpuLoad:
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last = self._read()
 
-    def _read(self) -> tuple[float, float, float] | None:
+    def _read(self):
         try:
             lines = Path("/proc/stat").read_text().splitlines()
         except OSError:
@@ -240,14 +247,47 @@ class CpuLoad:
                 v = [int(x) for x in vals[:8]]
                 busy += sum(v) - v[3] - v[4]  # all but idle and iowait
         t = os.times()
-        return self.clock(), busy / self.hz, t.user + t.system
+        return self.clock(), busy / self.hz, t.user + t.system, _run_delays()
 
-    def busy_elsewhere(self) -> float | None:
+    def sample(self) -> Load | None:
         now = self._read()
         last, self._last = self._last, now
         if now is None or last is None or now[0] - last[0] <= 0:
             return None
-        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+        wall = now[0] - last[0]
+        busy = max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / wall)
+        waited = None
+        if now[3] is not None and last[3] is not None:
+            waited = sum(max(0, d - last[3][tid]) for tid, d in now[3].items()
+                         if tid in last[3]) / 1e9 / wall
+        return Load(busy, waited)
+
+
+def _run_delays() -> dict[str, int] | None:
+    """Nanoseconds each of our threads has waited runnable for a CPU (schedstat's second
+    field), by thread id; None where the kernel does not keep it."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            out[tid] = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out or None
+
+
+def contention(load: Load, threads: int, budget: int) -> float:
+    """CPUs other work takes from us, from one interval's load while we ran `threads`: on the
+    whole budget, the time our runnable threads waited for a CPU (a process that only fills
+    idle time - SCHED_IDLE, nice 19 - is preempted at once and costs nothing); below it,
+    the other processes' busy time, which shows whether a CPU we leave is free (an idle-time
+    filler looks busy there: the probe finds out)."""
+    if threads >= budget and load.waited is not None:
+        return load.waited
+    return load.busy_elsewhere
 
 
 class ThreadGovernor:
@@ -279,7 +319,7 @@ class ThreadGovernor:
         now = self.clock()
         if self.load is not None and (self.n == self.policy.budget
                                       or now - self._raised >= self._wait):
-            self.load.busy_elsewhere()  # the probe's interval starts now
+            self.load.sample()  # the probe's interval starts now
             self._checked = self._raised = now
             self._probing = self.n < self.policy.budget
             self.n = self.policy.budget
@@ -300,10 +340,11 @@ class ThreadGovernor:
         if self.load is None:
             n = self.policy.threads(self.phase)
         elif now - self._checked >= min(0.1, self.interval):  # (/proc/stat counts 10 ms ticks)
-            busy = self.load.busy_elsewhere()
+            load = self.load.sample()
             self._checked = now
-            if busy is not None:
-                want, budget = self.policy.threads(self.phase, busy), self.policy.budget
+            if load is not None:
+                budget = self.policy.budget
+                want = self.policy.threads(self.phase, contention(load, self.n, budget))
                 if self._probing:  # a probe's interval ends: keep the budget, or back off
                     self._probing = False
                     self._wait = (self.probe_every if want == budget
@@ -332,4 +373,4 @@ class ThreadGovernor:
 
 __all__ = ["ThreadPolicy", "plan_threads", "cpu_budget", "resolve_thread_policy",
            "process_thread_policy", "apply_thread_policy", "prepare_openmp", "ThreadGovernor",
-           "CpuLoad", "affinity_cpus", "cgroup_quota", "PHASES", "ENV"]
+           "CpuLoad", "Load", "contention", "affinity_cpus", "cgroup_quota", "PHASES", "ENV"]

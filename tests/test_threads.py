@@ -94,14 +94,20 @@ def test_prepare_openmp_leaves_a_loaded_openmp_alone():
 
 
 class FakeLoad:
-    """busy_elsewhere() returns the scripted value in force at the clock's time."""
+    """sample() returns, for the number of busy CPUs elsewhere scripted at the clock's time, what
+    a real competitor shows: its busy time, and our wait while we hold every CPU (a process
+    that needs c CPUs beside our n threads on b CPUs: each of the n + c runnable threads gets
+    b / (n + c) of a CPU)."""
 
-    def __init__(self, clock, script):
-        self.clock, self.script = clock, script
+    def __init__(self, clock, script, budget, threads):
+        self.clock, self.script, self.budget, self.threads = clock, script, budget, threads
 
-    def busy_elsewhere(self):
+    def sample(self):
         now = self.clock()
-        return [v for t, v in self.script if t <= now][-1]
+        c = [v for t, v in self.script if t <= now][-1]
+        n = self.threads()
+        waited = n * max(0.0, 1 - self.budget / (n + c)) if c else 0.0
+        return th.Load(busy_elsewhere=c, waited=waited)
 
 
 class Clock:
@@ -115,8 +121,8 @@ class Clock:
 def governor(script, cpus=2, override=None, **kw):
     clock = Clock()
     set_to = []
-    gov = th.ThreadGovernor(th.ThreadPolicy(cpus, None, override, "auto", "x"),
-                            load=FakeLoad(clock, script) if override is None else None,
+    load = FakeLoad(clock, script, cpus, lambda: set_to[-1]) if override is None else None
+    gov = th.ThreadGovernor(th.ThreadPolicy(cpus, None, override, "auto", "x"), load=load,
                             clock=clock, set_threads=set_to.append, **kw)
     return gov, clock, set_to
 
@@ -138,7 +144,7 @@ def test_governor_quiet_keeps_every_cpu():
 
 
 def test_governor_lowers_under_contention_and_probes_with_backoff():
-    gov, clock, set_to = governor([(0, 0.0), (1.0, 0.7)], interval=0.5, probe_every=4.0)
+    gov, clock, set_to = governor([(0, 0.0), (1.0, 1.0)], interval=0.5, probe_every=4.0)
     gov.begin("prefill")
     run_for(gov, clock, 1.0)
     assert gov.n == 2
@@ -162,13 +168,13 @@ def test_governor_rises_when_the_other_work_ends():
 
 def test_governor_stays_up_where_the_other_work_only_fills_idle_time():
     """A SCHED_IDLE / nice 19 neighbour shows as busy while we leave a CPU idle and yields
-    when we use it: the phase-start probe finds the CPUs free and keeps them."""
+    when we use it (we never wait for it): the CPUs stay ours."""
     clock = Clock()
     state = {"n": 1}
 
     class Filler:
-        def busy_elsewhere(self):
-            return 2 - state["n"] + 0.02  # takes exactly what we leave
+        def sample(self):  # takes exactly what we leave; never makes us wait
+            return th.Load(busy_elsewhere=2 - state["n"] + 0.02, waited=0.01)
 
     gov = th.ThreadGovernor(th.ThreadPolicy(2, None, None, "auto", "x"), load=Filler(),
                             clock=clock, set_threads=lambda n: state.update(n=n))
@@ -186,13 +192,22 @@ def test_governor_with_an_override_never_measures():
     assert gov.report() == {"prefill": [3], "decode": [3]} and set(set_to) == {3}
 
 
+def test_contention_reads_our_wait_on_the_whole_budget_else_the_others_busy_time():
+    load = th.Load(busy_elsewhere=1.0, waited=0.05)  # a filler beside our one thread
+    assert th.contention(load, 1, 2) == 1.0
+    assert th.contention(th.Load(0.02, 0.02), 2, 2) == 0.02  # the filler yields to two
+    assert th.contention(th.Load(0.8, 0.8), 2, 2) == 0.8  # a real competitor
+    assert th.contention(th.Load(0.8, None), 2, 2) == 0.8  # no schedstat: the busy time
+
+
 def test_cpu_load_reads_proc_stat():
     load = th.CpuLoad()
     if load._last is None:
         pytest.skip("no /proc/stat")
     sum(i * i for i in range(200_000))
-    busy = load.busy_elsewhere()
-    assert busy is not None and busy >= 0.0
+    got = load.sample()
+    assert got is not None and got.busy_elsewhere >= 0.0
+    assert got.waited is None or got.waited >= 0.0
 
 
 # -- the CLI and the engine ------------------------------------------------------------------

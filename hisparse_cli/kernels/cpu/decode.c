@@ -616,12 +616,17 @@ static int group_q4(const float *v, long cs, uint8_t q[QG], uint16_t *d16, uint1
         float d = f16_to_f32((uint16_t)db), lut[16];
         for (int k = 0; k < 16; k++) lut[k] = f16_to_f32(f32_to_f16(d * (float)k + mn));
         int ok = 1;
+        float inv = d > 0.f ? 1.0f / d : 0.f;
         for (int i = 0; i < QG && ok; i++) {
             float x = v[i * cs];
-            int k = 0;
-            while (k < 16 && lut[k] != x) k++;
-            if (k == 16) ok = 0;
-            else q[i] = (uint8_t)k;
+            int k = (int)nearbyintf((x - mn) * inv); /* the grid point, or one beside it */
+            k = k < 0 ? 0 : k > 15 ? 15 : k;
+            if (lut[k] != x) {
+                if (k > 0 && lut[k - 1] == x) k--;
+                else if (k < 15 && lut[k + 1] == x) k++;
+                else ok = 0;
+            }
+            q[i] = (uint8_t)k;
         }
         if (ok) {
             *d16 = (uint16_t)db;
