@@ -298,33 +298,38 @@ def llama_cpp_mode(a, model: str) -> list[dict]:
     cache = peer.cache_dir(a.cache)
     binary, gguf = peer.build_llama_bench(cache), peer.default_gguf(cache)
     rows = []
+    whos = ["llama.cpp", "hisparse", "hisparse auto"]  # auto: our thread policy (threads.py)
     for r in range(a.rounds):
         for cond in rotate(a.conditions.split(","), r):
-            for who in rotate(["llama.cpp", "hisparse"], r):
+            for who in rotate(whos, r):
                 with condition(cond):
                     if who == "llama.cpp":
                         res = peer.llama_bench(binary, gguf, a.threads, a.pp, a.tg, a.reps)
                         res["tg_depth_tok_s"] = peer.llama_bench(
                             binary, gguf, a.threads, 0, a.tg, a.reps, depth=a.pp)["tg_tok_s"]
                     else:
-                        spec = {"variant": "pp_tg", "model": model, "threads": a.threads,
-                                "pp": a.pp, "tg": a.tg}
+                        spec = {"variant": "pp_tg", "model": model, "pp": a.pp, "tg": a.tg,
+                                "threads": a.threads if who == "hisparse" else None}
                         res = run_child(spec)
                 rows.append({"round": r, "condition": cond, "who": who, **res})
-                print(f"r{r} {cond:9} {who:9} pp{a.pp} {res['pp_tok_s']:7.1f} tg{a.tg} "
+                print(f"r{r} {cond:9} {who:13} pp{a.pp} {res['pp_tok_s']:7.1f} tg{a.tg} "
                       f"{res['tg_tok_s']:6.1f} tg{a.tg}@d{a.pp} {res['tg_depth_tok_s']:6.1f} tok/s",
                       flush=True)
-    print(f"\n| round | condition | llama.cpp pp{a.pp} | hisparse | ratio | llama.cpp tg{a.tg} | "
-          f"hisparse | ratio | llama.cpp tg{a.tg} @ depth {a.pp} | hisparse | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n| round | condition | hisparse threads | llama.cpp pp{a.pp} | hisparse | ratio | "
+          f"llama.cpp tg{a.tg} | hisparse | ratio | llama.cpp tg{a.tg} @ depth {a.pp} | "
+          "hisparse | ratio |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in range(a.rounds):
         for cond in a.conditions.split(","):
             lc = next(x for x in rows if (x["round"], x["condition"], x["who"]) == (r, cond, "llama.cpp"))
-            hs = next(x for x in rows if (x["round"], x["condition"], x["who"]) == (r, cond, "hisparse"))
-            cells = []
-            for k in ("pp_tok_s", "tg_tok_s", "tg_depth_tok_s"):
-                cells += [f"{lc[k]:.1f}", f"{hs[k]:.1f}", f"**{hs[k] / lc[k]:.2f}×**"]
-            print(f"| {r} | {cond} | " + " | ".join(cells) + " |")
+            for who in whos[1:]:
+                hs = next(x for x in rows if (x["round"], x["condition"], x["who"]) == (r, cond, who))
+                cells = []
+                for k in ("pp_tok_s", "tg_tok_s", "tg_depth_tok_s"):
+                    cells += [f"{lc[k]:.1f}", f"{hs[k]:.1f}", f"**{hs[k] / lc[k]:.2f}×**"]
+                thr = f"{a.threads}" if who == "hisparse" else "auto " + ", ".join(
+                    f"{p} {'→'.join(map(str, c))}" for p, c in hs["threads"].items())
+                print(f"| {r} | {cond} | {thr} | " + " | ".join(cells) + " |")
     return rows
 
 
