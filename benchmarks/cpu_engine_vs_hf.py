@@ -110,9 +110,9 @@ def run_variant(variant: str, model_dir: str, ids: list[int], new_tokens: int,
     import resource
 
     if variant != "hf":
-        from hisparse_cli.threads import prepare_openmp
+        from hisparse_cli.config.env import bound_openmp_spin
 
-        prepare_openmp()  # as the CLI does, before torch loads
+        bound_openmp_spin()  # as the CLI does, before torch loads
     import torch
 
     if variant == "hf":
@@ -213,7 +213,7 @@ def cli_run(variant: str, doc: str, model: str, a) -> dict:
         extra = {"default": [], "before": [], "dense": ["--dense"], "t1": ["--threads", "1"],
                  "t2": ["--threads", "2"]}[variant]
         doc = str(Path(doc).resolve())
-        cmd = [sys.executable, "-m", "hisparse_cli.cli", "summarize", doc, "--profile", "cpu",
+        cmd = [sys.executable, "-m", "hisparse_cli.cli.app", "summarize", doc, "--profile", "cpu",
                "--max-new-tokens", str(a.new_tokens), "--json", "--quiet", *extra]
     t0 = time.perf_counter()  # (`before` runs from its tree: `-m` imports from the cwd first)
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(variant),
@@ -273,9 +273,9 @@ def _f(x, nd: int = 2) -> str:
 def engine_pp_tg(model: str, threads: int, pp: int, tg: int) -> dict:
     """The engine's (dense) prefill of pp tokens, then decode of tg tokens from depth 0 and
     from depth pp (random ids, as llama-bench)."""
-    from hisparse_cli.threads import prepare_openmp
+    from hisparse_cli.config.env import bound_openmp_spin
 
-    prepare_openmp()
+    bound_openmp_spin()
     import torch
 
     from hisparse_cli.engine import Engine, SparseConfig
@@ -385,7 +385,7 @@ def main() -> None:
         return
     model = a.model
     if model is None:
-        from hisparse_cli.models.resolve import resolve_model
+        from hisparse_cli.hub.resolve import resolve_model
 
         model = str(resolve_model(None))
     a.variants = a.variants or {"engine": "hf,dense,sparse", "cli": "default,dense,anchor"}.get(

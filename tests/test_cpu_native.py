@@ -1,4 +1,4 @@
-"""The CPU decode kernels (kernels/cpu/decode.c via kernels/cpu_native.py) against their torch
+"""The CPU decode kernels (kernels/cpu/decode.c via kernels/cpu/native.py) against their torch
 references over weight formats, shapes and thread counts, each ISA version of the hot loop
 (AVX-512, AVX2, portable C: the same source built with the others switched off), and the
 engine's native decode against transformers and against the torch decode path (greedy
@@ -13,7 +13,7 @@ import platform
 import pytest
 import torch
 
-from hisparse_cli.kernels import cpu_native as cn
+from hisparse_cli.kernels.cpu import native as cn
 
 pytestmark = pytest.mark.skipif(cn.native_library() is None,
                                 reason=f"native CPU kernels unavailable: {cn.native_unavailable_reason()}")
@@ -153,7 +153,7 @@ def test_dense_attention_matches_reference(lib, hq, hkv, d, n):
 
 
 def test_rms_norm_matches_reference(lib):
-    from hisparse_cli.kernels.norm_rope_ref import rms_norm
+    from hisparse_cli.kernels.norm_rope.norm_rope_ref import rms_norm
 
     for n in (16, 576, 37):
         x, w = torch.randn(n), torch.randn(n)

@@ -143,7 +143,7 @@ def test_cpu_engine_holds_linears_in_the_decode_layout_with_the_checkpoint_value
     those, every linear wide enough to split is a RowSplitLinear; the values are the
     checkpoint's, and tools that write weights back get the checkpoint's separate [out, in]
     layout."""
-    from hisparse_cli.kernels.cpu_native import native_library
+    from hisparse_cli.kernels.cpu.native import native_library
     from hisparse_cli.model import cpu_decode
     from hisparse_cli.model.loader import decode_input_major, load_model
     from hisparse_cli.model.row_split import RowSplitLinear, row_splits

@@ -1,12 +1,16 @@
-"""The CPU thread policy (hisparse_cli/threads.py): the pure per-phase count, what the process
-may use (affinity, cgroup quota, overrides), the OpenMP wait setting, and the governor's
-decisions against a scripted load and clock (no timing in the assertions)."""
+"""The CPU thread policy (config/threads.py): the pure per-phase count, what the process may
+use (affinity, cgroup quota, overrides: config/env.py), the OpenMP wait setting, the policy in
+the ExecutionPlan, and the governor's decisions (engine/thread_governor.py) against a scripted
+load, and against constructed /proc samples, with a fake clock (no timing in the assertions)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hisparse_cli import threads as th
+from hisparse_cli.config import env as envmod
+from hisparse_cli.config import threads as th
+from hisparse_cli.config.env import read_environment
+from hisparse_cli.engine import thread_governor as tg
 from hisparse_cli.errors import ConfigError
 
 
@@ -45,18 +49,67 @@ def test_plan_threads_rejects_bad_input():
 def test_resolve_precedence(monkeypatch):
     monkeypatch.setattr(th, "affinity_cpus", lambda: [0, 1, 2])
     monkeypatch.setattr(th, "cgroup_quota", lambda: None)
-    env = {"HISPARSE_THREADS": "2", "OMP_NUM_THREADS": "1"}
+    env = read_environment({"HISPARSE_THREADS": "2", "OMP_NUM_THREADS": "1"})
     assert th.resolve_thread_policy(4, env).override == 4  # --threads first
     p = th.resolve_thread_policy(None, env)
     assert (p.override, p.source) == (2, "HISPARSE_THREADS")
-    p = th.resolve_thread_policy(None, {"OMP_NUM_THREADS": "1"})
+    p = th.resolve_thread_policy(None, read_environment({"OMP_NUM_THREADS": "1"}))
     assert (p.override, p.source) == (1, "OMP_NUM_THREADS")
-    p = th.resolve_thread_policy(None, {})
+    p = th.resolve_thread_policy(None, read_environment({"OMP_NUM_THREADS": "3,1"}))
+    assert (p.override, p.source) == (3, "OMP_NUM_THREADS")  # nested: the outer level
+    p = th.resolve_thread_policy(None, read_environment({}))
     assert (p.override, p.source, p.cpus, p.budget) == (None, "auto", 3, 3)
     assert "auto (3 CPUs" in p.describe() and p.to_dict()["budget"] == 3
+    p = th.resolve_thread_policy(None, read_environment({"GOMP_SPINCOUNT": "7"}))
+    assert p.openmp_wait == "GOMP_SPINCOUNT=7"
     for bad in ("0", "two", "-1"):
         with pytest.raises(ConfigError, match="HISPARSE_THREADS"):
-            th.resolve_thread_policy(None, {"HISPARSE_THREADS": bad})
+            read_environment({"HISPARSE_THREADS": bad})
+
+
+def test_resolve_with_a_quota(monkeypatch):
+    monkeypatch.setattr(th, "affinity_cpus", lambda: list(range(16)))
+    monkeypatch.setattr(th, "cgroup_quota", lambda: 2.5)
+    p = th.resolve_thread_policy(None, read_environment({}))
+    assert (p.cpus, p.quota, p.budget) == (16, 2.5, 2)
+    assert p.threads("prefill") == p.threads("decode") == 2
+    assert p.threads("decode", busy_elsewhere=1.0) == 1
+    assert "quota 2.5 CPUs" in p.describe()
+
+
+def test_the_execution_plan_carries_the_policy_and_the_cpu_decode(monkeypatch, tiny_models):
+    """A CPU plan's `threads` and `CPU decode` rows (hisparse plan prints them; --json
+    settings carry them); a CUDA plan has neither."""
+    from hisparse_cli.config.execution import resolve_execution
+    from hisparse_cli.config.settings import SparseConfig
+    from hisparse_cli.model.config import ModelConfig
+
+    monkeypatch.setattr(th, "affinity_cpus", lambda: [0, 1])
+    monkeypatch.setattr(th, "cgroup_quota", lambda: None)
+    cfg = ModelConfig.from_folder(tiny_models["llama"][0])
+    common = dict(model_cfg=cfg, sparse=SparseConfig(), compute_dtype="float32",
+                  kv_dtype="float32", weight_awq=False)
+    plan = resolve_execution(device="cpu", env=read_environment({"HISPARSE_THREADS": "1"}),
+                             **common)
+    assert plan.thread_policy.override == 1 and plan.thread_policy.source == "HISPARSE_THREADS"
+    rows = {r[0]: r for r in plan.rows()}
+    assert rows["threads"][1].startswith("1 (HISPARSE_THREADS")
+    d = plan.to_dict()
+    assert d["threads"]["policy"]["override"] == 1 and "cpu_decode" in d
+    plan = resolve_execution(device="cpu", env=read_environment({}), threads=3, **common)
+    assert (plan.thread_policy.override, plan.thread_policy.source) == (3, "--threads")
+    plan = resolve_execution(device="cpu", env=read_environment({}), **common)
+    assert plan.thread_policy.adaptive and plan.thread_policy.budget == 2
+    torch_plan = resolve_execution(device="cpu", env=read_environment(
+        {"HISPARSE_BACKEND": "torch"}), **common)
+    assert torch_plan.cpu_decode.value == "torch"
+    assert torch_plan.cpu_decode.reason == "HISPARSE_BACKEND=torch"
+    awq = resolve_execution(device="cpu", env=read_environment({}),
+                            **{**common, "weight_awq": True})
+    assert awq.cpu_decode.value == "torch" and "AWQ" in awq.cpu_decode.reason
+    cuda = resolve_execution(device="cuda", env=read_environment({}), **common)
+    assert cuda.threads is None and cuda.cpu_decode.value == "none"
+    assert "threads" not in {r[0] for r in cuda.rows()}
 
 
 def test_cgroup_quota_v2_and_v1(tmp_path):
@@ -74,23 +127,23 @@ def test_cgroup_quota_v2_and_v1(tmp_path):
     assert th.cgroup_quota(tmp_path / "nowhere") is None
 
 
-def test_prepare_openmp_bounds_the_spin_only_when_nothing_was_chosen(monkeypatch):
-    import sys
-
-    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as if torch were not loaded
+def test_openmp_spin_is_bounded_only_when_nothing_was_chosen():
+    bound = envmod.bound_openmp_spin
     env: dict = {}
-    assert th.prepare_openmp(env) == "GOMP_SPINCOUNT=10000" and env == {"GOMP_SPINCOUNT": "10000"}
+    assert bound(env, torch_loaded=False) == "GOMP_SPINCOUNT=10000"
+    assert env == {"GOMP_SPINCOUNT": "10000"}
     env = {"OMP_WAIT_POLICY": "active"}
-    assert th.prepare_openmp(env) == "OMP_WAIT_POLICY=active" and "GOMP_SPINCOUNT" not in env
+    assert bound(env, torch_loaded=False) == "OMP_WAIT_POLICY=active"
+    assert "GOMP_SPINCOUNT" not in env
     env = {"GOMP_SPINCOUNT": "5"}
-    assert th.prepare_openmp(env) == "GOMP_SPINCOUNT=5"
+    assert bound(env, torch_loaded=False) == "GOMP_SPINCOUNT=5"
 
 
-def test_prepare_openmp_leaves_a_loaded_openmp_alone():
+def test_openmp_spin_leaves_a_loaded_openmp_alone():
     import torch  # noqa: F401  (loaded: libgomp has read its settings already)
 
     env: dict = {}
-    assert th.prepare_openmp(env) == "OpenMP default" and env == {}
+    assert envmod.bound_openmp_spin(env) == "OpenMP default" and env == {}
 
 
 class FakeLoad:
@@ -107,7 +160,7 @@ class FakeLoad:
         c = [v for t, v in self.script if t <= now][-1]
         n = self.threads()
         waited = n * max(0.0, 1 - self.budget / (n + c)) if c else 0.0
-        return th.Load(busy_elsewhere=c, waited=waited)
+        return tg.Load(busy_elsewhere=c, waited=waited)
 
 
 class Clock:
@@ -122,7 +175,7 @@ def governor(script, cpus=2, override=None, **kw):
     clock = Clock()
     set_to = []
     load = FakeLoad(clock, script, cpus, lambda: set_to[-1]) if override is None else None
-    gov = th.ThreadGovernor(th.ThreadPolicy(cpus, None, override, "auto", "x"), load=load,
+    gov = tg.ThreadGovernor(th.ThreadPolicy(cpus, None, override, "auto", "x"), load=load,
                             clock=clock, set_threads=set_to.append, **kw)
     return gov, clock, set_to
 
@@ -174,9 +227,9 @@ def test_governor_stays_up_where_the_other_work_only_fills_idle_time():
 
     class Filler:
         def sample(self):  # takes exactly what we leave; never makes us wait
-            return th.Load(busy_elsewhere=2 - state["n"] + 0.02, waited=0.01)
+            return tg.Load(busy_elsewhere=2 - state["n"] + 0.02, waited=0.01)
 
-    gov = th.ThreadGovernor(th.ThreadPolicy(2, None, None, "auto", "x"), load=Filler(),
+    gov = tg.ThreadGovernor(th.ThreadPolicy(2, None, None, "auto", "x"), load=Filler(),
                             clock=clock, set_threads=lambda n: state.update(n=n))
     gov.begin("prefill")
     run_for(gov, clock, 10)
@@ -193,21 +246,104 @@ def test_governor_with_an_override_never_measures():
 
 
 def test_contention_reads_our_wait_on_the_whole_budget_else_the_others_busy_time():
-    load = th.Load(busy_elsewhere=1.0, waited=0.05)  # a filler beside our one thread
-    assert th.contention(load, 1, 2) == 1.0
-    assert th.contention(th.Load(0.02, 0.02), 2, 2) == 0.02  # the filler yields to two
-    assert th.contention(th.Load(0.8, 0.8), 2, 2) == 0.8  # a real competitor
-    assert th.contention(th.Load(0.8, None), 2, 2) == 0.8  # no schedstat: the busy time
+    load = tg.Load(busy_elsewhere=1.0, waited=0.05)  # a filler beside our one thread
+    assert tg.contention(load, 1, 2) == 1.0
+    assert tg.contention(tg.Load(0.02, 0.02), 2, 2) == 0.02  # the filler yields to two
+    assert tg.contention(tg.Load(0.8, 0.8), 2, 2) == 0.8  # a real competitor
+    assert tg.contention(tg.Load(0.8, None), 2, 2) == 0.8  # no schedstat: the busy time
 
 
 def test_cpu_load_reads_proc_stat():
-    load = th.CpuLoad()
+    load = tg.CpuLoad()
     if load._last is None:
         pytest.skip("no /proc/stat")
     sum(i * i for i in range(200_000))
     got = load.sample()
     assert got is not None and got.busy_elsewhere >= 0.0
     assert got.waited is None or got.waited >= 0.0
+
+
+# -- constructed /proc samples -----------------------------------------------------------------
+class FakeProc:
+    """A /proc with `stat` (two CPUs, ticks of 10 ms) and our threads' schedstat, advanced by
+    hand: `tick(seconds, ours=, others=, waited=)` adds `ours` + `others` CPUs' worth of busy
+    time to the CPUs, `ours` to this process's CPU time, and `waited` CPUs' worth of run-queue
+    wait to our threads."""
+
+    def __init__(self, root, tids=("100", "101")):
+        self.root, self.tids = root, tids
+        self.busy, self.idle, self.own, self.delay = [0, 0], [0, 0], 0.0, {t: 0 for t in tids}
+        self.clock = Clock()
+        self._write()
+
+    def _write(self):
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        for i in range(2):  # user nice system idle iowait irq softirq steal
+            lines.append(f"cpu{i} {self.busy[i]} 0 0 {self.idle[i]} 0 0 0 0 0 0")
+        (self.root / "stat").write_text("\n".join(lines) + "\n")
+        for tid, d in self.delay.items():
+            folder = self.root / "self" / "task" / tid
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "schedstat").write_text(f"123 {d} 7\n")
+
+    def tick(self, seconds, *, ours, others, waited):
+        busy = (ours + others) * seconds * 100  # ticks over both CPUs
+        for i in range(2):
+            self.busy[i] += round(busy / 2)
+            self.idle[i] += round(max(0.0, 2 * seconds * 100 - busy) / 2)
+        self.own += ours * seconds
+        for tid in self.delay:
+            self.delay[tid] += round(waited * seconds * 1e9 / len(self.delay))
+        self.clock.t += seconds
+        self._write()
+
+    def load(self):
+        return tg.CpuLoad([0, 1], self.clock, proc=self.root, own_cpu=lambda: self.own, hz=100)
+
+
+def test_cpu_load_from_constructed_proc_samples(tmp_path):
+    proc = FakeProc(tmp_path)
+    load = proc.load()
+    proc.tick(1.0, ours=2.0, others=0.0, waited=0.0)
+    assert load.sample() == pytest.approx(tg.Load(0.0, 0.0))
+    proc.tick(0.5, ours=1.0, others=1.0, waited=0.6)  # a busy neighbour took a CPU
+    got = load.sample()
+    assert got.busy_elsewhere == pytest.approx(1.0) and got.waited == pytest.approx(0.6)
+    (tmp_path / "self" / "task" / "100" / "schedstat").unlink()  # a thread that ended
+    proc.delay.pop("100")
+    proc.tick(1.0, ours=1.0, others=0.5, waited=0.2)
+    got = load.sample()
+    assert got.busy_elsewhere == pytest.approx(0.5) and got.waited == pytest.approx(0.2)  # 101
+    assert load.sample() is None  # no time passed
+    assert tg.CpuLoad([0, 1], proc.clock, proc=tmp_path / "none").sample() is None
+
+
+def test_governor_from_constructed_proc_samples(tmp_path):
+    """The governor over CpuLoad over a constructed /proc: quiet keeps 2 threads; a neighbour
+    that makes our threads wait lowers the count to 1 at the next interval; once it is gone,
+    the probe (after probe_every) finds the CPUs free and the count stays 2."""
+    proc = FakeProc(tmp_path)
+    set_to = []
+    gov = tg.ThreadGovernor(th.ThreadPolicy(2, None, None, "auto", "x"), load=proc.load(),
+                            clock=proc.clock, set_threads=set_to.append, interval=0.5,
+                            probe_every=2.0)
+
+    def run(seconds, **load):
+        for _ in range(round(seconds / 0.1)):
+            n = gov.n
+            proc.tick(0.1, ours=float(n), **load)
+            gov.tick()
+
+    gov.begin("decode")
+    run(1.0, others=0.0, waited=0.0)
+    assert gov.n == 2
+    run(0.6, others=1.0, waited=0.7)  # on both CPUs we wait ~0.7 CPUs for the neighbour
+    assert gov.n == 1
+    run(1.0, others=1.0, waited=0.0)  # one thread: the neighbour's CPU shows busy
+    assert gov.n == 1
+    run(3.0, others=0.0, waited=0.0)  # the neighbour ended: the next check or probe rises
+    assert gov.n == 2
+    assert gov.report()["decode"][:2] == [2, 1] and gov.report()["decode"][-1] == 2
 
 
 # -- the CLI and the engine ------------------------------------------------------------------
@@ -250,6 +386,8 @@ def test_engine_threads_argument(tiny_models):
     res = eng.generate([3, 4, 5], max_new_tokens=3, eos_token_ids=())
     assert res.stats.threads == {"prefill": [1], "decode": [1]}
     assert eng.governor.policy.source == "--threads" and eng.governor.load is None
+    assert eng.execution.thread_policy.override == 1
+    assert eng.replan().thread_policy.override == 1  # a replan keeps the engine's count
 
 
 @pytest.mark.slow

@@ -21,18 +21,17 @@ from typing import Callable
 import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig, check_positions
+from hisparse_cli.config.execution import ExecutionPlan, resolve_execution
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig, check_positions
 from hisparse_cli.engine.kv_cache import int64_to_device
 from hisparse_cli.engine.runner import KVRun
-from hisparse_cli.engine.sampling import Sampler
-from hisparse_cli.kernels.dispatch import select_backend
+from hisparse_cli.engine.sampling.host import Sampler
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.engine.cuda_graph import decode_kernel
 from hisparse_cli.model.llama import CausalLM, fuse_projections
 from hisparse_cli.model.loader import load_model
 from hisparse_cli.model.row_split import split_row_products
-from hisparse_cli.threads import ThreadGovernor, ThreadPolicy, process_thread_policy
-from hisparse_cli.threads import resolve_thread_policy
+from hisparse_cli.config.threads import resolve_thread_policy
+from hisparse_cli.engine.thread_governor import ThreadGovernor
 
 Progress = Callable[[str, int, int], None]  # (phase "prefill"|"decode", done, total)
 
@@ -86,71 +85,86 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss"
 
 
-def thread_policy(threads) -> ThreadPolicy:
-    """Engine's `threads` argument as a ThreadPolicy (see Engine.from_pretrained)."""
-    if isinstance(threads, ThreadPolicy):
-        return threads
-    if threads is None:
-        return process_thread_policy()
-    return resolve_thread_policy(override=int(threads))
-
-
 class Engine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, sparse: SparseConfig,
                  device: torch.device, kv_dtype: torch.dtype, path: Path | None = None,
                  pool_cap_blocks: int | None = None, backend: str | None = None,
-                 probe=None, threads=None) -> None:
+                 probe=None, execution: ExecutionPlan | None = None, threads=None) -> None:
+        """execution: how the run executes (config/execution.py); default: resolved here from
+        the model, device, settings, `backend` preference, `threads` (a CPU run's ThreadPolicy
+        or count; None: HISPARSE_THREADS / OMP_NUM_THREADS, else automatic) and the
+        environment."""
         # q|k|v and gate|up as one matmul each (from_pretrained's loader already did it)
         self.model, self.cfg, self.sparse, self.device = fuse_projections(model), cfg, sparse, device
-        self.native_note = None  # why the CPU decode does not run the native kernels
-        self.governor = None  # CPU: the thread count of each phase (threads.py)
-        if device.type == "cpu":
-            self.governor = ThreadGovernor(thread_policy(threads))
-            self._prepare_cpu_decode()
+        self.governor = None  # CPU: the thread count of each phase (engine/thread_governor.py)
+        self._threads = threads
         self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
-        self.backend = select_backend(device.type, backend)
-        self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
-        self.decode_kernel_note = None  # why the persistent decode kernel is not taken
-        if decode_kernel() != "layers":  # "auto" (the default) or "persistent"
-            self._prepare_persistent()
+        self._backend_preference = backend
+        self.execution = execution or self._resolve_execution()
+        self._apply_execution()
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
 
-    def _prepare_cpu_decode(self) -> None:
-        """One-token steps through the native kernels (model/cpu_decode.py) where the model
-        and machine allow (a C compiler, float32 nn.Linear weights); otherwise through torch,
-        decode's one-row products split over the threads (model/row_split.py)."""
-        from hisparse_cli.model.cpu_decode import NativeDecode
-
-        self.native_note = NativeDecode.attach(self.model)
-        if self.model.native_decode is None:
-            split_row_products(self.model)
+    def _resolve_execution(self) -> ExecutionPlan:
+        return resolve_execution(
+            device=self.device.type, model_cfg=self.cfg, sparse=self.sparse,
+            compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+            weight_awq=self.cfg.quantization_config is not None,
+            backend=self._backend_preference, loaded_model=self.model, threads=self._threads)
 
     @property
     def decode_path(self) -> str:
-        """How a decode step runs: "native (float16 weights)", "torch", "cuda graph", ..."""
+        """How a decode step runs: "native (q4 weights)", "torch (why)", "cuda graph", ..."""
         if self.device.type == "cuda":
             return "cuda graph" if self._graph_enabled() else "cuda eager"
         native = self.model.native_decode
         if native is not None:
             return f"native ({native.weight_dtype} weights)"
-        return f"torch ({self.native_note})" if self.native_note else "torch"
+        return f"torch ({self.execution.cpu_decode.reason})"
 
-    def _prepare_persistent(self) -> None:
-        """The INT4 linears into the persistent decode kernel's item layout, only where it
-        will run (CUDA-graph decode, a model and settings it serves): in the item layout a
-        linear's one-token product is a dequantize + matmul, far slower than the layer-by-layer
-        GEMV, so a model the kernel cannot take keeps its layout (the note says why)."""
-        from hisparse_cli.kernels.cuda_step import (model_unsupported, settings_unsupported,
-                                                    use_item_layout)
+    def _apply_execution(self) -> None:
+        """The plan's kernels for the model's norms/RoPE and the runs; on the CPU, the plan's
+        thread policy (its governor) and decode path: the native kernels' copy of the weights
+        (model/cpu_decode.py), or decode's one-row products split over the threads
+        (model/row_split.py); where the persistent decode kernel runs, the INT4 linears in its
+        item layout (only there: in the item layout a linear's one-token product is a
+        dequantize + matmul, far slower than the layer-by-layer GEMV, so a model the kernel
+        cannot take keeps its layout)."""
+        self.backend = self.execution.kernels
+        self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
+        if self.device.type == "cpu":
+            self.governor = ThreadGovernor(self.execution.thread_policy
+                                           or resolve_thread_policy(self._threads))
+            if self.execution.cpu_decode.value == "native":
+                from hisparse_cli.model.cpu_decode import NativeDecode
 
-        why = (None if self._graph_enabled() else "CUDA-graph decode is off") or \
-            model_unsupported(self.model, self.device, convert=True) or \
-            settings_unsupported(self.sparse, self.kv_dtype)
-        self.decode_kernel_note = why
-        if why is None:
+                NativeDecode.attach(self.model)
+            else:
+                self.model.native_decode = None
+                split_row_products(self.model)
+        if self.execution.persistent:
+            from hisparse_cli.kernels.cuda.cuda_step import use_item_layout
+
             use_item_layout(self.model)
+
+    def replan(self) -> ExecutionPlan:
+        """Resolve the execution plan again from the environment as it is now (benchmarks and
+        tests that change HISPARSE_* between runs of one engine); returns the new plan."""
+        self.release_cached_state()
+        self.execution = self._resolve_execution()
+        self._apply_execution()
+        return self.execution
+
+    @property
+    def decode_kernel_note(self) -> str | None:
+        """Why the persistent decode kernel is not taken (None where it is, or where
+        HISPARSE_DECODE_KERNEL=layers asked for the layer-by-layer decode)."""
+        plan = self.execution
+        if plan.persistent or plan.decode_kernel_asked == "layers":
+            return None
+        return plan.decode_kernel.reason
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -158,8 +172,8 @@ class Engine:
                         kv_dtype: torch.dtype | None = None, pool_cap_blocks: int | None = None,
                         embeddings_on_host: bool = False, backend: str | None = None,
                         probe=None, threads=None) -> "Engine":
-        """threads: a ThreadPolicy, a thread count (an override), or None (the process's
-        policy, threads.process_thread_policy); used on the CPU."""
+        """threads: a CPU run's ThreadPolicy, a thread count (an override, as --threads), or
+        None (HISPARSE_THREADS / OMP_NUM_THREADS, else automatic; config/threads.py)."""
         device = torch.device(device)
         model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host,
                                 decode_layout=True, fuse=True)
@@ -270,6 +284,8 @@ class Engine:
             self.release_cached_state()  # a failed run's state is not kept
             raise
         stats.new_tokens = len(out)
+        if progress:  # the final count, as the stats say (the loops report an EOS, or lag)
+            progress("decode", len(out), gen.max_new_tokens)
         stats.kv_blocks_peak, stats.blocks_allocated, stats.blocks_freed = (
             pool.peak_live, pool.allocated, pool.freed)
         stats.kv_bytes_peak = run.kv_bytes_peak
@@ -301,7 +317,7 @@ class Engine:
             if dec is not None:
                 extra["decode_kernel"] = "persistent" if dec.cuda_step is not None else "layers"
                 note = self.decode_kernel_note or dec.cuda_step_reason
-                if note and decode_kernel() == "persistent":
+                if note and self.execution.decode_kernel_asked == "persistent":
                     extra["decode_kernel_note"] = note
         else:
             out, reason = self._decode_eager(run, logits, gen, eos, Sampler(gen, self.device),
@@ -311,15 +327,10 @@ class Engine:
         return out, reason, extra
 
     def _use_graph(self, gen: GenerationConfig) -> bool:
-        """CUDA-graph decode: CUDA + Triton attention (with a host-resident embedding table
-        too: the graph then starts after the lookup). HISPARSE_CUDA_GRAPH=0 turns it off."""
-        return self._graph_enabled()
-
-    def _graph_enabled(self) -> bool:
-        import os
-
-        return (self.device.type == "cuda" and self.backend.attention == "triton"
-                and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
+        """CUDA-graph decode, as the execution plan says: CUDA + Triton attention (with a
+        host-resident embedding table too: the graph then starts after the lookup), unless
+        HISPARSE_CUDA_GRAPH=0."""
+        return bool(self.execution.graph_decode.value)
 
     def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
         if not gen.stop_strings:
@@ -346,17 +357,18 @@ class Engine:
         return out, "length"
 
     def _decode_graph(self, run, logits, gen, eos, prompt_len, progress, sync_every: int = 16):
-        from hisparse_cli.engine.cuda_graph import DeviceSampler
-        from hisparse_cli.kernels import graph_sampler
+        from hisparse_cli.engine.sampling.device import DeviceSampler
 
         # the kept decoder when its capture fits this run (its graph replays from the first
         # step), else a new one that warms up and captures on its first step
         decoder, reused = self._decode_state.decoder_for(self.model, run,
-                                                         prompt_len + gen.max_new_tokens)
+                                                         prompt_len + gen.max_new_tokens,
+                                                         persistent=self.execution.persistent)
         # greedy decodes sample inside the step (and its graph), kernels/graph_sampler.py,
-        # unless HISPARSE_GRAPH_SAMPLER=0; a graph captured the other way is dropped
+        # where the plan says so (not with HISPARSE_GRAPH_SAMPLER=0); a graph captured the
+        # other way is dropped
         had_graph = decoder.graph is not None
-        fused = graph_sampler.enabled() and decoder.sample_in_graph(gen, eos)
+        fused = self.execution.graph_sampler.value and decoder.sample_in_graph(gen, eos)
         if not fused:
             decoder.use_host_sampler()
         if had_graph and decoder.graph is None:

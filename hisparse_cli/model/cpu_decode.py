@@ -3,7 +3,7 @@ in a few C calls instead of ~60 torch operations a layer.
 
 `NativeDecode.attach(model)` gives a float32 CPU model a decode copy of its linear weights in
 the tiled layout, each in the narrowest format that holds it exactly (a float16 or bfloat16
-checkpoint: its own 16-bit values, half the bytes a token reads; kernels/cpu_native.py). The
+checkpoint: its own 16-bit values, half the bytes a token reads; kernels/cpu/native.py). The
 prefill's multi-row products keep the float32 weights and torch (MKL). Per layer, a decode
 step is: `hs_pre_attn` (norm, q|k|v product, q/k norms, RoPE) -> attention -> `hs_post_attn`
 (o product and residual, norm, gate|up, silu * up, down and residual). The attention runs in C
@@ -22,8 +22,8 @@ import ctypes
 import torch
 from torch import nn
 
-from hisparse_cli.kernels.cpu_native import (TK, TiledWeight, native_library,
-                                             native_unavailable_reason)
+from hisparse_cli.kernels.cpu.native import (TK, TiledWeight, compiler_available,
+                                             native_library, native_unavailable_reason)
 
 
 class _Layer(ctypes.Structure):
@@ -47,11 +47,31 @@ def unsupported(model: nn.Module) -> str | None:
                 return "a linear is not a float32 nn.Linear (AWQ INT4, or unfused projections)"
     if not isinstance(model.lm_head, nn.Linear):
         return "the LM head is not a float32 nn.Linear"
+    return _shapes_unsupported(cfg) or native_unavailable_reason()
+
+
+def _shapes_unsupported(cfg) -> str | None:
     d = cfg.head_dim
     sizes = (cfg.hidden_size, cfg.num_attention_heads * d, cfg.intermediate_size)
     if any(s % TK for s in sizes) or d % 2:
         return f"hidden, heads x head_dim and intermediate sizes must be multiples of {TK}"
-    return native_unavailable_reason()
+    return None
+
+
+def config_unsupported(cfg, compute_dtype: str) -> str | None:
+    """`unsupported` from a model config (the memory planner's view: no weights loaded, no
+    build; a compiler on this machine stands for the library)."""
+    if compute_dtype != "float32":
+        return "native decode runs float32 models on the CPU"
+    if not compiler_available():
+        return "no C compiler (cc/gcc/clang) found"
+    return _shapes_unsupported(cfg)
+
+
+def copy_element_bytes(cfg) -> int:
+    """Bytes an element of the decode copy holds at most: 2 for a float16/bfloat16
+    checkpoint (its own values), else 4 (4-/8-bit forms are found from the values at load)."""
+    return 2 if (cfg.torch_dtype or "") in ("float16", "bfloat16") else 4
 
 
 class NativeDecode:
@@ -82,11 +102,11 @@ class NativeDecode:
         self.nbytes = sum(w.nbytes for w in tiled)
 
     @classmethod
-    def attach(cls, model: nn.Module) -> str | None:
-        """Give `model` its native decode (model.native_decode); returns why not, else None."""
-        why = unsupported(model)
-        model.native_decode = None if why else cls(model)
-        return why
+    def attach(cls, model: nn.Module) -> None:
+        """Give `model` its native decode (model.native_decode), once (the ExecutionPlan
+        decided it applies: config/execution.py)."""
+        if not isinstance(model.native_decode, cls):
+            model.native_decode = cls(model)
 
     def _layer(self, layer: nn.Module):
         att, mlp = layer.self_attn, layer.mlp
