@@ -228,8 +228,8 @@ def _threads(device: str, threads, env: Environment) -> Choice | None:
     if policy.override is not None:
         why = f"{policy.source} {policy.override}, in every phase"
     else:
-        why = ("every CPU this process may use, prefill and decode alike; fewer while other "
-               "work holds CPUs (engine/thread_governor.py)")
+        why = ("prefill and decode alike; the governor measures every 0.5 s of a phase "
+               "(engine/thread_governor.py)")
     return Choice(policy, f"{why}; OpenMP wait: {policy.openmp_wait}")
 
 
