@@ -1,16 +1,39 @@
-"""CPU benchmark (issue: core engine): `Engine.generate` vs transformers' own `generate` on the
-same ~5K-token real-document prompt, greedy, 256 new tokens, in one run.
+"""CPU benchmarks of the engine against its peers, each peer measured in the same run. Every
+measured process runs in its own subprocess (peak RSS per variant); `--contend` starts one
+CPU-bound process at normal priority (`python -c 'while True: pass'`) beside each measured
+process and kills it after; `--conditions quiet,contended` interleaves the two (the order
+rotated per document / round). Prints markdown tables (BENCHMARKS.md, CPU section); --json
+keeps every row.
 
-Each variant runs in its own subprocess so peak RSS (ru_maxrss) is per variant.
-Usage:
-    python benchmarks/cpu_engine_vs_hf.py [--model DIR] [--doc FILE] [--prompt-tokens 5000]
-        [--new-tokens 256] [--threads 2] [--rounds N] [--json OUT.json]
-Default document: ../shared/eval_dev/gov_report/govreport-00.txt (not shipped with the repo).
+Modes:
+  engine     `Engine.generate` vs transformers' `generate` on the same prompt ids, greedy, the
+             same number of new tokens forced (min_new_tokens): variants hf, dense, sparse.
+             --anchor builds each document's prompt as ../shared/tools/hf_truncation_baseline.py
+             does (its system line, task sentence and truncation). HF runs as a user runs it
+             (OpenMP defaults); ours as the CLI does (threads.py policy).
+  cli        `hisparse summarize DOC --profile cpu --json` (what users run; variants
+             default, dense, t1 / t2 = --threads 1 / 2, before = the same command from the
+             tree given as --before) and, with variant `anchor`, the anchor tool itself on the
+             same document and --max-new: process wall time, the run's own rates.
+  llama.cpp  `llama-bench` (benchmarks/llama_cpp_peer.py: built from the llama-cpp-python
+             sdist) on the GGUF inside the default model's wheel vs the engine (dense, the
+             same threads) on the same token counts: prefill pp tokens, decode tg tokens
+             from depth 0 and from depth pp.
+  suite      `python -m pytest -q [--slow]` wall time.
+
+    python benchmarks/cpu_engine_vs_hf.py --mode engine --anchor --docs A.txt B.txt \
+        --new-tokens 256 --conditions quiet,contended --json OUT.json
+    python benchmarks/cpu_engine_vs_hf.py --mode cli --variants default,dense,anchor \
+        --docs samples/medical/discharge_report.txt A.txt B.txt --conditions quiet,contended
+    python benchmarks/cpu_engine_vs_hf.py --mode llama.cpp --threads 2 --pp 2048 --tg 128
+    python benchmarks/cpu_engine_vs_hf.py --mode suite --conditions quiet,contended --slow
+Documents from ../shared/eval_dev are read here only (never copied into the repo).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -20,136 +43,363 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DOC = ROOT.parent / "shared" / "eval_dev" / "gov_report" / "govreport-00.txt"
+# the project's shared folder: ../shared beside the repository (a worktree one level deeper:
+# ../../shared), or HISPARSE_SHARED
+SHARED = Path(os.environ.get("HISPARSE_SHARED") or next(
+    (p / "shared" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()),
+    ROOT.parent / "shared"))
+DEFAULT_DOC = SHARED / "eval_dev" / "gov_report" / "govreport-00.txt"
+ANCHOR = SHARED / "tools" / "hf_truncation_baseline.py"
+SYSTEM = "You are a helpful assistant that writes concise, faithful summaries."  # the anchor's
+TASK = "Summarize the following document in one paragraph.\n\n"
 
 
-def prompt_ids(model_dir: str, doc: str, n: int) -> list[int]:
+@contextlib.contextmanager
+def condition(name: str):
+    """Run the body quiet, or beside one CPU-bound process (killed after)."""
+    busy = None
+    if name == "contended":
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.3)
+    try:
+        yield
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+
+
+BEFORE: list[str] = []  # --before DIR: the tree whose code the `before` variant runs
+
+
+def child_env(variant: str) -> dict:
+    """HF, the anchor and an older tree run with the user's OpenMP defaults; ours sets its
+    own (threads.py)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if variant in ("hf", "anchor", "before"):
+        env.pop("GOMP_SPINCOUNT", None)
+    if variant == "before":
+        env["PYTHONPATH"] = BEFORE[0]
+    return env
+
+
+# -- engine mode ---------------------------------------------------------------------------
+def prompt_ids(model_dir: str, doc: str, n: int, anchor: bool, new: int) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     text = Path(doc).read_text(encoding="utf-8")
-    body = tok.decode(tok(text)["input_ids"][: n - 40])
-    msgs = [{"role": "user", "content": "Summarize the following report.\n\n" + body}]
-    return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if anchor:  # hf_truncation_baseline.py's prompt
+        import json as _json
+
+        ctx = _json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        budget = ctx - new - 64
+        if len(ids) > budget:
+            text = tok.decode(ids[:budget])
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK + text}]
+    else:
+        body = tok.decode(tok(text)["input_ids"][: n - 40])
+        msgs = [{"role": "user", "content": "Summarize the following report.\n\n" + body}]
+    return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
 
 
-def run_variant(variant: str, model_dir: str, ids: list[int], new_tokens: int) -> dict:
+def run_variant(variant: str, model_dir: str, ids: list[int], new_tokens: int,
+                threads: int | None) -> dict:
     import resource
 
+    if variant != "hf":
+        from hisparse_cli.config.env import bound_openmp_spin
+
+        bound_openmp_spin()  # as the CLI does, before torch loads
     import torch
 
     if variant == "hf":
         from transformers import AutoModelForCausalLM
 
+        if threads:
+            torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         x = torch.tensor([ids])
         with torch.inference_mode():
+            t0 = time.perf_counter()
+            model(x, logits_to_keep=1)  # the prefill alone, for the decode rate below
+            prefill = time.perf_counter() - t0
             t0 = time.perf_counter()
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             wall = time.perf_counter() - t0
         toks = out[0, len(ids):].tolist()
-        extra = {}
+        decode = max(wall - prefill, 1e-9)
+        stats = {"prefill_tok_s": len(ids) / prefill, "decode_tok_s": (len(toks) - 1) / decode,
+                 "prefill_seconds": prefill, "decode_seconds": decode,
+                 "threads": {"all": [torch.get_num_threads()]}}
     else:
         from hisparse_cli.engine import Engine, SparseConfig
 
-        sparse = SparseConfig.dense_config(prefill_chunk=512) if variant == "dense" else SparseConfig()
-        eng = Engine.from_pretrained(model_dir, sparse=sparse)
+        sparse = SparseConfig.dense_config() if variant == "dense" else SparseConfig()
+        eng = Engine.from_pretrained(model_dir, sparse=sparse, threads=threads)
         t0 = time.perf_counter()
         res = eng.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         wall = time.perf_counter() - t0
         toks = res.token_ids
-        extra = res.stats.to_dict()
+        stats = res.stats.to_dict()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"variant": variant, "wall_s": wall, "tokens": toks, "peak_rss_bytes": rss, "stats": extra}
+    return {"variant": variant, "wall_s": wall, "tokens": toks, "peak_rss_bytes": rss,
+            "stats": stats}
+
+
+def run_child(spec: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--_child", json.dumps(spec)],
+                         capture_output=True, text=True, env=child_env(spec["variant"]))
+    if out.returncode != 0:
+        sys.exit(f"{spec['variant']} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def engine_mode(a, model: str) -> list[dict]:
+    rows = []
+    variants = a.variants.split(",")
+    for d, doc in enumerate(a.docs):
+        ids = prompt_ids(model, doc, a.prompt_tokens, a.anchor, a.new_tokens)
+        for r in range(a.rounds):
+            k = d + r
+            for cond in rotate(a.conditions.split(","), k):
+                for v in rotate(variants, k):
+                    with condition(cond):
+                        res = run_child({"variant": v, "model": model, "ids": ids,
+                                         "new": a.new_tokens, "threads": a.threads})
+                    rows.append({"doc": Path(doc).name, "round": r, "condition": cond,
+                                 "prompt_tokens": len(ids), **res})
+                    print(f"{Path(doc).name} r{r} {cond:9} {v:6} {res['wall_s']:7.2f} s "
+                          f"prefill {res['stats']['prefill_tok_s']:7.1f} decode "
+                          f"{res['stats']['decode_tok_s']:6.1f} tok/s", flush=True)
+    print_engine_table(rows)
+    return rows
+
+
+def rotate(items: list, k: int) -> list:
+    return items[k % len(items):] + items[:k % len(items)]
+
+
+def print_engine_table(rows: list[dict]) -> None:
+    print("\n| document | prompt | condition | variant | wall s | x HF | prefill tok/s | "
+          "decode tok/s | tokens = HF | threads | peak RSS MiB |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---|---|---:|")
+    for x in rows:
+        hf = next((y for y in rows if y["variant"] == "hf" and all(
+            y[k] == x[k] for k in ("doc", "round", "condition"))), None)
+        ratio = f"{x['wall_s'] / hf['wall_s']:.2f}×" if hf else ""
+        same = "" if hf is None or x is hf else _same(x["tokens"], hf["tokens"])
+        s = x["stats"]
+        thr = ", ".join(f"{p} {'→'.join(map(str, c))}" for p, c in (s.get("threads") or {}).items())
+        print(f"| {x['doc']} | {x['prompt_tokens']} | {x['condition']} | {x['variant']} | "
+              f"{x['wall_s']:.2f} | {ratio} | {s['prefill_tok_s']:.0f} | {s['decode_tok_s']:.1f}"
+              f" | {same} | {thr} | {x['peak_rss_bytes'] / 2**20:.0f} |")
+
+
+def _same(a: list[int], b: list[int]) -> str:
+    if a == b:
+        return f"all {len(a)}"
+    return f"first {next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)}"
+
+
+# -- cli mode ------------------------------------------------------------------------------
+def cli_run(variant: str, doc: str, model: str, a) -> dict:
+    if variant == "anchor":
+        cmd = [sys.executable, str(ANCHOR), model, doc, "--max-new", str(a.new_tokens)]
+    else:
+        extra = {"default": [], "before": [], "dense": ["--dense"], "t1": ["--threads", "1"],
+                 "t2": ["--threads", "2"]}[variant]
+        doc = str(Path(doc).resolve())
+        cmd = [sys.executable, "-m", "hisparse_cli.cli.app", "summarize", doc, "--profile", "cpu",
+               "--max-new-tokens", str(a.new_tokens), "--json", "--quiet", *extra]
+    t0 = time.perf_counter()  # (`before` runs from its tree: `-m` imports from the cwd first)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(variant),
+                         cwd=BEFORE[0] if variant == "before" else None)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    if variant == "anchor":
+        rec = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
+        return {"wall_s": wall, "generate_s": rec["seconds"], "new_tokens": rec["new_tokens"],
+                "prompt_tokens": rec["doc_tokens"], "prefill_tok_s": None, "decode_tok_s": None,
+                "threads": "", "rouge1": rec["rouge1"]}
+    rec = json.loads(out.stdout)
+    s = rec["stats"]
+    thr = ", ".join(f"{p} {'→'.join(map(str, c))}" for p, c in (s.get("threads") or {}).items())
+    return {"wall_s": wall, "generate_s": rec["timings"]["generate_seconds"],
+            "new_tokens": s["new_tokens"], "prompt_tokens": s["prompt_tokens"],
+            "prefill_tok_s": s["prefill_tok_s"], "decode_tok_s": s["decode_tok_s"],
+            "threads": thr, "decode_path": s.get("decode_path", "")}
+
+
+def cli_mode(a, model: str) -> list[dict]:
+    rows = []
+    for d, doc in enumerate(a.docs):
+        for r in range(a.rounds):
+            for cond in rotate(a.conditions.split(","), d + r):
+                for v in rotate(a.variants.split(","), d + r):
+                    with condition(cond):
+                        res = cli_run(v, doc, model, a)
+                    rows.append({"doc": Path(doc).name, "round": r, "condition": cond,
+                                 "variant": v, **res})
+                    print(f"{Path(doc).name} r{r} {cond:9} {v:7} wall {res['wall_s']:7.2f} s "
+                          f"generate {res['generate_s']:7.2f} s new {res['new_tokens']} "
+                          f"{res['threads']}", flush=True)
+    print("\n| document | variant | quiet wall s | contended wall s | contended / quiet | "
+          "quiet generate s | new tokens | quiet decode tok/s | threads (contended) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for doc in dict.fromkeys(x["doc"] for x in rows):
+        for v in a.variants.split(","):
+            q = [x for x in rows if (x["doc"], x["variant"], x["condition"]) == (doc, v, "quiet")]
+            c = [x for x in rows if (x["doc"], x["variant"], x["condition"]) == (doc, v, "contended")]
+            qw = statistics.median(x["wall_s"] for x in q) if q else None
+            cw = statistics.median(x["wall_s"] for x in c) if c else None
+            ratio = f"{cw / qw:.2f}×" if qw and cw else ""
+            dec = q[0]["decode_tok_s"] if q and q[0]["decode_tok_s"] else None
+            print(f"| {doc} | {v} | {_f(qw)} | {_f(cw)} | {ratio} | "
+                  f"{_f(q[0]['generate_s'] if q else None)} | {q[0]['new_tokens'] if q else ''} | "
+                  f"{_f(dec, 1)} | {c[0]['threads'] if c else ''} |")
+    return rows
+
+
+def _f(x, nd: int = 2) -> str:
+    return "" if x is None else f"{x:.{nd}f}"
+
+
+# -- llama.cpp mode ------------------------------------------------------------------------
+def engine_pp_tg(model: str, threads: int, pp: int, tg: int) -> dict:
+    """The engine's (dense) prefill of pp tokens, then decode of tg tokens from depth 0 and
+    from depth pp (random ids, as llama-bench)."""
+    from hisparse_cli.config.env import bound_openmp_spin
+
+    bound_openmp_spin()
+    import torch
+
+    from hisparse_cli.engine import Engine, SparseConfig
+
+    eng = Engine.from_pretrained(model, sparse=SparseConfig.dense_config(), threads=threads)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, eng.cfg.vocab_size, (pp,), generator=g).tolist()
+    eng.generate(ids[:64], max_new_tokens=8, min_new_tokens=8)  # warm-up
+    deep = eng.generate(ids, max_new_tokens=tg + 1, min_new_tokens=tg + 1)
+    shallow = eng.generate(ids[:1], max_new_tokens=tg + 1, min_new_tokens=tg + 1)
+    return {"pp_tok_s": deep.stats.prefill_tok_s, "tg_tok_s": shallow.stats.decode_tok_s,
+            "tg_depth_tok_s": deep.stats.decode_tok_s, "decode_path": deep.stats.decode_path,
+            "threads": deep.stats.threads}
+
+
+def llama_cpp_mode(a, model: str) -> list[dict]:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import llama_cpp_peer as peer
+
+    cache = peer.cache_dir(a.cache)
+    binary, gguf = peer.build_llama_bench(cache), peer.default_gguf(cache)
+    rows = []
+    whos = ["llama.cpp", "hisparse", "hisparse auto"]  # auto: our thread policy (threads.py)
+    for r in range(a.rounds):
+        for cond in rotate(a.conditions.split(","), r):
+            for who in rotate(whos, r):
+                with condition(cond):
+                    if who == "llama.cpp":
+                        res = peer.llama_bench(binary, gguf, a.threads, a.pp, a.tg, a.reps)
+                        res["tg_depth_tok_s"] = peer.llama_bench(
+                            binary, gguf, a.threads, 0, a.tg, a.reps, depth=a.pp)["tg_tok_s"]
+                    else:
+                        spec = {"variant": "pp_tg", "model": model, "pp": a.pp, "tg": a.tg,
+                                "threads": a.threads if who == "hisparse" else None}
+                        res = run_child(spec)
+                rows.append({"round": r, "condition": cond, "who": who, **res})
+                print(f"r{r} {cond:9} {who:13} pp{a.pp} {res['pp_tok_s']:7.1f} tg{a.tg} "
+                      f"{res['tg_tok_s']:6.1f} tg{a.tg}@d{a.pp} {res['tg_depth_tok_s']:6.1f} tok/s",
+                      flush=True)
+    print(f"\n| round | condition | hisparse threads | llama.cpp pp{a.pp} | hisparse | ratio | "
+          f"llama.cpp tg{a.tg} | hisparse | ratio | llama.cpp tg{a.tg} @ depth {a.pp} | "
+          "hisparse | ratio |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in range(a.rounds):
+        for cond in a.conditions.split(","):
+            lc = next(x for x in rows if (x["round"], x["condition"], x["who"]) == (r, cond, "llama.cpp"))
+            for who in whos[1:]:
+                hs = next(x for x in rows if (x["round"], x["condition"], x["who"]) == (r, cond, who))
+                cells = []
+                for k in ("pp_tok_s", "tg_tok_s", "tg_depth_tok_s"):
+                    cells += [f"{lc[k]:.1f}", f"{hs[k]:.1f}", f"**{hs[k] / lc[k]:.2f}×**"]
+                thr = f"{a.threads}" if who == "hisparse" else "auto " + ", ".join(
+                    f"{p} {'→'.join(map(str, c))}" for p, c in hs["threads"].items())
+                print(f"| {r} | {cond} | {thr} | " + " | ".join(cells) + " |")
+    return rows
+
+
+# -- suite mode ----------------------------------------------------------------------------
+def suite_mode(a, model: str) -> list[dict]:
+    rows = []
+    for r in range(a.rounds):
+        for cond in rotate(a.conditions.split(","), r):
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"] + (
+                ["--slow"] if a.slow else [])
+            with condition(cond):
+                t0 = time.perf_counter()
+                out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                wall = time.perf_counter() - t0
+            tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+            rows.append({"round": r, "condition": cond, "wall_s": wall, "rc": out.returncode,
+                         "summary": tail, "command": " ".join(cmd[2:])})
+            print(f"r{r} {cond:9} {wall / 60:6.1f} min rc={out.returncode} {tail}", flush=True)
+    return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=("engine", "cli", "llama.cpp", "suite"), default="engine")
     ap.add_argument("--model", default=None)
-    ap.add_argument("--doc", default=str(DEFAULT_DOC))
+    ap.add_argument("--docs", nargs="+", default=[str(DEFAULT_DOC)])
+    ap.add_argument("--anchor", action="store_true", help="engine: the anchor tool's prompts")
     ap.add_argument("--prompt-tokens", type=int, default=5000)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variants", default="hf,dense,sparse")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run every variant this many times, interleaved; prints the median ratio")
+    ap.add_argument("--threads", type=int, default=None, help="ours: --threads (default auto); "
+                    "llama.cpp mode: both (default 2)")
+    ap.add_argument("--variants", default=None)
+    ap.add_argument("--conditions", default="quiet")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=2048)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cache", default=None)
+    ap.add_argument("--slow", action="store_true")
+    ap.add_argument("--before", default=None, help="cli: a tree (e.g. a worktree of the "
+                    "previous commit) whose `hisparse summarize` the variant `before` runs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._child:
-        import torch
-
-        torch.set_num_threads(a.threads)
         spec = json.loads(a._child)
-        print(json.dumps(run_variant(spec["variant"], spec["model"], spec["ids"], spec["new"])))
+        if spec["variant"] == "pp_tg":
+            res = engine_pp_tg(spec["model"], spec["threads"], spec["pp"], spec["tg"])
+        else:
+            res = run_variant(spec["variant"], spec["model"], spec["ids"], spec["new"],
+                              spec["threads"])
+        print(json.dumps(res))
         return
     model = a.model
     if model is None:
         from hisparse_cli.hub.resolve import resolve_model
 
         model = str(resolve_model(None))
-    ids = prompt_ids(model, a.doc, a.prompt_tokens)
-    variants = a.variants.split(",")
-    rounds = []
-    for r in range(a.rounds):  # each round runs every variant once, the order rotated per
-        # round so that a slow stretch of this machine does not always hit the same variant
-        order = variants[r % len(variants):] + variants[:r % len(variants)]
-        got = {v: run_child(v, model, ids, a) for v in order}
-        rows = [got[v] for v in variants]
-        rounds.append(rows)
-        print_round(rows, len(ids), a, r if a.rounds > 1 else None)
-    if a.rounds > 1:
-        print_summary(rounds)
+    a.variants = a.variants or {"engine": "hf,dense,sparse", "cli": "default,dense,anchor"}.get(
+        a.mode, "")
+    if a.mode == "llama.cpp":
+        a.threads = a.threads or 2
+    if a.before:
+        BEFORE.append(str(Path(a.before).resolve()))
+    started = time.strftime("%Y-%m-%d %H:%M")
+    rows = {"engine": engine_mode, "cli": cli_mode, "llama.cpp": llama_cpp_mode,
+            "suite": suite_mode}[a.mode](a, model)
     if a.json:
-        Path(a.json).write_text(json.dumps({"prompt_tokens": len(ids), "rows": rounds[0],
-                                            "rounds": rounds}, indent=1))
-
-
-def run_child(v: str, model: str, ids: list[int], a) -> dict:
-    spec = json.dumps({"variant": v, "model": model, "ids": ids, "new": a.new_tokens})
-    out = subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--_child", spec],
-                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if out.returncode != 0:
-        sys.exit(f"{v} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _same(r: dict, hf: dict | None):
-    if hf is None:
-        return None
-    if r["tokens"] == hf["tokens"]:
-        return True
-    n_same = next((i for i, (x, y) in enumerate(zip(r["tokens"], hf["tokens"])) if x != y),
-                  min(len(r["tokens"]), len(hf["tokens"])))
-    return f"first {n_same}"
-
-
-def print_round(rows: list[dict], n_ids: int, a, r: int | None) -> None:
-    hf = next((x for x in rows if x["variant"] == "hf"), None)
-    head = f"round {r + 1}: " if r is not None else ""
-    print(f"{head}prompt tokens: {n_ids}, new tokens: {a.new_tokens}, threads: {a.threads}")
-    print(f"{'variant':8} {'wall s':>8} {'x HF':>6} {'peak RSS MiB':>13} {'same tokens as HF':>18}")
-    for x in rows:
-        ratio = x["wall_s"] / hf["wall_s"] if hf else float("nan")
-        print(f"{x['variant']:8} {x['wall_s']:8.2f} {ratio:6.2f} "
-              f"{x['peak_rss_bytes'] / 2**20:13.0f} {str(_same(x, hf)):>18}", flush=True)
-
-
-def print_summary(rounds: list[list[dict]]) -> None:
-    """Per variant: the ratio to HF's time in the same round, every round, and the median."""
-    print(f"over {len(rounds)} rounds (x HF's time in the same round):")
-    for i, x in enumerate(rounds[0]):
-        if x["variant"] == "hf":
-            continue
-        ratios = []
-        for rows in rounds:
-            hf = next((y for y in rows if y["variant"] == "hf"), None)
-            if hf:
-                ratios.append(rows[i]["wall_s"] / hf["wall_s"])
-        if ratios:
-            med = statistics.median(ratios)
-            print(f"{x['variant']:8} median {med:.2f}  rounds {' / '.join(f'{q:.2f}' for q in ratios)}")
+        Path(a.json).write_text(json.dumps({"started": started, "argv": sys.argv[1:],
+                                            "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -200,6 +200,7 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
         ("recalibrations", f"{stats['recalibrations']:,}"),
         ("peak memory", f"{human_bytes(stats['peak_memory_bytes'])} ({stats['peak_memory_kind']})"),
         ("device", f"{stats['device']} / {stats['backend']}"),
+        *cpu_rows(result),
         ("time", f"{result['timings']['total_seconds']:.1f} s"),
     ]
     if document:
@@ -213,6 +214,23 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
     for name, value in (result.get("rouge") or {}).items():
         table.add_row(name, f"{value:.4f}")
     return table
+
+
+def cpu_rows(result: dict) -> list[tuple[str, str]]:
+    """Stats rows of the CPU runtime: decode path and threads per phase (with the policy)."""
+    stats = result["stats"]
+    rows = []
+    if stats.get("decode_path"):
+        rows.append(("decode path", stats["decode_path"]))
+    threads = stats.get("threads")
+    if threads:
+        text = ", ".join(f"{phase} {'→'.join(map(str, counts))}" for phase, counts in threads.items())
+        policy = ((result.get("settings") or {}).get("device") or {}).get("threads") or {}
+        if policy:
+            text += (f" ({policy['source']}, {policy['cpus']} CPUs"
+                     + (f", quota {policy['quota']:g}" if policy.get("quota") else "") + ")")
+        rows.append(("threads", text))
+    return rows
 
 
 def print_table(table: Table, to_stdout: bool = False) -> None:

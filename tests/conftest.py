@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random Llama-family checkpoints written as safetensors; the `gpu`
 marker that skips without CUDA; `--gpu-group NAME`, the GPU tests in groups that each fit one
-device call (GPU_GROUPS; README, Development)."""
+device call (GPU_GROUPS; README, Development); the real model's home for the slow tests.
+
+OpenMP's spin-wait is bounded before torch loads (config/env.py: bound_openmp_spin), as the
+CLI does: the suite's torch calls then do not collapse when another process holds a CPU."""
 
 from __future__ import annotations
 
@@ -9,8 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+from hisparse_cli.config.env import bound_openmp_spin
+
+bound_openmp_spin()  # before the first `import torch` of the session (libgomp reads it once)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -55,6 +62,22 @@ def gpu_group(item) -> str:
         if item.path.name in files and takes(item.name):
             return name
     return "rest"
+
+
+def real_model_home() -> str:
+    """Where the slow tests find (or pull, once) the real embedded model: HISPARSE_TEST_HOME,
+    else the user's HISPARSE_HOME, else hisparse's default (~/.cache/hisparse) — never a
+    second copy beside the one the user already has."""
+    return (os.environ.get("HISPARSE_TEST_HOME") or os.environ.get("HISPARSE_HOME")
+            or str(Path.home() / ".cache" / "hisparse"))
+
+
+@pytest.fixture
+def real_home(monkeypatch) -> str:
+    """HISPARSE_HOME set to `real_model_home()` for one test."""
+    home = real_model_home()
+    monkeypatch.setenv("HISPARSE_HOME", home)
+    return home
 
 
 def pytest_addoption(parser):

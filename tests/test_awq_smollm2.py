@@ -14,11 +14,15 @@ GROUP = 64
 
 @pytest.fixture(scope="module")
 def smollm2():
+    from conftest import real_model_home
+
     from hisparse_cli.errors import ModelError
     from hisparse_cli.hub.resolve import resolve_model
 
     try:
-        return resolve_model(None)
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv("HISPARSE_HOME", real_model_home())  # the model the user already has
+            return resolve_model(None)
     except ModelError as exc:
         pytest.skip(f"embedded model unavailable: {exc}")
 

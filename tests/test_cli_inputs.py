@@ -353,11 +353,9 @@ def test_plan_path_table_and_usage(tiny, doc):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("document", ["contract/services_agreement.pdf", "repo/tinykv"])
-def test_plan_path_matches_the_real_model_run(document, monkeypatch):
-    """The embedded model (HISPARSE_TEST_HOME): plan PATH's prompt tokens, strategy and
+def test_plan_path_matches_the_real_model_run(document, real_home):
+    """The embedded model (conftest.real_model_home): plan PATH's prompt tokens, strategy and
     chunks are the summarize run's."""
-    home = os.environ.get("HISPARSE_TEST_HOME") or str(Path.home() / ".cache" / "hisparse")
-    monkeypatch.setenv("HISPARSE_HOME", home)
     path = ROOT / "samples" / document
     flags = ["--profile", "cpu", "--max-new-tokens", "16", "--json"]
     planned, ran = run("plan", path, *flags), run("summarize", path, *flags)

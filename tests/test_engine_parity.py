@@ -134,29 +134,48 @@ def test_transformers4_style_rope_keys_are_read(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied (llama tiny) and qkv-bias configs
-def test_cpu_engine_holds_linears_in_the_decode_layout_with_the_checkpoint_values(tiny_models, arch):
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_engine_holds_linears_in_the_decode_layout_with_the_checkpoint_values(
+        tiny_models, arch, native, monkeypatch):
     """The engine stores fp32 CPU linear weights in the decode layout (wide ones input-major,
-    the others as [out, in] rows) with q|k|v and gate|up stacked (one matmul each), and every
-    linear wide enough to split is a RowSplitLinear; the values are the checkpoint's, and
-    tools that write weights back get the checkpoint's separate [out, in] layout."""
+    the others as [out, in] rows) with q|k|v and gate|up stacked (one matmul each); decode
+    runs through the native kernels' tiled copy of them (model/cpu_decode.py) or, without
+    those, every linear wide enough to split is a RowSplitLinear; the values are the
+    checkpoint's, and tools that write weights back get the checkpoint's separate [out, in]
+    layout."""
+    from hisparse_cli.kernels.cpu.native import native_library
+    from hisparse_cli.model import cpu_decode
     from hisparse_cli.model.loader import decode_input_major, load_model
     from hisparse_cli.model.row_split import RowSplitLinear, row_splits
 
+    if native and native_library() is None:
+        pytest.skip("no C compiler: the native decode kernels are not built")
+    if not native:
+        monkeypatch.setattr(cpu_decode, "unsupported", lambda model: "switched off")
     path, hf = tiny_models[arch]
     eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config())
+    assert (eng.model.native_decode is not None) == native
+    assert eng.decode_path == ("native (float32 weights)" if native else "torch (switched off)")
     layouts, kinds = set(), set()
     for name, mod in eng.model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             out_f, in_f = mod.weight.shape
-            split = row_splits(out_f, torch.get_num_threads()) > 1
+            split = not native and row_splits(out_f, torch.get_num_threads()) > 1
             assert (type(mod) is RowSplitLinear) == split, name
             kinds.add(split)
             wide = decode_input_major(out_f, in_f)
             assert mod.weight.stride() == ((1, out_f) if wide else (in_f, 1)), name
             layouts.add(wide)
     assert layouts == {True, False}  # the tiny configs exercise both layouts
-    if torch.get_num_threads() > 1:
+    if torch.get_num_threads() > 1 and not native:
         assert kinds == {True, False}  # and split and plain products
+    if native:  # the decode copy: the same values, tiled (float32: the tiny checkpoints')
+        tiled = eng.model.native_decode.layers[0][1]
+        layer = eng.model.model.layers[0]
+        for w, lin in zip(tiled, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            assert torch.equal(w.dense(), lin.weight)
+        assert torch.equal(eng.model.native_decode.head.dense(), hf.lm_head.weight)
     attn, ref_attn = eng.model.model.layers[0].self_attn, hf.model.layers[0].self_attn
     assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
     ours = attn.qkv_proj.weight

@@ -112,12 +112,18 @@ def test_awq_bytes_of_one_4096x4096_linear():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_weights_equal_the_loaded_model(tiny, arch):
+    """The plan's weights are the engine's: the loaded tensors, plus the native CPU decode's
+    tiled copy where the engine holds one (model/cpu_decode.py)."""
     from hisparse_cli.model.loader import load_model
 
     model, _ = load_model(tiny[arch], "cpu", torch.float32)
     tensors = {t.data_ptr(): t.nbytes for t in list(model.parameters()) + list(model.buffers())}
     loaded = sum(tensors.values()) + model.rope.inv_freq.nbytes
-    assert cpu_plan(tiny[arch], SparseConfig(), 64, 1).weights_bytes == loaded
+    plan = cpu_plan(tiny[arch], SparseConfig(), 64, 1)
+    native = Engine.from_pretrained(tiny[arch], sparse=SparseConfig()).model.native_decode
+    copy = {i.name: i.bytes for i in plan.items}.get("weights.cpu_decode_copy", 0)
+    assert copy == (native.nbytes if native is not None else 0)
+    assert plan.weights_bytes == loaded + copy
 
 
 # -- KV: the engine's numbers and the engine's bound -------------------------------------------

@@ -103,6 +103,9 @@ class RunOptions:
              "the model]")] = None
     dense: Annotated[bool, _opt("--dense", panel=P_SPARSE,
         help="Dense attention (no window, no globals): the exact baseline.")] = False
+    threads: Annotated[Optional[int], _opt("--threads", "-t", panel=P_MODEL, min=1,
+        help="CPU threads, in every phase (overrides HISPARSE_THREADS).  [default: every CPU "
+             "this process may use, fewer while other work holds CPUs]")] = None
     password: Annotated[Optional[str], _opt("--password", panel=P_MODEL,
         help="Password of encrypted PDFs.")] = None
     include_secrets: Annotated[bool, _opt("--include-secrets", panel=P_MODEL, help=(

@@ -37,6 +37,7 @@ def build_job(opts: RunOptions):
 
     progress = None if opts.quiet else stderr_console()
     return Job(profile, sparse, settings, model_spec=opts.model, probe_path=opts.probe,
+               threads=opts.threads,
                warn=None if opts.quiet else warn, model_progress=progress,
                stage=None if opts.quiet else status)
 

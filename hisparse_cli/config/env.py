@@ -16,6 +16,9 @@ runs); what a run decides from them is fixed once, in its `ExecutionPlan`
 | HISPARSE_PDL | `pdl_allowed` | 0: no programmatic dependent launch |
 | HISPARSE_NVRTC | `nvrtc_override` | the libnvrtc to load |
 | TRITON_INTERPRET | `triton_interpret` | Triton's CPU interpreter (tests) |
+| HISPARSE_THREADS, OMP_NUM_THREADS | `threads_setting` (`Environment.threads`) | CPU threads in every phase (config/threads.py) |
+| OMP_WAIT_POLICY, GOMP_SPINCOUNT | `openmp_wait_setting`, `bound_openmp_spin` | OpenMP's wait; the spin is bounded before torch loads |
+| CC | `c_compiler_setting` | the C compiler of the native CPU kernels (kernels/cpu/) |
 
 The test-only variables (HISPARSE_SLOW_TESTS, HISPARSE_TEST_HOME) are read by tests/conftest.py.
 """
@@ -23,6 +26,7 @@ The test-only variables (HISPARSE_SLOW_TESTS, HISPARSE_TEST_HOME) are read by te
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,8 @@ from hisparse_cli.errors import ConfigError
 BACKENDS = ("auto", "torch", "triton")
 DECODE_KERNELS = ("auto", "persistent", "layers")
 NVRTC_ENV = "HISPARSE_NVRTC"
+THREADS_ENV = "HISPARSE_THREADS"
+SPIN_ENV, SPIN_COUNT = "GOMP_SPINCOUNT", "10000"
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,9 @@ class Environment:
     cuda_graph: bool = True  # HISPARSE_CUDA_GRAPH != "0"
     graph_sampler: bool = True  # HISPARSE_GRAPH_SAMPLER != "0"
     decode_kernel: str = "auto"  # HISPARSE_DECODE_KERNEL
-    # (issue 37's thread setting, HISPARSE_THREADS, belongs here)
+    threads: int | None = None  # HISPARSE_THREADS, else OMP_NUM_THREADS (None: auto)
+    threads_source: str = "auto"  # the variable `threads` came from
+    openmp_wait: str = "OpenMP default"  # OMP_WAIT_POLICY / GOMP_SPINCOUNT as set
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -50,6 +58,8 @@ class Environment:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ConfigError(f"HISPARSE_DECODE_KERNEL={self.decode_kernel!r}: "
                               f"expected one of {', '.join(DECODE_KERNELS)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"{self.threads_source} must be >= 1, got {self.threads}")
 
 
 def backend_setting(environ=None) -> str:
@@ -70,13 +80,62 @@ def decode_kernel_setting(environ=None) -> str:
     return value
 
 
+def threads_setting(environ=None) -> tuple[int | None, str]:
+    """(count, variable): HISPARSE_THREADS, else OMP_NUM_THREADS, else (None, "auto"). A value
+    that is not a whole number >= 1 is a ConfigError naming the variable."""
+    env = os.environ if environ is None else environ
+    for name in (THREADS_ENV, "OMP_NUM_THREADS"):
+        raw = env.get(name, "").strip()
+        if name == "OMP_NUM_THREADS":
+            raw = raw.split(",")[0].strip()  # a nested list "4,2": the outer level is ours
+        if not raw:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ConfigError(f"{name}={raw!r} is not a whole number of threads >= 1",
+                              hint=f"unset {name} or give it a count such as 2")
+        return value, name
+    return None, "auto"
+
+
+def openmp_wait_setting(environ=None) -> str:
+    """OMP_WAIT_POLICY / GOMP_SPINCOUNT as set ("OpenMP default" when neither is)."""
+    env = os.environ if environ is None else environ
+    parts = [f"{k}={env[k]}" for k in ("OMP_WAIT_POLICY", SPIN_ENV) if env.get(k)]
+    return ", ".join(parts) if parts else "OpenMP default"
+
+
+def bound_openmp_spin(environ=None, torch_loaded: bool | None = None) -> str:
+    """Bound the spin-wait of OpenMP's idle threads (GOMP_SPINCOUNT=10000, ~tens of
+    microseconds; libgomp's default spins up to milliseconds on a CPU another thread needs)
+    unless torch is loaded already (libgomp has read its settings) or the user chose
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT. Returns the wait setting the process runs with.
+    config/threads.py says why; the CLI and the tests call it before torch loads."""
+    env = os.environ if environ is None else environ
+    if torch_loaded is None:
+        torch_loaded = "torch" in sys.modules
+    if not torch_loaded and not env.get("OMP_WAIT_POLICY") and not env.get(SPIN_ENV):
+        env[SPIN_ENV] = SPIN_COUNT
+    return openmp_wait_setting(env)
+
+
+def c_compiler_setting() -> str:
+    """CC: the C compiler the native CPU kernels are built with first ("" when unset)."""
+    return os.environ.get("CC", "").strip()
+
+
 def read_environment(environ=None) -> Environment:
     """The execution variables of `environ` (default: os.environ, read now)."""
     env = os.environ if environ is None else environ
+    threads, source = threads_setting(env)
     return Environment(backend=backend_setting(env),
                        cuda_graph=env.get("HISPARSE_CUDA_GRAPH") != "0",
                        graph_sampler=env.get("HISPARSE_GRAPH_SAMPLER", "").strip() != "0",
-                       decode_kernel=decode_kernel_setting(env))
+                       decode_kernel=decode_kernel_setting(env), threads=threads,
+                       threads_source=source, openmp_wait=openmp_wait_setting(env))
 
 
 def hisparse_home() -> Path:
@@ -109,4 +168,6 @@ def triton_interpret() -> bool:
 
 __all__ = ["Environment", "read_environment", "backend_setting", "decode_kernel_setting",
            "hisparse_home", "debug_enabled", "pdl_allowed", "nvrtc_override",
-           "triton_interpret", "BACKENDS", "DECODE_KERNELS", "NVRTC_ENV"]
+           "triton_interpret", "threads_setting", "openmp_wait_setting", "bound_openmp_spin",
+           "c_compiler_setting", "BACKENDS", "DECODE_KERNELS", "NVRTC_ENV", "THREADS_ENV",
+           "SPIN_ENV", "SPIN_COUNT"]

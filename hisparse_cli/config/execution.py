@@ -10,6 +10,8 @@ each choice.
 | decode kernel | persistent / layers | HISPARSE_DECODE_KERNEL and what the persistent kernel serves (kernels/cuda/cuda_step.py: device, model, settings) |
 | sampler | graph / device / host | graph decode, HISPARSE_GRAPH_SAMPLER, a host embedding table the device cannot read |
 | INT4 layout | tiled / items / int4pack / awq / none | the weights, device, INT4 kernels and decode kernel (the loader's rule: model/awq.py) |
+| CPU decode | native / torch / none | CPU, float32 unquantized weights the C kernels take, a C compiler, HISPARSE_BACKEND (model/cpu_decode.py) |
+| threads | a `ThreadPolicy` (CPU runs) | affinity, cgroup quota, --threads > HISPARSE_THREADS > OMP_NUM_THREADS > auto (config/threads.py) |
 
 The `Engine` takes a plan (or resolves one from the model it loaded) and the memory planner
 takes one (or resolves one from a model config, for a device that may not be this machine's);
@@ -24,10 +26,12 @@ from dataclasses import asdict, dataclass, replace
 
 from hisparse_cli.config.env import Environment, read_environment
 from hisparse_cli.config.settings import SparseConfig
+from hisparse_cli.config.threads import ThreadPolicy, resolve_thread_policy
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend, triton_available
 
 SAMPLERS = ("graph", "device", "host")
 INT4_LAYOUTS = ("tiled", "items", "int4pack", "awq", "none")
+CPU_DECODES = ("native", "torch", "none")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ class ExecutionPlan:
     graph_sampler: Choice  # value: bool, greedy graph decodes sample inside the graph
     int4_layout: Choice  # value: one of INT4_LAYOUTS
     decode_kernel_asked: str = "auto"  # HISPARSE_DECODE_KERNEL
-    # (issue 37's thread policy joins the plan here: threads: Choice)
+    cpu_decode: Choice = Choice("none", "not a CPU run")  # value: one of CPU_DECODES
+    threads: Choice | None = None  # CPU runs: value a ThreadPolicy (config/threads.py)
 
     @property
     def sampler(self) -> Choice:
@@ -74,7 +79,20 @@ class ExecutionPlan:
                  self.graph_decode.reason),
                 ("decode kernel", str(self.decode_kernel.value), self.decode_kernel.reason),
                 ("sampler", str(self.sampler.value), self.sampler.reason),
-                ("INT4 layout", str(self.int4_layout.value), self.int4_layout.reason)]
+                ("INT4 layout", str(self.int4_layout.value), self.int4_layout.reason),
+                *self._cpu_rows()]
+
+    def _cpu_rows(self) -> list[tuple[str, str, str]]:
+        if self.device != "cpu":
+            return []
+        rows = [("CPU decode", str(self.cpu_decode.value), self.cpu_decode.reason)]
+        if self.threads is not None:
+            rows.append(("threads", self.threads.value.describe(), self.threads.reason))
+        return rows
+
+    @property
+    def thread_policy(self) -> ThreadPolicy | None:
+        return None if self.threads is None else self.threads.value
 
     def to_dict(self) -> dict:
         d = {name: {"value": value, "reason": reason} for name, value, reason in
@@ -82,6 +100,8 @@ class ExecutionPlan:
         d["kernels"] = asdict(self.kernels)
         d["device"] = self.device
         d["decode_kernel_asked"] = self.decode_kernel_asked
+        if self.threads is not None:
+            d["threads"]["policy"] = self.threads.value.to_dict()
         return d
 
 
@@ -176,15 +196,54 @@ def _int4_layout(awq: bool, device: str, int4_kernels: str, decode_kernel: Choic
     return Choice("awq", "the checkpoint's layout (the torch reference)")
 
 
+def _cpu_decode(device: str, prefer: str | None, env: Environment, *, awq: bool, model_cfg,
+                compute_dtype: str, loaded_model) -> Choice:
+    """One-token CPU steps through the native C kernels (model/cpu_decode.py) where the model
+    and machine allow, else through torch. With the loaded model its own weights decide (and
+    the library is built); from a config, its shapes and dtype and a compiler on this machine."""
+    if device != "cpu":
+        return Choice("none", "not a CPU run")
+    if prefer == "torch" or env.backend == "torch":
+        return Choice("torch", "asked for torch" if prefer == "torch" else "HISPARSE_BACKEND=torch")
+    from hisparse_cli.model import cpu_decode
+
+    if loaded_model is not None:
+        why = cpu_decode.unsupported(loaded_model)
+    else:
+        why = ("AWQ INT4 weights decode through torch's packed int4 kernel" if awq
+               else cpu_decode.config_unsupported(model_cfg, compute_dtype))
+    if why is not None:
+        return Choice("torch", why)
+    return Choice("native", "one token a layer in three C calls over an exact tiled copy of "
+                            "the weights (kernels/cpu/decode.c)")
+
+
+def _threads(device: str, threads, env: Environment) -> Choice | None:
+    """CPU runs: the thread policy (config/threads.py). threads: a ThreadPolicy, a count
+    (--threads) or None (the environment's count, else auto)."""
+    if device != "cpu":
+        return None
+    policy = (threads if isinstance(threads, ThreadPolicy) else
+              resolve_thread_policy(None if threads is None else int(threads), env))
+    if policy.override is not None:
+        why = f"{policy.source} {policy.override}, in every phase"
+    else:
+        why = ("prefill and decode alike; the governor measures every 0.5 s of a phase "
+               "(engine/thread_governor.py)")
+    return Choice(policy, f"{why}; OpenMP wait: {policy.openmp_wait}")
+
+
 def resolve_execution(*, device: str, model_cfg, sparse: SparseConfig, compute_dtype: str,
                       kv_dtype: str, weight_awq: bool, group_size: int = 128,
                       backend: str | None = None, kernels: KernelBackend | None = None,
-                      env: Environment | None = None, loaded_model=None) -> ExecutionPlan:
+                      env: Environment | None = None, loaded_model=None,
+                      threads=None) -> ExecutionPlan:
     """The run's ExecutionPlan (module doc). backend: a preference ("torch" | "triton") over
     HISPARSE_BACKEND; kernels: the kernels of a planned device instead (the memory planner's
     target, which need not be this machine); env: the environment (default: read now);
     loaded_model: the engine's CausalLM, whose own layers, head and embedding table then decide
-    the decode kernel and the sampler (a host table the device cannot read)."""
+    the decode kernel and the sampler (a host table the device cannot read); threads: a CPU
+    run's ThreadPolicy or thread count (--threads; default: from the environment)."""
     env = env or read_environment()
     if kernels is not None:
         why = f"planned for {device} with the {kernels.attention} kernels"
@@ -214,7 +273,11 @@ def resolve_execution(*, device: str, model_cfg, sparse: SparseConfig, compute_d
                          graph_decode=graph, decode_kernel=kernel,
                          graph_sampler=_graph_sampler(env, host_read),
                          int4_layout=_int4_layout(weight_awq, device, layout_kernels, kernel),
-                         decode_kernel_asked=env.decode_kernel)
+                         decode_kernel_asked=env.decode_kernel,
+                         cpu_decode=_cpu_decode(device, backend, env, awq=weight_awq,
+                                                model_cfg=model_cfg, compute_dtype=compute_dtype,
+                                                loaded_model=loaded_model),
+                         threads=_threads(device, threads, env))
 
 
 def with_graph_decode(plan: ExecutionPlan, on: bool, reason: str) -> ExecutionPlan:
@@ -224,4 +287,4 @@ def with_graph_decode(plan: ExecutionPlan, on: bool, reason: str) -> ExecutionPl
 
 
 __all__ = ["Choice", "ExecutionPlan", "resolve_execution", "with_graph_decode", "SAMPLERS",
-           "INT4_LAYOUTS"]
+           "INT4_LAYOUTS", "CPU_DECODES"]

@@ -30,6 +30,8 @@ from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.model.llama import CausalLM, fuse_projections
 from hisparse_cli.model.loader import load_model
 from hisparse_cli.model.row_split import split_row_products
+from hisparse_cli.config.threads import resolve_thread_policy
+from hisparse_cli.engine.thread_governor import ThreadGovernor
 
 Progress = Callable[[str, int, int], None]  # (phase "prefill"|"decode", done, total)
 
@@ -49,6 +51,8 @@ class RunStats:
     peak_memory_kind: str = ""  # "cuda_max_allocated" | "rss"
     device: str = "cpu"
     backend: str = "torch"
+    decode_path: str = ""  # Engine.decode_path: "native (float16 weights)", "torch", ...
+    threads: dict = field(default_factory=dict)  # CPU: {"prefill": [2], "decode": [2, 1]}
 
     @property
     def prefill_tok_s(self) -> float:
@@ -85,13 +89,15 @@ class Engine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, sparse: SparseConfig,
                  device: torch.device, kv_dtype: torch.dtype, path: Path | None = None,
                  pool_cap_blocks: int | None = None, backend: str | None = None,
-                 probe=None, execution: ExecutionPlan | None = None) -> None:
+                 probe=None, execution: ExecutionPlan | None = None, threads=None) -> None:
         """execution: how the run executes (config/execution.py); default: resolved here from
-        the model, device, settings, `backend` preference and the environment."""
+        the model, device, settings, `backend` preference, `threads` (a CPU run's ThreadPolicy
+        or count; None: HISPARSE_THREADS / OMP_NUM_THREADS, else automatic) and the
+        environment."""
         # q|k|v and gate|up as one matmul each (from_pretrained's loader already did it)
         self.model, self.cfg, self.sparse, self.device = fuse_projections(model), cfg, sparse, device
-        if device.type == "cpu":  # decode's one-row products on every thread (model/row_split.py)
-            split_row_products(self.model)
+        self.governor = None  # CPU: the thread count of each phase (engine/thread_governor.py)
+        self._threads = threads
         self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
         self._backend_preference = backend
@@ -106,15 +112,38 @@ class Engine:
             compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             weight_awq=self.cfg.quantization_config is not None,
-            backend=self._backend_preference, loaded_model=self.model)
+            backend=self._backend_preference, loaded_model=self.model, threads=self._threads)
+
+    @property
+    def decode_path(self) -> str:
+        """How a decode step runs: "native (q4 weights)", "torch (why)", "cuda graph", ..."""
+        if self.device.type == "cuda":
+            return "cuda graph" if self._graph_enabled() else "cuda eager"
+        native = self.model.native_decode
+        if native is not None:
+            return f"native ({native.weight_dtype} weights)"
+        return f"torch ({self.execution.cpu_decode.reason})"
 
     def _apply_execution(self) -> None:
-        """The plan's kernels for the model's norms/RoPE and the runs; where the persistent
-        decode kernel runs, the INT4 linears in its item layout (only there: in the item layout
-        a linear's one-token product is a dequantize + matmul, far slower than the
-        layer-by-layer GEMV, so a model the kernel cannot take keeps its layout)."""
+        """The plan's kernels for the model's norms/RoPE and the runs; on the CPU, the plan's
+        thread policy (its governor) and decode path: the native kernels' copy of the weights
+        (model/cpu_decode.py), or decode's one-row products split over the threads
+        (model/row_split.py); where the persistent decode kernel runs, the INT4 linears in its
+        item layout (only there: in the item layout a linear's one-token product is a
+        dequantize + matmul, far slower than the layer-by-layer GEMV, so a model the kernel
+        cannot take keeps its layout)."""
         self.backend = self.execution.kernels
         self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
+        if self.device.type == "cpu":
+            self.governor = ThreadGovernor(self.execution.thread_policy
+                                           or resolve_thread_policy(self._threads))
+            if self.execution.cpu_decode.value == "native":
+                from hisparse_cli.model.cpu_decode import NativeDecode
+
+                NativeDecode.attach(self.model)
+            else:
+                self.model.native_decode = None
+                split_row_products(self.model)
         if self.execution.persistent:
             from hisparse_cli.kernels.cuda.cuda_step import use_item_layout
 
@@ -142,14 +171,17 @@ class Engine:
                         dtype: torch.dtype = torch.float32, sparse: SparseConfig | None = None,
                         kv_dtype: torch.dtype | None = None, pool_cap_blocks: int | None = None,
                         embeddings_on_host: bool = False, backend: str | None = None,
-                        probe=None) -> "Engine":
+                        probe=None, threads=None) -> "Engine":
+        """threads: a CPU run's ThreadPolicy, a thread count (an override, as --threads), or
+        None (HISPARSE_THREADS / OMP_NUM_THREADS, else automatic; config/threads.py)."""
         device = torch.device(device)
         model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host,
                                 decode_layout=True, fuse=True)
         if kv_dtype is None:
             kv_dtype = torch.float16 if device.type == "cuda" and dtype == torch.float16 else dtype
         return cls(model, cfg, sparse=sparse or SparseConfig(), device=device, kv_dtype=kv_dtype,
-                   path=Path(path), pool_cap_blocks=pool_cap_blocks, backend=backend, probe=probe)
+                   path=Path(path), pool_cap_blocks=pool_cap_blocks, backend=backend, probe=probe,
+                   threads=threads)
 
     @property
     def tokenizer(self):
@@ -208,10 +240,21 @@ class Engine:
         ids = self._ids(token_ids)
         chunk = chunk or self.sparse.prefill_chunk
         run, _ = self.new_run(ids.numel(), chunk)  # frees any kept decode state first
+        self._phase("prefill")
+        out = []
         with run:
-            out = [run.step(self.model, ids[s:s + chunk], all_logits=True)
-                   for s in range(0, ids.numel(), chunk)]
+            for s in range(0, ids.numel(), chunk):
+                out.append(run.step(self.model, ids[s:s + chunk], all_logits=True))
+                self._tick()
         return torch.cat(out, dim=0)
+
+    def _phase(self, name: str) -> None:
+        if self.governor is not None:
+            self.governor.begin(name)
+
+    def _tick(self) -> None:
+        if self.governor is not None:
+            self.governor.tick()
 
     @torch.inference_mode()
     def generate(self, token_ids, max_new_tokens: int | None = None, *,
@@ -226,7 +269,10 @@ class Engine:
         eos = set(gen.eos_token_ids if gen.eos_token_ids is not None else self.cfg.eos_token_ids)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        stats = RunStats(prompt_tokens=ids.numel(), device=str(self.device), backend=self.backend.attention)
+        stats = RunStats(prompt_tokens=ids.numel(), device=str(self.device),
+                         backend=self.backend.attention, decode_path=self.decode_path)
+        if self.governor is not None:
+            self.governor.used = {}
         graph = self._use_graph(gen)
         run, pool = self.new_run(ids.numel() + gen.max_new_tokens, reuse=graph)
         chunk = self.sparse.prefill_chunk
@@ -245,19 +291,24 @@ class Engine:
         stats.kv_bytes_peak = run.kv_bytes_peak
         stats.recalibrations = run.seq.recalibrations
         stats.peak_memory_bytes, stats.peak_memory_kind = _peak_memory(self.device)
+        if self.governor is not None:
+            stats.threads = self.governor.report()
         return GenerationResult(token_ids=out, stats=stats, finish_reason=reason,
                                 extra=extra)
 
     def _prefill_and_decode(self, run, ids, gen, eos, chunk, graph, stats, progress):
         t0 = time.perf_counter()
         logits = None
+        self._phase("prefill")
         for s in range(0, ids.numel(), chunk):
             logits = run.step(self.model, ids[s:s + chunk])
+            self._tick()
             if progress:
                 progress("prefill", min(s + chunk, ids.numel()), ids.numel())
         self._sync()
         stats.prefill_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
+        self._phase("decode")
         extra = {}
         if graph:
             out, reason, reused = self._decode_graph(run, logits, gen, eos, ids.numel(), progress)
@@ -302,6 +353,7 @@ class Engine:
                 return out, "stop_string"
             if i + 1 < gen.max_new_tokens:
                 logits = run.step(self.model, torch.tensor([tok], device=self.device))
+                self._tick()
         return out, "length"
 
     def _decode_graph(self, run, logits, gen, eos, prompt_len, progress, sync_every: int = 16):

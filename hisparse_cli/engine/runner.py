@@ -31,6 +31,7 @@ class StepContext:
         seq = run.seq
         self.slots = int64_to_device(seq.slot_mapping(q_start, n), dev)  # no host sync
         ids, starts = seq.visible_blocks(q_start, n)
+        self.host_block_ids = ids  # (the native CPU decode reads the list, model/cpu_decode.py)
         self.block_ids = int64_to_device(ids, dev)
         self.block_starts = int64_to_device(starts, dev)
         self.memo: dict = {}  # per-step values shared by all layers (torch reference)

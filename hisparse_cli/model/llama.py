@@ -215,6 +215,9 @@ class CausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         # kernels for the elementwise chains (the Engine sets its own); None: select_backend
         self.backend: KernelBackend | None = None
+        # one-token steps through the CPU's native kernels (model/cpu_decode.py; the Engine
+        # attaches it on the CPU where it applies); None: the torch modules below
+        self.native_decode = None
 
     def init_rope(self, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg, device)
@@ -228,6 +231,10 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] -> logits [T, V] (all_logits) or [1, V] (last position).
         For one logit row the last layer computes only the last position past its K/V store,
         unless full_last_layer (callers that read every position's final hidden state)."""
+        native = self.native_decode
+        if (native is not None and input_ids.shape[0] == 1 and not full_last_layer
+                and not _hooked(self.model.layers)):
+            return native.forward(input_ids, positions, ctx)  # [1, V]
         # the embedding is looked up inside forward_hidden, so no frame keeps it past layer 0
         return self.forward_hidden(None, positions, ctx, all_logits, full_last_layer, input_ids)
 

@@ -103,7 +103,7 @@ def decode_input_major(out_features: int, in_features: int) -> bool:
     development machine, a slice of a wide weight reads faster input-major (a short output row
     accumulated while rows of W stream by), and a slice of a square or narrow one (q|k|v, o,
     down) faster as the checkpoint's [out, in] rows (long dot products). BENCHMARKS.md, CPU
-    section, seventh session."""
+    section, seventh session: now docs/history/cpu-2026-12-01.md)."""
     return out_features >= 2 * in_features
 
 

@@ -5,7 +5,7 @@ MKL runs a one-row float32 product `x[1, in] @ W` on one thread whatever torch's
 threads). A batched product over `k` column slices of the same weight, `bmm(x expanded to
 [k, 1, in], W as [k, in, out/k])`, runs the slices on different threads, and its output
 [k, 1, out/k] is the [1, out] row in memory order (a view, no copy). Products of more than one
-row (prefill) keep `F.linear`. BENCHMARKS.md (CPU section, seventh session) has the numbers.
+row (prefill) keep `F.linear`. docs/history/cpu-2026-12-01.md (seventh session) has the numbers.
 
 The slices are views of the module's own weight, whichever way the loader laid it out
 (`loader.converted`: [out, in] rows or input-major), so nothing is copied or kept twice.

@@ -140,6 +140,15 @@ def sampler_buffer_bytes(vocab: int, new_tokens: int, in_graph: bool) -> tuple[i
     return DeviceSampler.buffer_bytes(vocab, new_tokens)
 
 
+def _cpu_decode_bytes(execution: ExecutionPlan, model_cfg: ModelConfig) -> int:
+    """Element size of the native CPU decode copy the run holds (0: none; model/cpu_decode.py)."""
+    if execution.cpu_decode.value != "native":
+        return 0
+    from hisparse_cli.model.cpu_decode import copy_element_bytes
+
+    return copy_element_bytes(model_cfg)
+
+
 def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int = 128,
                 awq_lm_head: bool = False, embeddings_on_host: bool = False,
                 sparse: SparseConfig, context_tokens: int, max_new_tokens: int, kv_dtype,
@@ -203,7 +212,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                                                            in_graph) if graph else ()),
                        sampler_kept=in_graph)
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
-                          embeddings_on_host=host_emb, cuda=cuda, cpu_int4=cpu_int4)
+                          embeddings_on_host=host_emb, cuda=cuda, cpu_int4=cpu_int4,
+                          cpu_decode=_cpu_decode_bytes(execution, model_cfg))
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
                       counted=w.on_device) for w in witems]
     weights = sum(w.bytes for w in witems if w.on_device)

@@ -69,9 +69,28 @@ def cpu_int4pack_items(cfg: ModelConfig, group: int, awq_lm_head: bool) -> list[
     return items
 
 
+def cpu_decode_item(cfg: ModelConfig, esize: int) -> WeightItem:
+    """The native CPU decode's tiled copy of the linears and the head (model/cpu_decode.py),
+    `esize` bytes an element (2: a float16/bfloat16 checkpoint's own values). An upper
+    bound where the checkpoint's values are exactly GGUF Q4_1 / Q8_0 groups (the default
+    model): the copy then holds 0.625 / 1.06 bytes a weight, which only the values tell."""
+    from hisparse_cli.kernels.cpu.native import tiled_bytes
+
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    qd, kd, im = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                  cfg.intermediate_size)
+    per_layer = (tiled_bytes(qd + 2 * kd, H, esize) + tiled_bytes(H, qd, esize)
+                 + tiled_bytes(2 * im, H, esize) + tiled_bytes(H, im, esize))
+    return WeightItem("weights.cpu_decode_copy", L * per_layer + tiled_bytes(V, H, esize),
+                      f"{L} layers x (q|k|v, o, gate|up, down) + head [{V}, {H}], tiled, "
+                      f"{esize} B (the native decode's copy; rows padded to 8; at most: "
+                      "4-/8-bit where the values are exactly GGUF Q4_1/Q8_0 groups)")
+
+
 def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_head: bool,
                  embeddings_on_host: bool, cuda: bool,
-                 cpu_int4: bool = False) -> list[WeightItem]:
+                 cpu_int4: bool = False, cpu_decode: int = 0) -> list[WeightItem]:
+    """cpu_decode: the element size of the native CPU decode copy (0: none)."""
     def a(n: int) -> int:
         return cuda_block_bytes(n) if cuda else max(n, 0)
 
@@ -114,6 +133,8 @@ def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_hea
     items.append(WeightItem("weights.rope", a(D // 2 * 4), f"inv_freq [{D // 2}] fp32"))
     if awq and cpu_int4 and not cuda:
         items += cpu_int4pack_items(cfg, group, awq_lm_head)
+    if cpu_decode and not cuda and not awq:
+        items.append(cpu_decode_item(cfg, cpu_decode))
     return items
 
 

@@ -99,15 +99,36 @@ def read_reference(path: str | Path, role: str = "reference",
     return text
 
 
+def cpu_run_stats(runs: list[dict]) -> dict:
+    """What a result's stats say about the CPU runtime over its generations: the decode path
+    (model/cpu_decode.py) and the thread counts each phase ran with (threads.py), in order,
+    e.g. {"prefill": [2], "decode": [2, 1]}."""
+    out: dict = {}
+    threads: dict[str, list[int]] = {}
+    for run in runs:
+        stats = run.get("stats", {})
+        if stats.get("decode_path"):
+            out["decode_path"] = stats["decode_path"]
+        for phase, counts in (stats.get("threads") or {}).items():
+            seq = threads.setdefault(phase, [])
+            for n in counts:
+                if not seq or seq[-1] != n:
+                    seq.append(n)
+    if threads:
+        out["threads"] = threads
+    return out
+
+
 class Job:
     def __init__(self, profile: HardwareProfile, sparse: SparseConfig,
                  settings: SummarySettings, *, model_spec: str | None = None,
                  warn: Callable[[str], None] | None = None, model_progress=None,
                  resolve: Callable | None = None, probe_path: Path | None = None,
-                 stage: Callable[[str], object] | None = None) -> None:
+                 stage: Callable[[str], object] | None = None,
+                 threads: int | None = None) -> None:
         self.profile, self.sparse, self.settings = profile, sparse, settings
         self.stage = stage  # a context manager per slow stage (console.status), or None
-        self.probe_path = probe_path
+        self.probe_path, self.threads = probe_path, threads
         self.model_spec, self.warn, self.model_progress = model_spec, warn, model_progress
         self._resolve = resolve
         self._engine = None
@@ -134,7 +155,8 @@ class Job:
                   else nullcontext()):
                 self._engine, self.device_plan = load_engine(self.model_path, self.profile,
                                                              self.sparse, warn=self.warn,
-                                                             probe_path=self.probe_path)
+                                                             probe_path=self.probe_path,
+                                                             threads=self.threads)
         return self._engine
 
     def release(self) -> None:
@@ -182,6 +204,7 @@ class Job:
             result.rouge = rouge_scores(result.summary, reference_text)
             result.timings["rouge_seconds"] = time.perf_counter() - started
         out = result.to_dict()
+        out["stats"].update(cpu_run_stats(out.get("runs", [])))
         out["timings"] = {"ingest_seconds": ingest_seconds, **out["timings"]}
         out["settings"] = {**self.settings_dict(), **out["settings"]}
         out["reference"] = reference_path
@@ -199,4 +222,4 @@ def _token_counter(tokenizer) -> Callable[[str], int]:
     return count
 
 
-__all__ = ["Job", "document_info", "document_path", "read_reference"]
+__all__ = ["Job", "cpu_run_stats", "document_info", "document_path", "read_reference"]

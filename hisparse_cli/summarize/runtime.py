@@ -30,6 +30,7 @@ class DevicePlan:
     kv_dtype: str
     embeddings_on_host: bool
     warning: str | None = None
+    threads: dict | None = None  # the CPU thread policy (config/threads.py: ThreadPolicy.to_dict())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,8 +129,14 @@ def load_probe_for(model_path: Path, sparse: SparseConfig, probe_path: Path | No
 
 def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig, *,
                 warn: Callable[[str], None] | None = None,
-                cuda_available: bool | None = None, probe_path: Path | None = None):
-    """(Engine, DevicePlan) for `model_path` under `profile` (warnings go to `warn`)."""
+                cuda_available: bool | None = None, probe_path: Path | None = None,
+                threads: int | None = None):
+    """(Engine, DevicePlan) for `model_path` under `profile` (warnings go to `warn`).
+    threads: --threads (None: HISPARSE_THREADS, else the automatic policy; config/threads.py),
+    applied before the weights load; the engine's ExecutionPlan carries it."""
+    from hisparse_cli.config.threads import apply_thread_policy, resolve_thread_policy
+
+    policy = apply_thread_policy(resolve_thread_policy(threads))  # before torch loads
     import torch
 
     from hisparse_cli.engine.engine import Engine
@@ -147,8 +154,8 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
     engine = Engine.from_pretrained(
         model_path, device=plan.device, dtype=getattr(torch, plan.dtype), sparse=sparse,
         kv_dtype=getattr(torch, plan.kv_dtype), embeddings_on_host=plan.embeddings_on_host,
-        probe=load_probe_for(model_path, sparse, probe_path))
-    return engine, plan
+        probe=load_probe_for(model_path, sparse, probe_path), threads=policy)
+    return engine, replace(plan, threads=policy.to_dict() if plan.device == "cpu" else None)
 
 
 __all__ = ["DevicePlan", "plan_device", "sparse_settings", "load_engine", "load_probe_for",
