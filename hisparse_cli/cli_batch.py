@@ -2,7 +2,9 @@
 
 Input forms, reference matching and the results-file format are in batch.py. stderr gets
 one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
-stdout gets nothing, or the batch summary as one JSON object with --json. Exit codes: 0 all
+stdout gets nothing, or the batch summary as one JSON object with --json. With `--ray` the
+documents are summarized by Ray workers (batch_ray.py) and this process still writes every
+line (batch_runner.run_batch); without Ray installed, `--ray` is a usage error (exit 2). Exit codes: 0 all
 documents succeeded (a document whose reference could not be read succeeded, with a warning
 and no ROUGE), 6 at least one failed (recorded in the file), 130 interrupted (finished lines
 stay; rerun with --resume), or the setup error's own code (bad flags 2, a results file
@@ -21,6 +23,7 @@ from hisparse_cli.cli_options import P_OUT, RunOptions, run_options
 from hisparse_cli.errors import EXIT_BATCH_FAILURES, ConfigError, InputError
 
 RETRY_HINT = "use --retry-failed to run it again"
+P_RAY = "Ray (many workers, many machines)"
 
 
 def _reporter(quiet: bool):
@@ -41,8 +44,9 @@ def _reporter(quiet: bool):
             rouge = record.get("rouge") or {}
             extra = f", rougeL {rouge['rougeL']:.3f}" if "rougeL" in rouge else ""
             warned = "".join(f"; {w}" for w in record.get("warnings") or ())
+            where = f", worker {record['worker']['id']}" if record.get("worker") else ""
             line = Text.assemble(head, ("ok", "green"), f" ({record['seconds']:.1f} s, "
-                                                        f"{record['strategy']}{extra})",
+                                                        f"{record['strategy']}{extra}{where})",
                                  (warned, "yellow"))
         else:
             err = (record or {}).get("error") or {}
@@ -94,6 +98,22 @@ def batch(
     as_json: Annotated[bool, typer.Option(
         "--json", rich_help_panel=P_OUT,
         help="Print the batch summary (counts, ROUGE CIs) as one JSON object.")] = False,
+    ray: Annotated[Optional[str], typer.Option(
+        "--ray", rich_help_panel=P_RAY, show_default=False,
+        help="Summarize on Ray workers: local (a private cluster on this machine), auto (the "
+             "cluster `ray start` runs here) or a cluster address. Needs hisparse[ray].")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", rich_help_panel=P_RAY, min=1, show_default=False,
+        help="Ray workers, each loading the model once.  [default: GPUs / --gpus-per-worker, "
+             "or 1 on CPUs]")] = None,
+    gpus_per_worker: Annotated[Optional[float], typer.Option(
+        "--gpus-per-worker", rich_help_panel=P_RAY, min=0.0, show_default=False,
+        help="GPUs each worker holds (0.5: two share one).  [default: 1 with a GPU profile "
+             "on a cluster with GPUs, else 0]")] = None,
+    threads_per_worker: Annotated[Optional[int], typer.Option(
+        "--threads-per-worker", rich_help_panel=P_RAY, min=1, show_default=False,
+        help="CPU threads (and Ray CPUs) of each worker.  [default: 1 on GPUs, else the "
+             "cluster's CPUs / workers]")] = None,
     *, opts: RunOptions,
 ) -> None:
     """Summarize many documents into a JSON-lines file (one engine, resumable)."""
@@ -106,6 +126,7 @@ def batch(
         raise ConfigError("--retry-failed reruns failed documents of an existing results file",
                           hint="add --resume (--retry-failed only works with it)")
     job = build_job(opts)
+    ray_options = _ray_options(ray, workers, gpus_per_worker, threads_per_worker)
     if references is not None and not references.is_dir():
         raise InputError(f"--references {references} is not a folder",
                          hint="give the folder that holds the reference summaries")
@@ -128,10 +149,17 @@ def batch(
     def progress_factory(index: int, total: int):
         return TokenProgress(quiet=opts.quiet, prefix=f"[{index}/{total}] ")
 
+    runner = None
+    if ray_options is not None:
+        from hisparse_cli.batch_ray import RayRunner
+
+        runner = RayRunner(job, ray_options, references=references, password=opts.password,
+                           quiet=opts.quiet, warn=None if opts.quiet else warn,
+                           note=None if opts.quiet else note)
     try:
         outcome = run_batch(items, job, results, references=references, password=opts.password,
                             retry_failed=retry_failed, progress_factory=progress_factory,
-                            report=_reporter(opts.quiet))
+                            report=_reporter(opts.quiet), runner=runner)
     except KeyboardInterrupt:
         if opts.quiet:
             pass
@@ -152,6 +180,27 @@ def batch(
         write_result(json.dumps(summary, ensure_ascii=False, indent=2))
     if summary["failed"]:
         raise typer.Exit(EXIT_BATCH_FAILURES)
+
+
+def _ray_options(address, workers, gpus_per_worker, threads_per_worker):
+    """RayOptions for --ray (Ray must be installed), None without it; the worker flags
+    without --ray are a usage error."""
+    if address is None:
+        given = [flag for flag, value in (("--workers", workers),
+                                          ("--gpus-per-worker", gpus_per_worker),
+                                          ("--threads-per-worker", threads_per_worker))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only applies to a Ray batch",
+                              hint="add --ray local (a private cluster on this machine), "
+                                   "--ray auto or --ray ADDRESS")
+        return None
+    from hisparse_cli.ray_cluster import RayOptions, require_ray
+
+    options = RayOptions(address.strip(), workers=workers, gpus_per_worker=gpus_per_worker,
+                         threads_per_worker=threads_per_worker)
+    require_ray()
+    return options
 
 
 def _warn_other_settings(results, job, warn) -> None:
