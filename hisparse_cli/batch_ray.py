@@ -48,12 +48,13 @@ class _Worker:
 class RayRunner:
     def __init__(self, job, options: RayOptions, *, references: Path | None = None,
                  password: str | None = None, quiet: bool = False, warn=None,
-                 note=None) -> None:
+                 note=None, console=None) -> None:
         self.job, self.options = job, options
         self.references, self.password = references, password
         self.warn = warn or (lambda message: None)
         self.note = note or (lambda message: None)
-        self.quiet = quiet
+        self.quiet, self.console = quiet, console
+        self._settled = (0, 0)  # (highest input index handed over, of how many inputs)
         self.plan = None
         self._ray = None
         self._actor_class = None
@@ -89,7 +90,7 @@ class RayRunner:
                   + (f" and {plan.gpus:g} GPU(s)" if plan.gpus else "") + " each, on "
                   + (f"a local cluster ({resources['cpus']:g} CPUs, {resources['gpus']:g} GPUs)"
                      if local else f"{resources['nodes']} node(s)"))
-        self._board = WorkerBoard(quiet=self.quiet)
+        self._board = WorkerBoard(quiet=self.quiet, console=self.console)
         for _ in range(plan.workers):
             self._add_worker()
         self._board.start(plan.workers)
@@ -116,6 +117,7 @@ class RayRunner:
         if self._ray is None:
             self._start()
         self._queue.append((task, 1))
+        self._settled = (task.index, task.total)
         self._dispatch()
 
     def pending(self) -> int:
@@ -137,7 +139,6 @@ class RayRunner:
                 continue
             finished = self._finished(worker)
             if finished is not None:
-                self._board.document_finished()
                 return finished
 
     def close(self) -> None:
@@ -203,6 +204,7 @@ class RayRunner:
 
     def _replace(self, worker: _Worker) -> None:
         del self._workers[worker.id]
+        self._board.forget(worker.id)
         self._add_worker()
 
     def _poll_progress(self) -> None:
@@ -213,13 +215,18 @@ class RayRunner:
             return
         self._last_poll = now
         busy = {w.id: w.handle.progress.remote() for w in self._workers.values() if w.task}
-        states: dict[int, dict | None] = {w: None for w in self._workers}
+        states: dict[int, dict | str] = {
+            w.id: "loading" if w.load_ref is not None else "idle" for w in self._workers.values()}
         for worker_id, ref in busy.items():
-            try:
-                states[worker_id] = self._ray.get(ref, timeout=POLL_SECONDS)
-            except Exception:  # noqa: BLE001 - a busy or dying worker: shown as it was
-                states.pop(worker_id, None)
-        self._board.update(states, len(self._workers))
+            task = self._workers[worker_id].task
+            states[worker_id] = {"index": task.index, "total": task.total, "given": task.given,
+                                 "step": "starting", "phase": "", "done": 0, "of": 0}
+            try:  # the worker's own view, once its run has begun
+                states[worker_id] = self._ray.get(ref, timeout=POLL_SECONDS) or states[worker_id]
+            except Exception:  # noqa: BLE001 - a dying worker: shown as it was until replaced
+                pass
+        index, total = self._settled
+        self._board.update(states, settled=index - self.pending(), total=total)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -26,11 +26,13 @@ RETRY_HINT = "use --retry-failed to run it again"
 P_RAY = "Ray (many workers, many machines)"
 
 
-def _reporter(quiet: bool):
+def _reporter(quiet: bool, console=None):
     from rich.text import Text
 
     from hisparse_cli.batch import printable
     from hisparse_cli.console import stderr_console
+
+    console = console or stderr_console()  # a Ray batch's live display draws on this one
 
     def report(event: str, index: int, total: int, given: str, record: dict | None) -> None:
         if quiet or event == "start":
@@ -53,7 +55,7 @@ def _reporter(quiet: bool):
             line = Text.assemble(head, ("failed", "bold red"),
                                  f" ({err.get('type')}, exit {err.get('exit_code')}): "
                                  f"{err.get('message')}")
-        stderr_console().print(line)
+        console.print(line)
 
     return report
 
@@ -120,7 +122,8 @@ def batch(
     from hisparse_cli.batch import ResultsFile, expand_inputs
     from hisparse_cli.batch_runner import batch_summary, run_batch
     from hisparse_cli.cli_summarize import build_job
-    from hisparse_cli.console import TokenProgress, note, print_table, warn, write_result
+    from hisparse_cli.console import (TokenProgress, note, print_table, stderr_console, warn,
+                                      write_result)
 
     if retry_failed and not resume:
         raise ConfigError("--retry-failed reruns failed documents of an existing results file",
@@ -149,17 +152,18 @@ def batch(
     def progress_factory(index: int, total: int):
         return TokenProgress(quiet=opts.quiet, prefix=f"[{index}/{total}] ")
 
-    runner = None
+    console, runner = stderr_console(), None
     if ray_options is not None:
         from hisparse_cli.batch_ray import RayRunner
 
         runner = RayRunner(job, ray_options, references=references, password=opts.password,
-                           quiet=opts.quiet, warn=None if opts.quiet else warn,
-                           note=None if opts.quiet else note)
+                           quiet=opts.quiet, console=console,
+                           warn=None if opts.quiet else lambda m: warn(m, console),
+                           note=None if opts.quiet else lambda m: note(m, console))
     try:
         outcome = run_batch(items, job, results, references=references, password=opts.password,
                             retry_failed=retry_failed, progress_factory=progress_factory,
-                            report=_reporter(opts.quiet), runner=runner)
+                            report=_reporter(opts.quiet, console), runner=runner)
     except KeyboardInterrupt:
         if opts.quiet:
             pass
