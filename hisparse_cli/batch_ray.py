@@ -184,9 +184,12 @@ class RayRunner:
         ref, task, attempt = worker.run_ref, worker.task, worker.attempt
         worker.run_ref, worker.task = None, None
         exceptions = self._ray.exceptions
+        died = tuple(getattr(exceptions, name) for name in (
+            "RayActorError", "OutOfMemoryError", "WorkerCrashedError", "NodeDiedError")
+            if hasattr(exceptions, name))
         try:
             fields = self._ray.get(ref)
-        except exceptions.RayActorError as exc:  # the worker process is gone
+        except died as exc:  # the worker process is gone
             self._replace(worker)
             if attempt < ATTEMPTS:
                 self.warn(f"worker {worker.id} died while summarizing {task.given} "
@@ -203,6 +206,10 @@ class RayRunner:
         return task, fields
 
     def _replace(self, worker: _Worker) -> None:
+        try:  # normally gone already; never leave a half-dead one holding resources
+            self._ray.kill(worker.handle, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
         del self._workers[worker.id]
         self._board.forget(worker.id)
         self._add_worker()

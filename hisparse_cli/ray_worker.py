@@ -136,6 +136,7 @@ class BatchWorker:
         from hisparse_cli.batch_document import error_record, run_document
 
         progress = self.progress_state.begin(task.index, task.total, task.given)
+        started_at = time.time()
         try:
             fields = run_document(self.job, task.path, references=self.references,
                                   password=self.password, progress=progress)
@@ -143,7 +144,8 @@ class BatchWorker:
             return {"fatal": error_record(exc), "worker": self.info()}
         finally:
             self.progress_state.end()
-        fields["worker"] = {**self.info(), "attempt": attempt}
+        fields["worker"] = {**self.info(), "attempt": attempt, "started_at": started_at,
+                            "finished_at": time.time()}
         return fields
 
     def progress(self) -> dict | None:
