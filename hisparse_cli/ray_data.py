@@ -33,6 +33,7 @@ A failing row never fails the batch; a model that cannot load fails the actor (R
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
@@ -61,10 +62,14 @@ def text_document(text, source: str = "<text>"):
 
 
 def _value(row: dict, column: str | None):
+    """A cell as a Python value; None for a null. (A column that is null throughout a batch
+    reaches numpy batches as float NaN, pandas ones as NaN too.)"""
     value = row.get(column) if column else None
-    if value is None or (isinstance(value, float) and value != value):  # pandas' NaN
+    if getattr(value, "ndim", None) == 0:  # a numpy scalar
+        value = value.item()
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
-    return value.item() if hasattr(value, "item") else value  # a numpy scalar
+    return value
 
 
 class Summarizer:

@@ -285,9 +285,13 @@ def test_ray_data_summarizer_on_an_in_memory_dataset(ray_cluster, tiny, tmp_path
             {"path": str(tmp_path / "missing.txt"), "text": None, "reference": "x"}]
     out = ray.data.from_items(rows).map_batches(
         Summarizer, fn_constructor_kwargs={**TINY_SETTINGS, "model": str(tiny), "threads": 1},
-        compute=ActorPoolStrategy(size=1), batch_size=2, num_cpus=1).take_all()
+        compute=ActorPoolStrategy(size=1), batch_size=1, num_cpus=1).take_all()  # a null
+    # column alone in its batch reaches the class as float NaN
     assert len(out) == 4
-    by_key = {(r["path"], r["text"]): r for r in out}
+    def cell(value):  # a null passed through from a null-only batch is NaN
+        return None if isinstance(value, float) and value != value else value
+
+    by_key = {(cell(r["path"]), cell(r["text"])): r for r in out}
     job = build_job(RunOptions(**TINY_SETTINGS, model=str(tiny), quiet=True))
     first = by_key[(None, text)]
     want = job.run(text_document(text), reference_text=reference)
