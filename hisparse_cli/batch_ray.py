@@ -50,7 +50,9 @@ class RayRunner:
                  password: str | None = None, quiet: bool = False, warn=None,
                  note=None, console=None) -> None:
         self.job, self.options = job, options
-        self.references, self.password = references, password
+        # resolved here: a worker's working directory is not this one's
+        self.references = Path(references).expanduser().resolve() if references else None
+        self.password = password
         self.warn = warn or (lambda message: None)
         self.note = note or (lambda message: None)
         self.quiet, self.console = quiet, console

@@ -128,12 +128,16 @@ def test_worker_plan_defaults_and_refusals():
 
 # --- the batch on Ray -----------------------------------------------------------------------
 def test_ray_batch_matches_the_local_batch_and_resumes_without_work(ray_cluster, tiny,
-                                                                     tmp_path, one_thread):
+                                                                     tmp_path, one_thread,
+                                                                     monkeypatch):
     paths = docs(tmp_path / "in", 3)
     paths[0].with_suffix(".ref.txt").write_text("The provider delivers item zero.")
+    (tmp_path / "refs").mkdir()
+    (tmp_path / "refs" / "doc1.txt").write_text("The provider delivers item one.")
     (tmp_path / "in" / "bad.txt").write_bytes(b"\x00\x01\x02binary\x00" * 8)  # fails alone
+    monkeypatch.chdir(tmp_path)  # --references relative to here, not to the workers' folder
     args = ["batch", str(tmp_path / "in"), str(tmp_path / "missing.txt"), "--model", str(tiny),
-            *TINY_FLAGS, "--json"]
+            *TINY_FLAGS, "--json", "--references", "refs"]
     local = CliRunner().invoke(app, args + ["--out", str(tmp_path / "local.jsonl")])
     assert local.exit_code == 6, show(local)
     out = tmp_path / "ray.jsonl"
@@ -152,6 +156,8 @@ def test_ray_batch_matches_the_local_batch_and_resumes_without_work(ray_cluster,
         assert (record.get("error") or {}).get("type") == (want.get("error") or {}).get("type")
         if "worker" in record:  # ran on a worker: which one, how many threads, first try
             assert record["worker"]["threads"] == 1 and record["worker"]["attempt"] == 1
+    assert got[str(tmp_path / "in" / "doc1.txt")]["reference"] == str(tmp_path / "refs" /
+                                                                    "doc1.txt")
     assert got[str(tmp_path / "in" / "bad.txt")]["error"]["exit_code"] == 3
     assert "worker" in got[str(tmp_path / "in" / "bad.txt")]  # failed on its worker, alone
     assert "Ray: 2 worker(s), 1 thread(s) each" in result.stderr
