@@ -10,11 +10,15 @@ Inputs (`expand_inputs`):
                             is a name and `a.txt  # note` is `a.txt`; relative paths are
                             relative to the current directory; the bytes of a name are kept
                             as they are, as os.fsdecode does); a folder named there is one
-                            document (a repository).
+                            document (a repository or a document collection);
+  * `-`                     the document piped in on stdin (one document, input "-");
+  * `@-`                    the list read from stdin (stdin is read once: not both).
 References (`find_reference`): `<stem>.ref.txt`, `<stem>.txt`, `<stem>.md` in the references
 folder, then `<stem>.ref.txt` beside the input (a repository folder `x/` → `x.ref.txt`).
 
-Results file (`ResultsFile`): each finished document is appended as one line, written with a
+Results file (`ResultsFile`): one writer at a time — `open` takes an exclusive OS lock on the
+file for the whole run (results_lock.py: a second run is refused with exit 3; a killed run's
+lock goes with it). Each finished document is appended as one line, written with a
 single write + fsync (a write that fails half-way is cut back); the file is never rewritten.
 Strings are written as `printable` text: a file-name byte that is not UTF-8 (os.fsdecode's
 surrogate escape) is written as `\\xNN`, the same way every time, so a record still matches
@@ -28,8 +32,8 @@ cannot prove is a torn write:
     in the middle, or a file that is not a results file at all (a user's notes) — is an
     InputError naming the line, and the file is left as it is.
 A document is identified by its resolved path plus the sha256 of its content (for a folder:
-of every file the repository loader would read, by relative path and bytes), so an edited
-document is summarized again.
+of every file the folder loader would read, by relative path and bytes; for stdin: of its
+bytes), so an edited document is summarized again.
 """
 
 from __future__ import annotations
@@ -39,16 +43,33 @@ import hashlib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from hisparse_cli.errors import ConfigError, InputError
+from hisparse_cli.results_lock import FileLock
 
-DOCUMENT_SUFFIXES = frozenset({".pdf", ".txt", ".md", ".markdown", ".rst", ".text", ".tex",
-                               ".org", ".adoc", ".html", ".htm"})
+DOCUMENT_SUFFIXES = frozenset({".pdf", ".docx", ".txt", ".md", ".markdown", ".rst", ".text",
+                               ".tex", ".org", ".adoc", ".html", ".htm", ".xhtml"})
 REFERENCE_NAMES = ("{stem}.ref.txt", "{stem}.txt", "{stem}.md")
 RECORD_START = b'{"input": '  # how every record line starts (run_batch puts "input" first)
 _LIST_COMMENT = re.compile(r"(^|\s)#.*$")
+
+
+class StdinInput:
+    """The document piped in on stdin (batch input `-`): its bytes, read once."""
+
+    given = "-"
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __str__(self) -> str:
+        return "-"
+
+    def resolve(self) -> "StdinInput":
+        return self
 
 
 @dataclass(frozen=True)
@@ -74,32 +95,48 @@ def _folder_files(folder: Path, recursive: bool) -> list[Path]:
     return found
 
 
-def _read_list(spec: str) -> list[str]:
-    list_path = Path(spec[1:]).expanduser()
-    try:
-        data = list_path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read input list {list_path}: {exc.strerror or exc}",
-                         hint="give @FILE with one document path per line") from None
+def _read_list(spec: str, stdin=None) -> list[str]:
+    if spec == "@-":
+        data = (stdin if stdin is not None else sys.stdin.buffer).read()
+    else:
+        list_path = Path(spec[1:]).expanduser()
+        try:
+            data = list_path.read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read input list {list_path}: {exc.strerror or exc}",
+                             hint="give @FILE with one document path per line") from None
     lines = os.fsdecode(data.removeprefix(codecs.BOM_UTF8)).splitlines()  # names as the OS has them
     names = (_LIST_COMMENT.sub("", line).strip() for line in lines)
     return [name for name in names if name]
 
 
-def expand_inputs(args: list[str], *, recursive: bool = False) -> list[tuple[str, Path]]:
+def expand_inputs(args: list[str], *, recursive: bool = False, stdin=None
+                  ) -> list[tuple[str, Path | StdinInput]]:
     """(as given, path) for every document, in order, each resolved path once. Missing paths
-    are kept (they become failed records)."""
-    out: list[tuple[str, Path]] = []
+    are kept (they become failed records). `-` reads the document on stdin, `@-` the list
+    (`stdin`: the binary stream, default sys.stdin.buffer; read at most once)."""
+    from hisparse_cli.documents import IngestLimits
+    from hisparse_cli.documents.stdin import read_stdin
+
+    readers = [a for a in args if a in ("-", "@-")]
+    if len(readers) > 1:
+        raise ConfigError(f"stdin can be read once, but the inputs name it {len(readers)} times "
+                          f"({' and '.join(readers)})",
+                          hint="give either - (the document on stdin) or @- (a list on stdin)")
+    out: list[tuple[str, Path | StdinInput]] = []
     for arg in args:
+        if arg == "-":
+            out.append(("-", StdinInput(read_stdin(IngestLimits(), stdin))))
+            continue
         if arg.startswith("@"):
-            out += [(line, Path(line).expanduser()) for line in _read_list(arg)]
+            out += [(line, Path(line).expanduser()) for line in _read_list(arg, stdin)]
             continue
         path = Path(arg).expanduser()
         if path.is_dir():
             out += [(str(p), p) for p in _folder_files(path, recursive)]
         else:
             out.append((arg, path))
-    seen: set[Path] = set()
+    seen: set = set()
     unique = []
     for given, path in out:
         key = path.resolve()
@@ -120,27 +157,28 @@ def find_reference(path: Path, references: Path | None = None) -> Path | None:
     return None
 
 
-def content_sha256(path: Path) -> str:
-    """sha256 of a file's bytes; for a folder, of what the repository loader would read
-    (`repository_files` with the default limits: ignored, vendored and oversized files and
-    .git are not even opened), as (relative path, sha256 of the bytes) pairs in os.walk order
-    (a folder's files, then its subfolders, each sorted). Files are hashed in 1 MiB blocks."""
+def content_sha256(path: Path, *, include_secrets: bool = False) -> str:
+    """sha256 of a file's bytes; for a folder, of what the folder loader would read
+    (`list_folder` with the default limits: ignored, vendored and oversized files, secrets
+    (unless `include_secrets`) and .git are not even opened), as (relative path, sha256 of
+    the bytes) pairs in os.walk order (a folder's files, then its subfolders, each sorted).
+    Files are hashed in 1 MiB blocks."""
     if not path.is_dir():
         with open(path, "rb") as handle:
             return _sha256_of(handle, limit=None).hexdigest()
     from hisparse_cli.documents import IngestLimits
-    from hisparse_cli.documents.repo import repository_files
+    from hisparse_cli.documents.folder import list_folder
     from hisparse_cli.documents.walk import open_checked
 
     limits = IngestLimits()
-    files, _, _ = repository_files(path.resolve(), max_file_bytes=limits.max_file_bytes,
-                                   max_files=limits.max_files)
+    listing = list_folder(path.resolve(), limits, include_secrets=include_secrets)
     digest = hashlib.sha256()
-    for rel, file_path in sorted(files, key=lambda item: _walk_order(item[0])):
+    for rel, file_path in sorted(listing.files, key=lambda item: _walk_order(item[0])):
         digest.update(os.fsencode(rel) + b"\0")
         try:
             with open_checked(file_path) as handle:
-                digest.update(_sha256_of(handle, limit=limits.max_file_bytes + 1).digest())
+                digest.update(_sha256_of(handle, limit=listing.byte_limit(rel, limits) + 1
+                                         ).digest())
         except OSError as exc:  # the loader skips it too; its state is part of the content
             digest.update(f"unreadable: {exc.strerror or exc}".encode())
     return digest.hexdigest()
@@ -220,6 +258,7 @@ class ResultsFile:
         self.records: list[dict] = []
         self.torn_bytes = 0  # bytes of a torn last line (`open` cuts them)
         self.unterminated = False  # the last record lacks its newline (`open` adds it)
+        self._lock = FileLock(self.path)  # held from `open` to `close` (results_lock.py)
 
     def _refuse(self, number: int, why: str, torn: bool = False) -> InputError:
         if not self.records and not torn:  # no record before it: not a results file at all
@@ -267,19 +306,38 @@ class ResultsFile:
         return good
 
     def open(self, *, resume: bool) -> None:
-        """Prepare for appending: refuse to mix runs without --resume; with it, read the
-        records, cut a torn last line and end an unterminated last record (`scan`)."""
+        """Prepare for appending: take the file's lock (another run writing it: InputError),
+        refuse to mix runs without --resume; with it, read the records, cut a torn last line
+        and end an unterminated last record (`scan`). The lock is held until `close` (or
+        the process ends)."""
         if self.path.is_dir():
             raise ConfigError(f"--out {self.path} is a folder", hint="give a .jsonl file path")
         if not self.path.parent.is_dir():
             raise InputError(f"cannot write {self.path}: folder {self.path.parent} does not "
                              "exist", hint="create it or choose another --out path")
-        if not resume and self.path.exists() and self.path.stat().st_size > 0:
-            raise ConfigError(f"results file {self.path} already exists",
-                              hint="add --resume to continue it, or choose another --out")
         if not os.access(self.path if self.path.exists() else self.path.parent, os.W_OK):
             raise InputError(f"cannot write {self.path}: permission denied",
                              hint="choose another --out path")
+        self._lock.acquire()  # before anything is read: a concurrent writer is refused first
+        try:
+            self._prepare(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the lock (a results file this run created and left empty is removed)."""
+        self._lock.release()
+
+    def __del__(self) -> None:  # like a file object: a forgotten close() ends with the object
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+
+    def _prepare(self, resume: bool) -> None:
+        if not resume and self.path.stat().st_size > 0:
+            raise ConfigError(f"results file {self.path} already exists",
+                              hint="add --resume to continue it, or choose another --out")
         good = self.scan()
         if not (self.torn_bytes or self.unterminated):
             return
@@ -302,8 +360,10 @@ class ResultsFile:
         record = printable_record(record)
         data = (json.dumps(record, ensure_ascii=False, default=lambda o: printable(str(o)))
                 + "\n").encode("utf-8")
+        locked = self._lock.fd
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = locked if locked is not None else os.open(
+                self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise self._write_error(exc) from None
         try:
@@ -322,7 +382,8 @@ class ResultsFile:
                     raise self._write_error(exc) from None
                 raise
         finally:
-            os.close(fd)
+            if fd != locked:
+                os.close(fd)
         self.records.append(record)
         return record
 
@@ -336,5 +397,5 @@ class ResultsFile:
         return {record_key(r): r for r in self.records}
 
 
-__all__ = ["BatchItem", "ResultsFile", "expand_inputs", "find_reference", "content_sha256",
+__all__ = ["BatchItem", "StdinInput", "ResultsFile", "expand_inputs", "find_reference", "content_sha256",
            "record_key", "is_record", "printable", "printable_record", "DOCUMENT_SUFFIXES"]

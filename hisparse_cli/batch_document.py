@@ -17,10 +17,12 @@ the record is ok, without ROUGE, and says why in `warnings`.
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hisparse_cli.batch import StdinInput
 from hisparse_cli.errors import EXIT_INTERNAL, HisparseError, InputError
 
 
@@ -28,12 +30,12 @@ from hisparse_cli.errors import EXIT_INTERNAL, HisparseError, InputError
 class DocumentTask:
     """A document the batch still has to summarize. `record` holds its first fields (input,
     given, sha256, settings_id: written in that order); `index` is its 1-based position
-    among `total` inputs."""
+    among `total` inputs. `path` is the stdin document itself (its bytes) for input `-`."""
 
     index: int
     total: int
     given: str
-    path: Path
+    path: Path | StdinInput
     record: dict
     identify_seconds: float = 0.0
 
@@ -64,15 +66,17 @@ def error_from_record(error: dict) -> HisparseError:
     return exc
 
 
-def run_document(job, path: Path, *, references: Path | None = None,
-                 password: str | None = None, progress=None) -> dict:
-    """Summarize the document at `path` with `job` → its results-line fields (module
-    docstring). The model is loaded first, outside the document's isolation."""
+def run_document(job, path: Path | StdinInput, *, references: Path | None = None,
+                 password: str | None = None, progress=None,
+                 include_secrets: bool = False) -> dict:
+    """Summarize the document at `path` (or the stdin document) with `job` → its
+    results-line fields (module docstring). The model is loaded first, outside the
+    document's isolation. `include_secrets`: a folder's secrets are read too."""
     job.engine()  # loaded once; a model that cannot load ends the batch (its exit code)
     started = time.perf_counter()
     try:
         fields = {"status": "ok", **_summarize(job, path, started, references, password,
-                                               progress)}
+                                               progress, include_secrets)}
     except HisparseError as exc:
         fields = {"status": "error", "error": error_record(exc)}
     except Exception as exc:  # noqa: BLE001 - record it, go on with the next document
@@ -82,17 +86,20 @@ def run_document(job, path: Path, *, references: Path | None = None,
     return fields
 
 
-def _summarize(job, path: Path, started: float, references: Path | None,
-               password: str | None, progress) -> dict:
+def _summarize(job, path: Path | StdinInput, started: float, references: Path | None,
+               password: str | None, progress, include_secrets: bool = False) -> dict:
     from contextlib import nullcontext
 
     from hisparse_cli.batch import find_reference
     from hisparse_cli.documents import load_document
     from hisparse_cli.job import read_reference
 
-    doc = load_document(path, password=password)
+    if isinstance(path, StdinInput):  # the bytes read once, before the batch started
+        doc = load_document("-", password=password, stdin=io.BytesIO(path.data))
+    else:
+        doc = load_document(path, password=password, include_secrets=include_secrets)
     ingest = time.perf_counter() - started
-    ref = find_reference(path, references)
+    ref = None if isinstance(path, StdinInput) else find_reference(path, references)
     ref = ref.resolve() if ref is not None else None  # like "input": resolved
     ref_text, warnings = None, []
     if ref is not None:

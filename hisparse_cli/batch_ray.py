@@ -47,12 +47,12 @@ class _Worker:
 
 class RayRunner:
     def __init__(self, job, options: RayOptions, *, references: Path | None = None,
-                 password: str | None = None, quiet: bool = False, warn=None,
-                 note=None, console=None) -> None:
+                 password: str | None = None, include_secrets: bool = False,
+                 quiet: bool = False, warn=None, note=None, console=None) -> None:
         self.job, self.options = job, options
         # resolved here: a worker's working directory is not this one's
         self.references = Path(references).expanduser().resolve() if references else None
-        self.password = password
+        self.password, self.include_secrets = password, include_secrets
         self.warn = warn or (lambda message: None)
         self.note = note or (lambda message: None)
         self.quiet, self.console = quiet, console
@@ -108,7 +108,7 @@ class RayRunner:
         worker_id, self._next_id = self._next_id, self._next_id + 1
         handle = actor.remote(self._spec, worker_id=worker_id, threads=self.plan.threads,
                               references=str(self.references) if self.references else None,
-                              password=self.password)
+                              password=self.password, include_secrets=self.include_secrets)
         self._workers[worker_id] = _Worker(worker_id, handle, load_ref=handle.load.remote())
 
     # --- DocumentRunner -------------------------------------------------------------------

@@ -23,12 +23,13 @@ leaves the loop at once: lines already written stay, nothing partial is written,
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from hisparse_cli.batch import ResultsFile, content_sha256, printable, record_key
+from hisparse_cli.batch import ResultsFile, StdinInput, content_sha256, printable, record_key
 from hisparse_cli.batch_document import DocumentTask, error_record, run_document
 from hisparse_cli.errors import InputError
 from hisparse_cli.scoring import ROUGE_TYPES, bootstrap_ci
@@ -65,8 +66,9 @@ class LocalRunner:
     """Runs each document in this process when the loop asks for it (one at a time)."""
 
     def __init__(self, job, *, references: Path | None = None, password: str | None = None,
-                 progress_factory=None) -> None:
+                 progress_factory=None, include_secrets: bool = False) -> None:
         self.job, self.references, self.password = job, references, password
+        self.include_secrets = include_secrets
         self.progress_factory = progress_factory
         self._task: DocumentTask | None = None
 
@@ -85,7 +87,8 @@ class LocalRunner:
         progress = self.progress_factory(task.index, task.total) if self.progress_factory \
             else None
         return task, run_document(self.job, task.path, references=self.references,
-                                  password=self.password, progress=progress)
+                                  password=self.password, progress=progress,
+                                  include_secrets=self.include_secrets)
 
     def close(self) -> None:  # the engine's kept KV storage and decode graph (decode_state.py)
         release = getattr(self.job, "release", None)
@@ -93,28 +96,32 @@ class LocalRunner:
             release()
 
 
-def _identify(path: Path) -> str:
+def _identify(path: Path | StdinInput, include_secrets: bool = False) -> str:
+    if isinstance(path, StdinInput):
+        return hashlib.sha256(path.data).hexdigest()
     if not path.exists():
         raise InputError(f"{path}: no such file or directory", hint="check the input path")
     try:
-        return content_sha256(path)
+        return content_sha256(path, include_secrets=include_secrets)
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
+def run_batch(items: list[tuple[str, Path | StdinInput]], job, results: ResultsFile, *,
               references: Path | None = None, password: str | None = None,
               retry_failed: bool = False, progress_factory=None,
-              report: Report | None = None, runner: DocumentRunner | None = None
-              ) -> BatchOutcome:
-    """Summarize `items` ((as given, resolved path)) with `job`, appending to `results`
-    (already opened). Documents whose (path, sha256) is in `results` are skipped (failed
-    ones are redone with `retry_failed`). `runner` executes them (default: a LocalRunner
-    of `job`); it is closed before this returns or raises."""
+              report: Report | None = None, include_secrets: bool = False,
+              runner: DocumentRunner | None = None) -> BatchOutcome:
+    """Summarize `items` ((as given, resolved path or the stdin document)) with `job`,
+    appending to `results` (already opened). Documents whose (path, sha256) is in `results`
+    are skipped (failed ones are redone with `retry_failed`). `include_secrets`: a folder's
+    secrets are read (and fingerprinted) too. `runner` executes the documents (default: a
+    LocalRunner of `job`); it is closed before this returns or raises."""
     report = report or (lambda *args: None)
     if runner is None:
         runner = LocalRunner(job, references=references, password=password,
-                             progress_factory=progress_factory)
+                             progress_factory=progress_factory,
+                             include_secrets=include_secrets)
     done = results.latest()
     outcome = BatchOutcome()
     total = len(items)
@@ -139,7 +146,7 @@ def run_batch(items: list[tuple[str, Path]], job, results: ResultsFile, *,
             started = time.perf_counter()
             error = None
             try:
-                record["sha256"] = _identify(path)
+                record["sha256"] = _identify(path, include_secrets)
             except Exception as exc:  # noqa: BLE001 - one unreadable input never ends the batch
                 error = error_record(exc)
             task = DocumentTask(index, total, given, path, record, time.perf_counter() - started)

@@ -1,10 +1,12 @@
 """`hisparse batch INPUTS… --out results.jsonl`: many documents, one engine, resumable.
 
-Input forms, reference matching and the results-file format are in batch.py. stderr gets
-one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
+Input forms, reference matching and the results-file format are in batch.py. The results
+file is locked for the whole run (a second run on the same file is refused, exit 3, before
+any model loads). stderr gets one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
 stdout gets nothing, or the batch summary as one JSON object with --json. With `--ray` the
 documents are summarized by Ray workers (batch_ray.py) and this process still writes every
-line (batch_runner.run_batch); without Ray installed, `--ray` is a usage error (exit 2). Exit codes: 0 all
+line (batch_runner.run_batch) under the same lock; without Ray installed, `--ray` is a usage
+error (exit 2). Exit codes: 0 all
 documents succeeded (a document whose reference could not be read succeeded, with a warning
 and no ROUGE), 6 at least one failed (recorded in the file), 130 interrupted (finished lines
 stay; rerun with --resume), or the setup error's own code (bad flags 2, a results file
@@ -80,8 +82,9 @@ def _summary_table(summary: dict):
 
 def batch(
     inputs: Annotated[List[str], typer.Argument(
-        help="Files, folders (their document files) or @list.txt (one path per line; a "
-             "folder named there is one repository).", show_default=False)],
+        help="Files, folders (their document files), @list.txt (one path per line; a "
+             "folder named there is one document: a repository or a collection), - (the "
+             "document on stdin) or @- (the list on stdin).", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", rich_help_panel=P_OUT,
                                       help="Results file (JSON lines, appended).")],
     references: Annotated[Optional[Path], typer.Option(
@@ -120,15 +123,10 @@ def batch(
 ) -> None:
     """Summarize many documents into a JSON-lines file (one engine, resumable)."""
     from hisparse_cli.batch import ResultsFile, expand_inputs
-    from hisparse_cli.batch_runner import batch_summary, run_batch
-    from hisparse_cli.cli_summarize import build_job
-    from hisparse_cli.console import (TokenProgress, note, print_table, stderr_console, warn,
-                                      write_result)
 
     if retry_failed and not resume:
         raise ConfigError("--retry-failed reruns failed documents of an existing results file",
                           hint="add --resume (--retry-failed only works with it)")
-    job = build_job(opts)
     ray_options = _ray_options(ray, workers, gpus_per_worker, threads_per_worker)
     if references is not None and not references.is_dir():
         raise InputError(f"--references {references} is not a folder",
@@ -138,10 +136,25 @@ def batch(
     items = [(given, path) for given, path in items if path != out_path]  # not its own input
     if not items:
         raise InputError("no documents found in the given inputs",
-                         hint=f"folders contribute files ending in .pdf, .txt, .md, …; "
+                         hint="folders contribute files ending in .pdf, .docx, .txt, .md, …; "
                               "name a repository folder inside an @list file")
     results = ResultsFile(out)
-    results.open(resume=resume)
+    results.open(resume=resume)  # takes the file's lock: a second writer stops here (exit 3)
+    try:
+        _run(results, items, opts, out=out, references=references, retry_failed=retry_failed,
+             as_json=as_json, ray_options=ray_options)
+    finally:
+        results.close()
+
+
+def _run(results, items, opts: RunOptions, *, out: Path, references: Path | None,
+         retry_failed: bool, as_json: bool, ray_options=None) -> None:
+    from hisparse_cli.batch_runner import batch_summary, run_batch
+    from hisparse_cli.cli_summarize import build_job
+    from hisparse_cli.console import (TokenProgress, note, print_table, stderr_console, warn,
+                                      write_result)
+
+    job = build_job(opts)
     if results.torn_bytes and not opts.quiet:
         note(f"removed an incomplete last line ({results.torn_bytes} bytes) from {out}")
     if results.unterminated and not opts.quiet:
@@ -157,13 +170,15 @@ def batch(
         from hisparse_cli.batch_ray import RayRunner
 
         runner = RayRunner(job, ray_options, references=references, password=opts.password,
-                           quiet=opts.quiet, console=console,
+                           include_secrets=opts.include_secrets, quiet=opts.quiet,
+                           console=console,
                            warn=None if opts.quiet else lambda m: warn(m, console),
                            note=None if opts.quiet else lambda m: note(m, console))
     try:
         outcome = run_batch(items, job, results, references=references, password=opts.password,
                             retry_failed=retry_failed, progress_factory=progress_factory,
-                            report=_reporter(opts.quiet, console), runner=runner)
+                            report=_reporter(opts.quiet, console),
+                            include_secrets=opts.include_secrets, runner=runner)
     except KeyboardInterrupt:
         if opts.quiet:
             pass

@@ -117,6 +117,9 @@ _SHARED: list[tuple[str, object, object]] = [
         help="Dense attention (no window, no globals): the exact baseline.")], False),
     ("password", Annotated[Optional[str], _opt("--password", panel=P_MODEL,
         help="Password of encrypted PDFs.")], None),
+    ("include_secrets", Annotated[bool, _opt("--include-secrets", panel=P_MODEL, help=(
+        "Also read a folder's secrets (.env*, private keys, credential files, text holding a "
+        "key or token), which are otherwise skipped and reported."))], False),
     ("quiet", Annotated[bool, _opt("--quiet", "-q", panel=P_OUT,
         help="No progress, log lines or stats table on stderr (errors still).")], False),
 ]
@@ -148,6 +151,7 @@ class RunOptions:
     probe: Path | None = None
     dense: bool = False
     password: str | None = None
+    include_secrets: bool = False
     quiet: bool = False
 
     def load_profile(self):

@@ -1,4 +1,10 @@
-"""`hisparse plan`: the memory plan of a run before anything is loaded (registered by cli.py).
+"""`hisparse plan [PATH]`: the memory plan of a run before anything is loaded (registered by
+cli.py).
+
+With PATH (a document, a folder, or `-` for stdin) the document is read as `summarize` reads
+it and counted with the model's tokenizer alone (plan_document.py: the pipeline runs on a
+dry engine), and the plan says its tokens, the strategy and chunk count, the attention, and
+the memory for the largest generation of that run. Without PATH, `--context` tokens.
 
 The model is a built-in shape (`llama-3-8b`, `llama-3-8b-awq`, `mistral-7b`, `qwen2.5-7b`,
 `smollm2-135m`: no weights needed) or anything `--model` accepts elsewhere, resolved without
@@ -20,9 +26,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from hisparse_cli.cli_options import finite_float
+from hisparse_cli.cli_options import Strategy, finite_float
 
 P_MODEL, P_SPARSE, P_MEM = "Model and profile", "Sparse attention", "Memory"
+P_DOC = "Document (with PATH)"
 
 
 class WeightFormat(str, Enum):
@@ -82,6 +89,10 @@ def resolve_config(spec: str | None):
 
 
 def plan(
+    path: Annotated[Optional[str], typer.Argument(
+        metavar="PATH", help="A document, folder or - (stdin) to plan for: its tokens, strategy, chunks and "
+             "memory, counted with the tokenizer alone (no weights).",
+        show_default=False)] = None,
     model: Annotated[Optional[str], _opt("--model", "-m", panel=P_MODEL, help=(
         "A built-in shape (llama-3-8b, llama-3-8b-awq, mistral-7b, qwen2.5-7b, smollm2-135m) "
         "or a model as summarize takes it (its config.json is read; nothing is downloaded). "
@@ -118,25 +129,61 @@ def plan(
               f"profile's on CUDA; this machine's RAM on the CPU]  {_BUDGET_NOTE}"))] = None,
     check: Annotated[bool, _opt("--check", panel=P_MEM, help=(
         "Exit with code 5 when the plan does not fit the budget."))] = False,
+    strategy: Annotated[Strategy, _opt("--strategy", panel=P_DOC, case_sensitive=False,
+        help="With PATH: as summarize's --strategy.")] = Strategy.auto,
+    chunk_tokens: Annotated[Optional[int], _opt("--chunk-tokens", panel=P_DOC, min=16,
+        help="With PATH: as summarize's --chunk-tokens.")] = None,
+    chunk_new_tokens: Annotated[Optional[int], _opt("--chunk-new-tokens", panel=P_DOC, min=16,
+        help="With PATH: as summarize's --chunk-new-tokens.")] = None,
+    instructions: Annotated[Optional[str], _opt("--instructions", "-i", panel=P_DOC,
+        help="With PATH: as summarize's --instructions.")] = None,
+    title: Annotated[Optional[str], _opt("--title", panel=P_DOC,
+        help="With PATH: as summarize's --title.")] = None,
+    password: Annotated[Optional[str], _opt("--password", panel=P_DOC,
+        help="With PATH: password of an encrypted PDF.")] = None,
+    include_secrets: Annotated[bool, _opt("--include-secrets", panel=P_DOC,
+        help="With PATH: as summarize's --include-secrets.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
 ) -> None:
-    """Predict the GPU (or host) memory of a summarize run, line by line.
+    """Predict the GPU (or host) memory of a summarize run, line by line; with PATH, also the
+    document's tokens, strategy, chunks and attention, before any weights load.
 
     When the run does not fit, the plan also says what to change."""
     from hisparse_cli.console import print_table, write_result
-    from hisparse_cli.planner import GIB
-    from hisparse_cli.planner_profile import plan_for_profile
+    from hisparse_cli.errors import ConfigError
     from hisparse_cli.profiles import load_profile
     from hisparse_cli.runtime import sparse_settings
 
+    doc = None
+    if path is not None:  # the document first: a missing one costs nothing (no torch yet)
+        from hisparse_cli.cli_summarize import check_input
+        from hisparse_cli.documents import load_document
+
+        if context is not None:
+            raise ConfigError("--context plans a number of tokens; with PATH the document's "
+                              "own tokens are planned", hint="give PATH or --context, not both")
+        check_input(path)
+        doc = load_document(path if path == "-" else Path(path), password=password,
+                            include_secrets=include_secrets, title=title)
     prof = load_profile(profile)
     sparse = sparse_settings(prof, dense=dense, window_size=window, global_tokens=global_tokens,
                              sink_tokens=sink_tokens, block_size=block_size,
                              recalibrate_every=recalibrate_every,
                              recalibrate_topk=recalibrate_topk, prefill_chunk=prefill_chunk)
+    from hisparse_cli.planner import GIB
+    from hisparse_cli.planner_profile import plan_for_profile
+
     cfg, name, awq_head = resolve_config(model)
     new = prof.max_new_tokens if max_new_tokens is None else max_new_tokens
     ctx = context if context is not None else max(1, cfg.max_position_embeddings - new)
+    report = None
+    if doc is not None:
+        from hisparse_cli.plan_output import plan_for_document
+
+        report = plan_for_document(doc, model, cfg, new, strategy=strategy.value,
+                                   chunk_tokens=chunk_tokens, chunk_new_tokens=chunk_new_tokens,
+                                   instructions=instructions)
+        ctx, new = report.peak_generation
     result = plan_for_profile(
         cfg, prof, context_tokens=ctx, max_new_tokens=new, sparse=sparse,
         device_kind=device.value if device else None, backend=backend.value if backend else None,
@@ -144,11 +191,20 @@ def plan(
         kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
         awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
         model_name=name)
+    if report is not None:
+        from hisparse_cli.plan_output import attention_choice, document_json, document_table
+
+        attention = attention_choice(result, sparse)
     if as_json:
-        write_result(json.dumps(result.to_dict(), indent=2, default=str))
+        out = result.to_dict()
+        if report is not None:
+            out = {"input": document_json(doc, report, attention), **out}
+        write_result(json.dumps(out, indent=2, default=str))
     else:
         from hisparse_cli.planner_render import render_plan
 
+        if report is not None:
+            print_table(document_table(doc, report, attention), to_stdout=True)
         print_table(render_plan(result), to_stdout=True)
     if check:
         from hisparse_cli.vram import check_plan_fits

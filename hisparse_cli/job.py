@@ -30,12 +30,21 @@ from hisparse_cli.pipeline import PipelineProgress, SummarySettings, summarize_d
 from hisparse_cli.profiles import HardwareProfile
 
 
-def document_info(doc: Document) -> dict:
-    """What the JSON output says about the document."""
-    unit = {"pdf": "pages", "repository": "files"}.get(doc.kind, "sections")
-    count = doc.meta.get(unit, len(doc.sections)) if unit != "sections" else len(doc.sections)
+def document_info(doc: Document, count: Callable[[str], int] | None = None) -> dict:
+    """What the JSON output says about the document. `items`: every file read — a
+    repository's files, a collection's documents, else the one input — with its size in
+    bytes and (given `count`, the tokenizer's counter) the tokens its text adds."""
+    unit = {"pdf": "pages", "repository": "files", "collection": "documents"}.get(
+        doc.kind, "sections")
+    number = doc.meta.get(unit, len(doc.sections)) if unit != "sections" else len(doc.sections)
+    if doc.kind in ("repository", "collection"):
+        spans = [(s.label, s.bytes, doc.text[s.start:s.end]) for s in doc.sections]
+    else:
+        spans = [(doc.source, doc.meta.get("bytes"), doc.text)]
+    items = [{"path": path, "bytes": size, "tokens": count(text) if count else None}
+             for path, size, text in spans]
     return {"source": doc.source, "kind": doc.kind, "genre": doc.genre, "title": doc.title,
-            "chars": len(doc.text), "unit": unit, "sections": count,
+            "chars": len(doc.text), "unit": unit, "sections": number, "items": items,
             "skipped": len(doc.skipped),
             "skipped_items": [{"item": item, "reason": why} for item, why in doc.skipped]}
 
@@ -97,8 +106,10 @@ class Job:
     def __init__(self, profile: HardwareProfile, sparse: SparseConfig,
                  settings: SummarySettings, *, model_spec: str | None = None,
                  warn: Callable[[str], None] | None = None, model_progress=None,
-                 resolve: Callable | None = None, probe_path: Path | None = None) -> None:
+                 resolve: Callable | None = None, probe_path: Path | None = None,
+                 stage: Callable[[str], object] | None = None) -> None:
         self.profile, self.sparse, self.settings = profile, sparse, settings
+        self.stage = stage  # a context manager per slow stage (console.status), or None
         self.probe_path = probe_path
         self.model_spec, self.warn, self.model_progress = model_spec, warn, model_progress
         self._resolve = resolve
@@ -132,12 +143,16 @@ class Job:
     def engine(self):
         """The Engine, resolved (pulled when needed) and loaded on first use."""
         if self._engine is None:
+            from contextlib import nullcontext
+
             from hisparse_cli.runtime import load_engine
 
             self.resolve()
-            self._engine, self.device_plan = load_engine(self.model_path, self.profile,
-                                                         self.sparse, warn=self.warn,
-                                                         probe_path=self.probe_path)
+            with (self.stage(f"loading model {self.model_path.name}") if self.stage
+                  else nullcontext()):
+                self._engine, self.device_plan = load_engine(self.model_path, self.profile,
+                                                             self.sparse, warn=self.warn,
+                                                             probe_path=self.probe_path)
         return self._engine
 
     def release(self) -> None:
@@ -188,7 +203,8 @@ class Job:
         out["timings"] = {"ingest_seconds": ingest_seconds, **out["timings"]}
         out["settings"] = {**self.settings_dict(), **out["settings"]}
         out["reference"] = reference_path
-        out["document"] = document_info(doc)
+        tokenizer = getattr(engine, "tokenizer", None)
+        out["document"] = document_info(doc, _token_counter(tokenizer) if tokenizer else None)
         return out
 
 
@@ -206,6 +222,15 @@ class JobSpec:
     def build(self, warn: Callable[[str], None] | None = None) -> Job:
         return Job(self.profile, self.sparse, self.settings, model_spec=self.model_spec,
                    probe_path=self.probe_path, warn=warn)
+
+
+def _token_counter(tokenizer) -> Callable[[str], int]:
+    from hisparse_cli.prompts import tokenizable
+
+    def count(text: str) -> int:
+        return len(tokenizer(tokenizable(text), add_special_tokens=False)["input_ids"])
+
+    return count
 
 
 __all__ = ["Job", "JobSpec", "document_info", "document_path", "read_reference"]

@@ -6,7 +6,9 @@
     plan = worker_plan(options, profile, cluster_resources())
 
 `--ray local` starts a private single-node cluster for this run (no dashboard; its CPUs and
-GPUs are those Ray detects here) and shuts it down at the end; `auto` joins the cluster
+GPUs are those Ray detects here; a start that fails — on a very busy machine Ray's processes
+can miss Ray's own 30 s start-up limit — is tried once more, then a ResourceError, exit 5)
+and shuts it down at the end; `auto` joins the cluster
 `ray start` runs on this machine (or RAY_ADDRESS); any other value is a cluster address
 (`host:6379`, `ray://host:10001`). A process that already called `ray.init` keeps its
 connection (a notebook, the tests) and it is never shut down here.
@@ -31,8 +33,9 @@ import logging
 import math
 from dataclasses import dataclass
 
-from hisparse_cli.errors import ConfigError
+from hisparse_cli.errors import ConfigError, ResourceError
 
+START_ATTEMPTS = 2  # a private cluster whose start timed out is tried once more
 RAY_EXTRA_HINT = "install it with: pip install 'hisparse[ray]'"
 
 
@@ -91,16 +94,32 @@ def connect(address: str, *, quiet: bool = False) -> bool:
     level = logging.ERROR if quiet else logging.WARNING
     logging.getLogger("ray").setLevel(level)
     kwargs = {"log_to_driver": False, "logging_level": level}
-    try:
-        if address == "local":
+    if address != "local":
+        try:
+            ray.init(address=address, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception, ConnectionError, …
+            raise ConfigError(f"cannot reach a Ray cluster at {address!r}: {_line(exc)}",
+                              hint="start one with `ray start --head` (then --ray auto), give "
+                                   "its address, or use --ray local") from None
+        return False
+    for attempt in range(START_ATTEMPTS):
+        try:
             ray.init(include_dashboard=False, **kwargs)
             return True
-        ray.init(address=address, **kwargs)
-    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"cannot reach a Ray cluster at {address!r}: {exc}",
-                          hint="start one with `ray start --head` (then --ray auto), give its "
-                               "address, or use --ray local") from None
-    return False
+        except Exception as exc:  # noqa: BLE001 - e.g. the raylet missed Ray's 30 s start-up
+            ray.shutdown()  # whatever half-started goes before the next try
+            if attempt + 1 == START_ATTEMPTS:
+                raise ResourceError(
+                    f"the local Ray cluster did not start ({START_ATTEMPTS} tries): "
+                    f"{_line(exc)}",
+                    hint="a machine this busy may not start Ray's processes within Ray's own "
+                         "time limit; try again later, or run the batch without --ray") from None
+    return True
+
+
+def _line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def keep_stdout_clean(*, quiet: bool = False):

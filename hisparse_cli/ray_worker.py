@@ -103,10 +103,11 @@ class BatchWorker:
     """One batch worker (a Ray actor): `load()` once, then `run(task, attempt)` per document."""
 
     def __init__(self, spec, *, worker_id: int, threads: int | None = None,
-                 references: str | None = None, password: str | None = None) -> None:
+                 references: str | None = None, password: str | None = None,
+                 include_secrets: bool = False) -> None:
         self.worker_id, self.threads = worker_id, threads
         self.references = Path(references) if references else None
-        self.password = password
+        self.password, self.include_secrets = password, include_secrets
         self.warnings: list[str] = []
         self.job = spec.build(warn=self.warnings.append)
         self.place: dict = {"gpus": [], "cuda_device": None}
@@ -139,7 +140,8 @@ class BatchWorker:
         started_at = time.time()
         try:
             fields = run_document(self.job, task.path, references=self.references,
-                                  password=self.password, progress=progress)
+                                  password=self.password, progress=progress,
+                                  include_secrets=self.include_secrets)
         except Exception as exc:  # noqa: BLE001 - only the model load gets here
             return {"fatal": error_record(exc), "worker": self.info()}
         finally:

@@ -82,6 +82,21 @@ def model_info(model_path: Path) -> dict:
     return info
 
 
+def remote_code_warning(model_path: Path) -> str | None:
+    """A warning when the model's config.json asks for code of its own (`auto_map`,
+    `trust_remote_code`): hisparse never runs it, it runs its own forward pass."""
+    try:
+        cfg = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or not (cfg.get("auto_map") or cfg.get("trust_remote_code")):
+        return None
+    asks = "auto_map" if cfg.get("auto_map") else "trust_remote_code"
+    return (f"{model_path.name}/config.json asks for the model's own Python code ({asks}); "
+            "hisparse never runs it (no trust_remote_code): it runs its own Llama-family "
+            "forward pass, which may not match what that code does")
+
+
 def weight_format_warning(profile: HardwareProfile, info: dict) -> str | None:
     if profile.weight_format == "awq-int4" and info.get("quantization") != "awq":
         return (f"profile {profile.name!r} expects AWQ INT4 weights but {info.get('name')} is "
@@ -128,7 +143,7 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
     plan = plan_device(profile, cuda_available)
     info = model_info(model_path)
     for message in (plan.warning, weight_format_warning(profile, info)
-                    if plan.device == "cuda" else None):
+                    if plan.device == "cuda" else None, remote_code_warning(model_path)):
         if message and warn is not None:
             warn(message)
     if isinstance(info.get("max_position_embeddings"), int):  # refused before the weights load
@@ -141,5 +156,5 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
 
 
 __all__ = ["DevicePlan", "plan_device", "sparse_settings", "load_engine", "load_probe_for",
-           "model_info",
+           "model_info", "remote_code_warning",
            "SPARSE_FLAGS"]

@@ -198,6 +198,7 @@ def test_results_file_refuses_to_mix_runs_and_cuts_a_torn_tail(tmp_path):
     results = ResultsFile(path)
     results.open(resume=False)
     results.append({"input": "a", "sha256": "1", "status": "ok"})
+    results.close()  # the first run ended
     with pytest.raises(ConfigError, match="already exists"):
         ResultsFile(path).open(resume=False)
     with open(path, "a") as handle:
@@ -244,6 +245,7 @@ def test_resume_cuts_only_a_torn_last_line(tmp_path):
     path.write_text(REC_A + '{"input": "b", "sha2\n\n')  # cut short, even with a newline
     results = _resume(path)
     assert [r["input"] for r in results.records] == ["a"] and path.read_text() == REC_A
+    results.close()
     path.write_text(REC_A + "\0" * 40)  # a crash left NUL bytes where the last write went
     assert [r["input"] for r in _resume(path).records] == ["a"] and path.read_text() == REC_A
     path.write_text('{"inp')  # killed during the very first record
@@ -332,6 +334,7 @@ def test_non_utf8_file_names_are_written_printably_and_match_on_resume(tmp_path)
     assert lines[0]["given"].endswith("caf\\xe9.txt")
     assert "gon\\xe9.txt" in lines[1]["error"]["message"]  # the message names it the same way
     assert batch_summary(results, outcome.keys)["documents"] == 2
+    results.close()
     again = FakeJob()
     outcome = run_batch(items, again, _resume(out))
     assert again.ran == [] and outcome.skipped == 2  # both matched again
@@ -366,6 +369,7 @@ def test_interrupted_batch_resumes_without_loss_or_repeats(tmp_path):
     results.open(resume=False)
     with pytest.raises(KeyboardInterrupt):
         run_batch(items, first, results)
+    results.close()  # the interrupted run ended
     assert [Path(r["input"]).name for r in _lines(out)] == ["doc0.txt", "doc1.txt", "doc2.txt"]
     second = FakeJob()
     resumed = ResultsFile(out)
@@ -383,6 +387,7 @@ def test_torn_last_line_is_redone_on_resume(tmp_path):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob(), results)
+    results.close()
     data = out.read_bytes()
     out.write_bytes(data[: len(data) - 25])  # a kill while the third line was being written
     job = FakeJob()
@@ -400,11 +405,13 @@ def test_resume_redoes_edited_documents_and_failures_only_when_asked(tmp_path):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob({"doc1.txt": InputError("bad")}), results)
+    results.close()
     docs[0].write_text("an edited document\n")
     job = FakeJob()
     again = ResultsFile(out)
     again.open(resume=True)
     run_batch(items, job, again)
+    again.close()
     assert job.ran == ["doc0.txt"]  # edited → new sha; the failed doc1 is left alone
     retry = FakeJob()
     third = ResultsFile(out)
@@ -423,6 +430,7 @@ def test_resume_reports_failures_as_failed_earlier(tmp_path, capsys):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob({"doc1.txt": InputError("bad")}), results)
+    results.close()
     capsys.readouterr()
     outcome = run_batch(items, FakeJob(), _resume(out), report=_reporter(False))
     err = capsys.readouterr().err
@@ -459,6 +467,7 @@ def test_resume_warns_about_records_made_with_other_settings(tmp_path):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob(settings="a"), results)
+    results.close()
     assert {r["settings_id"] for r in _lines(out)} == {"id-a"}
     assert other_settings(_resume(out), "id-a") == []
     assert len(other_settings(_resume(out), "id-b")) == 2

@@ -41,8 +41,15 @@ def ray_cluster():
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(helpers_batch)  # workers need no tests/ on their path
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
+    for attempt in range(3):  # on a busy machine Ray's raylet can miss Ray's 30 s start-up
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING)
+            break
+        except Exception:  # noqa: BLE001 - Ray raises a plain Exception for that
+            ray.shutdown()
+            if attempt == 2:
+                raise
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -124,6 +131,28 @@ def test_worker_plan_defaults_and_refusals():
                 dict(gpus_per_worker=-1)):
         with pytest.raises(ConfigError):
             RayOptions("local", **bad)
+
+
+def test_connect_retries_a_failed_private_start_then_says_why(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from hisparse_cli.errors import ConfigError, ResourceError
+    from hisparse_cli.ray_cluster import START_ATTEMPTS, connect
+
+    calls = []
+
+    def failing_init(**kwargs):
+        calls.append(kwargs)
+        raise Exception("The current node timed out during startup.\nmore")  # as Ray does
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    with pytest.raises(ResourceError, match="timed out during startup") as info:
+        connect("local", quiet=True)
+    assert info.value.exit_code == 5 and "--ray" in info.value.hint
+    assert len([c for c in calls if c != "shutdown"]) == START_ATTEMPTS == 2
+    with pytest.raises(ConfigError, match="cannot reach a Ray cluster at 'host:1'"):
+        connect("host:1")
 
 
 # --- the batch on Ray -----------------------------------------------------------------------

@@ -184,7 +184,10 @@ def test_settings_beyond_the_models_positions_exit_2_like_plan(tiny, doc, flags,
     assert_error(result, 2, needle)
     planned = run("plan", "--model", tiny, "--profile", "cpu", *flags, "--check")
     assert_error(planned, 2, needle)
-    assert planned.stderr == result.stderr
+    def errors(res):  # the stage lines a log gets (`hisparse: reading …`) aside
+        return [line for line in res.stderr.splitlines() if not line.startswith("hisparse: ")]
+
+    assert errors(planned) == errors(result)
 
 
 def test_quantize_refuses_bad_device_out_and_group_size(tiny, doc, tmp_path):
@@ -283,7 +286,8 @@ def test_ctrl_c_exits_130(tiny, doc, monkeypatch):
     monkeypatch.setattr(job, "summarize_document", _boom(KeyboardInterrupt()))
     result = run("summarize", doc, "--model", tiny, *TINY_FLAGS)
     assert result.exit_code == 130, show(result)
-    assert result.stderr.strip() == "Error: interrupted" and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1] == "Error: interrupted" and result.stdout == ""
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="machine has CUDA")

@@ -217,6 +217,8 @@ class Engine:
             self.release_cached_state()  # a failed run's state is not kept
             raise
         stats.new_tokens = len(out)
+        if progress:  # the final count, as the stats say (the loops report an EOS, or lag)
+            progress("decode", len(out), gen.max_new_tokens)
         stats.kv_blocks_peak, stats.blocks_allocated, stats.blocks_freed = (
             pool.peak_live, pool.allocated, pool.freed)
         stats.kv_bytes_peak = run.kv_bytes_peak

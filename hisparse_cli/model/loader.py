@@ -38,8 +38,9 @@ def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        hint = ("hisparse loads only safetensors/GGUF (never pickle); convert with "
-                "transformers' save_pretrained(safe_serialization=True)") if pickles else None
+        from hisparse_cli.models.resolve import PICKLE_HINT
+
+        hint = PICKLE_HINT if pickles else None
         raise ModelError(f"no *.safetensors weights in {folder}", hint=hint)
     return files
 

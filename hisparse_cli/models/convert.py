@@ -125,16 +125,28 @@ def _fix_tokenizer_files(out: Path, tokenizer: Any) -> None:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Hide transformers' own tqdm bars (weight loading, shard writing) while converting; the
-    GGUF dequantization bar is a plain tqdm that transformers does not let us switch off."""
+def _quiet_transformers(reporter: Reporter) -> Iterator[None]:
+    """Hide transformers' own tqdm bars (weight loading, shard writing) while converting, and
+    route the GGUF dequantization loop (a plain tqdm that transformers does not let us
+    switch off) through `reporter.iterate`: a bar on a terminal, a line at most every ~10 s
+    in a log, nothing when quiet."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
+
+    def gguf_tqdm(iterable=None, *args, **kwargs):
+        return reporter.iterate(iterable if iterable is not None else (),
+                                "dequantizing GGUF tensors", total=kwargs.get("total"))
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = gguf_tqdm
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         if was_enabled:
             hf_logging.enable_progress_bar()
 
@@ -142,7 +154,7 @@ def _quiet_transformers() -> Iterator[None]:
 def convert_into(gguf: Path, out: Path, reporter: Reporter) -> dict[str, Any]:
     """Write config, safetensors and tokenizer for `gguf` into the existing folder `out`.
     Returns facts for the provenance file."""
-    with _quiet_transformers():
+    with _quiet_transformers(reporter):
         return _convert_into(gguf, out, reporter)
 
 

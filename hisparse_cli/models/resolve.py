@@ -35,6 +35,10 @@ from hisparse_cli.models.registry import (
 from hisparse_cli.models.wheel import sha256_file
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Never suggests loading the pickle to convert it: unpickling runs whatever code it holds.
+PICKLE_HINT = ("hisparse loads safetensors or GGUF, never pickle (unpickling can run arbitrary "
+               "code): use a safetensors or GGUF release of this model (most models publish "
+               "one)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -59,8 +63,7 @@ def validate_model_folder(folder: Path) -> Path:
         raise ModelError(
             f"{folder} has only pickle weights ({', '.join(pickles[:3])}); hisparse loads only "
             "safetensors or GGUF weights, never pickle",
-            hint="convert it once with transformers: "
-            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)",
+            hint=PICKLE_HINT,
         )
     raise ModelError(f"{folder} has no model weights (*.safetensors)", hint="is the download complete?")
 
@@ -153,7 +156,7 @@ def resolve_model(spec: str | None, *, auto_pull: bool = True, progress: Progres
         if path.suffix.lower() in PICKLE_SUFFIXES:
             raise ModelError(
                 f"{path} is a pickle checkpoint; hisparse loads only safetensors or GGUF weights",
-                hint="pass a folder with config.json and *.safetensors, or a .gguf file",
+                hint=PICKLE_HINT,
             )
         raise ModelError(
             f"{path} is a file, not a model folder or a .gguf file",
