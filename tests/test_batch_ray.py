@@ -167,16 +167,20 @@ def test_ray_batch_matches_the_local_batch_and_resumes_without_work(ray_cluster,
     monkeypatch.chdir(tmp_path)  # --references relative to here, not to the workers' folder
     args = ["batch", str(tmp_path / "in"), str(tmp_path / "missing.txt"), "--model", str(tiny),
             *TINY_FLAGS, "--json", "--references", "refs"]
-    local = CliRunner().invoke(app, args + ["--out", str(tmp_path / "local.jsonl")])
+    args.append("-")  # and a document piped in on stdin: it travels with its task
+    stdin = b"Document from stdin. The provider delivers the piped item on time.\n"
+    local = CliRunner().invoke(app, args + ["--out", str(tmp_path / "local.jsonl")],
+                               input=stdin)
     assert local.exit_code == 6, show(local)
     out = tmp_path / "ray.jsonl"
     ray_args = args + ["--out", str(out), "--ray", "local", "--workers", "2",
                        "--threads-per-worker", "1"]
-    result = CliRunner().invoke(app, ray_args)
+    result = CliRunner().invoke(app, ray_args, input=stdin)
     assert result.exit_code == 6, show(result)
     assert json.loads(result.stdout) == json.loads(local.stdout) | {"results": str(out)}
     expected, got = _by_input(tmp_path / "local.jsonl"), _by_input(out)
-    assert sorted(got) == sorted(expected) and len(got) == 5  # every input exactly once
+    assert sorted(got) == sorted(expected) and len(got) == 6  # every input exactly once
+    assert got["-"]["status"] == "ok" and got["-"]["worker"]["attempt"] == 1
     for name, record in got.items():
         want = expected[name]
         for key in ("status", "sha256", "settings_id", "summary", "rouge", "strategy",
@@ -191,10 +195,10 @@ def test_ray_batch_matches_the_local_batch_and_resumes_without_work(ray_cluster,
     assert "worker" in got[str(tmp_path / "in" / "bad.txt")]  # failed on its worker, alone
     assert "Ray: 2 worker(s), 1 thread(s) each" in result.stderr
     before = out.read_bytes()
-    resumed = CliRunner().invoke(app, ray_args + ["--resume"])
+    resumed = CliRunner().invoke(app, ray_args + ["--resume"], input=stdin)
     assert resumed.exit_code == 6, show(resumed)
     assert out.read_bytes() == before  # nothing redone, nothing added
-    assert resumed.stderr.count("already done") == 3 and "Ray:" not in resumed.stderr
+    assert resumed.stderr.count("already done") == 4 and "Ray:" not in resumed.stderr
 
 
 def test_killed_worker_is_retried_and_a_worker_killing_document_is_recorded(ray_cluster,
@@ -283,6 +287,9 @@ def test_ctrl_c_stops_at_once_and_writes_nothing_partial(ray_cluster, tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()
         hung = int(pidfile.read_text().split()[1])
+        second = CliRunner().invoke(app, ["batch", str(folder), "--out", str(out), "--resume"])
+        assert second.exit_code == 3, show(second)  # the Ray driver holds the file's lock
+        assert "being written by another hisparse run" in second.stderr
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
         stdout, stderr = proc.communicate(timeout=120)  # long before the 300 s document
     finally:
