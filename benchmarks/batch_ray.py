@@ -4,7 +4,7 @@
     python benchmarks/batch_ray.py --out-dir /tmp/batch-ray [--docs 8] [--rounds 1]
         [--max-new-tokens 128] [--eval-dir ../shared/eval_dev] [--modes local,ray1,ray2]
 
-Each mode runs `python -m hisparse_cli.cli batch @LIST --out … --profile cpu -q
+Each mode runs `hisparse batch @LIST --out … --profile cpu -q
 --max-new-tokens M` as its own process on the same documents (wall clock from process start
 to exit: imports, Ray's cluster start, model loads and shutdown included). Rounds alternate
 the order of the modes. Per mode: wall seconds, documents/hour, Σ of the records' own
@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -50,8 +51,11 @@ def pick_documents(eval_dir: Path, count: int) -> list[Path]:
 
 def run_mode(mode: str, listfile: Path, out: Path, max_new_tokens: int) -> dict:
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "hisparse_cli.cli", "batch", f"@{listfile}", "--out", str(out),
-           "--profile", "cpu", "-q", "--max-new-tokens", str(max_new_tokens), *MODES[mode]]
+    # the installed console script: `python -m` from a checkout's root would put the root on
+    # sys.path, where the top-level kernels/ folder shadows the `kernels` distribution
+    hisparse = shutil.which("hisparse", path=str(Path(sys.executable).parent)) or "hisparse"
+    cmd = [hisparse, "batch", f"@{listfile}", "--out", str(out), "--profile", "cpu", "-q",
+           "--max-new-tokens", str(max_new_tokens), *MODES[mode]]
     started, launched = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - started

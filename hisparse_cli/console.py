@@ -12,7 +12,6 @@ Long lines are never wrapped, so `Error: …` stays one line in logs.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -29,10 +28,6 @@ def stderr_console() -> Console:
 
 def stdout_console() -> Console:
     return Console(highlight=False, soft_wrap=True)
-
-
-def debug_enabled() -> bool:
-    return os.environ.get("HISPARSE_DEBUG", "").strip() not in ("", "0", "false", "no")
 
 
 def write_result(text: str) -> None:
@@ -237,4 +232,4 @@ UNBOUNDED_WIDTH = 10_000  # wider than any table's natural width
 
 __all__ = ["stderr_console", "stdout_console", "write_result", "print_error", "warn", "note",
            "TokenProgress", "status", "stats_table", "print_table", "human_bytes",
-           "debug_enabled", "LOG_EVERY_S", "eta_text"]
+           "LOG_EVERY_S", "eta_text"]

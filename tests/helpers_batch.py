@@ -22,7 +22,7 @@ HANG_SECONDS = 300.0
 
 
 def cpu_profile():
-    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.config.profiles import load_profile
 
     return load_profile("cpu")
 

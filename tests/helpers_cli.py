@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from hisparse_cli.cli import app
+from hisparse_cli.cli.app import app
 
 
 def run(*args, env: dict | None = None):

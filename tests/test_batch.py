@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from helpers_batch import FakeJob
 from helpers_batch import docs as _docs
 from helpers_tokenizer import make_tiny_model_dir
-from hisparse_cli.batch import ResultsFile, content_sha256, expand_inputs, find_reference
-from hisparse_cli.batch_runner import batch_summary, run_batch
-from hisparse_cli.cli import app
+from hisparse_cli.summarize.batch import ResultsFile, content_sha256, expand_inputs, find_reference
+from hisparse_cli.summarize.batch_runner import batch_summary, run_batch
+from hisparse_cli.cli.app import app
 from hisparse_cli.errors import ConfigError, InputError
 from hisparse_cli.scoring import bootstrap_ci
 
@@ -276,7 +276,7 @@ def test_batch_command_refuses_to_resume_into_a_users_file(tmp_path, monkeypatch
     _docs(tmp_path / "in", 1)
     notes = tmp_path / "notes.md"
     notes.write_text("# Notes\nremember the milk\n")
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: FakeJob())
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: FakeJob())
     result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(notes),
                                       "--resume"])
     assert result.exit_code == 3, show(result)
@@ -422,7 +422,7 @@ def test_resume_redoes_edited_documents_and_failures_only_when_asked(tmp_path):
 
 
 def test_resume_reports_failures_as_failed_earlier(tmp_path, capsys):
-    from hisparse_cli.cli_batch import _reporter
+    from hisparse_cli.cli.batch import _reporter
 
     _docs(tmp_path / "in", 2)
     items = expand_inputs([str(tmp_path / "in")])
@@ -440,7 +440,7 @@ def test_resume_reports_failures_as_failed_earlier(tmp_path, capsys):
 
 
 def test_one_scored_document_has_no_interval(tmp_path):
-    from hisparse_cli.cli_batch import _summary_table
+    from hisparse_cli.cli.batch import _summary_table
     from hisparse_cli.console import stderr_console
 
     docs = _docs(tmp_path / "in", 2)
@@ -457,9 +457,9 @@ def test_one_scored_document_has_no_interval(tmp_path):
 
 
 def test_resume_warns_about_records_made_with_other_settings(tmp_path):
-    from hisparse_cli.batch_runner import other_settings, settings_difference
-    from hisparse_cli.cli_options import RunOptions
-    from hisparse_cli.cli_summarize import build_job
+    from hisparse_cli.summarize.batch_runner import other_settings, settings_difference
+    from hisparse_cli.cli.options import RunOptions
+    from hisparse_cli.cli.summarize import build_job
 
     _docs(tmp_path / "in", 2)
     items = expand_inputs([str(tmp_path / "in")])
@@ -489,7 +489,7 @@ def test_batch_command_warns_on_other_settings_and_hints_retry(tmp_path, monkeyp
     _docs(tmp_path / "in", 2)
     out = tmp_path / "r.jsonl"
     jobs = iter([FakeJob({"doc1.txt": InputError("bad")}, settings="a"), FakeJob(settings="b")])
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: next(jobs))
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: next(jobs))
     args = ["batch", str(tmp_path / "in"), "--out", str(out)]
     assert CliRunner().invoke(app, args).exit_code == 6
     resumed = CliRunner().invoke(app, args + ["--resume"])
@@ -501,7 +501,7 @@ def test_batch_command_warns_on_other_settings_and_hints_retry(tmp_path, monkeyp
 def test_ctrl_c_before_anything_finished_says_nothing_was_written(tmp_path, monkeypatch):
     _docs(tmp_path / "in", 2)
     out = tmp_path / "r.jsonl"
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job",
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job",
                         lambda opts: FakeJob({"doc0.txt": KeyboardInterrupt()}))
     result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(out)])
     assert result.exit_code == 130, show(result)
@@ -556,7 +556,7 @@ def test_batch_command_end_to_end(tiny, tmp_path):
 
 
 def test_batch_ctrl_c_then_resume(tiny, tmp_path, monkeypatch):
-    import hisparse_cli.job as job_module
+    import hisparse_cli.summarize.job as job_module
 
     _docs(tmp_path / "in", 3)
     out = tmp_path / "r.jsonl"
@@ -601,7 +601,7 @@ def test_batch_with_no_documents_is_an_input_error(tmp_path):
 def test_fake_job_matches_job_interface():
     import inspect
 
-    from hisparse_cli.job import Job
+    from hisparse_cli.summarize.job import Job
 
     assert inspect.signature(FakeJob.run).parameters.keys() == \
         inspect.signature(Job.run).parameters.keys()
@@ -611,7 +611,7 @@ def test_fake_job_matches_job_interface():
 def test_retry_failed_needs_resume(tmp_path, monkeypatch):
     _docs(tmp_path / "in", 1)
     job = FakeJob()
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: job)
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: job)
     result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out",
                                       str(tmp_path / "r.jsonl"), "--retry-failed"])
     assert result.exit_code == 2 and "--resume" in result.stderr, show(result)
@@ -622,7 +622,7 @@ def test_results_file_inside_an_input_folder_is_not_a_document(tmp_path, monkeyp
     _docs(tmp_path / "in", 2)
     out = tmp_path / "in" / "results.txt"  # a document suffix, in the folder being summarized
     job = FakeJob()
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: job)
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: job)
     args = ["batch", str(tmp_path / "in"), "--out", str(out)]
     assert CliRunner().invoke(app, args).exit_code == 0
     resumed = CliRunner().invoke(app, args + ["--resume"])

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 import helpers_batch
 from helpers_batch import FakeJob, docs
 from helpers_tokenizer import make_tiny_model_dir
-from hisparse_cli.cli import app
+from hisparse_cli.cli.app import app
 
 TINY_FLAGS = ["--profile", "cpu", "-n", "4", "--window", "64", "--prefill-chunk", "64",
               "--global-tokens", "8", "--recalibrate-every", "64", "--recalibrate-topk", "8"]
@@ -89,10 +89,29 @@ def _by_input(path: Path) -> dict[str, dict]:
 
 
 # --- flags, without a cluster ---------------------------------------------------------------
+def test_a_folder_that_shadows_the_kernels_distribution_leaves_a_workers_path(tmp_path,
+                                                                              monkeypatch):
+    """Ray puts the driver's working directory on every worker's sys.path; run from a hisparse
+    checkout that is the root, whose kernels/ folder transformers would import as `kernels`.
+    (The module's cluster is started from where pytest runs, the root in CI: its workers
+    meet exactly that.)"""
+    from hisparse_cli.cluster.worker import drop_shadowing_paths
+
+    checkout, plain, module = tmp_path / "checkout", tmp_path / "plain", tmp_path / "module"
+    (checkout / "kernels").mkdir(parents=True)
+    plain.mkdir()
+    module.mkdir()
+    (module / "kernels.py").write_text("")
+    installed = next(p for p in sys.path if "site-packages" in p)
+    monkeypatch.setattr(sys, "path", [str(checkout), str(plain), installed, str(module)])
+    assert drop_shadowing_paths() == [str(checkout), str(module)]
+    assert sys.path == [str(plain), installed]
+
+
 def test_ray_flags_without_ray_installed_are_a_usage_error(tmp_path, monkeypatch):
     docs(tmp_path / "in", 1)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: FakeJob())
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: FakeJob())
     out = tmp_path / "r.jsonl"
     result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(out),
                                       "--ray", "local"])
@@ -106,8 +125,8 @@ def test_ray_flags_without_ray_installed_are_a_usage_error(tmp_path, monkeypatch
 
 def test_worker_plan_defaults_and_refusals():
     from hisparse_cli.errors import ConfigError
-    from hisparse_cli.profiles import load_profile
-    from hisparse_cli.ray_cluster import RayOptions, worker_plan
+    from hisparse_cli.config.profiles import load_profile
+    from hisparse_cli.cluster.connect import RayOptions, worker_plan
 
     cpu, gpu = load_profile("cpu"), load_profile("3090-24g")
     two_cpus = {"cpus": 2.0, "gpus": 0.0, "largest_node_cpus": 2.0, "nodes": 1}
@@ -136,7 +155,7 @@ def test_worker_plan_defaults_and_refusals():
 def test_connect_retries_a_failed_private_start_then_says_why(monkeypatch):
     ray = pytest.importorskip("ray")
     from hisparse_cli.errors import ConfigError, ResourceError
-    from hisparse_cli.ray_cluster import START_ATTEMPTS, connect
+    from hisparse_cli.cluster.connect import START_ATTEMPTS, connect
 
     calls = []
 
@@ -203,10 +222,10 @@ def test_ray_batch_matches_the_local_batch_and_resumes_without_work(ray_cluster,
 
 def test_killed_worker_is_retried_and_a_worker_killing_document_is_recorded(ray_cluster,
                                                                              tmp_path):
-    from hisparse_cli.batch import ResultsFile, expand_inputs
-    from hisparse_cli.batch_ray import RayRunner
-    from hisparse_cli.batch_runner import batch_summary, run_batch
-    from hisparse_cli.ray_cluster import RayOptions
+    from hisparse_cli.summarize.batch import ResultsFile, expand_inputs
+    from hisparse_cli.cluster.runner import RayRunner
+    from hisparse_cli.summarize.batch_runner import batch_summary, run_batch
+    from hisparse_cli.cluster.connect import RayOptions
 
     folder = tmp_path / "in"
     docs(folder, 2)
@@ -255,9 +274,9 @@ sys.path.insert(0, {tests!r})
 import helpers_batch
 from ray import cloudpickle
 cloudpickle.register_pickle_by_value(helpers_batch)
-import hisparse_cli.cli_summarize
-hisparse_cli.cli_summarize.build_job = lambda opts: helpers_batch.FakeJob()
-from hisparse_cli.cli import main
+import hisparse_cli.cli.summarize
+hisparse_cli.cli.summarize.build_job = lambda opts: helpers_batch.FakeJob()
+from hisparse_cli.cli.app import main
 sys.argv = ["hisparse"] + sys.argv[1:]
 main()
 """
@@ -312,10 +331,10 @@ def test_ray_data_summarizer_on_an_in_memory_dataset(ray_cluster, tiny, tmp_path
     import ray
     from ray.data import ActorPoolStrategy
 
-    from hisparse_cli.cli_options import RunOptions
-    from hisparse_cli.cli_summarize import build_job
+    from hisparse_cli.cli.options import RunOptions
+    from hisparse_cli.cli.summarize import build_job
     from hisparse_cli.documents import load_document
-    from hisparse_cli.ray_data import Summarizer, text_document
+    from hisparse_cli.cluster.ray_data import Summarizer, text_document
     from hisparse_cli.scoring import rouge_scores
 
     text = "The supplier shall deliver the goods within thirty days of the order. " * 6
@@ -365,7 +384,7 @@ def test_ray_batch_with_the_default_model(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if os.environ.get("HISPARSE_TEST_HOME"):
         env["HISPARSE_HOME"] = os.environ["HISPARSE_TEST_HOME"]
-    cmd = [sys.executable, "-m", "hisparse_cli.cli", "batch", str(folder), "--out", str(out),
+    cmd = [sys.executable, "-m", "hisparse_cli.cli.app", "batch", str(folder), "--out", str(out),
            "--profile", "cpu", "-n", "48", "--ray", "local", "--workers", "2",
            "--threads-per-worker", "1"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
@@ -377,7 +396,7 @@ def test_ray_batch_with_the_default_model(tmp_path):
         assert got[name]["status"] == "ok" and got[name]["summary"].strip()
         assert got[name]["rouge"]["rougeL"] > 0 and got[name]["worker"]["threads"] == 1
     alone = subprocess.run(  # the same document by `summarize` (one thread too): same summary
-        [sys.executable, "-m", "hisparse_cli.cli", "summarize",
+        [sys.executable, "-m", "hisparse_cli.cli.app", "summarize",
          str(folder / "discharge_report.txt"), "--profile", "cpu", "-n", "48", "--json", "-q"],
         capture_output=True, text=True, env=env, timeout=900)
     assert alone.returncode == 0, alone.stderr

@@ -76,7 +76,7 @@ def test_unknown_options_suggest_only_close_matches(doc):
 
 
 def test_help_is_instant_no_torch_import():
-    code = ("import sys, hisparse_cli.cli; "
+    code = ("import sys, hisparse_cli.cli.app; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -142,7 +142,7 @@ def test_summarize_map_reduce_on_a_pdf_keeps_page_labels(tiny, tmp_path):
 
 
 def test_default_model_is_resolved_without_download(tiny, doc, monkeypatch):
-    import hisparse_cli.models as models
+    import hisparse_cli.hub as models
 
     asked = []
     monkeypatch.setattr(models, "resolve_model",
@@ -254,7 +254,7 @@ def _boom(exc: BaseException):
     (ValueError("kaboom"), 1, "internal error: ValueError: kaboom"),
 ])
 def test_unexpected_errors_map_to_exit_codes(tiny, doc, monkeypatch, exc, code, needle):
-    import hisparse_cli.job as job
+    import hisparse_cli.summarize.job as job
 
     monkeypatch.setattr(job, "summarize_document", _boom(exc))
     assert_error(run("summarize", doc, "--model", tiny, *TINY_FLAGS), code, needle)
@@ -263,14 +263,14 @@ def test_unexpected_errors_map_to_exit_codes(tiny, doc, monkeypatch, exc, code, 
 def test_torch_oom_error_type_is_a_resource_error(tiny, doc, monkeypatch):
     import torch
 
-    import hisparse_cli.job as job
+    import hisparse_cli.summarize.job as job
 
     monkeypatch.setattr(job, "summarize_document", _boom(torch.OutOfMemoryError("no room")))
     assert_error(run("summarize", doc, "--model", tiny, *TINY_FLAGS), 5, "out of memory")
 
 
 def test_traceback_only_with_hisparse_debug(tiny, doc, monkeypatch):
-    import hisparse_cli.job as job
+    import hisparse_cli.summarize.job as job
 
     monkeypatch.setattr(job, "summarize_document", _boom(ValueError("kaboom")))
     quiet = run("summarize", doc, "--model", tiny, *TINY_FLAGS)
@@ -281,7 +281,7 @@ def test_traceback_only_with_hisparse_debug(tiny, doc, monkeypatch):
 
 
 def test_ctrl_c_exits_130(tiny, doc, monkeypatch):
-    import hisparse_cli.job as job
+    import hisparse_cli.summarize.job as job
 
     monkeypatch.setattr(job, "summarize_document", _boom(KeyboardInterrupt()))
     result = run("summarize", doc, "--model", tiny, *TINY_FLAGS)
@@ -359,7 +359,7 @@ def test_profiles_list_and_show():
 
 
 def test_models_commands_without_network(tmp_path, monkeypatch):
-    import hisparse_cli.models as models
+    import hisparse_cli.hub as models
 
     listed = run("models", "list", "--json")
     assert listed.exit_code == 0, show(listed)

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from helpers_cli import assert_error, run, show
 from helpers_tokenizer import make_tiny_model_dir
-from hisparse_cli.cli import app
+from hisparse_cli.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_FLAGS = ["--profile", "cpu", "-n", "6", "--window", "64", "--prefill-chunk", "64",
@@ -91,7 +91,7 @@ def test_batch_takes_a_document_or_the_list_from_stdin(tiny, doc, tmp_path):
 
 
 # --- 2. one writer per results file ---------------------------------------------------------
-HOLDER = ("import sys, time\nfrom pathlib import Path\nfrom hisparse_cli.batch import ResultsFile\n"
+HOLDER = ("import sys, time\nfrom pathlib import Path\nfrom hisparse_cli.summarize.batch import ResultsFile\n"
           "r = ResultsFile(Path(sys.argv[1])); r.open(resume=sys.argv[2] == 'resume')\n"
           "print('locked', flush=True)\ntime.sleep(300)\n")
 
@@ -220,8 +220,8 @@ def test_progress_lines_at_most_every_interval(monkeypatch, capsys):
 
 def test_model_conversion_progress_obeys_the_same_rule(monkeypatch, capsys):
     import hisparse_cli.console as console
-    from hisparse_cli.models.convert import _quiet_transformers
-    from hisparse_cli.models.progress import Reporter
+    from hisparse_cli.hub.convert import _quiet_transformers
+    from hisparse_cli.hub.progress import Reporter
 
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
@@ -269,7 +269,7 @@ def test_the_pickle_refusal_never_suggests_loading_the_folder(tmp_path, doc):
     assert "from_pretrained" not in result.stderr and "save_pretrained" not in result.stderr
 
 
-NO_TORCH = ("import sys\nfrom hisparse_cli.cli import main\nsys.argv = ['hisparse'] + sys.argv[1:]\n"
+NO_TORCH = ("import sys\nfrom hisparse_cli.cli.app import main\nsys.argv = ['hisparse'] + sys.argv[1:]\n"
             "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
             "print('MODULES', 'torch' in sys.modules, 'transformers' in sys.modules, code, "
             "file=sys.stderr)\n")

@@ -21,7 +21,8 @@ from hisparse_cli.documents.collection import collection_files, is_collection, l
 from hisparse_cli.documents.formats import byte_limit, document_format
 from hisparse_cli.documents.repo import load_repository, repository_files
 from hisparse_cli.documents.secret_files import secret_name
-from hisparse_cli.documents.walk import inside_vcs_metadata, tree_view
+from hisparse_cli.documents.git_view import tree_view
+from hisparse_cli.documents.walk import inside_vcs_metadata
 from hisparse_cli.errors import InputError
 
 

@@ -148,4 +148,10 @@ class GitView(TreeView):
         return found
 
 
-__all__ = ["GitView", "run_git"]
+def tree_view(root: Path, file_problem: FileProblem) -> TreeView:
+    """Git's view of `root` when it lies in a git work tree and git can list it, else the
+    walk (documents/walk.py)."""
+    return GitView.open(root, file_problem) or RepositoryWalk(root, file_problem)
+
+
+__all__ = ["GitView", "run_git", "tree_view"]

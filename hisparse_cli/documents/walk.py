@@ -5,7 +5,7 @@ A view lists candidate files and reports what it leaves out (`skipped`, with rea
     those a .gitignore matches) and untracked ones that are not ignored;
   * `RepositoryWalk` (here): elsewhere (or without a usable git), a walk of the folder that
     applies the ignore rules itself.
-`tree_view(root, file_problem)` picks one. Rules every view applies, in order:
+`git_view.tree_view(root, file_problem)` picks one. Rules every view applies, in order:
   1. version-control metadata (`.git`, `.hg`, `.svn`, `.bzr`, `CVS`, `_darcs`, `.pijul`,
      `.jj`, `.sl`, Fossil's `.fslckout` / `_FOSSIL_` / `*.fossil`) is never read,
   2. ignore rules (the walk: the enclosing work tree's `info/exclude` (lowest precedence),
@@ -271,14 +271,6 @@ def inside_vcs_metadata(root: Path) -> bool:
     return any(part in VCS_NAMES or part.endswith(".fossil") for part in root.parts)
 
 
-def tree_view(root: Path, file_problem: FileProblem) -> TreeView:
-    """Git's view of `root` when it lies in a git work tree and git can list it, else the
-    walk (module docstring)."""
-    from hisparse_cli.documents.git_view import GitView
-
-    return GitView.open(root, file_problem) or RepositoryWalk(root, file_problem)
-
-
 def open_checked(path: Path) -> BinaryIO:
     """Open a file the walk admitted, for reading; OSError when it changed since: a symlink
     now (O_NOFOLLOW), not a regular file, or its real path no longer `path` (a folder on the
@@ -296,5 +288,5 @@ def open_checked(path: Path) -> BinaryIO:
     return handle
 
 
-__all__ = ["TreeView", "RepositoryWalk", "tree_view", "inside_vcs_metadata", "open_checked",
+__all__ = ["TreeView", "RepositoryWalk", "inside_vcs_metadata", "open_checked",
            "Candidate", "SKIP_DIRS", "VCS_NAMES"]

@@ -100,8 +100,8 @@ def generate_summary(engine, doc: EvalDocument, setting: NamedSetting, cfg: Harn
                      probe=None) -> dict:
     """Summary of the truncated document under `setting`, its ROUGE and its run stats."""
     from hisparse_cli.documents.base import Document
-    from hisparse_cli.engine.config import GenerationConfig
-    from hisparse_cli.pipeline import SummarySettings, summarize_document
+    from hisparse_cli.config.settings import GenerationConfig
+    from hisparse_cli.summarize.pipeline import SummarySettings, summarize_document
     from hisparse_cli.scoring import rouge_scores
 
     eng = engine_with(engine, setting.sparse, probe)
