@@ -81,6 +81,10 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _by_input_latest(path: Path) -> dict[str, dict]:
+    return {r["input"]: r for r in _lines(path)}
+
+
 def _by_input(path: Path) -> dict[str, dict]:
     lines = _lines(path)
     by_input = {r["input"]: r for r in lines}
@@ -218,6 +222,16 @@ def test_ray_batch_matches_the_local_batch_and_resumes_without_work(ray_cluster,
     assert resumed.exit_code == 6, show(resumed)
     assert out.read_bytes() == before  # nothing redone, nothing added
     assert resumed.stderr.count("already done") == 4 and "Ray:" not in resumed.stderr
+    retried = CliRunner().invoke(app, ray_args + ["--resume", "--retry-failed"], input=stdin)
+    assert retried.exit_code == 6, show(retried)
+    assert out.read_bytes().startswith(before)  # appended only
+    again = _lines(out)[len(got):]  # the failed inputs once more, nothing else
+    failed = sorted(name for name, record in expected.items() if record["status"] == "error")
+    assert sorted(r["input"] for r in again) == failed and len(failed) == 2
+    assert all(r["status"] == "error" for r in again)
+    redone = next(r for r in again if r["input"] == str(tmp_path / "in" / "bad.txt"))
+    assert redone["worker"]["attempt"] == 1  # on a worker again
+    assert _by_input_latest(out) == {**got, **{r["input"]: r for r in again}}
 
 
 def test_killed_worker_is_retried_and_a_worker_killing_document_is_recorded(ray_cluster,
@@ -387,7 +401,10 @@ def test_ray_batch_with_the_default_model(tmp_path):
     cmd = [sys.executable, "-m", "hisparse_cli.cli.app", "batch", str(folder), "--out", str(out),
            "--profile", "cpu", "-n", "48", "--ray", "local", "--workers", "2",
            "--threads-per-worker", "1"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    # from tmp_path: `python -m` puts the working directory on sys.path (a checkout's root
+    # would shadow the `kernels` distribution with its kernels/ folder)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500,
+                            cwd=tmp_path)
     assert result.returncode == 6, result.stderr  # the broken PDF failed, alone
     got = {Path(k).name: r for k, r in _by_input(out).items()}
     assert sorted(got) == ["broken.pdf", "discharge_report.txt", "services_agreement.txt"]
@@ -398,10 +415,10 @@ def test_ray_batch_with_the_default_model(tmp_path):
     alone = subprocess.run(  # the same document by `summarize` (one thread too): same summary
         [sys.executable, "-m", "hisparse_cli.cli.app", "summarize",
          str(folder / "discharge_report.txt"), "--profile", "cpu", "-n", "48", "--json", "-q"],
-        capture_output=True, text=True, env=env, timeout=900)
+        capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert alone.returncode == 0, alone.stderr
     assert json.loads(alone.stdout)["summary"] == got["discharge_report.txt"]["summary"]
     before = out.read_bytes()
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env,
-                           timeout=600)
+                           timeout=600, cwd=tmp_path)
     assert again.returncode == 6 and out.read_bytes() == before, again.stderr
