@@ -43,12 +43,13 @@ def print_error(message: str, hint: str | None = None) -> None:
         console.print(Text.assemble(("Hint: ", "bold"), " ".join(hint.split("\n"))))
 
 
-def warn(message: str) -> None:
-    stderr_console().print(Text.assemble(("Warning: ", "bold yellow"), message))
+def warn(message: str, console: Console | None = None) -> None:
+    """A warning line on stderr (`console`: the one a live display draws on, if any)."""
+    (console or stderr_console()).print(Text.assemble(("Warning: ", "bold yellow"), message))
 
 
-def note(message: str) -> None:
-    stderr_console().print(Text.assemble(("hisparse: ", "dim"), message))
+def note(message: str, console: Console | None = None) -> None:
+    (console or stderr_console()).print(Text.assemble(("hisparse: ", "dim"), message))
 
 
 LOG_EVERY_S = 10.0  # off a terminal: at most one progress line this often during a phase

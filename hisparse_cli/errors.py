@@ -14,6 +14,7 @@ Exit codes (documented in the README):
     4  model problem: model not found, unsupported architecture or format, offline with no cache
     5  resources: does not fit the memory budget, out of memory
     6  batch finished but at least one document failed
+     (a document whose Ray worker died twice is recorded as a WorkerError, exit 1 in its record)
   130  interrupted (Ctrl-C)
 """
 
@@ -75,3 +76,11 @@ class ResourceError(HisparseError):
     exit_code = EXIT_RESOURCES
     default_hint = ("`hisparse plan` shows what fits; try a smaller profile, --window or "
                     "--max-new-tokens")
+
+
+class WorkerError(HisparseError):
+    """A batch worker process (a Ray actor) died: killed, crashed, or lost with its node."""
+
+    exit_code = EXIT_INTERNAL
+    default_hint = ("the worker's log is in the Ray session logs (/tmp/ray/session_latest/logs "
+                    "on its node); rerun with --resume --retry-failed to try it again")

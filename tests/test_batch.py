@@ -2,7 +2,7 @@
 interruption or a torn last line (nothing lost, nothing redone), failures recorded with their
 exit codes, and the `hisparse batch` command end to end on the tiny model.
 
-Most tests swap the summarizer for a counting fake (`FakeJob` / a patched
+Most tests swap the summarizer for a counting fake (`FakeJob`, helpers_batch.py / a patched
 `summarize_document`), so resume behaviour is checked by counting what actually ran.
 """
 
@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from helpers_batch import FakeJob
+from helpers_batch import docs as _docs
 from helpers_tokenizer import make_tiny_model_dir
 from hisparse_cli.summarize.batch import ResultsFile, content_sha256, expand_inputs, find_reference
 from hisparse_cli.summarize.batch_runner import batch_summary, run_batch
@@ -29,49 +31,6 @@ TINY_FLAGS = ["--profile", "cpu", "-n", "4", "--window", "64", "--prefill-chunk"
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HISPARSE_HOME", str(tmp_path / "home"))
-
-
-def _docs(folder: Path, n: int) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(n):
-        path = folder / f"doc{i}.txt"
-        path.write_text(f"Document number {i}. The provider delivers item {i} on time.\n")
-        paths.append(path)
-    return paths
-
-
-class FakeJob:
-    """Job stand-in: counts runs; raises `fail_on[name]` for chosen documents."""
-
-    def __init__(self, fail_on: dict | None = None, settings: str = "s1") -> None:
-        self.loaded, self.ran, self.fail_on = False, [], fail_on or {}
-        self.references: dict[str, str | None] = {}
-        self.settings = settings
-
-    def engine(self):
-        self.loaded = True
-
-    def settings_view(self) -> dict:
-        return {"profile": self.settings}
-
-    def settings_id(self) -> str:
-        return f"id-{self.settings}"
-
-    def release(self) -> None:
-        pass
-
-    def run(self, doc, *, reference_text=None, reference_path=None, ingest_seconds=0.0,
-            progress=None):
-        name = Path(doc.source).name
-        if name in self.fail_on:
-            raise self.fail_on[name]
-        self.ran.append(name)
-        self.references[name] = reference_text
-        rouge = {"rouge1": 0.5, "rouge2": 0.25, "rougeL": 0.4, "rougeLsum": 0.4} \
-            if reference_text else None
-        return {"summary": f"summary of {name}", "strategy": "stream", "rouge": rouge,
-                "reference": reference_path, "settings": self.settings_view()}
 
 
 def _lines(path: Path) -> list[dict]:

@@ -35,6 +35,10 @@ ALLOWED = {
     "quality": {"quality", "documents", "config", "model", "summarize", "errors", "scoring"},
     "summarize": {"summarize", "documents", "engine", "config", "planner", "quality", "hub",
                   "errors", "scoring"},
+    # Ray (a batch's workers, the Ray Data entry point): an entry point like the CLI, whose
+    # flags the Ray Data Summarizer takes as keywords (cli/options.py, cli/summarize.py)
+    "cluster": {"cluster", "cli", "summarize", "documents", "config", "planner", "hub",
+                "errors", "console", "scoring"},
     "cli": None,
 }
 

@@ -3,7 +3,10 @@
 Input forms, reference matching and the results-file format are in batch.py. The results
 file is locked for the whole run (a second run on the same file is refused, exit 3, before
 any model loads). stderr gets one line per document and a final table (counts, mean ROUGE with 95% bootstrap intervals);
-stdout gets nothing, or the batch summary as one JSON object with --json. Exit codes: 0 all
+stdout gets nothing, or the batch summary as one JSON object with --json. With `--ray` the
+documents are summarized by Ray workers (cluster/runner.py) and this process still writes every
+line (batch_runner.run_batch) under the same lock; without Ray installed, `--ray` is a usage
+error (exit 2). Exit codes: 0 all
 documents succeeded (a document whose reference could not be read succeeded, with a warning
 and no ROUGE), 6 at least one failed (recorded in the file), 130 interrupted (finished lines
 stay; rerun with --resume), or the setup error's own code (bad flags 2, a results file
@@ -22,13 +25,16 @@ from hisparse_cli.cli.options import P_OUT, RunOptions, run_options
 from hisparse_cli.errors import EXIT_BATCH_FAILURES, ConfigError, InputError
 
 RETRY_HINT = "use --retry-failed to run it again"
+P_RAY = "Ray (many workers, many machines)"
 
 
-def _reporter(quiet: bool):
+def _reporter(quiet: bool, console=None):
     from rich.text import Text
 
     from hisparse_cli.summarize.batch import printable
     from hisparse_cli.console import stderr_console
+
+    console = console or stderr_console()  # a Ray batch's live display draws on this one
 
     def report(event: str, index: int, total: int, given: str, record: dict | None) -> None:
         if quiet or event == "start":
@@ -42,15 +48,16 @@ def _reporter(quiet: bool):
             rouge = record.get("rouge") or {}
             extra = f", rougeL {rouge['rougeL']:.3f}" if "rougeL" in rouge else ""
             warned = "".join(f"; {w}" for w in record.get("warnings") or ())
+            where = f", worker {record['worker']['id']}" if record.get("worker") else ""
             line = Text.assemble(head, ("ok", "green"), f" ({record['seconds']:.1f} s, "
-                                                        f"{record['strategy']}{extra})",
+                                                        f"{record['strategy']}{extra}{where})",
                                  (warned, "yellow"))
         else:
             err = (record or {}).get("error") or {}
             line = Text.assemble(head, ("failed", "bold red"),
                                  f" ({err.get('type')}, exit {err.get('exit_code')}): "
                                  f"{err.get('message')}")
-        stderr_console().print(line)
+        console.print(line)
 
     return report
 
@@ -96,6 +103,22 @@ def batch(
     as_json: Annotated[bool, typer.Option(
         "--json", rich_help_panel=P_OUT,
         help="Print the batch summary (counts, ROUGE CIs) as one JSON object.")] = False,
+    ray: Annotated[Optional[str], typer.Option(
+        "--ray", rich_help_panel=P_RAY, show_default=False,
+        help="Summarize on Ray workers: local (a private cluster on this machine), auto (the "
+             "cluster `ray start` runs here) or a cluster address. Needs hisparse[ray].")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", rich_help_panel=P_RAY, min=1, show_default=False,
+        help="Ray workers, each loading the model once.  [default: GPUs / --gpus-per-worker, "
+             "or 1 on CPUs]")] = None,
+    gpus_per_worker: Annotated[Optional[float], typer.Option(
+        "--gpus-per-worker", rich_help_panel=P_RAY, min=0.0, show_default=False,
+        help="GPUs each worker holds (0.5: two share one).  [default: 1 with a GPU profile "
+             "on a cluster with GPUs, else 0]")] = None,
+    threads_per_worker: Annotated[Optional[int], typer.Option(
+        "--threads-per-worker", rich_help_panel=P_RAY, min=1, show_default=False,
+        help="CPU threads (and Ray CPUs) of each worker.  [default: 1 on GPUs, else the "
+             "cluster's CPUs / workers]")] = None,
     *, opts: RunOptions,
 ) -> None:
     """Summarize many documents into a JSON-lines file (one engine, resumable)."""
@@ -104,6 +127,7 @@ def batch(
     if retry_failed and not resume:
         raise ConfigError("--retry-failed reruns failed documents of an existing results file",
                           hint="add --resume (--retry-failed only works with it)")
+    ray_options = _ray_options(ray, workers, gpus_per_worker, threads_per_worker)
     if references is not None and not references.is_dir():
         raise InputError(f"--references {references} is not a folder",
                          hint="give the folder that holds the reference summaries")
@@ -118,16 +142,17 @@ def batch(
     results.open(resume=resume)  # takes the file's lock: a second writer stops here (exit 3)
     try:
         _run(results, items, opts, out=out, references=references, retry_failed=retry_failed,
-             as_json=as_json)
+             as_json=as_json, ray_options=ray_options)
     finally:
         results.close()
 
 
 def _run(results, items, opts: RunOptions, *, out: Path, references: Path | None,
-         retry_failed: bool, as_json: bool) -> None:
+         retry_failed: bool, as_json: bool, ray_options=None) -> None:
     from hisparse_cli.summarize.batch_runner import batch_summary, run_batch
     from hisparse_cli.cli.summarize import build_job
-    from hisparse_cli.console import TokenProgress, note, print_table, warn, write_result
+    from hisparse_cli.console import (TokenProgress, note, print_table, stderr_console, warn,
+                                      write_result)
 
     job = build_job(opts)
     if results.torn_bytes and not opts.quiet:
@@ -140,10 +165,20 @@ def _run(results, items, opts: RunOptions, *, out: Path, references: Path | None
     def progress_factory(index: int, total: int):
         return TokenProgress(quiet=opts.quiet, prefix=f"[{index}/{total}] ")
 
+    console, runner = stderr_console(), None
+    if ray_options is not None:
+        from hisparse_cli.cluster.runner import RayRunner
+
+        runner = RayRunner(job, ray_options, references=references, password=opts.password,
+                           include_secrets=opts.include_secrets, quiet=opts.quiet,
+                           console=console,
+                           warn=None if opts.quiet else lambda m: warn(m, console),
+                           note=None if opts.quiet else lambda m: note(m, console))
     try:
         outcome = run_batch(items, job, results, references=references, password=opts.password,
                             retry_failed=retry_failed, progress_factory=progress_factory,
-                            report=_reporter(opts.quiet), include_secrets=opts.include_secrets)
+                            report=_reporter(opts.quiet, console),
+                            include_secrets=opts.include_secrets, runner=runner)
     except KeyboardInterrupt:
         if opts.quiet:
             pass
@@ -164,6 +199,27 @@ def _run(results, items, opts: RunOptions, *, out: Path, references: Path | None
         write_result(json.dumps(summary, ensure_ascii=False, indent=2))
     if summary["failed"]:
         raise typer.Exit(EXIT_BATCH_FAILURES)
+
+
+def _ray_options(address, workers, gpus_per_worker, threads_per_worker):
+    """RayOptions for --ray (Ray must be installed), None without it; the worker flags
+    without --ray are a usage error."""
+    if address is None:
+        given = [flag for flag, value in (("--workers", workers),
+                                          ("--gpus-per-worker", gpus_per_worker),
+                                          ("--threads-per-worker", threads_per_worker))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only applies to a Ray batch",
+                              hint="add --ray local (a private cluster on this machine), "
+                                   "--ray auto or --ray ADDRESS")
+        return None
+    from hisparse_cli.cluster.connect import RayOptions, require_ray
+
+    options = RayOptions(address.strip(), workers=workers, gpus_per_worker=gpus_per_worker,
+                         threads_per_worker=threads_per_worker)
+    require_ray()
+    return options
 
 
 def _warn_other_settings(results, job, warn) -> None:

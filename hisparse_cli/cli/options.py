@@ -115,6 +115,27 @@ class RunOptions:
         help="No progress, log lines or stats table on stderr (errors still).")] = False
     sparse_flags: Mapping[str, object] = field(default_factory=dict)
 
+    @classmethod
+    def from_settings(cls, **settings) -> "RunOptions":
+        """RunOptions from Python keywords (the Ray Data Summarizer, tests): its own fields
+        and SparseConfig's field names (the sparse flags); ConfigError for any other name."""
+        from hisparse_cli.config.settings import SparseConfig
+        from hisparse_cli.errors import ConfigError
+
+        sparse_names = {f.name for f in fields(SparseConfig)}
+        own = {f.name for f in fields(cls)} - {"sparse_flags"}
+        unknown = sorted(set(settings) - own - sparse_names)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}",
+                              hint=f"use the summarize flags as keywords: "
+                                   f"{', '.join(sorted(own | sparse_names))}")
+        sparse = {k: settings.pop(k) for k in list(settings) if k in sparse_names}
+        if isinstance(settings.get("strategy"), str):
+            settings["strategy"] = Strategy(settings["strategy"])
+        if settings.get("probe") is not None:
+            settings["probe"] = Path(settings["probe"])
+        return cls(**settings, sparse_flags={k: v for k, v in sparse.items() if v is not None})
+
     def load_profile(self):
         from hisparse_cli.config.profiles import load_profile
 

@@ -1,28 +1,38 @@
 """The batch loop: every input → one results line (ok or error), then the batch summary.
 
-`run_batch` loads the engine once (through `Job`, on the first document that needs it: a
-model that cannot load stops the batch with its own exit code), records a failing document
-with its error type, message, hint and exit code and goes on, and lets Ctrl-C through after
-the last finished line (nothing partial is ever written). A reference that cannot be read
-does not fail its document: the record is ok, without ROUGE, and says why in `warnings`.
-Every record carries the job's `settings_id` (model, profile, sparse and summary settings);
-`other_settings` finds finished records made with different ones. `batch_summary` counts the
-latest record of each input and gives mean ROUGE with 95% bootstrap intervals (lo/hi None
-below two scored documents: one value has no interval).
+`run_batch` is the one driver of every batch, local or on Ray: it walks the inputs in order,
+identifies each document (resolved path + content sha256), skips what the results file
+already holds (`--resume`; failed ones are redone with `retry_failed`), hands the rest to a
+`DocumentRunner` and alone appends each finished document as one line (ResultsFile: one
+fsync'd write, never a partial line). Every record carries the job's `settings_id` (model,
+profile, sparse and summary settings); `other_settings` finds finished records made with
+different ones. `batch_summary` counts the latest record of each input and gives mean ROUGE
+with 95% bootstrap intervals (lo/hi None below two scored documents: one value has no
+interval).
+
+Runners (the protocol below) only execute documents (batch_document.run_document):
+  * `LocalRunner`             one at a time in this process (the engine loaded once, on the
+                              first document that needs it);
+  * `cluster.runner.RayRunner` on Ray actors, one document per worker at a time.
+A runner holds at most as many documents as it has room for; the loop waits for one to
+finish before it identifies the next input, so the local batch writes its lines in input
+order and a Ray batch in the order its documents finish. A model that cannot load, or Ctrl-C,
+leaves the loop at once: lines already written stay, nothing partial is written, and
+`close()` releases the runner (the engine's kept state; Ray's actors and private cluster).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
-from hisparse_cli.summarize.batch import (ResultsFile, StdinInput, content_sha256, find_reference,
-                                printable, record_key)
-from hisparse_cli.errors import EXIT_INTERNAL, HisparseError, InputError
+from hisparse_cli.summarize.batch import (ResultsFile, StdinInput, content_sha256, printable,
+                                          record_key)
+from hisparse_cli.summarize.batch_document import DocumentTask, error_record, run_document
+from hisparse_cli.errors import InputError
 from hisparse_cli.scoring import ROUGE_TYPES, bootstrap_ci
 
 Report = Callable[[str, int, int, str, dict | None], None]  # (event, i, n, given, record)
@@ -36,15 +46,55 @@ class BatchOutcome:
     keys: list[tuple[str, str]] = field(default_factory=list)
 
 
-def error_record(exc: BaseException) -> dict:
-    from hisparse_cli.planner.vram import oom_error as as_resource_error
+class DocumentRunner(Protocol):
+    """Executes documents for `run_batch`; never writes the results file."""
 
-    err = exc if isinstance(exc, HisparseError) else as_resource_error(exc)
-    if err is not None:
-        return {"type": type(err).__name__, "message": err.message, "hint": err.hint,
-                "exit_code": err.exit_code}
-    return {"type": type(exc).__name__, "message": f"internal error: {exc}", "hint": None,
-            "exit_code": EXIT_INTERNAL}
+    def has_room(self) -> bool:
+        """Whether another document may be submitted now."""
+
+    def submit(self, task: DocumentTask) -> None: ...
+
+    def pending(self) -> int:
+        """Documents submitted and not yet returned by `next_finished`."""
+
+    def next_finished(self) -> tuple[DocumentTask, dict]:
+        """Wait for a document to finish → (task, its record fields incl. "seconds")."""
+
+    def close(self) -> None: ...
+
+
+class LocalRunner:
+    """Runs each document in this process when the loop asks for it (one at a time)."""
+
+    def __init__(self, job, *, references: Path | None = None, password: str | None = None,
+                 progress_factory=None, include_secrets: bool = False) -> None:
+        self.job, self.references, self.password = job, references, password
+        self.include_secrets = include_secrets
+        self.progress_factory = progress_factory
+        self._task: DocumentTask | None = None
+
+    def has_room(self) -> bool:
+        return self._task is None
+
+    def submit(self, task: DocumentTask) -> None:
+        self._task = task
+
+    def pending(self) -> int:
+        return int(self._task is not None)
+
+    def next_finished(self) -> tuple[DocumentTask, dict]:
+        task, self._task = self._task, None
+        assert task is not None, "next_finished with nothing submitted"
+        progress = self.progress_factory(task.index, task.total) if self.progress_factory \
+            else None
+        return task, run_document(self.job, task.path, references=self.references,
+                                  password=self.password, progress=progress,
+                                  include_secrets=self.include_secrets)
+
+    def close(self) -> None:  # the engine's kept KV storage and decode graph (decode_state.py)
+        release = getattr(self.job, "release", None)
+        if release is not None:
+            release()
 
 
 def _identify(path: Path | StdinInput, include_secrets: bool = False) -> str:
@@ -61,28 +111,46 @@ def _identify(path: Path | StdinInput, include_secrets: bool = False) -> str:
 def run_batch(items: list[tuple[str, Path | StdinInput]], job, results: ResultsFile, *,
               references: Path | None = None, password: str | None = None,
               retry_failed: bool = False, progress_factory=None,
-              report: Report | None = None, include_secrets: bool = False) -> BatchOutcome:
+              report: Report | None = None, include_secrets: bool = False,
+              runner: DocumentRunner | None = None) -> BatchOutcome:
     """Summarize `items` ((as given, resolved path or the stdin document)) with `job`,
     appending to `results` (already opened). Documents whose (path, sha256) is in `results`
     are skipped (failed ones are redone with `retry_failed`). `include_secrets`: a folder's
-    secrets are read (and fingerprinted) too."""
+    secrets are read (and fingerprinted) too. `runner` executes the documents (default: a
+    LocalRunner of `job`); it is closed before this returns or raises."""
     report = report or (lambda *args: None)
+    if runner is None:
+        runner = LocalRunner(job, references=references, password=password,
+                             progress_factory=progress_factory,
+                             include_secrets=include_secrets)
     done = results.latest()
     outcome = BatchOutcome()
     total = len(items)
     settings_id = getattr(job, "settings_id", None)
+
+    def write(task: DocumentTask, fields: dict) -> None:
+        seconds = fields.pop("seconds", 0.0)
+        record = {**task.record, **fields, "seconds": task.identify_seconds + seconds}
+        record = results.append(record)  # as written (printable)
+        outcome.processed += 1
+        report("done", task.index, total, task.given, record)
+
     try:
         for index, (given, path) in enumerate(items, 1):
+            while not runner.has_room():
+                write(*runner.next_finished())
             # printable: the form the file holds, so the key matches again on --resume
             record: dict = {"input": printable(str(path)), "given": printable(given),
                             "sha256": None}
             if settings_id is not None:
                 record["settings_id"] = settings_id()
             started = time.perf_counter()
+            error = None
             try:
                 record["sha256"] = _identify(path, include_secrets)
             except Exception as exc:  # noqa: BLE001 - one unreadable input never ends the batch
-                record.update(status="error", error=error_record(exc))
+                error = error_record(exc)
+            task = DocumentTask(index, total, given, path, record, time.perf_counter() - started)
             outcome.keys.append(record_key(record))
             previous = done.get(record_key(record))
             if previous is not None and (previous.get("status") == "ok" or not retry_failed):
@@ -90,64 +158,16 @@ def run_batch(items: list[tuple[str, Path | StdinInput]], job, results: ResultsF
                 if previous.get("status") != "ok":
                     outcome.skipped_failed += 1
                 report("skip", index, total, given, previous)
-                continue
-            if "error" not in record:
+            elif error is not None:
+                write(task, {"status": "error", "error": error})
+            else:
                 report("start", index, total, given, None)
-                job.engine()  # loaded once; a model that cannot load ends the batch (its exit code)
-                try:
-                    progress = progress_factory(index, total) if progress_factory else None
-                    record.update(status="ok", **_summarize(job, path, started, references,
-                                                            password, progress,
-                                                            include_secrets))
-                except HisparseError as exc:
-                    record.update(status="error", error=error_record(exc))
-                except Exception as exc:  # noqa: BLE001 - record it, go on with the next document
-                    record.update(status="error", error=error_record(exc))
-                    _release_cuda_memory()
-            record["seconds"] = time.perf_counter() - started
-            record = results.append(record)  # as written (printable)
-            outcome.processed += 1
-            report("done", index, total, given, record)
-    finally:  # the engine's kept KV storage and decode graph (engine/decode_state.py)
-        release = getattr(job, "release", None)
-        if release is not None:
-            release()
+                runner.submit(task)
+        while runner.pending():
+            write(*runner.next_finished())
+    finally:
+        runner.close()
     return outcome
-
-
-def _summarize(job, path: Path | StdinInput, started: float, references: Path | None,
-               password: str | None, progress, include_secrets: bool = False) -> dict:
-    from contextlib import nullcontext
-
-    from hisparse_cli.documents import load_document
-    from hisparse_cli.summarize.job import read_reference
-
-    if isinstance(path, StdinInput):  # the bytes read once, before the batch started
-        doc = load_document("-", password=password, stdin=io.BytesIO(path.data))
-    else:
-        doc = load_document(path, password=password, include_secrets=include_secrets)
-    ingest = time.perf_counter() - started
-    ref = None if isinstance(path, StdinInput) else find_reference(path, references)
-    ref = ref.resolve() if ref is not None else None  # like "input": resolved
-    ref_text, warnings = None, []
-    if ref is not None:
-        try:
-            ref_text = read_reference(ref)
-        except InputError as exc:  # the summary is still worth keeping; no ROUGE for it
-            warnings.append(f"no ROUGE: {exc.message}")
-    with progress if progress is not None else nullcontext():
-        out = job.run(doc, reference_text=ref_text, reference_path=str(ref) if ref else None,
-                      ingest_seconds=ingest, progress=progress)
-    out["warnings"] = warnings
-    return out
-
-
-def _release_cuda_memory() -> None:
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def batch_summary(results: ResultsFile, keys: list[tuple[str, str]]) -> dict:
@@ -203,4 +223,4 @@ def settings_difference(record: dict, view: dict) -> list[str]:
 
 
 __all__ = ["run_batch", "batch_summary", "other_settings", "settings_difference",
-           "BatchOutcome", "error_record"]
+           "BatchOutcome", "DocumentRunner", "LocalRunner", "error_record"]

@@ -7,6 +7,9 @@ the engine loaded once (lazily), and a document (+ reference) → one JSON-ready
 
 Everything is validated in the constructor's inputs (profile, SparseConfig, SummarySettings
 raise ConfigError), so a bad flag fails before the model is resolved or loaded.
+
+`job.spec()` is the same setup as a picklable `JobSpec`: a Ray worker builds its own Job from
+it (`spec.build()`), loads the model once and summarizes what the driver hands it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import os
 import stat
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -140,17 +143,32 @@ class Job:
     def loaded(self) -> bool:
         return self._engine is not None
 
-    def engine(self):
-        """The Engine, resolved (pulled when needed) and loaded on first use."""
-        if self._engine is None:
+    def resolve(self) -> Path:
+        """The model's folder, resolved (pulled when needed) once."""
+        if self.model_path is None:
             from hisparse_cli import hub as models
-            from hisparse_cli.summarize.runtime import load_engine, model_info
-
-            from contextlib import nullcontext
+            from hisparse_cli.summarize.runtime import model_info
 
             resolve = self._resolve or models.resolve_model
             self.model_path = Path(resolve(self.model_spec, progress=self.model_progress))
             self.model = model_info(self.model_path)
+        return self.model_path
+
+    def spec(self, model_path: Path | None = None) -> "JobSpec":
+        """This setup as a picklable JobSpec (for worker processes). `model_path`: a folder
+        already resolved here, which the workers load instead of resolving the spec again."""
+        return JobSpec(self.profile, self.sparse, self.settings,
+                       model_spec=str(model_path) if model_path is not None else self.model_spec,
+                       probe_path=self.probe_path)
+
+    def engine(self):
+        """The Engine, resolved (pulled when needed) and loaded on first use."""
+        if self._engine is None:
+            from contextlib import nullcontext
+
+            from hisparse_cli.summarize.runtime import load_engine
+
+            self.resolve()
             with (self.stage(f"loading model {self.model_path.name}") if self.stage
                   else nullcontext()):
                 self._engine, self.device_plan = load_engine(self.model_path, self.profile,
@@ -213,6 +231,22 @@ class Job:
         return out
 
 
+@dataclass(frozen=True)
+class JobSpec:
+    """What a worker process needs to build the same Job (picklable: validated dataclasses
+    and strings, no engine). `build(warn)` gives a Job that has not loaded anything yet."""
+
+    profile: HardwareProfile
+    sparse: SparseConfig
+    settings: SummarySettings
+    model_spec: str | None = None
+    probe_path: Path | None = None
+
+    def build(self, warn: Callable[[str], None] | None = None) -> Job:
+        return Job(self.profile, self.sparse, self.settings, model_spec=self.model_spec,
+                   probe_path=self.probe_path, warn=warn)
+
+
 def _token_counter(tokenizer) -> Callable[[str], int]:
     from hisparse_cli.summarize.prompts import tokenizable
 
@@ -222,4 +256,4 @@ def _token_counter(tokenizer) -> Callable[[str], int]:
     return count
 
 
-__all__ = ["Job", "cpu_run_stats", "document_info", "document_path", "read_reference"]
+__all__ = ["Job", "JobSpec", "cpu_run_stats", "document_info", "document_path", "read_reference"]
