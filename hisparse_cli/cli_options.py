@@ -22,6 +22,12 @@ import typer
 P_MODEL, P_SPARSE, P_GEN, P_OUT = "Model and profile", "Sparse attention", "Generation", "Output"
 
 
+class Attention(str, Enum):
+    auto = "auto"
+    dense = "dense"
+    sparse = "sparse"
+
+
 class Strategy(str, Enum):
     auto = "auto"
     stream = "stream"
@@ -80,6 +86,9 @@ _SHARED: list[tuple[str, object, object]] = [
         help="Map-reduce: document tokens per chunk.  [default: as many as fit]")], None),
     ("chunk_new_tokens", Annotated[Optional[int], _opt("--chunk-new-tokens", panel=P_GEN,
         min=16, help="Map-reduce: length of each chunk summary in tokens.")], None),
+    ("words", Annotated[Optional[int], _opt("--words", "-w", panel=P_GEN, min=5,
+        help="Target summary length in words (the prompt asks for it; --max-new-tokens still "
+             "caps the tokens).  [default: from the genre and the document's length]")], None),
     ("instructions", Annotated[Optional[str], _opt("--instructions", "-i", panel=P_GEN,
         help="Replace the genre's task sentence in the prompt.")], None),
     ("temperature", Annotated[float, _opt("--temperature", panel=P_GEN, parser=_TEMPERATURE,
@@ -92,6 +101,11 @@ _SHARED: list[tuple[str, object, object]] = [
         parser=_PENALTY, help=f"> 1 discourages repeating tokens.  {_PENALTY_NOTE}")], 1.1),
     ("no_repeat_ngram", Annotated[int, _opt("--no-repeat-ngram", panel=P_GEN, min=0,
         help="Never repeat an n-gram of this size (0 = off).")], 8),
+    ("attention", Annotated[Optional[Attention], _opt("--attention", panel=P_SPARSE,
+        case_sensitive=False, help="auto: dense attention whenever the memory planner says the "
+        "document's whole KV fits the budget (host RAM on the CPU, the profile's VRAM budget "
+        "on a GPU), else the largest sparse working set that fits; dense: always exact; "
+        "sparse: the profile's window and globals.  [default: the profile's, auto]")], None),
     ("window", Annotated[Optional[int], _opt("--window", panel=P_SPARSE, min=1,
         help="Sliding window of recent tokens.  [default: the profile's]")], None),
     ("global_tokens", Annotated[Optional[int], _opt("--global-tokens", panel=P_SPARSE, min=0,
@@ -114,13 +128,15 @@ _SHARED: list[tuple[str, object, object]] = [
              "the model]")],
      None),
     ("dense", Annotated[bool, _opt("--dense", panel=P_SPARSE,
-        help="Dense attention (no window, no globals): the exact baseline.")], False),
+        help="Same as --attention dense (kept for scripts).")], False),
     ("password", Annotated[Optional[str], _opt("--password", panel=P_MODEL,
         help="Password of encrypted PDFs.")], None),
     ("quiet", Annotated[bool, _opt("--quiet", "-q", panel=P_OUT,
         help="No progress, log lines or stats table on stderr (errors still).")], False),
 ]
 SHARED_NAMES = tuple(name for name, _, _ in _SHARED)
+SPARSE_SHAPE_FLAGS = ("window", "global_tokens", "sink_tokens", "recalibrate_every",
+                      "recalibrate_topk", "importance", "probe")
 
 
 @dataclass(frozen=True)
@@ -131,12 +147,14 @@ class RunOptions:
     max_new_tokens: int | None = None
     chunk_tokens: int | None = None
     chunk_new_tokens: int | None = None
+    words: int | None = None
     instructions: str | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     repetition_penalty: float = 1.1
     no_repeat_ngram: int = 8
+    attention: Attention | None = None
     window: int | None = None
     global_tokens: int | None = None
     sink_tokens: int | None = None
@@ -155,14 +173,38 @@ class RunOptions:
 
         return load_profile(self.profile)
 
+    def attention_mode(self, profile) -> str:
+        """auto | dense | sparse: --attention, --dense (its alias), else the profile's.
+        --dense with --attention auto/sparse is a usage error (exit 2)."""
+        from hisparse_cli.errors import ConfigError
+
+        if self.dense and self.attention not in (None, Attention.dense):
+            raise ConfigError(f"--dense cannot be combined with --attention "
+                              f"{self.attention.value}",
+                              hint="--dense is --attention dense; give one of them")
+        if self.dense:
+            return "dense"
+        return self.attention.value if self.attention is not None else profile.attention
+
+    def explicit_sparse(self) -> bool:
+        """Sparse working-set flags given (with --attention auto they mean sparse)."""
+        return any(getattr(self, name) is not None for name in SPARSE_SHAPE_FLAGS)
+
     def sparse(self, profile):
         from hisparse_cli.errors import ConfigError
         from hisparse_cli.runtime import sparse_settings
 
+        dense = self.attention_mode(profile) == "dense"
+        given = [name for name in ("window", "global_tokens") if getattr(self, name) is not None]
+        if dense and given:
+            flags = " and ".join("--" + name.replace("_", "-") for name in given)
+            raise ConfigError(f"dense attention cannot be combined with {flags}",
+                              hint="dense attention has no window and no global tokens: drop "
+                                   f"{flags}, or use --attention sparse")
         importance = self.importance
         if self.probe is not None:  # a probe file says which importance is wanted
-            if self.dense:
-                raise ConfigError("--dense cannot be combined with --probe",
+            if dense:
+                raise ConfigError("dense attention cannot be combined with --probe",
                                   hint="dense attention keeps every token: nothing to score")
             if importance is None:
                 importance = "probe"
@@ -171,7 +213,7 @@ class RunOptions:
                                   f"--importance {importance}",
                                   hint="drop --probe, or use --importance probe")
         return sparse_settings(
-            profile, dense=self.dense, window_size=self.window, global_tokens=self.global_tokens,
+            profile, dense=dense, window_size=self.window, global_tokens=self.global_tokens,
             sink_tokens=self.sink_tokens, block_size=self.block_size,
             recalibrate_every=self.recalibrate_every, recalibrate_topk=self.recalibrate_topk,
             prefill_chunk=self.prefill_chunk, importance=importance)
@@ -187,7 +229,7 @@ class RunOptions:
         return SummarySettings(strategy=self.strategy.value, generation=gen,
                                chunk_tokens=self.chunk_tokens,
                                chunk_new_tokens=self.chunk_new_tokens,
-                               instructions=self.instructions)
+                               instructions=self.instructions, words=self.words)
 
 
 assert SHARED_NAMES == tuple(f.name for f in fields(RunOptions)), "keep _SHARED and RunOptions in step"
@@ -211,4 +253,4 @@ def run_options(func):
     return wrapper
 
 
-__all__ = ["RunOptions", "Strategy", "run_options", "SHARED_NAMES", "P_OUT"]
+__all__ = ["RunOptions", "Strategy", "Attention", "run_options", "SHARED_NAMES", "P_OUT"]

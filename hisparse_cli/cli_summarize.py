@@ -32,7 +32,8 @@ def build_job(opts: RunOptions):
     settings = opts.summary_settings(profile)
     progress = None if opts.quiet else stderr_console()
     return Job(profile, sparse, settings, model_spec=opts.model, probe_path=opts.probe,
-               warn=None if opts.quiet else warn, model_progress=progress)
+               warn=None if opts.quiet else warn, model_progress=progress,
+               attention=opts.attention_mode(profile), explicit_sparse=opts.explicit_sparse())
 
 
 def _write_out(out: Path, text: str) -> None:

@@ -155,8 +155,9 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     chunks = len([c for c in result.get("chunks", []) if c["level"] == 0]) or 1
+    noun = "document" if result["strategy"] == "collection" else "chunk"
     rows = [
-        ("strategy", f"{result['strategy']} ({chunks} chunk{'s' if chunks > 1 else ''})"),
+        ("strategy", f"{result['strategy']} ({chunks} {noun}{'s' if chunks > 1 else ''})"),
         ("prompt tokens", f"{stats['prompt_tokens']:,}"),
         ("new tokens", f"{stats['new_tokens']:,}"),
         ("prefill", f"{stats['prefill_tok_s']:,.1f} tok/s"),
@@ -166,6 +167,7 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
         ("recalibrations", f"{stats['recalibrations']:,}"),
         ("peak memory", f"{human_bytes(stats['peak_memory_bytes'])} ({stats['peak_memory_kind']})"),
         ("device", f"{stats['device']} / {stats['backend']}"),
+        *_summary_rows(result),
         ("time", f"{result['timings']['total_seconds']:.1f} s"),
     ]
     if document:
@@ -179,6 +181,26 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
     for name, value in (result.get("rouge") or {}).items():
         table.add_row(name, f"{value:.4f}")
     return table
+
+
+def _summary_rows(result: dict) -> list[tuple[str, str]]:
+    """Attention choice, length against its target, and the guard's work (when known)."""
+    rows = []
+    attention = (result.get("settings") or {}).get("attention")
+    if attention:
+        shape = "dense" if attention.get("window_size") is None else (
+            f"sparse, window {attention['window_size']}, {attention['global_tokens']} globals")
+        rows.append(("attention", f"{shape} ({attention['requested']}: {attention['reason']})"))
+    length = result.get("length")
+    if length:
+        rows.append(("summary length", f"{length['words']:,} words (target "
+                                       f"{length['target_words']:,}, cap "
+                                       f"{length['max_new_tokens']:,} tokens)"))
+    guard = result.get("guard")
+    if guard:
+        rows.append(("guard", f"{guard.get('retries', 0)} retries, {guard.get('repairs', 0)} "
+                              f"repairs, {guard.get('digests', 0)} digests"))
+    return rows
 
 
 def print_table(table: Table, to_stdout: bool = False) -> None:

@@ -32,7 +32,7 @@ class Document:
     sections:  pages or files, in order, with offsets into `text` (map-reduce keeps them)
     skipped:   for repositories/PDFs: (item, reason) pairs of what was left out
     title:     a best-effort title (file or folder name, PDF metadata title)
-    genre:     "legal" | "medical" | "scientific" | "code" | "generic" (prompt choice)
+    genre:     one of documents.genre.GENRES (prompt and length choice)
     """
 
     text: str
