@@ -35,6 +35,7 @@ LOOP_NGRAM = 4
 LOOP_REPEAT_SHARE = 0.25  # repeated 4-grams / all 4-grams (normal prose: under 0.1)
 LOOP_MIN_NGRAMS = 20
 ECHO_SHARE = 0.5
+PARAPHRASE_MIN_NGRAMS = 5  # repair: a sentence of 8+ words re-using half its 4-grams loops
 NUMBER_SHARE = 0.5
 
 _SENTENCE_END = re.compile(r"""[.!?…]["'”’)\]]*(?=\s|$)""")
@@ -219,7 +220,7 @@ def repair_loop(text: str) -> str:
         own = _ngrams(list(toks), LOOP_NGRAM)
         if len(toks) >= 4 and toks in seen:
             break
-        if own and sum(g in grams for g in own) / len(own) >= 0.5:
+        if len(own) >= PARAPHRASE_MIN_NGRAMS and sum(g in grams for g in own) / len(own) >= 0.5:
             break
         if len(toks) > LOOP_OPENING_WORDS:
             key = toks[:LOOP_OPENING_WORDS]

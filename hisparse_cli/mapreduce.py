@@ -7,7 +7,8 @@ the genre needs, a tenth of the chunk's words within lengths.CHUNK_WORDS). A chu
 fail the guard is retried, and when every attempt fails its notes are an extractive digest of
 the chunk: a failed generation never reaches the reduce step.
 Reduce: one summary from the notes, each headed "Part i of n (pages 3–5)", with the
-document's opening lines (title, purpose; at most OPENING_TOKENS tokens) as grounding — a
+document's opening lines (title, purpose; OPENING_TOKENS tokens, 1/32 of a small model's
+positions) as grounding — a
 merge that sees some source text invents less than one that sees only model notes. When the
 notes do not fit one prompt, or there are more than FAN_IN of them, consecutive groups of at
 most FAN_IN are combined into notes first (a tree with bounded fan-in); every round at least
@@ -50,7 +51,10 @@ def _prefix(step: str) -> str:
 
 
 def notes_cap(run) -> int:
-    return run.settings.chunk_new_tokens or max(MIN_CHUNK_TOKENS, run.max_pos // NOTES_CAP_DIVISOR)
+    """Token cap of a chunk's notes: --chunk-new-tokens, else the summary's cap, at most
+    positions/8 (the notes of several chunks must fit one reduce prompt)."""
+    return run.settings.chunk_new_tokens or max(MIN_CHUNK_TOKENS, min(
+        run.gen.max_new_tokens, run.max_pos // NOTES_CAP_DIVISOR))
 
 
 def chunk_budget(run, doc: Document, notes_new: int, final_new: int) -> int:
@@ -63,8 +67,8 @@ def chunk_budget(run, doc: Document, notes_new: int, final_new: int) -> int:
     budget = int((run.max_pos - notes_new - overhead) * CHUNK_MARGIN)
     combine_need = (len(run.render(combine_prompt([("x", "")] * 2, genre=doc.genre,
                                                   instructions=instr, target_words=999,
-                                                  opening="x " * OPENING_TOKENS)))
-                    + 2 * (notes_new + 24) + final_new)
+                                                  opening="x")))
+                    + opening_tokens(run) + 2 * (notes_new + 24) + final_new)
     if budget < MIN_CHUNK_TOKENS or combine_need > run.max_pos:
         raise ConfigError(
             f"max_new_tokens {final_new} (chunk notes: {notes_new}) is too large for "
@@ -75,10 +79,16 @@ def chunk_budget(run, doc: Document, notes_new: int, final_new: int) -> int:
     return budget
 
 
+def opening_tokens(run) -> int:
+    """The grounding's size: OPENING_TOKENS, or 1/32 of a small model's positions."""
+    return min(OPENING_TOKENS, run.max_pos // 32)
+
+
 def opening_lines(run, doc: Document) -> str:
-    """The document's first OPENING_TOKENS tokens, ended on a complete sentence."""
-    head = doc.text[:OPENING_TOKENS * 8]
-    ids = run.tok(head, add_special_tokens=False, verbose=False)["input_ids"][:OPENING_TOKENS]
+    """The document's first opening_tokens() tokens, ended on a complete sentence."""
+    n = opening_tokens(run)
+    head = doc.text[:n * 8]
+    ids = run.tok(head, add_special_tokens=False, verbose=False)["input_ids"][:n]
     return end_on_sentence(run.tok.decode(ids, skip_special_tokens=True))
 
 

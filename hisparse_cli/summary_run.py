@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from hisparse_cli.digest import extractive_digest
 from hisparse_cli.documents.base import Document
 from hisparse_cli.engine.config import GenerationConfig
-from hisparse_cli.guard import (MIN_WORDS, Problem, clean_output, end_on_sentence, find_problem,
-                                repair_loop, words)
+from hisparse_cli.guard import (MIN_WORDS, Problem, clean_output, end_on_sentence,
+                                ends_mid_sentence, find_problem, repair_loop, words)
 from hisparse_cli.prompts import instruction_texts, render_prompt, tokenizable
 
 REPAIR_MIN_SHARE = 0.5  # a repaired text keeps at least this share of the target words
@@ -131,7 +131,7 @@ class SummaryRun:
             self.warnings.append(f"{step}: {problem} after {len(attempts)} attempts; kept the "
                                  "text before the repetition of the first attempt that had one")
             return self._record(step, label, level, ids, fallback, "repaired")
-        digest = extractive_digest(source, max(target_words, 30))
+        digest = self.digest(source, max(target_words, 30), max_new)
         if not digest:  # nothing in the source reads as a sentence (code, a table)
             self.warnings.append(f"{step}: {problem} after {len(attempts)} attempts and no "
                                  "sentence in the source to extract; kept the last attempt")
@@ -140,6 +140,21 @@ class SummaryRun:
         self.warnings.append(f"{step}: {problem} after {len(attempts)} attempts; used an "
                              "extractive digest of the source instead")
         return self._record(step, label, level, ids, digest, "digest")
+
+    def digest(self, source: str, target_words: int, max_tokens: int) -> str:
+        """An extractive digest of `source` that fits the generation's token cap too."""
+        words_wanted = target_words
+        while True:
+            digest = extractive_digest(source, words_wanted)
+            if not digest or self.count(digest) <= max_tokens or words_wanted <= 1:
+                break
+            words_wanted = max(1, words_wanted * 2 // 3)
+        if digest and self.count(digest) > max_tokens:  # one sentence longer than the cap
+            ids = self.tok(digest, add_special_tokens=False, verbose=False)["input_ids"]
+            digest = self.tok.decode(ids[:max_tokens], skip_special_tokens=True).rstrip()
+            digest = end_on_sentence(digest) if not ends_mid_sentence(
+                end_on_sentence(digest)) else digest.rstrip(",;: ") + "."
+        return digest
 
     def _record(self, step: str, label: str | None, level: int, ids: list[int], text: str,
                 status: str) -> str:
