@@ -6,7 +6,10 @@ downloading (its config.json is read). Settings: CLI flag > profile > built-in d
 plan is for the profile's device (a GPU profile plans CUDA even on a CPU-only machine).
 stdout gets the plan (a table, or one JSON document with --json); `--check` exits 5 when the
 plan does not fit the budget: --budget-gib, else the profile's VRAM budget on CUDA, else (on
-the CPU) this machine's physical RAM. Settings no summarize run accepts (a sparse size above
+the CPU) this machine's physical RAM. `--attention auto` (the default) plans what summarize
+would run: dense attention when its whole KV fits that budget, else the largest sparse working
+set that fits (attention.py); the choice and its reason are a row of the table and
+`settings.attention` in the JSON. Settings no summarize run accepts (a sparse size above
 the model's positions, a --max-new-tokens that leaves no room for a prompt) are refused the
 same way (engine.config.check_positions, exit 2).
 """
@@ -20,7 +23,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hisparse_cli.cli_options import finite_float
+from hisparse_cli.cli_options import Attention, finite_float
 
 P_MODEL, P_SPARSE, P_MEM = "Model and profile", "Sparse attention", "Memory"
 
@@ -102,7 +105,12 @@ def plan(
     recalibrate_topk: Annotated[Optional[int], _opt("--recalibrate-topk", panel=P_SPARSE,
                                                     min=0)] = None,
     prefill_chunk: Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1)] = None,
-    dense: Annotated[bool, _opt("--dense", panel=P_SPARSE, help="Dense attention.")] = False,
+    attention: Annotated[Optional[Attention], _opt("--attention", panel=P_SPARSE,
+        case_sensitive=False, help="auto: dense when the whole KV fits the budget, else the "
+        "largest sparse working set that fits (as summarize decides); dense; sparse.  "
+        "[default: the profile's, auto]")] = None,
+    dense: Annotated[bool, _opt("--dense", panel=P_SPARSE,
+                                help="Same as --attention dense.")] = False,
     weight_format: Annotated[Optional[WeightFormat], _opt("--weight-format", panel=P_MEM, help=(
         "Override the weights' format.  [default: what the checkpoint holds]"))] = None,
     embeddings_on_host: Annotated[Optional[bool], _opt(
@@ -129,21 +137,42 @@ def plan(
     from hisparse_cli.profiles import load_profile
     from hisparse_cli.runtime import sparse_settings
 
+    from dataclasses import replace
+
+    from hisparse_cli.attention import choose_attention
+    from hisparse_cli.cli_options import RunOptions
+
     prof = load_profile(profile)
-    sparse = sparse_settings(prof, dense=dense, window_size=window, global_tokens=global_tokens,
+    opts = RunOptions(dense=dense, attention=attention, window=window,
+                      global_tokens=global_tokens, sink_tokens=sink_tokens,
+                      recalibrate_every=recalibrate_every, recalibrate_topk=recalibrate_topk)
+    mode = opts.attention_mode(prof)  # --dense with --attention sparse: exit 2
+    sparse = sparse_settings(prof, dense=mode == "dense", window_size=window,
+                             global_tokens=global_tokens,
                              sink_tokens=sink_tokens, block_size=block_size,
                              recalibrate_every=recalibrate_every,
                              recalibrate_topk=recalibrate_topk, prefill_chunk=prefill_chunk)
     cfg, name, awq_head = resolve_config(model)
     new = prof.max_new_tokens if max_new_tokens is None else max_new_tokens
     ctx = context if context is not None else max(1, cfg.max_position_embeddings - new)
-    result = plan_for_profile(
-        cfg, prof, context_tokens=ctx, max_new_tokens=new, sparse=sparse,
-        device_kind=device.value if device else None, backend=backend.value if backend else None,
-        weight_format=weight_format.value if weight_format else None,
-        kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
-        awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
-        model_name=name)
+
+    def plan_with(policy):
+        return plan_for_profile(
+            cfg, prof, context_tokens=ctx, max_new_tokens=new, sparse=policy,
+            device_kind=device.value if device else None,
+            backend=backend.value if backend else None,
+            weight_format=weight_format.value if weight_format else None,
+            kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
+            awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
+            model_name=name)
+
+    kind = device.value if device else ("cpu" if prof.vram_budget_gib is None else "cuda")
+    choice = choose_attention(mode, sparse=sparse, plan=plan_with, context_tokens=ctx + new,
+                              explicit_sparse=opts.explicit_sparse(),
+                              budget_name="the given budget" if budget_gib else (
+                                  "host RAM" if kind == "cpu" else "VRAM budget"))
+    result = plan_with(choice.sparse)
+    result = replace(result, settings={**result.settings, "attention": choice.to_dict()})
     if as_json:
         write_result(json.dumps(result.to_dict(), indent=2, default=str))
     else:

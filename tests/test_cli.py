@@ -99,7 +99,9 @@ def test_summarize_stdout_is_only_the_summary(tiny, doc, tmp_path):
     assert settings["profile"] == "cpu" and settings["sparse"]["window_size"] == 64
     assert settings["generation"]["max_new_tokens"] == 6 and settings["device"]["device"] == "cpu"
     assert settings["model"]["path"] == str(tiny)
-    assert record["stats"]["prompt_tokens"] > 0 and record["stats"]["new_tokens"] <= 6
+    assert record["stats"]["prompt_tokens"] > 0
+    assert all(r["stats"]["new_tokens"] <= 6 for r in record["runs"])  # retries: the guard's
+    assert settings["attention"]["mode"] == "sparse"  # --window given: the sparse set asked for
     for key in ("prefill_tok_s", "decode_tok_s", "kv_blocks_peak", "kv_bytes_peak",
                 "recalibrations", "peak_memory_bytes"):
         assert key in record["stats"]
@@ -205,7 +207,12 @@ def test_quantize_refuses_bad_device_out_and_group_size(tiny, doc, tmp_path):
 
 def test_dense_with_window_is_a_usage_error(doc):
     assert_error(run("summarize", doc, "--dense", "--window", "64", "--profile", "cpu"), 2,
-                 "--dense")
+                 "dense attention cannot be combined with --window")
+    assert_error(run("summarize", doc, "--attention", "dense", "--global-tokens", "8", "-p",
+                     "cpu"), 2, "dense attention cannot be combined with --global-tokens")
+    assert_error(run("summarize", doc, "--dense", "--attention", "sparse", "-p", "cpu"), 2,
+                 "--dense cannot be combined with --attention sparse")
+    assert_error(run("summarize", doc, "--attention", "fast", "-p", "cpu"), 2, "fast")
 
 
 def test_encrypted_pdf_exits_3(tiny, tmp_path):

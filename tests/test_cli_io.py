@@ -371,4 +371,4 @@ def test_probe_file_implies_importance_probe(doc):
     with pytest.raises(ConfigError, match="--importance probe"):
         RunOptions(probe=Path("p.safetensors"), importance="snapkv").sparse(cpu)
     assert_error(run("summarize", doc, "--probe", "p.safetensors", "--dense", "-p", "cpu"), 2,
-                 "--dense")
+                 "dense attention cannot be combined with --probe")
