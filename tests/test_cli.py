@@ -205,6 +205,23 @@ def test_quantize_refuses_bad_device_out_and_group_size(tiny, doc, tmp_path):
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
+def test_attention_auto_is_dense_on_the_cpu_and_said_so(tiny, doc):
+    auto = run("summarize", doc, "--model", tiny, "--profile", "cpu", "-n", "6", "--json")
+    assert auto.exit_code == 0, show(auto)
+    record = json.loads(auto.stdout)
+    attention = record["settings"]["attention"]
+    assert (attention["requested"], attention["mode"]) == ("auto", "dense")
+    assert "fits" in attention["reason"] and "host RAM" in attention["reason"]
+    assert record["settings"]["sparse"]["window_size"] is None  # the policy the run used
+    assert set(record["length"]) == {"target_words", "max_new_tokens", "words"}
+    assert isinstance(record["warnings"], list) and "retries" in record["guard"]
+    assert "attention" in auto.stderr and "auto: the whole KV" in auto.stderr  # stats table
+    assert "summary length" in auto.stderr and "guard" in auto.stderr
+    alias = json.loads(run("summarize", doc, "--model", tiny, "--profile", "cpu", "-n", "6",
+                           "--json", "--dense").stdout)["settings"]["attention"]
+    assert (alias["requested"], alias["mode"], alias["reason"]) == ("dense", "dense", "asked for")
+
+
 def test_dense_with_window_is_a_usage_error(doc):
     assert_error(run("summarize", doc, "--dense", "--window", "64", "--profile", "cpu"), 2,
                  "dense attention cannot be combined with --window")
