@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 MIN_WORDS = 5
-HEADING_WORDS = 5
+HEADING_WORDS = 8  # a title line without punctuation
+COLON_HEADING_WORDS = 4  # "Legal summary:", "Key points:" (not "The contract sets duties:")
 LOOP_OPENING_WORDS = 5
 LOOP_OPENING_REPEATS = 3
 LOOP_NGRAM = 4
@@ -52,6 +53,7 @@ _SCAFFOLD_LINE = re.compile(
     r"|^\s*\[[^\]\n]{1,80}\]\s*:?\s*$"
     r"|^\s*part \d+ of \d+\b[^\n]{0,80}:\s*$"
     r"|^\s*-{3,}\s*$", re.I)
+_TITLE_LINE = re.compile(r"^\s*(?:\*\*)?title(?:\*\*)?\s*:", re.I)
 _SCAFFOLD_SENTENCE = re.compile(
     r"\b(?:part summar(?:y|ies)|summaries above|the summary is again|(?:this|the) (?:part|"
     r"chunk) (?:covers|summary)|part \d+ of \d+)\b", re.I)
@@ -99,14 +101,20 @@ def end_on_sentence(text: str) -> str:
 
 
 def clean_output(text: str, labels: Iterable[str] = ()) -> str:
-    """Scaffolding removed: a preamble ("Here is a summary of the document:", "Summary:"), a
-    short first line ending in a colon (a heading), heading lines ("## Summary", "[pages 3–5]", "Part 2 of 5:"), sentences about the prompt's
+    """Scaffolding removed: a preamble ("Here is a summary of the document:", "Summary:"),
+    short first lines that are headings ("Key points:", "Title: …", a copied document title
+    of up to 8 words without punctuation) when text follows, heading lines ("## Summary", "[pages 3–5]", "Part 2 of 5:"), sentences about the prompt's
     layout ("The part summary is again: …"), and lines that are only a chunk label."""
     labels = {lab.strip().lower() for lab in labels if lab.strip()}
     text = _PREAMBLE.sub("", text.strip(), count=1)
-    first, _, rest = text.partition("\n")
-    if rest.strip() and first.rstrip().endswith(":") and len(first.split()) <= HEADING_WORDS:
-        text = rest.strip()  # a heading the model gave its text ("Legal summary:")
+    while True:  # headings the model put above its text ("Legal summary:", a title line)
+        first, _, rest = text.partition("\n")
+        n = len(first.split())
+        heading = (first.rstrip().endswith(":") and n <= COLON_HEADING_WORDS) or (
+            n <= HEADING_WORDS and ends_mid_sentence(first) and not first.rstrip().endswith(":"))
+        if not (rest.strip() and (heading or _TITLE_LINE.match(first))):
+            break
+        text = rest.strip()
     kept = []
     for line in text.splitlines():
         bare = line.strip().strip("[]():*#").strip().lower()

@@ -2,7 +2,8 @@
 every prompt goes through (pipeline.py and mapreduce.py build the prompts).
 
 `SummaryRun.guarded(ids, max_new, step, …)` is the guard's loop (guard.py):
-  1. generate; clean the text (scaffolding, preamble); end it on its last complete sentence;
+  1. generate; clean the text (scaffolding, preamble); when the token cap cut it, end it on
+     its last complete sentence (a text the model ended itself is kept whole);
   2. no problem → done. A loop whose text before it still holds at least half the target
      length → that text ("repaired"), no new generation;
   3. otherwise generate again with changed decoding: first a stronger repetition control
@@ -15,6 +16,7 @@ Every retry, repair and digest is a line in `warnings` and a count in `guard`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from hisparse_cli.digest import extractive_digest
@@ -25,6 +27,8 @@ from hisparse_cli.guard import (MIN_WORDS, Problem, clean_output, end_on_sentenc
 from hisparse_cli.prompts import instruction_texts, render_prompt, tokenizable
 
 REPAIR_MIN_SHARE = 0.5  # a repaired text keeps at least this share of the target words
+_LIST_ITEM = re.compile(r"^(?:[-*•]|\d+[.)])\s")
+_SENTENCE_START = re.compile(r"^[A-Z\"“(]")
 
 
 @dataclass
@@ -89,8 +93,17 @@ class SummaryRun:
         return self.tok.decode(res.token_ids, skip_special_tokens=True).strip(), \
             res.finish_reason
 
-    def _finish(self, raw: str, labels: tuple[str, ...]) -> str:
+    def _finish(self, raw: str, labels: tuple[str, ...], reason: str) -> str:
+        """Cleaned text that ends on a complete sentence. Cut at the token cap ("length"): the
+        unfinished last sentence is dropped. Ended by the model itself ("eos") without final
+        punctuation: a list keeps its last item, prose gets its full stop."""
         text = clean_output(raw, labels)
+        if reason == "eos":
+            last = text.rstrip().rsplit("\n", 1)[-1].lstrip()
+            if ends_mid_sentence(text) and not _LIST_ITEM.match(last) and \
+                    _SENTENCE_START.match(last):
+                return text.rstrip().rstrip(",;:") + "."
+            return text
         ended = end_on_sentence(text)
         if ended != text.rstrip():
             self.guard["trimmed"] += 1
@@ -112,9 +125,11 @@ class SummaryRun:
             if n:
                 self.guard["retries"] += 1
                 self.warnings.append(f"{step}: {problem}; retried with {change}")
-            raw, _reason = self._generate(ids, max_new, name, gen)
-            text = self._finish(raw, labels)
+            raw, reason = self._generate(ids, max_new, name, gen)
+            text = self._finish(raw, labels, reason)
             problem = find_problem(text, instructions=instructions, min_words=min_words)
+            if problem is not None and problem.kind == "cut" and reason == "eos":
+                problem = None  # the model ended it: a list without full stops, not a cut
             if problem is None:
                 return self._record(step, label, level, ids, text, "retried" if n else "ok")
             if problem.kind == "loop":

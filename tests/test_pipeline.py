@@ -70,7 +70,8 @@ class FakeEngine:
         stats = SimpleNamespace(to_dict=lambda: {"prompt_tokens": len(ids), "new_tokens": len(out),
                                                  "prefill_seconds": 0.5, "decode_seconds": 0.25,
                                                  "kv_blocks_peak": 3, "recalibrations": 1})
-        return SimpleNamespace(token_ids=out, stats=stats, finish_reason="length")
+        full = len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) <= max_new_tokens
+        return SimpleNamespace(token_ids=out, stats=stats, finish_reason="eos" if full else "length")
 
     def prompts(self) -> list[str]:
         return [self.tokenizer.decode(ids) for ids, _ in self.calls]
@@ -332,11 +333,21 @@ def test_a_loop_is_cut_without_a_new_generation(tokenizer):
 
 def test_a_summary_cut_at_the_cap_ends_on_its_last_sentence(tokenizer):
     doc = Document(text=_sentences(20), kind="text", source="a.txt")
-    engine = FakeEngine(tokenizer, max_pos=100_000,
-                        reply=SENTENCE + " Either side may end the deal with notice, and so")
+    engine = FakeEngine(tokenizer, max_pos=100_000, reply=SENTENCE + " Either " + _words(300))
     result = summarize_document(doc, engine, _settings(200))
-    assert result.summary == SENTENCE
+    assert result.summary == SENTENCE and result.runs[0]["finish_reason"] == "length"
     assert result.guard["trimmed"] == 1
+
+
+def test_a_summary_the_model_ended_itself_is_kept_whole(tokenizer):
+    doc = Document(text=_sentences(20), kind="text", source="a.txt")
+    prose = "The provider delivers the platform and the client pays the fee every month"
+    result = summarize_document(doc, FakeEngine(tokenizer, 100_000, reply=prose), _settings(200))
+    assert result.summary == prose + "." and result.guard["trimmed"] == 0
+    listed = ("The contract sets three duties:\n- the provider hosts the platform\n- the client "
+              "pays the monthly fee\n- either side gives ninety days notice")
+    result = summarize_document(doc, FakeEngine(tokenizer, 100_000, reply=listed), _settings(200))
+    assert result.summary == listed  # a list keeps its last item as written
 
 
 def test_no_sequence_length_warning_on_long_documents(tokenizer, caplog):
