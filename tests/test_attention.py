@@ -132,3 +132,16 @@ def test_running_under_switches_the_engine_policy_and_restores_it():
         with running_under(engine, dense_of(SPARSE)):
             raise RuntimeError("boom")
     assert engine.sparse is SPARSE
+
+
+def test_the_attention_mode_is_part_of_the_batch_settings_id():
+    from hisparse_cli.job import Job
+    from hisparse_cli.pipeline import SummarySettings
+
+    profile = load_profile("cpu")
+    ids = {mode: Job(profile, profile.sparse_config(), SummarySettings(), attention=mode)
+           for mode in ("auto", "dense", "sparse")}
+    assert len({job.settings_id() for job in ids.values()}) == 3
+    assert ids["auto"].settings_view()["attention"] == "auto"
+    with pytest.raises(ConfigError):
+        Job(profile, profile.sparse_config(), SummarySettings(), attention="fast")
