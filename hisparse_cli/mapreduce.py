@@ -29,7 +29,7 @@ from hisparse_cli.documents.base import Document
 from hisparse_cli.documents.genre import guess_genre
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.guard import end_on_sentence, words
-from hisparse_cli.lengths import (LengthPlan, chunk_length_plan, target_words, tokens_for,
+from hisparse_cli.lengths import (LengthPlan, chunk_length_plan, plan_for, target_words,
                                   tokens_per_word)
 from hisparse_cli.prompts import chunk_prompt, collection_prompt, combine_prompt
 
@@ -125,6 +125,7 @@ def map_reduce(run, doc: Document, length: LengthPlan, *, step: str = "summary",
     for i, (chunk_label, text, ids, plan) in enumerate(prompts):
         name = f"{prefix}part {i + 1}/{len(prompts)} ({chunk_label})"
         notes = run.guarded(ids, plan.max_new_tokens, name, target_words=plan.target_words,
+                            min_new=plan.min_new_tokens,
                             source=text, labels=(chunk_label,), level=0,
                             label=f"{label}: {chunk_label}" if label else chunk_label,
                             genre=doc.genre)
@@ -156,16 +157,17 @@ def reduce(run, parts: list[tuple[str, str]], prompt_for: PromptFor, length: Len
         if len(parts) <= FAN_IN and len(ids) + length.max_new_tokens <= run.max_pos:
             return run.guarded(ids, length.max_new_tokens, f"{prefix}final summary",
                                target_words=length.target_words, source=source,
+                               min_new=length.min_new_tokens,
                                labels=tuple(lab for lab, _ in parts), level=level,
                                label=label or "final summary", genre=genre)
         group_words = min(150, max(60, length.target_words))
-        group_new = min(notes_new, tokens_for(group_words, per_word, notes_new))
+        group_plan = plan_for(group_words, per_word, notes_new)
         groups: list[list[int]] = [[]]
         for i in range(len(parts)):
             candidate = groups[-1] + [i]
             size = len(run.render(prompt_for([parts[j] for j in candidate], candidate[0] + 1,
                                              len(parts), False, group_words)))
-            if groups[-1] and (len(candidate) > FAN_IN or size + group_new > run.max_pos):
+            if groups[-1] and (len(candidate) > FAN_IN or size + group_plan.max_new_tokens > run.max_pos):
                 groups.append([i])
             else:
                 groups[-1] = candidate
@@ -180,8 +182,9 @@ def reduce(run, parts: list[tuple[str, str]], prompt_for: PromptFor, length: Len
             members = [parts[i] for i in group]
             merged_label = merge_labels([lab for lab, _ in members])
             ids = run.render(prompt_for(members, group[0] + 1, len(parts), False, group_words))
-            text = run.guarded(ids, group_new, f"{prefix}combine {j + 1}/{len(groups)} "
-                               f"({merged_label})", target_words=group_words,
+            text = run.guarded(ids, group_plan.max_new_tokens, f"{prefix}combine {j + 1}/"
+                               f"{len(groups)} ({merged_label})", target_words=group_words,
+                               min_new=group_plan.min_new_tokens,
                                source="\n\n".join(t for _, t in members),
                                labels=tuple(lab for lab, _ in members), level=level,
                                label=merged_label, genre=genre)
@@ -205,8 +208,7 @@ def summarize_collection(run, doc: Document, length: LengthPlan) -> str:
         low, high = MEMBER_WORDS
         member_words = min(high, max(low, target_words(member.genre, n_words)))
         per_word = tokens_per_word(n_tokens, n_words)
-        member_length = LengthPlan(member_words, tokens_for(member_words, per_word,
-                                                            length.max_new_tokens))
+        member_length = plan_for(member_words, per_word, length.max_new_tokens)
         summary, _ = summarize_single(run, member, member_length, run.settings.strategy,
                                       step=f"document {i + 1}/{len(members)} ({section.label})",
                                       label=section.label)

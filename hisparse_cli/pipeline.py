@@ -156,6 +156,7 @@ def summarize_single(run: SummaryRun, doc: Document, length: LengthPlan, strateg
     if strategy == "map-reduce" or not fits:
         return map_reduce(run, doc, length, step=step, label=label), "map-reduce"
     text = run.guarded(ids, length.max_new_tokens, step, target_words=length.target_words,
+                       min_new=length.min_new_tokens,
                        source=doc.text, label=label, level=0 if label else 1)
     return text, "stream"
 
@@ -189,7 +190,7 @@ def summarize_document(doc: Document, engine, settings: SummarySettings | None =
         prompt_tokens=totals["prompt_tokens"], new_tokens=totals["new_tokens"], runs=run.runs,
         settings=settings_dict, warnings=run.warnings, guard=dict(run.guard),
         length={"target_words": length.target_words, "max_new_tokens": length.max_new_tokens,
-                "words": len(words(summary))},
+                "min_new_tokens": length.min_new_tokens, "words": len(words(summary))},
         timings={"prepare_seconds": prepared - started, "generate_seconds": done - prepared,
                  "total_seconds": done - started})
 

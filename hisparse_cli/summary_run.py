@@ -111,9 +111,11 @@ class SummaryRun:
 
     def guarded(self, ids: list[int], max_new: int, step: str, *, target_words: int,
                 source: str, labels: tuple[str, ...] = (), level: int = 0,
-                label: str | None = None, genre: str | None = None) -> str:
+                label: str | None = None, genre: str | None = None,
+                min_new: int = 0) -> str:
         """Generate for `step` under the guard (module docstring); record it under `label`
-        (None: not recorded); the text. `genre`: the prompt's (default: the document's)."""
+        (None: not recorded); the text. `genre`: the prompt's (default: the document's);
+        `min_new`: the length floor (lengths.py), every attempt keeps it."""
         instructions = instruction_texts(genre or self.doc.genre, self.settings.instructions)
         min_words = max(MIN_WORDS, min(25, target_words // 5))
         attempts = [("", self.gen)] + retry_decodings(self.gen)
@@ -125,6 +127,8 @@ class SummaryRun:
             if n:
                 self.guard["retries"] += 1
                 self.warnings.append(f"{step}: {problem}; retried with {change}")
+            if min_new > gen.min_new_tokens:
+                gen = replace(gen, min_new_tokens=min(min_new, max_new))
             raw, reason = self._generate(ids, max_new, name, gen)
             text = self._finish(raw, labels, reason)
             problem = find_problem(text, instructions=instructions, min_words=min_words)

@@ -491,3 +491,15 @@ def test_probe_importance_needs_a_probe_for_the_model(tmp_path):
     assert load_probe_for(folder, SparseConfig(importance="probe", global_tokens=0)) is None
     with pytest.raises(ConfigError, match="no shipped probe"):
         load_probe_for(folder, SparseConfig(importance="probe"))
+
+
+def test_every_generation_gets_the_length_floor(tokenizer):
+    doc = Document(text=_sentences(200), kind="text", source="a.txt", genre="report")
+    engine = FakeEngine(tokenizer, max_pos=100_000)
+    result = summarize_document(doc, engine, _settings(256))
+    floor = result.length["min_new_tokens"]
+    assert 0 < floor < result.length["max_new_tokens"] and engine.gens[0].min_new_tokens == floor
+    parts = FakeEngine(tokenizer, max_pos=100_000)
+    summarize_document(_pdf([_sentences(30, s) for s in range(3)]), parts,
+                       _settings(256, strategy="map-reduce", chunk_tokens=400))
+    assert all(g.min_new_tokens > 0 for g in parts.gens)  # notes and the final summary
