@@ -25,7 +25,7 @@ from pathlib import Path
 
 def default_model() -> Path:
     try:
-        from hisparse_cli.models.resolve import resolve_model
+        from hisparse_cli.hub.resolve import resolve_model
 
         return resolve_model(None, auto_pull=False)
     except Exception as exc:  # not pulled yet: the folder built by hand for experiments
@@ -68,7 +68,7 @@ def run(model_dir: Path, group_size: int, seq_len: int, samples: int, work: Path
         q, _ = load_model(work / name, "cpu", torch.float32)
         rows[f"int4-{name}"] = perplexity(q, windows)
         if head and name == "awq":  # the same body with its fp head rounded to nearest
-            from hisparse_cli.kernels.awq_pack import fake_quantize
+            from hisparse_cli.kernels.int4.awq_pack import fake_quantize
 
             w = q.lm_head.weight.detach().clone()
             for g in sorted({group_size, 32}, reverse=True):

@@ -22,18 +22,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hisparse_cli.kernels import awq_gemm_k as agk  # noqa: E402
-from hisparse_cli.kernels import awq_gemv as ag  # noqa: E402
-from hisparse_cli.kernels import awq_items_triton as ait  # noqa: E402
-from hisparse_cli.kernels import awq_triton as at  # noqa: E402
-from hisparse_cli.kernels.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemm_k as agk  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemv as ag  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_items_triton as ait  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_triton as at  # noqa: E402
+from hisparse_cli.kernels.int4.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noqa: E402
                                              GEMV_CANDIDATES, GemvConfig)
 
 OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "I2F",
@@ -94,9 +93,7 @@ def compile_gemv(c: GemvConfig, m: int, partial: bool, group: int, dt: str):
                             NUM_STAGES=c.num_stages, HAS_BIAS=not partial,
                             SPLIT=4 if partial else 1, PREFETCH=c.prefetch,
                             STREAM=c.stream, PACKED=c.packed if dt == "*fp16" else 0,
-                            ASM=True, ROWS2D=c.rows2d, PDL=bool(c.pdl),
-                            PDL_TRIGGER=bool(c.pdl),
-                            PRMT=bool(c.packed) and dt == "*fp16" and ag.PAIR_PRMT,
+                            ASM=True, PDL=bool(c.pdl), PDL_TRIGGER=bool(c.pdl),
                             TILED=bool(c.tiled)),
                        c.num_warps, GEMV_ALIGNED, maxnreg=c.maxnreg)
 
@@ -145,15 +142,14 @@ def compile_packed(sass_dir: Path | None) -> None:
         print(f"gemv packed2 m1 p1 maxnreg{cap}: loop {loop_length(k)} instructions")
     c = GemvConfig(block_n=32, block_kw=4, split=1, num_warps=1, num_stages=1, packed=2)
     report("gemv packed2 g32 m1", compile_gemv(c, 1, False, 32, "*fp16"), sass_dir)
-    # the table's tiles with the per-row zero points / scales as [BN] vectors (rows2d 0) or
-    # tiles in the word layout (rows2d 1), with and without the register prefetch
+    # the table's tiles, with and without the register prefetch
     for bn, w in ((128, 4), (64, 2)):
         for m in (1, 2):
-            for rows2d, pf in ((0, 0), (1, 0), (0, 1), (1, 1)):
+            for pf in (0, 1):
                 c = GemvConfig(block_n=bn, block_kw=16, split=1, num_warps=w, num_stages=1,
-                               stream=2, packed=2, prefetch=pf, rows2d=rows2d)
+                               stream=2, packed=2, prefetch=pf)
                 k = compile_gemv(c, m, False, 128, "*fp16")
-                name = f"gemv packed2 bn{bn} w{w} m{m} rows2d{rows2d} prefetch{pf}"
+                name = f"gemv packed2 bn{bn} w{w} m{m} prefetch{pf}"
                 report(name, k, sass_dir)
                 print(f"{name}: loop {loop_length(k)} instructions, "
                       f"{loop_count(k, 'BAR')} barriers")
@@ -224,7 +220,7 @@ def main() -> None:
              ((16,) + tiles[0][1:], "*fp16", 128, True)]  # block_m cut for 5..16 tokens
     for (bm, bn, bk, warps, stages), dt, group, bias in gemm:
         bk = min(bk, group)
-        packed = agk.GEMM_PACKED and dt == "*fp16"  # as awq_gemm_k launches it on CUDA
+        packed = dt == "*fp16"  # as awq_gemm_k launches it on CUDA
         k = compile_one(agk._awq_gemm_k_kernel, dict(gemm_sig, x_ptr=dt, b_ptr=dt, y_ptr=dt),
                         dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_KW=bk // 8,
                              HAS_BIAS=bias, IEEE=dt == "*fp32", PACKED=packed, ASM=True,

@@ -1,5 +1,5 @@
 """CPU: an AWQ INT4 model through the engine with the packed int4 decode path
-(kernels/awq_cpu.py, the CPU default) against the exact fp32 reference path
+(kernels/int4/awq_cpu.py, the CPU default) against the exact fp32 reference path
 (HISPARSE_BACKEND=torch) and the unquantized fp32 model, same prompt, greedy, in one run.
 
 The INT4 checkpoint is round-to-nearest (group 64) of the model's own weights, written once
@@ -34,7 +34,7 @@ def rtn_checkpoint(src: Path, dst: Path, group: int) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -83,7 +83,7 @@ def fidelity(a) -> None:
     from hisparse_cli.engine import Engine, SparseConfig
     from hisparse_cli.quality.capture import logits_at, teacher_forced
     from hisparse_cli.quality.metrics import token_fidelity
-    from hisparse_cli.models.resolve import resolve_model
+    from hisparse_cli.hub.resolve import resolve_model
 
     model = a.model or str(resolve_model("smollm2-135m-instruct"))
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
@@ -147,7 +147,7 @@ def main() -> None:
         return
     from cpu_engine_vs_hf import prompt_ids
 
-    from hisparse_cli.models.resolve import resolve_model
+    from hisparse_cli.hub.resolve import resolve_model
 
     model = a.model or str(resolve_model("smollm2-135m-instruct"))
     ids = prompt_ids(model, a.doc, a.prompt_tokens)
@@ -166,7 +166,7 @@ def main() -> None:
             for label, path, env in order:
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", path, str(ids_file),
-                     str(a.new_tokens)], env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                     str(a.new_tokens)], env={**os.environ, **env},
                     capture_output=True, text=True, check=True)
                 row = dict(json.loads(out.stdout.strip().splitlines()[-1]), variant=label,
                            round=r)

@@ -86,7 +86,7 @@ def main() -> None:
         return
     model = a.model
     if model is None:
-        from hisparse_cli.models.resolve import resolve_model
+        from hisparse_cli.hub.resolve import resolve_model
 
         model = str(resolve_model(None))
     ids = prompt_ids(model, a.doc, a.prompt_tokens)

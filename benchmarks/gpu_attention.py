@@ -3,7 +3,7 @@
     OUT=./out python benchmarks/gpu_attention.py [SECTIONS]   # from the repo root, on a CUDA machine
     SECTIONS: comma list of correctness,prefill,decode,sweep,dsweep,ssweep (default: first four)
 
-1. correctness: every kernel vs the torch reference (kernels/attention_ref.py) over a grid of
+1. correctness: every kernel vs the torch reference (kernels/attention/attention_ref.py) over a grid of
    shapes -> max errors, PASS/FAIL;
 2. prefill attention (chunk 512/1024/2048 x window 2048/4096/8192 x block 16/64, 256 globals,
    Hq 32, Hkv 8, D 128) vs torch SDPA (dense, same number of keys), TFLOP/s; importance scoring
@@ -30,10 +30,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hisparse_cli.kernels import attention_ref as ref  # noqa: E402
-from hisparse_cli.kernels import attention_triton as tri  # noqa: E402
-from hisparse_cli.kernels.importance_triton import strided_mass_reference  # noqa: E402
+from hisparse_cli.kernels.attention import attention_ref as ref  # noqa: E402
+from hisparse_cli.kernels.attention import attention_triton as tri  # noqa: E402
+from hisparse_cli.kernels.attention.importance_triton import strided_mass_reference  # noqa: E402
 
 DEV = torch.device("cuda")
 COPY_BW = 4.24e12  # bytes/s, measured device-to-device copy on an H200 (device/KINDS.md)

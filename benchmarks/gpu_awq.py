@@ -1,6 +1,6 @@
-"""GPU check and timing of the Triton AWQ INT4 kernels (hisparse_cli/kernels/awq_triton.py).
+"""GPU check and timing of the Triton AWQ INT4 kernels (kernels/int4/awq_triton.py).
 
-What `AWQLinear` runs on CUDA is the K-major path (kernels/awq_layout.py: qweight repacked
+What `AWQLinear` runs on CUDA is the K-major path (kernels/int4/awq_layout.py: qweight repacked
 once at load to int32 [N, K/8]): `awq_linear_k` = GEMV for <= 4 tokens, else (as
 awq_layout.prefill_path says) the fused dequant-GEMM or dequantize W^T + cuBLAS. The
 AWQ-layout kernels (`awq_gemv`, `awq_dequant_matmul`) are timed for comparison.
@@ -39,7 +39,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SMOKE = "--smoke-cpu" in sys.argv  # script check without a GPU: interpreter, tiny shapes
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -48,10 +47,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from hisparse_cli.kernels import awq_layout as al  # noqa: E402
-from hisparse_cli.kernels import awq_triton as at  # noqa: E402
-from hisparse_cli.kernels.awq_pack import unpack_int4  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout as al  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_triton as at  # noqa: E402
+from hisparse_cli.kernels.int4.awq_pack import unpack_int4  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 PEAK_TBS = 4.24

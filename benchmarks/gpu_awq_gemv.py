@@ -1,6 +1,5 @@
-"""Decode GEMV sweep for `gpu_awq.py --gemv-sweep`: the v3 K-major GEMV
-(hisparse_cli/kernels/awq_gemv.py) against the v2 kernel it replaced (awq_gemv_v2.py) and
-cuBLAS fp16 (F.linear), per Llama-3-8B decode shape, 1/2/4 tokens, group 128.
+"""Decode GEMV sweep for `gpu_awq.py --gemv-sweep`: the K-major GEMV (kernels/int4/awq_gemv.py)
+against cuBLAS fp16 (F.linear), per Llama-3-8B decode shape, 1/2/4 tokens, group 128.
 
 Timing as the engine's decode runs: back-to-back calls over rotating weight copies (>= 256 MB
 a pass: nothing served from L2) replayed from one CUDA graph (gpu_awq.graph_ms). At 1 token
@@ -20,10 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import gpu_awq as g
-from awq_gemv_v2 import gemv_v2, repack_v2
-from hisparse_cli.kernels import awq_layout as al
-from hisparse_cli.kernels.awq_gemv import _sm_count, awq_gemv_k
-from hisparse_cli.kernels.awq_ref import dequantize_weight
+from hisparse_cli.kernels.int4 import awq_layout as al
+from hisparse_cli.kernels.int4.awq_gemv import _sm_count, awq_gemv_k
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
 
 DECODE_SHAPES = {"qkv 4096x6144": (4096, 6144), "q/o 4096x4096": (4096, 4096),
                  "k/v 4096x1024": (4096, 1024), "gate_up 4096x28672": (4096, 28672),
@@ -59,7 +57,7 @@ def sweep_shape(name: str, k: int, n: int, sms: int, deadline: float) -> dict:
     mats = []
     for i in range(r4):
         qw, qz, s, _ = g.make(k, n, GROUP, seed=i)
-        mats.append((al.repack_kmajor(qw), repack_v2(qw), qz, s))
+        mats.append((al.repack_kmajor(qw), None, qz, s))
         if i == 0:
             w_ref = dequantize_weight(qw, qz, s, GROUP)  # fp32 [k, n] of copy 0
         del qw
@@ -78,9 +76,7 @@ def sweep_shape(name: str, k: int, n: int, sms: int, deadline: float) -> dict:
     w16 = [torch.randn(n, k, device=g.DEV, dtype=torch.float16) for _ in range(r16)]
     for m in (1, 2, 4):
         t16 = _time([lambda w=w: F.linear(x[:m], w) for w in w16] * 2)
-        tv2 = _time([lambda w=w: gemv_v2(x[:m], w[1], w[2], w[3], GROUP, sms) for w in mats] * 2)
-        row["m"][m] = dict(fp16_us=t16, v2_us=tv2,
-                           v2_err=err(gemv_v2(x[:m], *mats[0][1:], GROUP, sms), m))
+        row["m"][m] = dict(fp16_us=t16)
     del w16
     default = al.gemv_config(1, k, n, GROUP, sms)
     tried = []
@@ -133,12 +129,11 @@ def print_row(r: dict) -> None:
         def us(t):
             return f"{t:7.1f}" if t else "    n/a"
 
-        g.log(f"{r['shape']:<20} m={m} fp16 {us(mm['fp16_us'])}  v2 {us(mm['v2_us'])}  "
+        g.log(f"{r['shape']:<20} m={m} fp16 {us(mm['fp16_us'])}  "
               f"v3 table {us(t3)}  v3 best {us(tb)} [{tag}]  {gbs:5.0f} GB/s  "
-              f"v3/fp16 {mm['fp16_us'] / best_t if best_t else 0:.2f}x  "
-              f"v3/v2 {mm['v2_us'] / best_t if best_t else 0:.2f}x"
+              f"v3/fp16 {mm['fp16_us'] / best_t if best_t else 0:.2f}x"
               + ("" if all(mm.get(e, 0) <= g.TOL[torch.float16] for e in
-                           ("v2_err", "v3_table_err", "v3_best_err")) else "  ERR"))
+                           ("v3_table_err", "v3_best_err")) else "  ERR"))
 
 
 def suggest_table(rows: list[dict]) -> dict:

@@ -1,5 +1,5 @@
 """Prefill sweep for `gpu_awq.py --prefill-sweep`: the fused dequant-GEMM
-(hisparse_cli/kernels/awq_gemm_k.py) against dequantize + cuBLAS (awq_dequant_matmul_k) and
+(kernels/int4/awq_gemm_k.py) against dequantize + cuBLAS (awq_dequant_matmul_k) and
 fp16 cuBLAS (F.linear on the dense [N, K] weight), per Llama-3-8B decoder shape (stacked
 qkv, o, stacked gate|up, down) at 64/256/1024/2048 tokens, fp16, group 128.
 
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 import gpu_awq as g
-from hisparse_cli.kernels import awq_layout as al
-from hisparse_cli.kernels.awq_gemm_k import awq_gemm_k
-from hisparse_cli.kernels.awq_ref import dequantize_weight
-from hisparse_cli.kernels.awq_triton import awq_dequant_matmul_k
+from hisparse_cli.kernels.int4 import awq_layout as al
+from hisparse_cli.kernels.int4.awq_gemm_k import awq_gemm_k
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
+from hisparse_cli.kernels.int4.awq_triton import awq_dequant_matmul_k
 
 PREFILL_SHAPES = {"qkv 4096x6144": (4096, 6144), "o 4096x4096": (4096, 4096),
                   "gate_up 4096x28672": (4096, 28672), "down 14336x4096": (14336, 4096)}

@@ -1,7 +1,7 @@
-"""The persistent decode step (kernels/cuda_step.py, kernels/cuda/decode_step.cu) on the GPU:
+"""The persistent decode step (kernels/cuda/cuda_step.py, kernels/cuda/decode_step.cu) on the GPU:
 checked against the engine's layer-by-layer Triton step, then timed inside the engine.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_cuda_decode.py [--out DIR] [--skip-time]
+    python3 benchmarks/gpu_cuda_decode.py [--out DIR] [--skip-time]
         [--contexts 32768] [--decode-tokens 256] [--profiles h200-141g,4060ti-6g]
 
 (a) check: small random AWQ INT4 Llamas (weights in the item layout, INT4 head and fp16 head),
@@ -28,12 +28,11 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from hisparse_cli.engine.config import SparseConfig  # noqa: E402
+from hisparse_cli.config.settings import SparseConfig  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
 
 SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 1024,
@@ -45,7 +44,7 @@ SMALL = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 1024,
 def to_items(model) -> None:
     """Every AWQ linear of the model (the head too, when INT4) into the item layout (as the
     Engine does itself with HISPARSE_DECODE_KERNEL=persistent on sm_90)."""
-    from hisparse_cli.kernels.cuda_step import use_item_layout
+    from hisparse_cli.kernels.cuda.cuda_step import use_item_layout
 
     use_item_layout(model)
 
@@ -60,8 +59,8 @@ CHECKS = (  # (INT4 head, window, globals, prompt): one unit page a split / seve
 def phase_check(model, run, dec, step) -> dict:
     """The kernel stopped after its first phase (layer 0's q|k|v) and after its second (the
     attention: the current K/V stored), against torch on the kernel's own inputs."""
-    from hisparse_cli.kernels.awq_items import dequantize_items_ref
-    from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope
+    from hisparse_cli.kernels.int4.awq_items import dequantize_items_ref
+    from hisparse_cli.kernels.norm_rope.norm_rope_ref import rms_norm, rope
 
     cfg, cache = model.cfg, run.cache
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -122,7 +121,7 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
     from hisparse_cli.engine.block_pool import BlockPool
     from hisparse_cli.engine.cuda_graph import GraphDecoder
     from hisparse_cli.engine.runner import KVRun
-    from hisparse_cli.kernels.cuda_step import CudaDecodeStep, unsupported
+    from hisparse_cli.kernels.cuda.cuda_step import CudaDecodeStep, unsupported
     from hisparse_cli.kernels.dispatch import select_backend
 
     model = build_ours(cfg, dev, awq=True, host_emb=False, awq_lm_head=head_int4, seed=3)
@@ -143,10 +142,8 @@ def check_one(cfg: ModelConfig, head_int4: bool, window: int, globals_: int, ste
         dec = GraphDecoder(model, run, total, capture=False)
         why = unsupported(model, run)
         assert why is None, why
-        step = CudaDecodeStep(model, run, dec.dev, dec.tok, dec.nb_max)
-        if variant:  # another build of the kernel (--check-variants)
-            step.use_variant(tuple(d if d.startswith("-") else f"-D{d}"  # -lineinfo as is
-                                   for d in variant.split(",")))
+        att = {"": None, "ATT_WARPS=2": 2, "ATT_WARPS=4": 4}[variant]  # the builds there are
+        step = CudaDecodeStep(model, run, dec.dev, dec.tok, dec.nb_max, att_warps=att)
         cache = run.cache
         state = [t for t in (cache.k, cache.v, cache.score, cache.gmass, cache.gseen)]
         worst = {"logits": 0.0, "k": 0.0, "v": 0.0, "score": 0.0, "gmass": 0.0, "gseen": 0.0}
@@ -209,12 +206,32 @@ def event_ms(fn, reps: int = 30) -> float:
     return start.elapsed_time(end) / reps
 
 
+def timeline(step) -> torch.Tensor:
+    """One step of the profiling build (the step's own with -DTIMELINE=1) -> int64 [n_phase,
+    CTAs, 5] globaltimer ns: phase start, past the barrier, x (or the attention's q) ready,
+    items (or pages) done, arrived (0 where a CTA had no such point). step.kinds names the
+    phases."""
+    from hisparse_cli.kernels.cuda.cuda_step import F_TIMELINE
+
+    stamps = torch.zeros((step.params.n_phase, step.ctas, 5), dtype=torch.int64,
+                         device=step.ws.device)
+    step._load_build(step.att_warps, ("-DTIMELINE=1",))
+    step.params.stamps, step.params.flags = stamps.data_ptr(), step.params.flags | F_TIMELINE
+    try:
+        step()
+        torch.cuda.synchronize(step.ws.device)
+    finally:
+        step.params.stamps, step.params.flags = 0, step.params.flags & ~F_TIMELINE
+        step._load_build(step.att_warps)
+    return stamps
+
+
 def phase_table(step) -> dict:
     """One step's timeline by phase kind (us summed over the step): crit = the phase's share
     of the critical path (last arrival minus the previous phase's last arrival); then CTA
     means of the barrier wait, the x (or q) load, the items (or pages) and the flush."""
-    st = step.timeline().double() / 1e3  # [n_phase, CTAs, 5] us
-    kinds = step.kinds  # qkv, attn, o, mlp (or gate|up, down) a layer, then head
+    st = timeline(step).double() / 1e3  # [n_phase, CTAs, 5] us
+    kinds = step.kinds  # qkv, attn, o, mlp a layer, then head
     end = st[:, :, 4].max(dim=1).values
     out: dict = {}
     for i, kind in enumerate(kinds):
@@ -235,8 +252,8 @@ def time_rows(a, dev) -> list[dict]:
     from gpu_engine import build_ours, prompt, run_ours
 
     from hisparse_cli.engine.engine import Engine
-    from hisparse_cli.planner_shapes import SHAPES
-    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.planner.shapes import SHAPES
+    from hisparse_cli.config.profiles import load_profile
 
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     backend = "triton"
@@ -273,39 +290,11 @@ def time_rows(a, dev) -> list[dict]:
                 dec = eng._decode_state.decoder
                 kernel_used = dec.cuda_step is not None
                 timing = {"replay_ms": event_ms(dec.graph.replay)}
-                if kernel_used:  # the kernel (+ its memset) alone, and without the barriers
+                if kernel_used:  # the kernel (+ its memset) alone, and its phases
                     timing["step_ms"] = event_ms(dec.cuda_step)
-                    dec.cuda_step.params.flags &= ~1
-                    timing["no_barrier_ms"] = event_ms(dec.cuda_step)
-                    dec.cuda_step.params.flags |= 1
                     with torch.inference_mode():
                         timing["phases_us"] = phase_table(dec.cuda_step)
-                    for var in filter(None, a.variants.split(";")):  # other builds, same run
-                        opts = tuple(f"-D{d}" for d in var.split(","))
-                        try:
-                            dec.cuda_step.use_variant(opts)
-                        except ValueError as e:  # e.g. slots that are unsound (ring_plan)
-                            print(f"    variant {var}: {e}", flush=True)
-                            continue
-                        timing[f"step_ms[{var}]"] = event_ms(dec.cuda_step)
-                        if a.variant_timelines:
-                            with torch.inference_mode():
-                                timing[f"phases_us[{var}]"] = phase_table(dec.cuda_step)
-                    dec.cuda_step.use_variant(())
-                    if a.variant_decode:  # end to end with each build: the kept decoder
-                        # drops its graph and captures the build now in use
-                        for var in filter(None, a.variants.split(";")):
-                            try:
-                                dec.cuda_step.use_variant(tuple(f"-D{d}" for d in var.split(",")))
-                                dec.release()
-                                vs = [run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size),
-                                               a.decode_tokens, backend, dev, engine=eng,
-                                               **kw)["decode_tok_s"] for _ in range(2)]
-                                timing[f"decode_tok_s[{var}]"] = vs[-1]
-                            except Exception:
-                                traceback.print_exc()
-                        dec.cuda_step.use_variant(())
-                        dec.release()
+                    dec.release()  # the profiling build was loaded and unloaded meanwhile
                 print("   ", {k: round(v, 4) for k, v in timing.items()
                              if not k.startswith("phases_us")}, flush=True)
                 for name, table in timing.items():
@@ -335,18 +324,11 @@ def time_rows(a, dev) -> list[dict]:
         fpre = sum(x["prefill_tok_s"] for x in fps) / len(fps) if fps else float("nan")
         r["vs_fp16"] = r["decode_tok_s"] / fd
         r["prefill_vs_fp16"] = r["prefill_tok_s"] / fpre
-        for key, v in list(r.items()):  # --variant-decode rows
-            if key.startswith("decode_tok_s["):
-                r["vs_fp16" + key[len("decode_tok_s"):]] = v / fd
     print("\nsystem     kernel     profile    context  decode  x fp16  prefill  x fp16")
     for r in rows:
         print(f"{r['system']:10s} {r['kernel']:10s} {r['profile']:10s} {r['context']:7d} "
               f"{r['decode_tok_s']:6.1f} {r['vs_fp16']:6.2f} {r['prefill_tok_s']:8.0f} "
               f"{r['prefill_vs_fp16']:6.2f}")
-        for key, v in r.items():
-            if key.startswith("vs_fp16["):
-                print(f"{'':10s} {key[len('vs_fp16'):]:21s} {r['context']:7d} "
-                      f"{r['decode_tok_s' + key[len('vs_fp16'):]]:6.1f} {v:6.2f}")
     return rows
 
 
@@ -359,16 +341,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profiles", default="h200-141g,4060ti-6g")
-    ap.add_argument("--variants", default="", help="builds of the persistent kernel timed "
-                    "too, ';'-separated, each ','-separated defines: SILU_VEC=0;FUSE_MLP=0 "
-                    "(FUSE_MLP picks the MLP's phases, not a define)")
-    ap.add_argument("--variant-timelines", action="store_true",
-                    help="the phase timeline of each --variants build too")
-    ap.add_argument("--check-variants", default="", help="builds checked too (same form as "
-                    "--variants)")
-    ap.add_argument("--variant-decode", action="store_true",
-                    help="end-to-end decode tok/s of each --variants build too (the kept "
-                    "decoder captures it anew; two generates, the second reported)")
+    ap.add_argument("--check-variants", default="", help="builds checked too, ';'-separated: "
+                    "ATT_WARPS=2 (the 2-warp attention build) or ATT_WARPS=4")
     ap.add_argument("--peer-again", action="store_true",
                     help="run the fp16 rows again after the INT4 ones; ratios against the "
                     "mean of the two (the peer varies 3-5 %% between runs)")
@@ -391,7 +365,7 @@ def main() -> None:
     if a.check_shape == "small":
         cfg = ModelConfig.from_dict(SMALL)
     else:
-        from hisparse_cli.planner_shapes import SHAPES
+        from hisparse_cli.planner.shapes import SHAPES
         name, _, layers = a.check_shape.partition(":")
         cfg = ModelConfig.from_dict({**SHAPES[name], "num_hidden_layers": int(layers or 2)})
     cases = [CHECKS[int(i)] for i in a.check_cases.split(",")] if a.check_cases else CHECKS

@@ -1,6 +1,6 @@
 """Where a decode token's time goes, and what importance scoring costs (issue 4, GPU path).
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_decode_profile.py [--out DIR] [--time-budget 230]
+    python3 benchmarks/gpu_decode_profile.py [--out DIR] [--time-budget 230]
         [--contexts 32768,131072] [--decode-tokens 96] [--profile-steps 32] [--smoke]
         [--awq [--awq-lm-head]] [--cli-sampling]
 
@@ -13,7 +13,7 @@ Per context:
   (b) the same decode loop as `Engine._decode_graph`, instrumented: the first step (eager
       warm-up + capture) alone; then per token the wall time, the GPU time of the graph replay
       (CUDA events around `graph.replay()`), the GPU time between replays (the host loop's
-      sampler, when the step does not sample itself: kernels/graph_sampler.py, the default;
+      sampler, when the step does not sample itself: engine/sampling/graph.py, the default;
       eviction, input copy and any idle gap), and the host time of each part (sampler, `_prepare`, the
       replay launch, `_after_step`, the token read-back every 16 steps).
   (c) torch.profiler over --profile-steps further steps: top CPU ops by self time, the CUDA
@@ -51,16 +51,15 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
 from gpu_engine import SMOKE, build_ours, environment, free_all, pick_backend, prompt  # noqa: E402
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig  # noqa: E402
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
-from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
-from hisparse_cli.profiles import load_profile  # noqa: E402
+from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
+from hisparse_cli.config.profiles import load_profile  # noqa: E402
 
 T0 = time.perf_counter()
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -159,8 +158,8 @@ def prefill(eng, run, ids) -> tuple[torch.Tensor, float]:
 
 # -- (b)-(d) the instrumented decode loop ----------------------------------------------------
 def decode_profile(eng, ids, steps: int, prof_steps: int, replays: int) -> dict:
-    from hisparse_cli.engine.cuda_graph import DeviceSampler, GraphDecoder
-    from hisparse_cli.kernels import graph_sampler
+    from hisparse_cli.engine.cuda_graph import GraphDecoder
+    from hisparse_cli.engine.sampling.device import DeviceSampler
 
     dev, out = eng.device, {}
     total = steps + prof_steps + 2
@@ -170,9 +169,10 @@ def decode_profile(eng, ids, steps: int, prof_steps: int, replays: int) -> dict:
     run, _ = eng.new_run(ids.numel() + total)
     with torch.inference_mode(), run:
         logits, out["prefill_s"] = prefill(eng, run, ids)
-        dec = GraphDecoder(eng.model, run, ids.numel() + total)
-        # as Engine._decode_graph: the step samples itself (the default on CUDA) where it can
-        fused = graph_sampler.enabled() and dec.sample_in_graph(gen, eos)
+        dec = GraphDecoder(eng.model, run, ids.numel() + total,
+                           persistent=eng.execution.persistent)
+        # as Engine._decode_graph: the step samples itself (the plan's default on CUDA)
+        fused = eng.execution.graph_sampler.value and dec.sample_in_graph(gen, eos)
         out["graph_sampler"] = fused
         if fused:
             dec.sample_first(logits)
@@ -398,7 +398,8 @@ def scoring(eng, ids, sparse: SparseConfig, repeats: int, replays: int) -> dict:
             with torch.inference_mode(), run:
                 _, t = prefill(eng, run, ids)
                 if imp == "uniform" and eng.device.type == "cuda" and "uniform_replay_ms" not in out:
-                    dec = GraphDecoder(eng.model, run, ids.numel() + 2)
+                    dec = GraphDecoder(eng.model, run, ids.numel() + 2,
+                                       persistent=eng.execution.persistent)
                     tok = torch.zeros(1, dtype=torch.int64, device=eng.device)
                     dec.step(tok)  # warm-up + capture
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -571,7 +572,7 @@ def main() -> None:
     ap.add_argument("--no-scoring", action="store_true", help="skip phase (e)")
     a = ap.parse_args()
     if a.cli_sampling:
-        from hisparse_cli.cli_options import RunOptions
+        from hisparse_cli.cli.options import RunOptions
 
         d = RunOptions()
         GEN_EXTRA.update(repetition_penalty=d.repetition_penalty,

@@ -13,11 +13,11 @@ One run, one H200, random weights built on the device (no download, no files):
       mode reduce-overhead), same weights (HF's tensors are shared with ours), same prompt.
   (c) the bandwidth-bound decode limit: device copy bandwidth / bytes read per decode token
       (weights + KV actually read), and each system's fraction of it.
-  (d) a 6 GiB card emulated with set_per_process_memory_fraction (hisparse_cli.vram): the
+  (d) a 6 GiB card emulated with set_per_process_memory_fraction (hisparse_cli.planner.vram): the
       4060ti-6g profile, 32K and 128K prompts, an 8B-shaped random AWQ INT4 model with host
       embeddings and a Llama-3.2-1B-shaped fp16 model, each run only if the planner says it fits.
 Prints compact tables; writes $OUT/gpu_engine.json (OUT env or --out, default ./out).
-Attention backend: Triton when kernels/attention_triton.py imports and agrees with the torch
+Attention backend: Triton when kernels/attention/attention_triton.py imports and agrees with the torch
 reference on a smoke shape, else the torch reference (HISPARSE_BACKEND=torch), said loudly.
 Phases that would overrun --time-budget are skipped with the reason printed.
 --smoke: tiny shapes and contexts (also runs on a CPU, without the memory/bandwidth parts).
@@ -36,16 +36,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from hisparse_cli.engine.config import SparseConfig  # noqa: E402
+from hisparse_cli.config.settings import SparseConfig  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
-from hisparse_cli.planner import GIB, plan_memory  # noqa: E402
-from hisparse_cli.planner_shapes import SHAPES  # noqa: E402
-from hisparse_cli.profiles import load_profile  # noqa: E402
+from hisparse_cli.planner.memory import GIB, plan_memory  # noqa: E402
+from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
+from hisparse_cli.config.profiles import load_profile  # noqa: E402
 
 MIB = 1 << 20
 T0 = time.perf_counter()
@@ -134,7 +133,8 @@ def pick_backend(dev: torch.device) -> tuple[str, str]:
     if dev.type != "cuda":
         return "torch", "no CUDA device"
     try:
-        from hisparse_cli.kernels import attention_ref, attention_triton
+        from hisparse_cli.kernels.attention import attention_ref
+        from hisparse_cli.kernels.attention import attention_triton
 
         g = torch.Generator(device=dev).manual_seed(0)
         kc = torch.randn(8, 16, 2, 64, device=dev, dtype=torch.float16, generator=g)
@@ -229,9 +229,9 @@ def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, s
                             generator=torch.Generator().manual_seed(seed))
         model.model.embed_tokens.weight = nn.Parameter(table * cfg.hidden_size ** -0.5,
                                                        requires_grad=False)
-        from hisparse_cli.kernels.host_rows import map_table
+        from hisparse_cli.kernels.cuda.host_rows import map_table
 
-        map_table(model.model.embed_tokens.weight)  # as the loader does (kernels/host_rows.py)
+        map_table(model.model.embed_tokens.weight)  # as the loader does (kernels/cuda/host_rows.py)
         model.lm_head.weight = rnd(cfg.vocab_size, cfg.hidden_size)  # loader: a device copy
     else:
         model.model.embed_tokens.weight = rnd(cfg.vocab_size, cfg.hidden_size)
@@ -382,7 +382,7 @@ def copy_bandwidth(dev: torch.device, nbytes: int = 2 * GIB, reps: int = 10) -> 
 
 def decode_bytes(plan, cfg: ModelConfig, sparse: SparseConfig | None, position: int) -> int:
     """Bytes one decode step reads: device weights (one embedding row) + K/V it attends to."""
-    from hisparse_cli.planner_run import policy, visible_count
+    from hisparse_cli.planner.run import policy, visible_count
 
     emb = next(i.bytes for i in plan.items if i.name == "weights.embeddings")
     weights = plan.weights_bytes - emb + cfg.hidden_size * 2
@@ -524,9 +524,15 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
                 last: dict = {}
                 # --reuse-engine: one Engine for the repeats, as `hisparse batch` keeps one:
                 # the repeats after the first replay the kept decode graph
-                engs = {m: (Engine(model, cfg, sparse=sparse, device=dev,
-                                   kv_dtype=torch.float16, backend=backend)
-                            if a.reuse_engine else None) for m in modes}
+                # (an Engine resolves its execution plan from the environment when it is
+                # built: each mode's Engine is built with its value set)
+                def engine_for(m):
+                    if m is not None:
+                        os.environ[a.ab_var] = m
+                    return Engine(model, cfg, sparse=sparse, device=dev,
+                                  kv_dtype=torch.float16, backend=backend)
+
+                engs = {m: engine_for(m) if a.reuse_engine else None for m in modes}
                 for _ in range(a.repeat):  # the last repeat is kept (the first graph decode
                     # of a context size in a process has run slow: specializations compile)
                     for m in modes:
@@ -573,7 +579,7 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
 
 def phase_budget(a, dev, backend, calib) -> list[dict]:
     """A 6 GiB card emulated on this GPU: the allocator may reserve card - CUDA context."""
-    from hisparse_cli.vram import allocator_cap_bytes, budget_fraction, oom_guard
+    from hisparse_cli.planner.vram import allocator_cap_bytes, budget_fraction, oom_guard
     from hisparse_cli.errors import ResourceError
 
     prof = load_profile("4060ti-6g")
@@ -692,7 +698,7 @@ def main() -> None:
         if not a.ab_var or len(a.ab_values) < 2:
             ap.error(f"--ab-env wants VAR=A,B: got {a.ab_env!r}")
     if a.cli_sampling:
-        from hisparse_cli.cli_options import RunOptions
+        from hisparse_cli.cli.options import RunOptions
 
         d = RunOptions()
         GEN_EXTRA.update(repetition_penalty=d.repetition_penalty,
@@ -705,7 +711,7 @@ def main() -> None:
     log(f"env {res['env']}")
     log(f"calibration {res['calibration']}")
     if res["calibration"]:
-        from hisparse_cli import planner
+        from hisparse_cli.planner import memory as planner
 
         cal = res["calibration"]
         log(f"planner constants: CUDA_CONTEXT_BYTES shipped {planner.CUDA_CONTEXT_BYTES}, "

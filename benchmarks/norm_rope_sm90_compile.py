@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default
 
@@ -28,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hisparse_cli.kernels import norm_rope_triton as nt  # noqa: E402
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as nt  # noqa: E402
 
 DT = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 # as launched on sm_90 (kernels/pdl.py: a decode-chain kernel waits, then triggers)

@@ -40,7 +40,7 @@ def run_study(args, specs: list[str], *, rouge: bool, max_new_tokens: int = 160,
     import torch
 
     from hisparse_cli.engine import Engine, SparseConfig
-    from hisparse_cli.models import resolve_model
+    from hisparse_cli.hub import resolve_model
     from hisparse_cli.quality.dataset import LayoutConfig, load_eval_documents
     from hisparse_cli.quality.harness import EvalResult, HarnessConfig, evaluate
     from hisparse_cli.quality.report import summary_table, write_report

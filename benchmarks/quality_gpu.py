@@ -40,7 +40,6 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 START = time.monotonic()
 
 # Documents that fill 8K tokens (legal_tldr has none: its documents are 300-1,300 tokens),
@@ -98,7 +97,7 @@ def assemble_gguf(parts: list[str], dest: Path) -> Path:
 
 
 def convert(gguf: Path, dest: Path) -> Path:
-    from hisparse_cli.models.convert import convert_gguf
+    from hisparse_cli.hub.convert import convert_gguf
 
     return convert_gguf(gguf, dest, reporter=None, source={
         "kind": "gguf-file", "file": gguf.name, "member": "SmolLM2-135M-Instruct.Q4_1.gguf"})
@@ -219,7 +218,7 @@ def run(args) -> None:
         if args.converter == "hisparse":
             try:
                 model = convert(gguf, Path(args.convert_to))
-                meta["converter"] = "hisparse_cli.models.convert (transformers' GGUF reader)"
+                meta["converter"] = "hisparse_cli.hub.convert (transformers' GGUF reader)"
             except Exception as exc:  # noqa: BLE001 - plan B below, same weights
                 log(f"hisparse converter failed ({type(exc).__name__}: {exc}); plan B")
                 meta["converter_error"] = f"{type(exc).__name__}: {exc}"

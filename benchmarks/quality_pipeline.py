@@ -14,7 +14,7 @@ The scorer is the anchor's: Google's rouge-score with the Porter stemmer and its
 tokenizer; rougeLsum on sentences split after . ! ? followed by whitespace (no nltk), one per
 line, for both summary and reference. F1 × 100. Intervals: 95 % percentile bootstrap over
 documents (10,000 resamples, seed 0); Δ columns are paired (documents resampled together).
-Also per system: degenerate summaries (hisparse_cli.guard.find_problem, the pipeline's own
+Also per system: degenerate summaries (hisparse_cli.summarize.guard.find_problem, the pipeline's own
 detector, with the genre's and the anchor's instructions as echo sources), summaries ending
 mid-sentence (guard.ends_mid_sentence), mean words against the references' mean words, and
 mean seconds per document (as the files recorded them: contended unless stated).
@@ -85,8 +85,8 @@ def main() -> None:
     from rouge_score import rouge_scorer
 
     from hisparse_cli.documents.genre import guess_genre
-    from hisparse_cli.guard import ends_mid_sentence, find_problem, words
-    from hisparse_cli.prompts import instruction_texts
+    from hisparse_cli.summarize.guard import ends_mid_sentence, find_problem, words
+    from hisparse_cli.summarize.prompts import instruction_texts
 
     systems = dict(s.split("=", 1) for s in a.systems)
     data = {name: load(path) for name, path in systems.items()}

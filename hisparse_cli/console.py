@@ -2,14 +2,16 @@
 
 stdout carries only results (written with `write_result`); everything here goes to stderr.
 Consoles are created per call, so they follow whatever sys.stderr is at that moment (Click's
-test runner swaps it). Progress bars appear only when stderr is a terminal; otherwise
-`TokenProgress` prints one short line per finished phase (or nothing with quiet=True).
+test runner swaps it). Progress bars and spinners appear only when stderr is a terminal;
+otherwise (a log) `status` prints one line when a stage starts (reading, loading the model),
+and `TokenProgress` one line when a generation starts, one at most every `LOG_EVERY_S`
+seconds during a long prefill or decode (stage, tokens done/total, tok/s, ETA) and one when
+it ends — so a batch's log shows it is alive. quiet=True (`-q`) prints none of them.
 Long lines are never wrapped, so `Error: …` stays one line in logs.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -26,10 +28,6 @@ def stderr_console() -> Console:
 
 def stdout_console() -> Console:
     return Console(highlight=False, soft_wrap=True)
-
-
-def debug_enabled() -> bool:
-    return os.environ.get("HISPARSE_DEBUG", "").strip() not in ("", "0", "false", "no")
 
 
 def write_result(text: str) -> None:
@@ -51,6 +49,19 @@ def warn(message: str) -> None:
 
 def note(message: str) -> None:
     stderr_console().print(Text.assemble(("hisparse: ", "dim"), message))
+
+
+LOG_EVERY_S = 10.0  # off a terminal: at most one progress line this often during a phase
+
+
+def eta_text(seconds: float) -> str:
+    """"ETA 42 s" / "ETA 3 min 5 s" / "ETA 1 h 02 min"."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"ETA {seconds} s"
+    if seconds < 3600:
+        return f"ETA {seconds // 60} min {seconds % 60} s"
+    return f"ETA {seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def human_bytes(n: float | int | None) -> str:
@@ -80,14 +91,17 @@ class TokenProgress:
     phase) or entering the context. Never from the phase's own first report, which for a
     one-chunk prefill is also its last (that gave rates of millions of tok/s)."""
 
-    def __init__(self, quiet: bool = False, prefix: str = "") -> None:
+    def __init__(self, quiet: bool = False, prefix: str = "",
+                 log_every_s: float | None = None) -> None:
         self.console = stderr_console()
         self.quiet, self.prefix = quiet, prefix
+        self.log_every_s = LOG_EVERY_S if log_every_s is None else log_every_s
         self.live = self.console.is_terminal and not quiet
         self._progress: Progress | None = None
         self._task = None
         self._key: tuple[str, str] | None = None
         self._started = self._last = time.perf_counter()
+        self._logged = self._last  # when the last log line was printed
         self._phases: dict[str, tuple[int, float, int]] = {}  # phase -> (done, s, total)
 
     def __enter__(self) -> "TokenProgress":
@@ -126,6 +140,9 @@ class TokenProgress:
             self._log_step()
         now = time.perf_counter()
         if (step, phase) != self._key:  # a new phase: it started now, or at the last report
+            if not self.live and (self._key is None or self._key[0] != step):
+                note(f"{self.prefix}{step}: {phase} of {total:,} tokens")  # a generation starts
+                self._logged = now
             self._key, self._started = (step, phase), now if done == 0 else self._last
             if self._progress is not None:
                 if self._task is not None:
@@ -136,14 +153,31 @@ class TokenProgress:
         self._last = now
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=done, total=total)
+        elif now - self._logged >= self.log_every_s and 0 < done < total:
+            self._log_progress(step, phase, done, total, now - self._started)
+            self._logged = now
+
+    def _log_progress(self, step: str, phase: str, done: int, total: int, sec: float) -> None:
+        """One line during a long phase: tokens done/total, rate, ETA (decode: at most, it
+        may stop early at the end-of-text token)."""
+        rate = done / sec if sec > 0 else 0.0
+        eta = ""
+        if rate > 0:
+            eta = (", " + ("at most " if phase == "decode" else "")
+                   + eta_text((total - done) / rate))
+        note(f"{self.prefix}{step} · {phase}: {done:,}/{total:,} tokens, {rate:,.1f} tok/s{eta}")
 
 
 def status(message: str, quiet: bool = False):
-    """A spinner on a terminal, nothing otherwise (a context manager either way)."""
+    """A stage: a spinner on a terminal; otherwise one log line as it starts; nothing when
+    quiet (a context manager either way)."""
     from contextlib import nullcontext
 
     console = stderr_console()
-    if quiet or not console.is_terminal:
+    if quiet:
+        return nullcontext()
+    if not console.is_terminal:
+        note(message)
         return nullcontext()
     return console.status(message)
 
@@ -219,4 +253,4 @@ UNBOUNDED_WIDTH = 10_000  # wider than any table's natural width
 
 __all__ = ["stderr_console", "stdout_console", "write_result", "print_error", "warn", "note",
            "TokenProgress", "status", "stats_table", "print_table", "human_bytes",
-           "debug_enabled"]
+           "LOG_EVERY_S", "eta_text"]

@@ -1,9 +1,13 @@
-"""Shared fixtures: tiny random Llama-family checkpoints written as safetensors, and the
-`gpu` marker that skips without CUDA."""
+"""Shared fixtures: tiny random Llama-family checkpoints written as safetensors; the `gpu`
+marker that skips without CUDA; `--gpu-group NAME`, the GPU tests in groups that each fit one
+device call (GPU_GROUPS; README, Development)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,16 +15,64 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# `python -m pytest` from the repository root puts the root on sys.path, where the top-level
+# kernels/ folder (installed as hisparse_cli.kernels) would shadow the `kernels` distribution
+# that transformers imports: the tests run against the installation only.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+if importlib.util.find_spec("hisparse_cli.kernels") is None:  # kernels/ maps in on install
+    pytest.exit("hisparse_cli.kernels is not importable: install this checkout (pip install "
+                "-e . ; with the dependencies already there: python3 -m pip install --no-deps "
+                "--no-build-isolation -e .), PYTHONPATH alone does not map kernels/", 2)
+
+# GPU test groups, each within a ~6-minute device call (H200 run logs: test_awq_triton's
+# kernels_k_cuda cases took 205 s for the fp16 half and 249 s for the bf16 one, its
+# kernels_cuda cases 131 s, 64 of its 192 packed GEMV cases 64 s, the engine files 124-136 s). name -> (test files, predicate on the test's name); a gpu test
+# in no group is in "rest". Run one with `python3 -m pytest -q -m gpu tests --gpu-group NAME`.
+GPU_GROUPS = {
+    "int4-k-a": (("test_awq_triton.py",),
+                 lambda name: "kernels_k_cuda" in name and "dtype0" in name),
+    "int4-k-b": (("test_awq_triton.py",),
+                 lambda name: "kernels_k_cuda" in name and "dtype0" not in name),
+    "int4-kernels": (("test_awq_triton.py",), lambda name: name.startswith("test_kernels_cuda[")),
+    "int4-rest": (("test_awq_triton.py", "test_awq_items.py", "test_awq_model.py",
+                   "test_awq_cpu.py", "test_awq_layout.py"),
+                  lambda name: "kernels_k_cuda" not in name
+                  and not name.startswith("test_kernels_cuda[")),
+    "kernels": (("test_attention_kernels.py", "test_norm_rope_kernels.py",
+                 "test_argmax_triton.py", "test_graph_sampler.py", "test_host_rows.py",
+                 "test_pdl.py", "test_cuda_rt.py", "test_attention_ref.py"), lambda name: True),
+    "engine": (("test_cuda_step.py", "test_cuda_graph.py", "test_graph_reuse.py",
+                "test_planner.py", "test_engine_parity.py", "test_sparse_attention.py",
+                "test_kv_cache.py", "test_block_pool.py"), lambda name: True),
+}
+
+
+def gpu_group(item) -> str:
+    """The GPU_GROUPS name of a collected test ("rest" when none takes it)."""
+    for name, (files, takes) in GPU_GROUPS.items():
+        if item.path.name in files and takes(item.name):
+            return name
+    return "rest"
+
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="also run slow end-to-end tests (real embedded model; CI runs them)")
+    parser.addoption("--gpu-group", default=None, choices=[*GPU_GROUPS, "rest"],
+                     help="only the tests of this GPU group (with -m gpu: one device call)")
 
 
 def pytest_collection_modifyitems(config, items):
     run_slow = config.getoption("--slow") or os.environ.get("HISPARSE_SLOW_TESTS") == "1"
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_slow = pytest.mark.skip(reason="slow end-to-end test: run with --slow")
+    group = config.getoption("--gpu-group")
+    if group is not None:
+        keep = [item for item in items if gpu_group(item) == group]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from hisparse_cli.cli import app
+from hisparse_cli.cli.app import app
 
 
 def run(*args, env: dict | None = None):
@@ -19,10 +19,12 @@ def show(result) -> str:
 
 def assert_error(result, code: int, *needles: str) -> None:
     """Exit `code`, nothing on stdout, exactly an `Error:` and a `Hint:` line on stderr (no
-    traceback), each needle in stderr."""
+    traceback; stage lines a log gets before them, `hisparse: reading …`, aside), each
+    needle in stderr."""
     assert result.exit_code == code, show(result)
     assert result.stdout == "", show(result)
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines()
+             if not line.startswith("hisparse: ")]
     assert len(lines) == 2, show(result)
     assert lines[0].startswith("Error: ") and lines[1].startswith("Hint: "), show(result)
     assert "Traceback" not in result.stderr, show(result)

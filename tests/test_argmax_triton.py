@@ -1,4 +1,4 @@
-"""kernels/argmax_triton.py: greedy_pick against torch.argmax on a masked copy (the oracle),
+"""kernels/sampling/argmax_triton.py: greedy_pick against torch.argmax on a masked copy (the oracle),
 under the Triton interpreter on the CPU and on CUDA (gpu marker)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _oracle(x: torch.Tensor, suppress: torch.Tensor | None) -> int:
 def _cases(device: str, vocab: int):
     """(name, x, suppress): random rows, ties (first index wins), all -inf, NaN (the first
     wins, as torch.argmax), suppressed winners, a suppress list past the in-kernel limit."""
-    from hisparse_cli.kernels.argmax_triton import BLOCK, MAX_SUPPRESS
+    from hisparse_cli.kernels.sampling.argmax_triton import BLOCK, MAX_SUPPRESS
 
     g = torch.Generator().manual_seed(vocab)
     r = torch.randn(vocab, generator=g)
@@ -52,7 +52,7 @@ def test_greedy_pick_interpreted_equals_torch_argmax(vocab, monkeypatch):
 import torch, sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from test_argmax_triton import _cases, _oracle
-from hisparse_cli.kernels.argmax_triton import greedy_pick_triton
+from hisparse_cli.kernels.sampling.argmax_triton import greedy_pick_triton
 bad = []
 for name, x, s in _cases("cpu", {vocab}):
     out = torch.full((1,), -1, dtype=torch.int64)
@@ -70,7 +70,7 @@ assert not bad, bad
 
 def test_greedy_pick_cpu_path():
     """The CPU path (torch) applies the same masking."""
-    from hisparse_cli.kernels.argmax_triton import greedy_pick
+    from hisparse_cli.kernels.sampling.argmax_triton import greedy_pick
 
     for name, x, s in _cases("cpu", 300):
         assert int(greedy_pick(x, s)[0]) == _oracle(x, s), name
@@ -83,7 +83,7 @@ def test_greedy_pick_cpu_path():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("vocab", [7, 1025, 32000, 128256])
 def test_greedy_pick_cuda_equals_torch_argmax(vocab):
-    from hisparse_cli.kernels.argmax_triton import greedy_pick
+    from hisparse_cli.kernels.sampling.argmax_triton import greedy_pick
 
     for name, x, s in _cases("cuda", vocab):
         assert int(greedy_pick(x, s)[0]) == _oracle(x, s), name

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from hisparse_cli.attention import choose_attention, dense_of, running_under
-from hisparse_cli.cli_options import Attention, RunOptions
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.planner.attention_choice import choose_attention, dense_of, running_under
+from hisparse_cli.cli.options import Attention, RunOptions
+from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.errors import ConfigError
-from hisparse_cli.profiles import HardwareProfile, load_profile
+from hisparse_cli.config.profiles import HardwareProfile, load_profile
 
 SPARSE = SparseConfig(window_size=1024, global_tokens=64, recalibrate_every=256,
                       recalibrate_topk=64)
@@ -82,8 +82,8 @@ def test_unknown_mode_is_a_config_error():
 
 
 def test_the_real_planner_picks_dense_for_the_default_model_on_the_cpu_profile():
-    from hisparse_cli.planner_profile import plan_for_profile
-    from hisparse_cli.planner_shapes import shape_config
+    from hisparse_cli.planner.profile import plan_for_profile
+    from hisparse_cli.planner.shapes import shape_config
 
     cfg, profile = shape_config("smollm2-135m"), load_profile("cpu")
 
@@ -135,8 +135,8 @@ def test_running_under_switches_the_engine_policy_and_restores_it():
 
 
 def test_the_attention_mode_is_part_of_the_batch_settings_id():
-    from hisparse_cli.job import Job
-    from hisparse_cli.pipeline import SummarySettings
+    from hisparse_cli.summarize.job import Job
+    from hisparse_cli.summarize.pipeline import SummarySettings
 
     profile = load_profile("cpu")
     ids = {mode: Job(profile, profile.sparse_config(), SummarySettings(), attention=mode)

@@ -1,4 +1,4 @@
-"""Triton attention kernels vs the torch reference (kernels/attention_ref.py, the oracle).
+"""Triton attention kernels vs the torch reference (kernels/attention/attention_ref.py, the oracle).
 
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below before the
 kernel modules are imported) with small shapes; `gpu`-marked tests use larger shapes and the
@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import attention_ref as ref  # noqa: E402
-from hisparse_cli.kernels import attention_triton as tri  # noqa: E402
-from hisparse_cli.kernels.importance_triton import strided_mass_reference  # noqa: E402
+from hisparse_cli.kernels.attention import attention_ref as ref  # noqa: E402
+from hisparse_cli.kernels.attention import attention_triton as tri  # noqa: E402
+from hisparse_cli.kernels.attention.importance_triton import strided_mass_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # |triton - reference| <= atol + rtol * |reference|
@@ -373,16 +373,16 @@ def test_fused_reduce_mass_equals_two_launches(monkeypatch, accum):
     n_phys, bs, hkv, _ = step["k_cache"].shape
     results = {}
     for fuse in (False, True):
-        monkeypatch.setattr(tri, "FUSE_REDUCE_MASS", fuse)
         launched.clear()
         if accum:
             into = (torch.zeros(n_phys, bs, hkv, device=DEV), torch.zeros(hkv, 7, device=DEV),
                     torch.zeros(hkv, 7, device=DEV))
             out = tri.sparse_attention(**step, return_scores=True, num_splits=3,
-                                       scores_into=into)
+                                       scores_into=into, fuse_reduce_mass=fuse)
             results[fuse] = (out[0], *into)
         else:
-            results[fuse] = tri.sparse_attention(**step, return_scores=True, num_splits=3)
+            results[fuse] = tri.sparse_attention(**step, return_scores=True, num_splits=3,
+                                                 fuse_reduce_mass=fuse)
         assert launched == (["_attn_reduce_mass"] if fuse
                             else ["_attn_reduce", "_mass_from_logits"]), launched
     # the forward's lse tail left its split counters at zero for the next call / replay

@@ -1,4 +1,4 @@
-"""The torch reference's CPU fast paths (kernels/attention_ref.py) vs an explicit gather and
+"""The torch reference's CPU fast paths (kernels/attention/attention_ref.py) vs an explicit gather and
 softmax: the one scored query that reads the whole paged storage in place (masked slots of
 freed, reused and never used blocks, unwritten slots of the last block, empty global slots)
 and the SDPA path's in-place view of consecutive blocks."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_cli.kernels import attention_ref as ref
+from hisparse_cli.kernels.attention import attention_ref as ref
 
 HQ, HKV, D, BS = 6, 2, 16, 4
 

@@ -1,4 +1,4 @@
-"""The CPU INT4 decode path (kernels/awq_cpu.py: torch's packed int4 kernel on bf16
+"""The CPU INT4 decode path (kernels/int4/awq_cpu.py: torch's packed int4 kernel on bf16
 activations) against the fp32 dequantized matmul, and the dispatch rules around it."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_cli.kernels import awq_cpu
-from hisparse_cli.kernels.awq_pack import quantize_weight
-from hisparse_cli.kernels.awq_ref import awq_linear, dequantize_weight
+from hisparse_cli.kernels.int4 import awq_cpu
+from hisparse_cli.kernels.int4.awq_pack import quantize_weight
+from hisparse_cli.kernels.int4.awq_ref import awq_linear, dequantize_weight
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
 
 pytestmark = pytest.mark.skipif(not awq_cpu.int4pack_available(),

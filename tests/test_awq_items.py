@@ -1,12 +1,11 @@
-"""The item INT4 layout (kernels/awq_items.py): single nibbles, scales and zero points placed
-by hand against the spec (ring_common.cuh: word ((rt * 2 + kt // 4) * 32 + lane) * 4 + kt % 4,
-bits 4 p + 16 h), AWQ <-> items round trips, the reference against the AWQ oracle and the
-CUDA benchmark's own dequantization (benchmarks/gpu_cuda_chain.py:_dequant_mma), the Triton
+"""The item INT4 layout (kernels/int4/awq_items.py): single nibbles, scales and zero points placed
+by hand against the spec (decode_step.cu item_mma: word ((rt * 2 + kt // 4) * 32 + lane) * 4 + kt % 4,
+bits 4 p + 16 h), AWQ <-> items round trips, the reference against the AWQ oracle and a
+reading of the words in mma.sync fragment order (_dequant_mma, below), the Triton
 dequantize (TRITON_INTERPRET=1 without CUDA) and items_linear. `gpu`: realistic shapes."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -17,14 +16,14 @@ import torch
 if not torch.cuda.is_available():  # must precede the first triton import in this process
     os.environ["TRITON_INTERPRET"] = "1"
 
-from hisparse_cli.kernels import awq_items  # noqa: E402
-from hisparse_cli.kernels.awq_items import (dequantize_items, dequantize_items_ref,  # noqa: E402
-                                            items_from_awq, items_linear, items_to_awq)
-from hisparse_cli.kernels.awq_pack import pack_int4, quantize_weight  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_items  # noqa: E402
+from hisparse_cli.kernels.int4.awq_items import (dequantize_items_ref, items_from_awq,  # noqa: E402
+                                                 items_to_awq)
+from hisparse_cli.kernels.int4.awq_items_linear import dequantize_items, items_linear  # noqa: E402
+from hisparse_cli.kernels.int4.awq_pack import pack_int4, quantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_cuda_chain.py"
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3}  # relative to max |y| (test_awq_triton.py)
 
 
@@ -171,18 +170,38 @@ def test_reference_equals_awq_dequantization(k, n):
     assert torch.equal(dequantize_items_ref(items, k, n, 128, 256), oracle[128:256])
 
 
-def test_reference_equals_the_cuda_benchmark_dequantization():
-    """The product must agree with the layout the decode kernel reads: the benchmark's torch
-    dequantization of its mma.sync item layout (checked there against the kernel's outputs
-    on the H200 and against a word-by-word reading in test_bench_cuda_chain.py)."""
-    spec = importlib.util.spec_from_file_location("gpu_cuda_chain", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.ITEM_WORDS == awq_items.ITEM_WORDS and bench.ITEM_BYTES == awq_items.ITEM_BYTES
+def _dequant_mma(it: torch.Tensor, t: int, g: int) -> torch.Tensor:
+    """W [K, N] of items [T, G, 2128] read in the decode kernel's mma.sync fragment order
+    (decode_step.cu's item_mma; written for the CUDA benchmark kernels that preceded it and
+    checked there against their outputs on the H200): words [T, G, rt 8, kt/4 2, lane (gg 8,
+    tt 4), kt%4 4]; nibble pair p = 2 pk + pr at bits 4 p (K even) and 16 + 4 p (K odd): row
+    16 rt + 8 pr + gg, K 64 kt4 + 16 c + 8 pk + 2 tt + h."""
+    w = it[..., :2048].reshape(t, g, 8, 2, 8, 4, 4)[..., None, None, None]
+    dev = w.device
+    pk = torch.arange(2, device=dev, dtype=torch.int32).view(2, 1, 1)
+    pr = torch.arange(2, device=dev, dtype=torch.int32).view(1, 2, 1)
+    h = torch.arange(2, device=dev, dtype=torch.int32).view(1, 1, 2)
+    q = (w >> (4 * (2 * pk + pr) + 16 * h)) & 15  # [T, G, rt, kt4, gg, tt, c, pk, pr, h]
+    q = q.permute(1, 3, 6, 7, 5, 9, 0, 2, 8, 4).reshape(g * 128, t * 128).float()
+    s = it[..., 2048:2112].contiguous().view(torch.float16).view(t, g, 8, 8, 2).float()
+    zb = it[..., 2112:2128].contiguous().view(torch.uint8).view(t, g, 8, 8, 1).int()
+    z = (zb >> (4 * torch.arange(2, device=dev, dtype=torch.int32))) & 15  # [T, G, gg, rt, pr]
+    s = s.permute(1, 0, 3, 4, 2).reshape(g, t * 128).repeat_interleave(128, 0)
+    z = z.permute(1, 0, 3, 4, 2).reshape(g, t * 128).float().repeat_interleave(128, 0)
+    return (q - z) * s
+
+
+def test_reference_equals_the_mma_fragment_reading():
+    """The product must agree with the layout the decode kernel reads: the words read in
+    mma.sync fragment order (_dequant_mma), and the kernel's item size."""
+    from hisparse_cli.kernels.cuda import cuda_step
+
+    assert cuda_step.ITEM_WORDS == awq_items.ITEM_WORDS
+    assert cuda_step.ITEM_BYTES == awq_items.ITEM_BYTES
     k, n = 384, 256
     qw, qz, s = random_awq(k, n, seed=5)
     items = items_from_awq(qw, qz, s)
-    w = bench._dequant_mma(items.view(n // 128, k // 128, 2128), n // 128, k // 128)  # [K, N]
+    w = _dequant_mma(items.view(n // 128, k // 128, 2128), n // 128, k // 128)  # [K, N]
     assert torch.equal(w, dequantize_weight(qw, qz, s, 128))
     assert torch.equal(w.t(), dequantize_items_ref(items, k, n))
 
@@ -204,7 +223,7 @@ def test_triton_dequantize_equals_reference(cols, dtype):
 
 @pytest.mark.parametrize("block_rt", [1, 2, 4])
 def test_triton_dequantize_row_blocks(block_rt):
-    from hisparse_cli.kernels.awq_items_triton import dequant_items_launch
+    from hisparse_cli.kernels.int4.awq_items_triton import dequant_items_launch
 
     k, n = 128, 256
     items = items_from_awq(*random_awq(k, n, seed=block_rt, device=DEV))
@@ -243,7 +262,7 @@ def test_prepared_items_linear_equals_items_linear(m, chunk, monkeypatch):
     """The prepared form (checks once, dequantize launches replayed from CUDA graphs on CUDA)
     gives items_linear's values exactly: the same dequantized W^T into the same matmul;
     repeated calls replay the captured graphs and still agree."""
-    from hisparse_cli.kernels import awq_items_triton as t
+    from hisparse_cli.kernels.int4 import awq_items_triton as t
 
     k, n = 256, 384
     items = items_from_awq(*random_awq(k, n, seed=m, device=DEV))
@@ -257,7 +276,7 @@ def test_prepared_items_linear_equals_items_linear(m, chunk, monkeypatch):
         assert torch.equal(prep(x), want)
     assert torch.equal(prep(x.view(1, m, k)), want.view(1, m, n))
     if DEV == "cuda":  # one graph per chunk (the workspace comes back at the same address)
-        from hisparse_cli.kernels.awq_triton import GRAPHS_PER_LINEAR
+        from hisparse_cli.kernels.int4.awq_triton import GRAPHS_PER_LINEAR
 
         assert 1 <= len(prep.graphs) <= GRAPHS_PER_LINEAR
     with pytest.raises(ValueError, match="x must be"):
@@ -270,7 +289,7 @@ _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
-from hisparse_cli.kernels import awq_items_triton as t
+from hisparse_cli.kernels.int4 import awq_items_triton as t
 for dt in ('*fp16', '*bf16'):
     k = c.compile_one(t._dequant_items_kernel, dict(it_ptr='*i32', s_ptr='*fp16', z_ptr='*u8',
                       w_ptr=dt, G='i32', tile0='i32', stride_wn='i32'),

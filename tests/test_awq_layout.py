@@ -1,4 +1,4 @@
-"""The K-major run-time INT4 layout (kernels/awq_layout.py): repack against the reference
+"""The K-major run-time INT4 layout (kernels/int4/awq_layout.py): repack against the reference
 unpacking and hand-built words, its inverse, the torch reference on it, AWQLinear's repack,
 and the GEMV launch choices the planner mirrors."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_layout import (GemvConfig, gemv_config, kmajor_to_awq,
+from hisparse_cli.kernels.int4 import awq_layout
+from hisparse_cli.kernels.int4.awq_layout import (GemvConfig, gemv_config, kmajor_to_awq,
                                              repack_kmajor, unpack_kmajor)
-from hisparse_cli.kernels.awq_pack import pack_int4, quantize_weight, unpack_int4
-from hisparse_cli.kernels.awq_ref import awq_linear, awq_linear_k
+from hisparse_cli.kernels.int4.awq_pack import pack_int4, quantize_weight, unpack_int4
+from hisparse_cli.kernels.int4.awq_ref import awq_linear, awq_linear_k
 
 
 def test_hand_built_words():
@@ -56,7 +56,7 @@ def test_tiled_back_to_awq_in_chunks(k, n, group, chunk_rows, monkeypatch):
 
 def test_kmajor_to_awq_temporaries_are_bounded(monkeypatch):
     """No chunk converts more than TO_AWQ_CHUNK_ELEMS codes (rounded up to one 64-row tile)."""
-    from hisparse_cli.kernels import awq_pack
+    from hisparse_cli.kernels.int4 import awq_pack
 
     seen = []
     real = awq_pack.pack_int4
@@ -123,8 +123,6 @@ def test_gemv_config_rejects_bad_fields():
         GemvConfig(block_n=32, block_kw=16, split=1, num_warps=2, num_stages=1, packed=3)
     with pytest.raises(ValueError, match="maxnreg"):
         GemvConfig(block_n=32, block_kw=16, split=1, num_warps=2, num_stages=1, maxnreg=300)
-    with pytest.raises(ValueError, match="rows2d"):
-        GemvConfig(block_n=32, block_kw=16, split=1, num_warps=2, num_stages=1, rows2d=2)
 
 
 @pytest.mark.parametrize("n", [6144, 4096, 28672, 128256, 40])

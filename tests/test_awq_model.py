@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hisparse_cli.errors import ModelError
-from hisparse_cli.kernels.awq_pack import quantize_weight
+from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 from hisparse_cli.model.awq import AWQConfig, AWQLinear, parse_quantization_config
 from test_awq_ref import oracle_weight
 
@@ -64,7 +64,7 @@ def test_kmajor_linear_prepares_once_and_again_when_buffers_change():
     """The K-major forward binds the backend's linear to the buffers once (checks and launch
     constants: host time bounds INT4 prefill), again once a buffer object is replaced, and
     drops it on .to() (so the old buffers are not kept alive)."""
-    from hisparse_cli.kernels.awq_layout import repack_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import repack_kmajor
 
     torch.manual_seed(0)
     p = quantize_weight(torch.randn(40, 64), 32)
@@ -168,7 +168,7 @@ def test_mixed_checkpoint_cpu_int4pack_path(tmp_path):
     bf16's rounding (x and y rounded to 8 bits: ~2^-8 of the logits' scale a layer); longer
     calls are the reference's bits; the packed copy follows stacking, is not saved, and is
     dropped off the CPU."""
-    from hisparse_cli.kernels.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_available
+    from hisparse_cli.kernels.int4.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_available
     from hisparse_cli.model.llama import forward_full, fuse_projections
     from hisparse_cli.model.loader import load_model
 

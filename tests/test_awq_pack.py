@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_cli.kernels.awq_pack import (fake_quantize, group_minmax_params, pack_int4,
+from hisparse_cli.kernels.int4.awq_pack import (fake_quantize, group_minmax_params, pack_int4,
                                            quantize_weight, unpack_int4)
-from hisparse_cli.kernels.awq_ref import dequantize_weight
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
 
 SPEC_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from hisparse_cli.errors import ConfigError, ModelError
-from hisparse_cli.kernels.awq_pack import fake_quantize
+from hisparse_cli.kernels.int4.awq_pack import fake_quantize
 from hisparse_cli.quantize.search import linear_outputs_loss, search_clip, search_scale
 from test_awq_model import make_tiny_llama
 from test_awq_ref import oracle_weight

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse_cli.kernels.awq_pack import quantize_weight
-from hisparse_cli.kernels.awq_ref import awq_linear
+from hisparse_cli.kernels.int4.awq_pack import quantize_weight
+from hisparse_cli.kernels.int4.awq_ref import awq_linear
 from test_awq_pack import oracle_unpack_word
 
 

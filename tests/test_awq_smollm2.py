@@ -15,7 +15,7 @@ GROUP = 64
 @pytest.fixture(scope="module")
 def smollm2():
     from hisparse_cli.errors import ModelError
-    from hisparse_cli.models.resolve import resolve_model
+    from hisparse_cli.hub.resolve import resolve_model
 
     try:
         return resolve_model(None)

@@ -17,9 +17,12 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import awq_gemm_k, awq_gemv, awq_layout, awq_triton  # noqa: E402
-from hisparse_cli.kernels.awq_layout import GemmConfig, GemvConfig  # noqa: E402
-from hisparse_cli.kernels.awq_ref import dequantize_weight  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemm_k  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemv  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_triton  # noqa: E402
+from hisparse_cli.kernels.int4.awq_layout import GemmConfig, GemvConfig  # noqa: E402
+from hisparse_cli.kernels.int4.awq_ref import dequantize_weight  # noqa: E402
 from test_awq_ref import random_awq  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402,F401 - the interpreter wants it in jit'd globals
@@ -154,9 +157,9 @@ def test_kernels_cuda(dtype, group, k, n, m, fn):
     check(y, x, qw, qz, s, b, group)
 
 
-# -- K-major layout (kernels/awq_layout.py): what AWQLinear runs on CUDA -----------------------
+# -- K-major layout (kernels/int4/awq_layout.py): what AWQLinear runs on CUDA -----------------------
 def case_k(m, k, n, group, dtype, device, bias=True, seed=0):
-    from hisparse_cli.kernels.awq_layout import repack_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import repack_kmajor
 
     x, qw, qz, s, b = case(m, k, n, group, dtype, device, bias=bias, seed=seed)
     return x, qw, repack_kmajor(qw), qz, s, b
@@ -220,8 +223,8 @@ def test_gemv_k_interpreter_stream_same_bits(stream, prefetch, split, m):
 def test_repack_straight_into_tiles(monkeypatch):
     """repack_kmajor(tiled_group=...) writes tile_kmajor's order chunk by chunk (chunks of
     whole 64-row tiles, here several of them): the same tensor as tiling the K-major one."""
-    from hisparse_cli.kernels.awq_layout import repack_kmajor, tile_kmajor
-    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.int4.awq_layout import repack_kmajor, tile_kmajor
+    from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 
     p = quantize_weight(torch.randn(320, 256, generator=torch.Generator().manual_seed(1)), 64)
     monkeypatch.setattr(awq_layout, "REPACK_CHUNK_ELEMS", 8 * 256 * 3)  # 3 words: rounded up
@@ -231,7 +234,7 @@ def test_repack_straight_into_tiles(monkeypatch):
 def test_tile_kmajor_puts_each_word_where_the_formula_says():
     """awq_layout.tile_kmajor: word (n, w) at ((n // 64) KW/T + w // T) 64 T + (n % 64) T +
     w % T (T = tile_words(group)); untile_kmajor inverts it."""
-    from hisparse_cli.kernels.awq_layout import tile_kmajor, tile_words, untile_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import tile_kmajor, tile_words, untile_kmajor
 
     for group, (n, kw) in ((128, (128, 48)), (32, (192, 12)), (64, (64, 8))):
         qt = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, kw), dtype=torch.int32,
@@ -255,7 +258,7 @@ def test_gemv_k_interpreter_tiled_same_bits(group, block_n, split, m, packed, pr
     arithmetic, so the same bits as the plain K-major layout, for every path (packed 0/1/2,
     the register prefetch, split-K, 128-row programs spanning two tiles, partial last tile of
     columns masked by n)."""
-    from hisparse_cli.kernels.awq_layout import tile_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import tile_kmajor
 
     n = 192  # three 64-row tiles; block_n 128: the second program's upper half is masked
     x, qw, qt, qz, s, b = case_k(m, 8 * group, n, group, torch.float16, "cpu", seed=m)
@@ -452,7 +455,7 @@ def test_gemm_k_interpreter(group, m, block_m):
 
 
 def _gemm_packed_same_bits(group, tiled, monkeypatch):
-    """awq_gemm_k.GEMM_PACKED: fp16 x through the packed dequantization (PTX on CUDA, its fp32
+    """awq_gemm_k's packed dequantization: fp16 x through it (PTX on CUDA, its fp32
     emulation in the interpreter) gives the bits of the fp32-path dequantization: the same
     fp16 (q - z) s values into the same dot."""
     dev = "cpu" if CPU else "cuda"
@@ -462,8 +465,8 @@ def _gemm_packed_same_bits(group, tiled, monkeypatch):
     cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2)
     ys = []
     for packed in (True, False):
-        monkeypatch.setattr(awq_gemm_k, "GEMM_PACKED", packed)
-        ys.append(awq_gemm_k.awq_gemm_k(x, words, qz, s, b, group, config=cfg, tiled=tiled))
+        ys.append(awq_gemm_k.awq_gemm_k(x, words, qz, s, b, group, config=cfg, tiled=tiled,
+                                        packed=packed))
     assert torch.equal(ys[0], ys[1])
     check(ys[0], x, qw, qz, s, b, group)
 
@@ -534,7 +537,7 @@ def test_planner_mirrors_awq_linear_k_allocations(m, dtype, max_fused, monkeypat
 
     from test_planner import AllocRecorder
 
-    from hisparse_cli.planner_trace import Trace, _awq_triton
+    from hisparse_cli.planner.trace import Trace, _awq_triton
 
     monkeypatch.setitem(awq_layout.FUSED_MAX_TOKENS, "small_n", max_fused)
     k, n = 128, 200
@@ -598,7 +601,7 @@ def test_packed_gemv_constants_exact(packed, div):
     for every code q and zero point z, the fp16 1024 + q (1024 + 16 q for a byte's upper
     nibble) times the scale plus the offset is (q - z) / div exactly, in one fp16 rounding
     (an HFMA2), and the offsets' bits are what the kernel builds from z."""
-    from hisparse_cli.kernels import awq_gemv as ag
+    from hisparse_cli.kernels.int4 import awq_gemv as ag
 
     z1, z16 = (ag._Z1_64, ag._Z16_64) if packed == 1 else (ag._Z1_128, ag._Z16_128)
     c1, c16 = 1.0 / div, 1.0 / (16 * div)
@@ -630,12 +633,6 @@ def test_packed_gemv_cuda(packed, group, k, n, m, split, monkeypatch):
     check(y, x, qw, qz, s, b, group)
     if group != 128 or m not in (1, 4):
         return
-    # x pairs by PRMT or by bit operations: the same pairs, so the same products
-    monkeypatch.setattr(awq_gemv, "PAIR_PRMT", not awq_gemv.PAIR_PRMT)
-    yb = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
-    check(yb, x, qw, qz, s, b, group)
-    assert torch.equal(yb, y) or float((yb.float() - y.float()).abs().max()) <= \
-        1e-3 * float(y.float().abs().max()), "PAIR_PRMT flipped"
     for other in (replace(cfg, maxnreg=64), replace(cfg, num_stages=3)):  # same products
         yo = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=other)
         assert torch.equal(yo, y) or float((yo.float() - y.float()).abs().max()) <= \
@@ -649,7 +646,7 @@ def test_awq_linear_tiled_layout_and_stacking(monkeypatch):
     through the reference (which reads an untiled copy); q|k stacked from tiled pieces
     (llama._stack_linears, whole 64-row tiles) equals the pieces' outputs side by side; a
     shape whose rows do not fill tiles stays K-major."""
-    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.int4.awq_pack import quantize_weight
     from hisparse_cli.kernels.dispatch import KernelBackend
     from hisparse_cli.model import awq as awq_mod
     from hisparse_cli.model.awq import AWQLinear
@@ -685,9 +682,8 @@ def test_awq_linear_tiled_layout_and_stacking(monkeypatch):
     assert q.set_tiled(False) and q.layout == "kmajor" and torch.equal(q(x), want)
     odd, _ = lin_of(72, 2)  # 72 rows: not whole 64-row tiles
     assert not odd.set_tiled(True) and odd.layout == "kmajor"
-    # awq_layout.TILED_WEIGHTS: what from_checkpoint stores on CUDA + Triton
+    # what from_checkpoint stores on CUDA + Triton: the tiled words
     monkeypatch.setattr(AWQLinear, "repacks_on", staticmethod(lambda device: True))
-    monkeypatch.setattr(awq_layout, "TILED_WEIGHTS", True)
     loaded = AWQLinear.from_checkpoint(p.qweight, p.qzeros, p.scales, None, 32,
                                        dtype=torch.float16)
     assert loaded.layout == "tiled" and torch.equal(loaded.qweight, q.set_tiled(True) and q.qweight)
@@ -701,7 +697,7 @@ def test_awq_linear_tiled_layout_and_stacking(monkeypatch):
 def test_tiled_gemv_cuda_same_bits(group, k, n, m):
     """GemvConfig.tiled on sm_90 (16-byte loads of the tiled words): the same bits as the
     K-major layout with the table's tile and split, and with a 128-row and a 32-row tile."""
-    from hisparse_cli.kernels.awq_layout import gemv_config, tile_kmajor
+    from hisparse_cli.kernels.int4.awq_layout import gemv_config, tile_kmajor
 
     x, qw, qt, qz, s, b = case_k(m, k, n, group, torch.float16, "cuda", seed=m)
     tiled = tile_kmajor(qt, group)
@@ -767,44 +763,6 @@ def test_packed_gemv_interpreter(packed, group, m, split):
 
 
 @interp
-@pytest.mark.parametrize("packed,prefetch,m,split,group", [
-    (0, 0, 1, 1, 128), (0, 1, 3, 2, 64), (1, 0, 3, 2, 64), (2, 0, 1, 1, 128), (2, 1, 3, 2, 64),
-    (2, 0, 2, 4, 32)])
-def test_gemv_rows2d_interpreter_same_bits(packed, prefetch, m, split, group):
-    """GemvConfig.rows2d loads each step's zero points and scales as [BN, BKW] tiles (every
-    word column of a row the row's value) instead of [BN] vectors: a layout choice, the same
-    products and sums, so the same bits, on every path (fp32, packed 1 and 2, prefetch)."""
-    x, qw, qt, qz, s, b = case_k(m, 4 * group, 200, group, torch.float16, "cpu", seed=m)
-    cfg = GemvConfig(block_n=32, block_kw=min(16, group // 8), split=split, num_warps=1,
-                     num_stages=1, prefetch=prefetch, packed=packed)
-    plain = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=cfg)
-    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, group, config=replace(cfg, rows2d=1))
-    assert torch.equal(y, plain)
-    check(y, x, qw, qz, s, b, group)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(CPU, reason="needs CUDA")
-@pytest.mark.parametrize("packed,prefetch", [(0, 0), (2, 0), (2, 1)])
-@pytest.mark.parametrize("k,n", SHAPES + [(14336, 4096)])
-@pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("block_n,warps", [(64, 2), (128, 4)])
-def test_gemv_rows2d_cuda(packed, prefetch, k, n, m, block_n, warps):
-    """rows2d on sm_90 (the packed path's PTX included): within the tolerance of the fp32
-    reference, and within 1e-3 of max |y| of rows2d 0 (the same arithmetic; the compiler may
-    contract other products into FMAs in the other layout, so not always the same bits)."""
-    x, qw, qt, qz, s, b = case_k(m, k, n, 128, torch.float16, "cuda", seed=m)
-    sms = awq_gemv._sm_count(x.device)
-    cfg = GemvConfig(block_n=block_n, block_kw=16,
-                     split=awq_layout.gemv_split(k, n, block_n, 16, 16, sms), num_warps=warps,
-                     num_stages=1, prefetch=prefetch, stream=2, packed=packed, rows2d=1)
-    y = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=cfg)
-    check(y, x, qw, qz, s, b, 128)
-    y0 = awq_gemv.awq_gemv_k(x, qt, qz, s, b, 128, config=replace(cfg, rows2d=0))
-    assert float((y.float() - y0.float()).abs().max()) <= 1e-3 * float(y0.float().abs().max())
-
-
-@interp
 @pytest.mark.parametrize("packed", [1, 2])
 def test_packed_gemv_interpreter_extreme_x(packed):
     _extreme_x(packed, "cpu", 256, 64)
@@ -833,24 +791,12 @@ _COMPILE_PACKED = """
 import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
-from hisparse_cli.kernels.awq_layout import GemvConfig
+from hisparse_cli.kernels.int4.awq_layout import GemvConfig
 for packed, m, partial in ((1, 1, False), (2, 2, True)):
     cfg = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1, stream=2,
                      packed=packed)
     k = c.compile_gemv(cfg, m, partial, 128, '*fp16')
     c.report(f'packed{packed}', k, None)
-for rows2d in (0, 1):
-    cfg = GemvConfig(block_n=128, block_kw=16, split=1, num_warps=4, num_stages=1, stream=2,
-                     packed=2, rows2d=rows2d)
-    print(f'rows2d{rows2d} loop barriers', c.loop_count(c.compile_gemv(cfg, 1, False, 128,
-                                                                      '*fp16'), 'BAR'))
-from hisparse_cli.kernels import awq_gemv
-for prmt in (True, False):  # the x pairs by PRMT or by bit operations (the table's tile)
-    awq_gemv.PAIR_PRMT = prmt
-    cfg = GemvConfig(block_n=64, block_kw=16, split=1, num_warps=2, num_stages=1, stream=2,
-                     packed=2, pdl=1)
-    k = c.compile_gemv(cfg, 1, False, 128, '*fp16')
-    print(f'prmt{int(prmt)} loop', c.loop_length(k), 'PRMT', c.loop_count(k, 'PRMT'))
 """
 
 
@@ -875,16 +821,5 @@ def test_packed_gemv_ptx_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("packed")]
     assert len(lines) == 2, out.stdout
-    # rows2d 0: the [BN] zero points / scales convert layouts through shared memory, with
-    # barriers in the loop; rows2d 1 loads them in the word tile's layout: none
-    bars = dict(ln.split(" loop barriers ") for ln in out.stdout.splitlines()
-                if " loop barriers " in ln)
-    assert int(bars["rows2d0"]) > 0 and int(bars["rows2d1"]) == 0, out.stdout
     for ln in lines:
         assert " local 0 " in ln and "HFMA2=" in ln and "LOP3=" in ln, ln
-    # PAIR_PRMT: one PRMT per x pair (16 a 16-word step at 1 token), a shorter loop than the
-    # bit operations' (327 -> 311 instructions with Triton 3.9's compiler)
-    prmt = {ln.split()[0]: (int(ln.split()[2]), int(ln.split()[4]))
-            for ln in out.stdout.splitlines() if ln.startswith("prmt")}
-    assert prmt["prmt1"][1] == 16 and prmt["prmt0"][1] == 0, out.stdout
-    assert prmt["prmt1"][0] < prmt["prmt0"][0], out.stdout

@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from helpers_tokenizer import make_tiny_model_dir
-from hisparse_cli.batch import ResultsFile, content_sha256, expand_inputs, find_reference
-from hisparse_cli.batch_runner import batch_summary, run_batch
-from hisparse_cli.cli import app
+from hisparse_cli.summarize.batch import ResultsFile, content_sha256, expand_inputs, find_reference
+from hisparse_cli.summarize.batch_runner import batch_summary, run_batch
+from hisparse_cli.cli.app import app
 from hisparse_cli.errors import ConfigError, InputError
 from hisparse_cli.scoring import bootstrap_ci
 
@@ -257,6 +257,7 @@ def test_results_file_refuses_to_mix_runs_and_cuts_a_torn_tail(tmp_path):
     results = ResultsFile(path)
     results.open(resume=False)
     results.append({"input": "a", "sha256": "1", "status": "ok"})
+    results.close()  # the first run ended
     with pytest.raises(ConfigError, match="already exists"):
         ResultsFile(path).open(resume=False)
     with open(path, "a") as handle:
@@ -303,6 +304,7 @@ def test_resume_cuts_only_a_torn_last_line(tmp_path):
     path.write_text(REC_A + '{"input": "b", "sha2\n\n')  # cut short, even with a newline
     results = _resume(path)
     assert [r["input"] for r in results.records] == ["a"] and path.read_text() == REC_A
+    results.close()
     path.write_text(REC_A + "\0" * 40)  # a crash left NUL bytes where the last write went
     assert [r["input"] for r in _resume(path).records] == ["a"] and path.read_text() == REC_A
     path.write_text('{"inp')  # killed during the very first record
@@ -333,7 +335,7 @@ def test_batch_command_refuses_to_resume_into_a_users_file(tmp_path, monkeypatch
     _docs(tmp_path / "in", 1)
     notes = tmp_path / "notes.md"
     notes.write_text("# Notes\nremember the milk\n")
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: FakeJob())
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: FakeJob())
     result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(notes),
                                       "--resume"])
     assert result.exit_code == 3, show(result)
@@ -391,6 +393,7 @@ def test_non_utf8_file_names_are_written_printably_and_match_on_resume(tmp_path)
     assert lines[0]["given"].endswith("caf\\xe9.txt")
     assert "gon\\xe9.txt" in lines[1]["error"]["message"]  # the message names it the same way
     assert batch_summary(results, outcome.keys)["documents"] == 2
+    results.close()
     again = FakeJob()
     outcome = run_batch(items, again, _resume(out))
     assert again.ran == [] and outcome.skipped == 2  # both matched again
@@ -425,6 +428,7 @@ def test_interrupted_batch_resumes_without_loss_or_repeats(tmp_path):
     results.open(resume=False)
     with pytest.raises(KeyboardInterrupt):
         run_batch(items, first, results)
+    results.close()  # the interrupted run ended
     assert [Path(r["input"]).name for r in _lines(out)] == ["doc0.txt", "doc1.txt", "doc2.txt"]
     second = FakeJob()
     resumed = ResultsFile(out)
@@ -442,6 +446,7 @@ def test_torn_last_line_is_redone_on_resume(tmp_path):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob(), results)
+    results.close()
     data = out.read_bytes()
     out.write_bytes(data[: len(data) - 25])  # a kill while the third line was being written
     job = FakeJob()
@@ -459,11 +464,13 @@ def test_resume_redoes_edited_documents_and_failures_only_when_asked(tmp_path):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob({"doc1.txt": InputError("bad")}), results)
+    results.close()
     docs[0].write_text("an edited document\n")
     job = FakeJob()
     again = ResultsFile(out)
     again.open(resume=True)
     run_batch(items, job, again)
+    again.close()
     assert job.ran == ["doc0.txt"]  # edited → new sha; the failed doc1 is left alone
     retry = FakeJob()
     third = ResultsFile(out)
@@ -474,7 +481,7 @@ def test_resume_redoes_edited_documents_and_failures_only_when_asked(tmp_path):
 
 
 def test_resume_reports_failures_as_failed_earlier(tmp_path, capsys):
-    from hisparse_cli.cli_batch import _reporter
+    from hisparse_cli.cli.batch import _reporter
 
     _docs(tmp_path / "in", 2)
     items = expand_inputs([str(tmp_path / "in")])
@@ -482,6 +489,7 @@ def test_resume_reports_failures_as_failed_earlier(tmp_path, capsys):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob({"doc1.txt": InputError("bad")}), results)
+    results.close()
     capsys.readouterr()
     outcome = run_batch(items, FakeJob(), _resume(out), report=_reporter(False))
     err = capsys.readouterr().err
@@ -491,7 +499,7 @@ def test_resume_reports_failures_as_failed_earlier(tmp_path, capsys):
 
 
 def test_one_scored_document_has_no_interval(tmp_path):
-    from hisparse_cli.cli_batch import _summary_table
+    from hisparse_cli.cli.batch import _summary_table
     from hisparse_cli.console import stderr_console
 
     docs = _docs(tmp_path / "in", 2)
@@ -508,9 +516,9 @@ def test_one_scored_document_has_no_interval(tmp_path):
 
 
 def test_resume_warns_about_records_made_with_other_settings(tmp_path):
-    from hisparse_cli.batch_runner import other_settings, settings_difference
-    from hisparse_cli.cli_options import RunOptions
-    from hisparse_cli.cli_summarize import build_job
+    from hisparse_cli.summarize.batch_runner import other_settings, settings_difference
+    from hisparse_cli.cli.options import RunOptions
+    from hisparse_cli.cli.summarize import build_job
 
     _docs(tmp_path / "in", 2)
     items = expand_inputs([str(tmp_path / "in")])
@@ -518,6 +526,7 @@ def test_resume_warns_about_records_made_with_other_settings(tmp_path):
     results = ResultsFile(out)
     results.open(resume=False)
     run_batch(items, FakeJob(settings="a"), results)
+    results.close()
     assert {r["settings_id"] for r in _lines(out)} == {"id-a"}
     assert other_settings(_resume(out), "id-a") == []
     assert len(other_settings(_resume(out), "id-b")) == 2
@@ -539,7 +548,7 @@ def test_batch_command_warns_on_other_settings_and_hints_retry(tmp_path, monkeyp
     _docs(tmp_path / "in", 2)
     out = tmp_path / "r.jsonl"
     jobs = iter([FakeJob({"doc1.txt": InputError("bad")}, settings="a"), FakeJob(settings="b")])
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: next(jobs))
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: next(jobs))
     args = ["batch", str(tmp_path / "in"), "--out", str(out)]
     assert CliRunner().invoke(app, args).exit_code == 6
     resumed = CliRunner().invoke(app, args + ["--resume"])
@@ -551,7 +560,7 @@ def test_batch_command_warns_on_other_settings_and_hints_retry(tmp_path, monkeyp
 def test_ctrl_c_before_anything_finished_says_nothing_was_written(tmp_path, monkeypatch):
     _docs(tmp_path / "in", 2)
     out = tmp_path / "r.jsonl"
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job",
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job",
                         lambda opts: FakeJob({"doc0.txt": KeyboardInterrupt()}))
     result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out", str(out)])
     assert result.exit_code == 130, show(result)
@@ -606,7 +615,7 @@ def test_batch_command_end_to_end(tiny, tmp_path):
 
 
 def test_batch_ctrl_c_then_resume(tiny, tmp_path, monkeypatch):
-    import hisparse_cli.job as job_module
+    import hisparse_cli.summarize.job as job_module
 
     _docs(tmp_path / "in", 3)
     out = tmp_path / "r.jsonl"
@@ -651,7 +660,7 @@ def test_batch_with_no_documents_is_an_input_error(tmp_path):
 def test_fake_job_matches_job_interface():
     import inspect
 
-    from hisparse_cli.job import Job
+    from hisparse_cli.summarize.job import Job
 
     assert inspect.signature(FakeJob.run).parameters.keys() == \
         inspect.signature(Job.run).parameters.keys()
@@ -661,7 +670,7 @@ def test_fake_job_matches_job_interface():
 def test_retry_failed_needs_resume(tmp_path, monkeypatch):
     _docs(tmp_path / "in", 1)
     job = FakeJob()
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: job)
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: job)
     result = CliRunner().invoke(app, ["batch", str(tmp_path / "in"), "--out",
                                       str(tmp_path / "r.jsonl"), "--retry-failed"])
     assert result.exit_code == 2 and "--resume" in result.stderr, show(result)
@@ -672,7 +681,7 @@ def test_results_file_inside_an_input_folder_is_not_a_document(tmp_path, monkeyp
     _docs(tmp_path / "in", 2)
     out = tmp_path / "in" / "results.txt"  # a document suffix, in the folder being summarized
     job = FakeJob()
-    monkeypatch.setattr("hisparse_cli.cli_summarize.build_job", lambda opts: job)
+    monkeypatch.setattr("hisparse_cli.cli.summarize.build_job", lambda opts: job)
     args = ["batch", str(tmp_path / "in"), "--out", str(out)]
     assert CliRunner().invoke(app, args).exit_code == 0
     resumed = CliRunner().invoke(app, args + ["--resume"])

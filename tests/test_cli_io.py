@@ -14,7 +14,7 @@ import pytest
 
 from helpers_cli import assert_error, run, show
 from helpers_tokenizer import make_tiny_model_dir
-from hisparse_cli.cli import app
+from hisparse_cli.cli.app import app
 
 TINY_FLAGS = ["--profile", "cpu", "-n", "4", "--window", "64", "--prefill-chunk", "64",
               "--global-tokens", "8", "--recalibrate-every", "64", "--recalibrate-topk", "8"]
@@ -49,7 +49,7 @@ def test_out_is_checked_before_the_model_loads(doc, tmp_path):
 
 
 def test_out_in_a_folder_that_cannot_be_written(doc, tmp_path, monkeypatch):
-    import hisparse_cli.outputs as outputs
+    import hisparse_cli.cli.outputs as outputs
 
     def refuse(**kw):
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -67,7 +67,7 @@ def test_out_on_a_virtual_file_system(doc, tmp_path):
 
 
 def test_a_failed_write_at_the_end_keeps_the_summary(tiny, doc, tmp_path, monkeypatch):
-    import hisparse_cli.cli_summarize as cli_summarize
+    import hisparse_cli.cli.summarize as cli_summarize
 
     def full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -83,7 +83,7 @@ def test_a_failed_write_at_the_end_keeps_the_summary(tiny, doc, tmp_path, monkey
 
 
 def test_out_file_modes_follow_the_umask_and_are_kept(tiny, doc, tmp_path):
-    from hisparse_cli.outputs import write_atomic
+    from hisparse_cli.cli.outputs import write_atomic
 
     old = os.umask(0o027)
     try:
@@ -101,7 +101,7 @@ def test_out_file_modes_follow_the_umask_and_are_kept(tiny, doc, tmp_path):
 
 
 def test_out_through_a_symlink_writes_the_target(tmp_path):
-    from hisparse_cli.outputs import check_output_file, write_atomic
+    from hisparse_cli.cli.outputs import check_output_file, write_atomic
 
     target = tmp_path / "real.txt"
     target.write_text("old\n")
@@ -246,7 +246,7 @@ def test_models_list_piped_keeps_whole_names():
 
 
 def test_generation_config_rejects_non_finite_values_with_a_hint():
-    from hisparse_cli.engine.config import GenerationConfig
+    from hisparse_cli.config.settings import GenerationConfig
     from hisparse_cli.errors import ConfigError
 
     for bad in ({"temperature": float("inf")}, {"temperature": float("nan")},
@@ -361,9 +361,9 @@ def test_score_says_a_folder_is_a_folder(doc, tmp_path):
 
 
 def test_probe_file_implies_importance_probe(doc):
-    from hisparse_cli.cli_options import RunOptions
+    from hisparse_cli.cli.options import RunOptions
     from hisparse_cli.errors import ConfigError
-    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.config.profiles import load_profile
 
     cpu = load_profile("cpu")
     assert RunOptions(probe=Path("p.safetensors")).sparse(cpu).importance == "probe"

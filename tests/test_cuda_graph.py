@@ -54,9 +54,11 @@ def _both(eng, ids, monkeypatch, **gen):
     assert eng._use_graph(g)
     graph = eng.generate(ids, gen=g)
     monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")
+    eng.replan()  # the plan is resolved once per engine: read the environment again
     assert not eng._use_graph(g)
     eager = eng.generate(ids, gen=g)
     monkeypatch.delenv("HISPARSE_CUDA_GRAPH")
+    eng.replan()
     return graph, eager
 
 
@@ -67,7 +69,7 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
                                               gather):
     """The decoder's static buffers (padded block list, q_start read from a tensor, pinned
     copies; with host_table, the embedded row copied from the table into a static input, by
-    the host or (gather) by kernels/host_rows.py's kernel at the device-side token) run
+    the host or (gather) by kernels/cuda/host_rows.py's kernel at the device-side token) run
     eagerly, without capture, through the Triton kernels under the interpreter: the same
     tokens as the plain eager loop, across a block boundary inside the padding and a
     recalibration."""
@@ -98,7 +100,7 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
 
 
 def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):
-    """HISPARSE_GRAPH_SAMPLER=1: the step samples itself (kernels/graph_sampler.py, its
+    """HISPARSE_GRAPH_SAMPLER=1: the step samples itself (kernels/sampling/graph_sampler.py, its
     kernels under the interpreter) and writes the next token into its own input; uncaptured
     here. The same tokens as the plain eager loop, generate after generate: the penalty and
     n-gram ban, a suppressed EOS under min_new_tokens and a stop at EOS, new settings (the
@@ -140,8 +142,8 @@ def test_device_sampler_ngram_blocking_equals_host_sampler(n):
     """DeviceSampler's tensor n-gram ban against sampling.Sampler's dictionary of n-grams,
     on logits built to repeat: a few favourite tokens dominate every step."""
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
-    from hisparse_cli.engine.sampling import Sampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
+    from hisparse_cli.engine.sampling.host import Sampler
 
     vocab, steps = 12, (10 if n == 1 else 80)  # n = 1 bans every generated token
     g = GenerationConfig(max_new_tokens=steps, no_repeat_ngram_size=n, repetition_penalty=1.05)
@@ -160,7 +162,7 @@ def test_device_sampler_suppresses_and_remembers_tokens():
     """The suppressed ids are never chosen (the next best is) and every sampled token is marked
     seen, for the repetition penalty of later steps."""
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
 
     g = GenerationConfig(max_new_tokens=4, repetition_penalty=2.0)
     dev = DeviceSampler(g, 8, torch.device("cpu"))
@@ -186,13 +188,13 @@ def test_graph_decode_waits_for_the_device_only_to_read_tokens(tmp_path, monkeyp
     sync debug mode is on for the loop of a run that replays the kept graph, across evictions,
     recalibrations, suppressed EOS, the penalty and n-gram ban, and top-p sampling; host: with
     the embedding table in host memory, whose rows a kernel gathers at the device-side token
-    (kernels/host_rows.py; the host read the token every step before)."""
+    (kernels/cuda/host_rows.py; the host read the token every step before)."""
     import traceback
     import warnings
 
     from hisparse_cli.engine import Engine, GenerationConfig
 
-    gen = dict(gen)  # graph_sampler: the step samples (kernels/graph_sampler.py)
+    gen = dict(gen)  # graph_sampler: the step samples (kernels/sampling/graph_sampler.py)
     monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1" if gen.pop("graph_sampler", False) else "0")
     eng = _engine(tmp_path, torch.float16, embeddings_on_host=host)
     assert (eng.model.model.embed_tokens.weight.device.type == "cpu") == host
@@ -265,11 +267,13 @@ def test_graph_sampler_equals_eager(tmp_path, monkeypatch, gen):
     ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(2))
     g = {"max_new_tokens": 120, "eos_token_ids": (), **gen}
     monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
+    eng.replan()
     first = eng.generate(ids, **g)
     again = eng.generate(ids, **g)
     assert first.extra["cuda_graph"] == "new" and again.extra["cuda_graph"] == "reused"
     assert eng._decode_state.decoder.sampled
     monkeypatch.setenv("HISPARSE_CUDA_GRAPH", "0")
+    eng.replan()
     eager = eng.generate(ids, **g)
     assert first.token_ids == again.token_ids == eager.token_ids
 
@@ -321,7 +325,7 @@ def test_graph_with_host_embeddings_equals_eager(tmp_path, monkeypatch):
     graph, eager = _both(eng, ids, monkeypatch, max_new_tokens=100, eos_token_ids=(),
                          repetition_penalty=1.1, no_repeat_ngram_size=3)
     assert len(graph.token_ids) == 100 and graph.token_ids == eager.token_ids
-    assert used == {True}  # the row gathered on the device (kernels/host_rows.py)
+    assert used == {True}  # the row gathered on the device (kernels/cuda/host_rows.py)
 
 
 @pytest.mark.parametrize("window,sinks", [(64, 4), (48, 20), (None, 0)])

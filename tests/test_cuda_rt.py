@@ -1,4 +1,4 @@
-"""Runtime-built CUDA kernels (kernels/cuda_rt.py, cuda_launch.py): NVRTC compile, cubin cache,
+"""Runtime-built CUDA kernels (kernels/cuda/cuda_rt.py, cuda_launch.py): NVRTC compile, cubin cache,
 driver launch.
 
 CPU, always: argument bytes as cuLaunchKernel reads them, the cache key, the disk cache with a
@@ -24,8 +24,8 @@ import warnings
 import pytest
 import torch
 
-from hisparse_cli.kernels import cuda_launch as drv
-from hisparse_cli.kernels import cuda_rt as rt
+from hisparse_cli.kernels.cuda import cuda_launch as drv
+from hisparse_cli.kernels.cuda import cuda_rt as rt
 
 # y[i] = a * x[i] + b for i < n: one fma.rn per element in inline PTX (no CUDA header),
 # templated on the element type and the elements each thread handles.

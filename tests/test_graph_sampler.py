@@ -1,4 +1,4 @@
-"""kernels/graph_sampler.py: the greedy sampler with its state on the device, against
+"""kernels/sampling/graph_sampler.py: the greedy sampler with its state on the device, against
 engine/cuda_graph.py's DeviceSampler (the oracle: the host-side loop's sampler), token by token
 over sequences built to repeat (so the penalty, the n-gram ban and the EOS suppression all
 bite): its torch path on the CPU, its kernels under the Triton interpreter (a subprocess)."""
@@ -29,7 +29,7 @@ def _rows(vocab: int, steps: int, seed: int) -> list[torch.Tensor]:
 
 def _oracle(rows, cfg) -> list[int]:
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
+    from hisparse_cli.engine.sampling.device import DeviceSampler
 
     pen, n, min_new, eos = cfg
     gen = GenerationConfig(max_new_tokens=len(rows), repetition_penalty=pen,
@@ -42,7 +42,7 @@ def _oracle(rows, cfg) -> list[int]:
 
 def _ours(rows, cfg, capacity=None) -> tuple[list[int], list[int]]:
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.kernels.graph_sampler import GraphSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
 
     pen, n, min_new, eos = cfg
     gen = GenerationConfig(max_new_tokens=len(rows), repetition_penalty=pen,
@@ -75,7 +75,7 @@ def test_the_state_is_reset_and_the_settings_are_watched(monkeypatch):
     (which a captured graph holds) differ from the last ones."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from hisparse_cli.engine import GenerationConfig
-    from hisparse_cli.kernels.graph_sampler import GraphSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
 
     rows = _rows(40, 20, seed=1)
     gen = GenerationConfig(max_new_tokens=20, repetition_penalty=1.1, no_repeat_ngram_size=2)
@@ -163,7 +163,8 @@ _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
-from hisparse_cli.kernels import argmax_triton as a, graph_sampler as g
+from hisparse_cli.kernels.sampling import argmax_triton as a
+from hisparse_cli.kernels.sampling import graph_sampler as g
 scratch = dict(vals_ptr='*fp32', idx_ptr='*i32', nan_ptr='*i32')
 for S in (0, 2):
     c.compile_one(a._stage1, dict(x_ptr='*fp32', n='i32', sup_ptr='*i64', **scratch),
@@ -200,9 +201,9 @@ def test_buffer_bytes_are_what_the_samplers_allocate():
     what the samplers allocate: counted here by recording every storage they create."""
     from test_planner import AllocRecorder
 
-    from hisparse_cli.engine.config import GenerationConfig
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
-    from hisparse_cli.kernels.graph_sampler import GraphSampler
+    from hisparse_cli.config.settings import GenerationConfig
+    from hisparse_cli.engine.sampling.device import DeviceSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
 
     for vocab, new in [(1000, 1), (49152, 200), (128256, 4096)]:
         rec = AllocRecorder()

@@ -1,4 +1,4 @@
-"""kernels/host_rows.py: the zero-copy gather of embedding rows from a host-resident table.
+"""kernels/cuda/host_rows.py: the zero-copy gather of embedding rows from a host-resident table.
 Oracle: torch indexing `table[ids]`. On the CPU the kernel runs under the Triton interpreter;
 on CUDA it reads a table registered with cudaHostRegister (`gpu` tests)."""
 
@@ -26,7 +26,7 @@ CPU = not torch.cuda.is_available()
 def test_gather_equals_indexing_on_cpu(hidden, ids, dtype, out_dtype):
     if not CPU:
         pytest.skip("CPU test: the Triton interpreter is only enabled without CUDA")
-    from hisparse_cli.kernels.host_rows import gather_rows
+    from hisparse_cli.kernels.cuda.host_rows import gather_rows
 
     table = torch.randn(10, hidden, generator=torch.Generator().manual_seed(hidden)).to(dtype)
     idx = torch.tensor(ids, dtype=torch.int64)
@@ -36,7 +36,7 @@ def test_gather_equals_indexing_on_cpu(hidden, ids, dtype, out_dtype):
 
 
 def test_map_table_needs_cuda_and_a_plain_tensor():
-    from hisparse_cli.kernels.host_rows import is_mapped, map_table
+    from hisparse_cli.kernels.cuda.host_rows import is_mapped, map_table
 
     t = torch.zeros(4, 8)
     if CPU:
@@ -50,7 +50,7 @@ def test_map_table_needs_cuda_and_a_plain_tensor():
 def test_registered_table_is_read_by_the_device():
     """A registered CPU table, gathered at CUDA ids into a CUDA buffer (the rows cross PCIe
     inside the kernel); the registration ends when the tensor is collected."""
-    from hisparse_cli.kernels import host_rows
+    from hisparse_cli.kernels.cuda import host_rows
 
     table = torch.randn(1000, 4096, generator=torch.Generator().manual_seed(0)).half()
     assert host_rows.map_table(table) and host_rows.is_mapped(table)
@@ -71,7 +71,7 @@ def test_registered_table_is_read_by_the_device():
 def test_loader_maps_a_host_table_for_cuda_runs(tmp_path):
     from conftest import save_tiny
 
-    from hisparse_cli.kernels.host_rows import is_mapped
+    from hisparse_cli.kernels.cuda.host_rows import is_mapped
     from hisparse_cli.model.loader import load_model
 
     path, hf = save_tiny(tmp_path, "llama")

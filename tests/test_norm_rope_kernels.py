@@ -1,5 +1,5 @@
-"""Triton RMSNorm / residual-add + RMSNorm / RoPE / silu(gate) * up (kernels/norm_rope_triton.py)
-against their torch references (kernels/norm_rope_ref.py, the ops the model runs on the CPU).
+"""Triton RMSNorm / residual-add + RMSNorm / RoPE / silu(gate) * up (kernels/norm_rope/norm_rope_triton.py)
+against their torch references (kernels/norm_rope/norm_rope_ref.py, the ops the model runs on the CPU).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes; the interpreter casts
 fp32 -> bf16 by truncation (not round-to-nearest), so bf16 gets a tolerance of a few ulps
@@ -22,8 +22,8 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 
 pytest.importorskip("triton")
 
-from hisparse_cli.kernels import norm_rope_ref as ref  # noqa: E402
-from hisparse_cli.kernels import norm_rope_triton as tri  # noqa: E402
+from hisparse_cli.kernels.norm_rope import norm_rope_ref as ref  # noqa: E402
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as tri  # noqa: E402
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend  # noqa: E402
 
 CPU = not torch.cuda.is_available()
@@ -136,7 +136,7 @@ def test_rope_store_kv_interpreter(dtype, cache_dtype, t, hq, hkv, d, pad_slot, 
     """One launch = rope() then store_kv() of the Triton kernels, bit for bit (q, and every
     cache entry, the untouched ones included), and the torch reference (fp16: bit-exact; other
     dtypes within the interpreter's casts); a padding slot stores nothing."""
-    from hisparse_cli.kernels.attention_triton import store_kv
+    from hisparse_cli.kernels.attention.attention_triton import store_kv
 
     qkv, cos, sin, slots, (kc, vc) = rope_store_case(t, hq, hkv, d, dtype, cache_dtype,
                                                      head_major, pad_slot)
@@ -166,17 +166,13 @@ def test_rope_store_kv_interpreter(dtype, cache_dtype, t, hq, hkv, d, pad_slot, 
 @interp
 def test_dispatch_rope_store_kv(monkeypatch):
     """KernelBackend.rope_store_kv: the fused kernel with Triton attention and elementwise
-    kernels; off (FUSE_ROPE_STORE) or with any torch family, rope then store_kv: same values."""
-    from hisparse_cli.kernels import dispatch
-
+    kernels; with any torch family, rope then store_kv: same values."""
     t, hq, hkv, d = 3, 4, 2, 16
     qkv, cos, sin, slots, (kc, vc) = rope_store_case(t, hq, hkv, d, torch.float16,
                                                      torch.float16, False, False)
     outs = []
     for backend, fuse in ((KernelBackend(attention="triton", elementwise="triton"), True),
-                          (KernelBackend(attention="triton", elementwise="triton"), False),
                           (KernelBackend(attention="triton"), True), (KernelBackend(), True)):
-        monkeypatch.setattr(dispatch, "FUSE_ROPE_STORE", fuse)
         k2, v2 = kc.clone(), vc.clone()
         calls = []
         monkeypatch.setattr(tri, "rope_store_kv",
@@ -191,14 +187,14 @@ def test_dispatch_rope_store_kv(monkeypatch):
 
 def _engine_tokens_fused_vs_not(tmp_path, monkeypatch, new_tokens):
     """The model's fused path (Attention.forward -> StepContext.attend_qkv ->
-    rope_store_kv): the same tokens as the same Triton path with RoPE and store_kv as two
-    kernels (FUSE_ROPE_STORE off), and the fused kernel actually ran. On the CPU the Triton
+    rope_store_kv): the same tokens as RoPE and store_kv as two kernels (the run's kernels
+    with the torch elementwise family: the reference RoPE, then the Triton store_kv; the
+    model's norms stay Triton), and the fused kernel actually ran. On the CPU the Triton
     elementwise kernels are forced (CausalLM._fused picks them on CUDA only) and run in the
     interpreter; on CUDA the decode runs from a captured graph."""
     from conftest import save_tiny
 
     from hisparse_cli.engine import Engine, GenerationConfig, SparseConfig
-    from hisparse_cli.kernels import dispatch
     from hisparse_cli.model import llama
 
     path, _ = save_tiny(tmp_path, "llama", num_key_value_heads=2)
@@ -206,12 +202,12 @@ def _engine_tokens_fused_vs_not(tmp_path, monkeypatch, new_tokens):
     if CPU:
         monkeypatch.setattr(llama.CausalLM, "_fused", lambda self, x: backend)
 
-    def engine():  # a new engine per setting: no decode graph kept from the other
+    def engine(run_kernels=backend):  # a new engine per setting: no decode graph kept
         eng = Engine.from_pretrained(path, device=DEV, sparse=SparseConfig(
             sink_tokens=4, window_size=32, global_tokens=4, block_size=8, prefill_chunk=16,
             recalibrate_every=16, recalibrate_topk=4))
-        if CPU:
-            eng.backend = backend
+        if CPU or run_kernels is not backend:
+            eng.backend = run_kernels  # the runs' kernels (the model's own stay Triton)
         return eng
 
     ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(3))
@@ -221,9 +217,8 @@ def _engine_tokens_fused_vs_not(tmp_path, monkeypatch, new_tokens):
                         lambda *a, _f=tri.rope_store_kv: calls.append(1) or _f(*a))
     fused = engine().generate(ids, gen=g)
     assert calls, "the fused kernel did not run"
-    monkeypatch.setattr(dispatch, "FUSE_ROPE_STORE", False)
     n = len(calls)
-    unfused = engine().generate(ids, gen=g)
+    unfused = engine(KernelBackend(attention="triton")).generate(ids, gen=g)
     assert len(calls) == n
     assert fused.token_ids == unfused.token_ids and len(fused.token_ids) == new_tokens
     return fused
@@ -278,7 +273,7 @@ def test_dispatch_picks_triton_or_the_reference():
 
 
 def test_planner_counts_only_the_kernel_outputs():
-    from hisparse_cli.planner_trace import (StepShape, Trace, add_rms_norm, cuda_block_bytes,
+    from hisparse_cli.planner.trace import (StepShape, Trace, add_rms_norm, cuda_block_bytes,
                                             rms_norm, rope)
 
     s = StepShape(layers=2, hidden=4096, inter=14336, vocab=128256, hq=32, hkv=8, d=128, cb=2,
@@ -294,20 +289,20 @@ def test_planner_counts_only_the_kernel_outputs():
 
 
 @pytest.mark.parametrize("fuse", [True, False])
-def test_planner_models_the_fused_rope_store(monkeypatch, fuse):
-    """planner_step._attention: with the fused RoPE + K/V store the step allocates q [t, hq, D]
-    (no q|k RoPE output); off, the q|k output [t, hq + hkv, D], as the engine does."""
-    from hisparse_cli import planner_step
-    from hisparse_cli.kernels import dispatch
-    from hisparse_cli.planner_attn import AttnStep
-    from hisparse_cli.planner_trace import StepShape, Trace
+def test_planner_models_the_fused_rope_store(fuse):
+    """planner_step._attention: with the fused RoPE + K/V store (the Triton kernels) the step
+    allocates q [t, hq, D] (no q|k RoPE output); without it (the torch references) RoPE's
+    outputs are q|k [t, hq + hkv, D], as the engine does."""
+    from hisparse_cli.planner import step as planner_step
+    from hisparse_cli.planner.attn import AttnStep
+    from hisparse_cli.planner.trace import StepShape, Trace
 
-    monkeypatch.setattr(dispatch, "FUSE_ROPE_STORE", fuse)
     s = StepShape(layers=2, hidden=4096, inter=14336, vocab=128256, hq=32, hkv=8, d=128, cb=2,
-                  kvb=2, cuda=True, backend="triton", awq=False, group=128, awq_lm_head=False,
-                  qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, bs=16, sinks=4,
-                  window=64, G=0, C=0, track_scores=False, score_tensor=False, score_stride=1,
-                  min_distance=0, importance="attention", num_sms=132)
+                  kvb=2, cuda=True, backend="triton" if fuse else "torch", awq=False, group=128,
+                  awq_lm_head=False, qkv_bias=False, o_bias=False, mlp_bias=False,
+                  qk_norm=False, bs=16, sinks=4, window=64, G=0, C=0, track_scores=False,
+                  score_tensor=False, score_stride=1, min_distance=0, importance="attention",
+                  num_sms=132)
     seen = []
 
     class Rec(Trace):
@@ -320,8 +315,11 @@ def test_planner_models_the_fused_rope_store(monkeypatch, fuse):
     h = tr.alloc("h", t * s.hidden * 2)
     planner_step._attention(tr, s, AttnStep(t=t, nb=4, ts=t, globals_full=False), True, False, h)
     rope_allocs = [(n, b) for n, b in seen if n in ("attn.q", "attn.qk")]
-    heads = s.hq if fuse else s.hq + s.hkv
-    assert rope_allocs == [("attn.q" if fuse else "attn.qk", t * heads * s.d * 2)]
+    if fuse:
+        assert rope_allocs == [("attn.q", t * s.hq * s.d * 2)]
+    else:  # the reference's RoPE temporaries and output, all over the q and k heads
+        assert rope_allocs and all(n == "attn.qk" and b == t * (s.hq + s.hkv) * s.d * 2
+                                   for n, b in rope_allocs)
 
 
 def test_kernels_compile_for_sm90():
@@ -418,7 +416,7 @@ def test_model_logits_with_kernels_match_torch_backend_gpu(tmp_path, monkeypatch
 def test_rope_store_kv_llama_shapes_gpu(dtype, t):
     """Llama-3-8B heads: the fused kernel equals rope() then store_kv() bit for bit (the same
     rotation code), and the reference within its tolerance."""
-    from hisparse_cli.kernels.attention_triton import store_kv
+    from hisparse_cli.kernels.attention.attention_triton import store_kv
 
     hq, hkv, d, nb, bs = 32, 8, 128, 80, 16
     qkv = rnd(t, (hq + 2 * hkv) * d, dtype=dtype)
@@ -444,22 +442,25 @@ def test_engine_tokens_with_fused_rope_store_gpu(tmp_path, monkeypatch):
 
 
 def _chain_logits(model, ids, all_logits, fuse, monkeypatch, hook=None):
+    """fuse=False: the layer-by-layer path, which forward_hidden takes while any hook is on a
+    layer (a pre-hook doing nothing here)."""
     from hisparse_cli.model import llama
 
-    monkeypatch.setattr(llama, "FUSE_RESIDUAL_NORM", fuse)
-    handle = model.model.layers[-1].register_forward_hook(hook) if hook else None
+    handles = [model.model.layers[-1].register_forward_hook(hook)] if hook else []
+    if not fuse:
+        handles.append(model.model.layers[0].register_forward_pre_hook(lambda m, a: None))
     try:
         with torch.no_grad():
             return model(ids, torch.arange(ids.shape[0]), llama.DenseCausalContext(),
                          all_logits=all_logits)
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
 
 
 @pytest.mark.parametrize("all_logits", [False, True])
 def test_fused_residual_chain_equals_layer_by_layer(tiny_models, monkeypatch, all_logits):
-    """llama.FUSE_RESIDUAL_NORM: CausalLM.forward_hidden leaves each layer's closing residual
+    """The residual chain: CausalLM.forward_hidden leaves each layer's closing residual
     add to the next norm (add_rms_norm: the next layer's input norm, then the final norm).
     On the CPU, with the backend's reference ops standing in for the Triton kernels (the
     path is CUDA's), the logits equal the layer-by-layer path's bit for bit (the same adds

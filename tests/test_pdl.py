@@ -24,8 +24,10 @@ if not torch.cuda.is_available():  # must precede the first triton import in thi
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from hisparse_cli.kernels import awq_gemv, awq_layout, pdl  # noqa: E402
-from hisparse_cli.kernels.awq_layout import GemvConfig  # noqa: E402
+from hisparse_cli.kernels import pdl  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_gemv  # noqa: E402
+from hisparse_cli.kernels.int4 import awq_layout  # noqa: E402
+from hisparse_cli.kernels.int4.awq_layout import GemvConfig  # noqa: E402
 from hisparse_cli.kernels.pdl import gdc_launch_dependents  # noqa: E402
 from test_awq_triton import case_k, check  # noqa: E402
 
@@ -42,16 +44,13 @@ def test_pdl_off_on_cpu_and_by_env(monkeypatch):
 
 def test_chain_args_wait_whenever_launched_with_pdl(monkeypatch):
     """launch_pdl only ever comes with PDL_WAIT (a consumer that did not wait could read
-    what the previous kernel has not written yet); CHAIN / TRIGGERS switch the parts."""
+    what the previous kernel has not written yet); where PDL is on, the kernel also triggers
+    its dependents."""
     assert pdl.chain_args(torch.device("cpu")) == {"PDL_WAIT": False, "PDL_TRIGGER": False}
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
-    for chain in (False, True):
-        for trig in (False, True):
-            monkeypatch.setattr(pdl, "CHAIN", chain)
-            monkeypatch.setattr(pdl, "TRIGGERS", trig)
-            args = pdl.chain_args(torch.device("cuda", 0))
-            assert args.get("launch_pdl", False) == args["PDL_WAIT"] == chain
-            assert args["PDL_TRIGGER"] == trig
+    args = pdl.chain_args(torch.device("cuda", 0))
+    assert args.get("launch_pdl", False) == args["PDL_WAIT"] is True
+    assert args["PDL_TRIGGER"] is True
 
 
 @pytest.mark.skipif(not CPU, reason="interpreter test")
@@ -79,13 +78,14 @@ _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
 import awq_sm90_compile as c
-from hisparse_cli.kernels import awq_gemv as ag, norm_rope_triton as nr
-from hisparse_cli.kernels import store_kv_triton as sk
+from hisparse_cli.kernels.int4 import awq_gemv as ag
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as nr
+from hisparse_cli.kernels.attention import store_kv_triton as sk
 for pdl in (False, True):
     for pf in (0, 1):
         k = c.compile_one(ag._awq_gemv_kernel, c.GEMV_SIG, dict(
             GROUP=128, M=1, BLOCK_N=64, BLOCK_KW=16, NUM_STAGES=1, HAS_BIAS=False, SPLIT=4,
-            PREFETCH=pf, STREAM=2, PACKED=2, ASM=True, ROWS2D=0, PDL=pdl, PDL_TRIGGER=pdl),
+            PREFETCH=pf, STREAM=2, PACKED=2, ASM=True, PDL=pdl, PDL_TRIGGER=pdl),
             2, c.GEMV_ALIGNED)
         ptx = k.asm['ptx']
         print('gemv', pdl, pf, ptx.count('griddepcontrol.wait'),

@@ -20,16 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers_tokenizer import build_tokenizer, make_tiny_model_dir
-from hisparse_cli.chunking import merge_labels, split_document, split_span
+from hisparse_cli.summarize.chunking import merge_labels, split_document, split_span
 from hisparse_cli.documents.base import Document, Section
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig
 from hisparse_cli.errors import ConfigError, InputError
-from hisparse_cli.pipeline import SummarySettings, aggregate_stats, summarize_document
-from hisparse_cli.profiles import load_profile
+from hisparse_cli.summarize.pipeline import SummarySettings, aggregate_stats, summarize_document
+from hisparse_cli.config.profiles import load_profile
 from hisparse_cli.documents.genre import GENRES
-from hisparse_cli.prompts import (FOCUS, NOUN, chunk_prompt, document_prompt, prompt_text,
+from hisparse_cli.summarize.prompts import (FOCUS, NOUN, chunk_prompt, document_prompt, prompt_text,
                                   render_prompt, task_sentence)
-from hisparse_cli.runtime import load_probe_for, plan_device, sparse_settings
+from hisparse_cli.summarize.runtime import load_probe_for, plan_device, sparse_settings
 
 TINY_SPARSE = SparseConfig(sink_tokens=4, window_size=64, global_tokens=8, block_size=16,
                            recalibrate_every=64, recalibrate_topk=8, prefill_chunk=64)

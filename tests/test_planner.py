@@ -21,12 +21,12 @@ from hisparse_cli.engine import Engine, SparseConfig
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.engine.sparsity import SparseSequence
 from hisparse_cli.errors import ConfigError, ResourceError
-from hisparse_cli.kernels import awq_cpu
+from hisparse_cli.kernels.int4 import awq_cpu
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.planner import GIB, plan_memory
-from hisparse_cli.planner_run import visible_count
-from hisparse_cli.planner_shapes import shape_config
-from hisparse_cli.planner_weights import awq_linear_bytes
+from hisparse_cli.planner.memory import GIB, plan_memory
+from hisparse_cli.planner.run import visible_count
+from hisparse_cli.planner.shapes import shape_config
+from hisparse_cli.planner.weights import awq_linear_bytes
 
 
 class AllocRecorder(TorchDispatchMode):
@@ -196,7 +196,7 @@ def _awq_checkpoint(path, group: int, head: bool) -> None:
     lm_head if head) round-to-nearest INT4 with this group size."""
     from safetensors.torch import load_file, save_file
 
-    from hisparse_cli.kernels.awq_pack import quantize_weight
+    from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 
     tensors = load_file(str(path / "model.safetensors"))
     for name in [k[:-7] for k in tensors
@@ -262,8 +262,8 @@ def test_eviction_and_recalibration_traces_equal_recorded_allocations():
     allocate (they are rarely the run's peak in the tiny runs above, so check them alone)."""
     from test_kv_cache import random_cache
 
-    from hisparse_cli.planner_step import evict_peak, recalibrate_peak
-    from hisparse_cli.planner_trace import StepShape
+    from hisparse_cli.planner.step import evict_peak, recalibrate_peak
+    from hisparse_cli.planner.trace import StepShape
 
     for importance, G, C, scores in (("attention", 4, 5, True), ("uniform", 6, 3, True),
                                      ("attention", 3, 0, True), ("attention", 2, 7, False)):
@@ -289,17 +289,17 @@ def test_eviction_and_recalibration_traces_equal_recorded_allocations():
 @pytest.mark.parametrize("layers", [1, 2, 4])
 @pytest.mark.parametrize("chain", [False, True])
 def test_triton_layer_order_equals_recorded_allocations(tmp_path, monkeypatch, chain, layers):
-    """planner_step.forward_peak's Triton layer order, with llama.FUSE_RESIDUAL_NORM's
-    residual chain (chain) and without, against every byte a CPU forward allocates. The path
+    """planner_step.forward_peak's Triton layer order, with model/llama.py's residual chain
+    (chain) and without (a hooked layer), against every byte a CPU forward allocates. The path
     is CUDA's; here its elementwise kernels are stand-ins that allocate what the Triton kernels
     return (norm: the output; add + norm: the sum, then the output; silu * up: in place) and
     the attention, on both sides, is one fresh [rows, hidden] output after which the normed
     input dies (its own trace is checked by the recorded runs above and the GPU test)."""
     from hisparse_cli.kernels.dispatch import KernelBackend
     from hisparse_cli.model import llama
-    from hisparse_cli.planner_attn import AttnStep
-    from hisparse_cli.planner_step import forward_peak
-    from hisparse_cli.planner_trace import StepShape
+    from hisparse_cli.planner.attn import AttnStep
+    from hisparse_cli.planner.step import forward_peak
+    from hisparse_cli.planner.trace import StepShape
 
     class TritonAllocs(KernelBackend):
         def rms_norm(self, x, weight, eps):
@@ -323,10 +323,11 @@ def test_triton_layer_order_equals_recorded_allocations(tmp_path, monkeypatch, c
     path, _ = save_tiny(tmp_path, "llama", num_hidden_layers=layers)
     model = Engine.from_pretrained(path).model
     cfg, hidden, t = model.cfg, model.cfg.hidden_size, 23
-    monkeypatch.setattr(llama, "FUSE_RESIDUAL_NORM", chain)
+    if not chain:  # forward_hidden takes the layer-by-layer path while a layer has a hook
+        model.model.layers[0].register_forward_pre_hook(lambda m, args: None)
     monkeypatch.setattr(llama.CausalLM, "_fused", lambda self, x: TritonAllocs())
     monkeypatch.setattr(llama.Attention, "forward", attn_model)
-    monkeypatch.setattr("hisparse_cli.planner_step._attention", attn_plan)
+    monkeypatch.setattr("hisparse_cli.planner.step._attention", attn_plan)
     ids, pos = torch.arange(1, t + 1), torch.arange(t)
     calls = []
     monkeypatch.setattr(llama.DecoderLayer, "forward_unadded",
@@ -374,8 +375,8 @@ def test_8b_at_128k_on_h200_by_hand():
         2 * 128 * 2 + 8 + 4 + 4) == 66 * MiB
     # at down_proj: the stacked gate|up output [2048, 2 x 14336] fp16 (silu and product in
     # place in its gate half) and down's output [2048, 4096], the residual after the
-    # attention [2048, 4096] fp16 (the layer's input died at that add: the residual chain of
-    # llama.FUSE_RESIDUAL_NORM), the normed input, RoPE cos/sin [2048, 128] fp16
+    # attention [2048, 4096] fp16 (the layer's input died at that add: model/llama.py's
+    # residual chain), the normed input, RoPE cos/sin [2048, 128] fp16
     assert "forward" in plan.peak_when
     assert items["activations.at_peak"] == (2 * 56 + 16 + 16 + 16 + 1) * MiB
     shorter = plan_memory(shape_config("llama-3-8b"), context_tokens=32768, **base)
@@ -388,9 +389,9 @@ def test_graph_decode_counts_its_sampler(monkeypatch):
     the decode and are freed at its end; the in-graph sampler's (HISPARSE_GRAPH_SAMPLER on)
     stay with the kept graph (resident after the run) and it makes no per-token temporaries.
     A short text, whose decode is the peak, shows both in the peak."""
-    from hisparse_cli.engine.cuda_graph import DeviceSampler
-    from hisparse_cli.kernels.graph_sampler import GraphSampler
-    from hisparse_cli.planner_trace import Trace
+    from hisparse_cli.engine.sampling.device import DeviceSampler
+    from hisparse_cli.engine.sampling.graph import GraphSampler
+    from hisparse_cli.planner.trace import Trace
 
     size = Trace(True).size
     cfg = shape_config("llama-3-8b")
@@ -419,7 +420,7 @@ def test_graph_decode_adds_its_stream_workspace(monkeypatch):
     """CUDA-graph decode (CUDA + Triton, HISPARSE_CUDA_GRAPH not 0) warms up and captures on
     one side stream, whose cuBLAS workspace (32 MiB) stays allocated, plus the graph's static
     inputs (with a host-resident table, also the embedded row); eager decode has neither."""
-    from hisparse_cli.planner import CUBLAS_WORKSPACE_BYTES
+    from hisparse_cli.planner.memory import CUBLAS_WORKSPACE_BYTES
 
     MiB = 1 << 20
     base = dict(weight_format="fp16", sparse=H200_LIKE, context_tokens=32768, max_new_tokens=64,
@@ -469,7 +470,7 @@ H200_LIKE = SparseConfig(window_size=8192, global_tokens=512, recalibrate_topk=5
 @pytest.mark.parametrize("budget,expect", [(5.5, "together:"), (16.0, "AWQ"),
                                            ("window 4096", "--window 4096")])
 def test_suggestions_make_a_non_fitting_plan_fit(budget, expect):
-    from hisparse_cli.planner_suggest import _replan
+    from hisparse_cli.planner.suggest import _replan
 
     base = dict(weight_format="fp16", context_tokens=65536, max_new_tokens=256,
                 kv_dtype="float16", compute_dtype="float16", device_kind="cuda",
@@ -489,13 +490,13 @@ def test_suggestions_make_a_non_fitting_plan_fit(budget, expect):
         fields = {k[7:]: over.pop(k) for k in list(over) if k.startswith("sparse.")}
         if fields:
             over["sparse"] = replace(H200_LIKE, **fields)
-        again = _replan(plan, **over)
+        again = _replan(plan, plan_memory, **over)
         assert again.peak_allocated_bytes == s.peak_allocated_bytes
         assert again.peak_allocated_bytes <= again.budget_bytes
 
 
 def test_check_plan_fits_and_oom_guard():
-    from hisparse_cli.vram import allocator_cap_bytes, check_plan_fits, oom_guard
+    from hisparse_cli.planner.vram import allocator_cap_bytes, check_plan_fits, oom_guard
 
     plan = plan_memory(shape_config("llama-3-8b"), weight_format="fp16", sparse=SparseConfig(),
                        context_tokens=8192, max_new_tokens=64, kv_dtype="float16",
@@ -518,8 +519,8 @@ def test_check_plan_fits_and_oom_guard():
 def test_a_refused_host_allocation_is_a_resource_error():
     """torch's CPU allocator refusing an allocation (a RuntimeError, not MemoryError) is an
     out-of-memory error: oom_guard and the CLI's handler make it exit 5, in one line."""
-    from hisparse_cli.cli import as_resource_error
-    from hisparse_cli.vram import oom_guard
+    from hisparse_cli.cli.app import as_resource_error
+    from hisparse_cli.planner.vram import oom_guard
 
     with pytest.raises(ResourceError) as err:
         with oom_guard("prefill"):
@@ -551,7 +552,7 @@ def test_validation_names_the_field():
 def test_cli_plan_json_parses():
     from typer.testing import CliRunner
 
-    from hisparse_cli.cli import app
+    from hisparse_cli.cli.app import app
 
     r = CliRunner().invoke(app, ["plan", "-m", "llama-3-8b-awq", "-p", "4060ti-6g", "-c",
                                  "32768", "--json"])
@@ -565,7 +566,7 @@ def test_cli_plan_json_parses():
 def _cli(*args: str):
     from typer.testing import CliRunner
 
-    from hisparse_cli.cli import app
+    from hisparse_cli.cli.app import app
 
     return CliRunner().invoke(app, ["plan", *map(str, args)])
 
@@ -634,7 +635,7 @@ def test_cpu_plan_budget_is_the_hosts_ram(monkeypatch):
     "host memory") when the plan exceeds it, and no GPU profile is suggested to a cpu run."""
     import psutil
 
-    from hisparse_cli import planner_profile
+    from hisparse_cli.planner import profile as planner_profile
 
     plan = json.loads(_cli("--json", *SMOL_CPU).stdout)
     assert plan["budget_bytes"] == psutil.virtual_memory().total and plan["fits"] is True
@@ -667,7 +668,7 @@ def test_plan_refuses_what_summarize_refuses(flags, needle):
 
 
 def test_check_positions():
-    from hisparse_cli.engine.config import check_positions
+    from hisparse_cli.config.settings import check_positions
 
     check_positions(64, sparse=SparseConfig(global_tokens=64, recalibrate_topk=64,
                                             block_size=64), max_new_tokens=63)
@@ -683,8 +684,8 @@ def test_profile_plan_of_an_awq_model_uses_the_runs_dtype():
     """An AWQ model runs in float16 on a GPU profile and in float32 on the cpu profile
     (runtime.plan_device): the plan's activations follow, and on the cpu it counts the
     packed decode copies."""
-    from hisparse_cli.planner_profile import plan_for_profile
-    from hisparse_cli.profiles import load_profile
+    from hisparse_cli.planner.profile import plan_for_profile
+    from hisparse_cli.config.profiles import load_profile
 
     cfg = shape_config("llama-3-8b-awq")
     gpu = plan_for_profile(cfg, load_profile("4060ti-6g"), context_tokens=4096)
@@ -745,7 +746,7 @@ def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from hisparse_cli.kernels.cuda_rt import nvrtc_available
+    from hisparse_cli.kernels.cuda.cuda_rt import nvrtc_available
 
     if not nvrtc_available():
         pytest.skip("no libnvrtc")

@@ -10,9 +10,9 @@ from importlib import resources
 
 import pytest
 
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.errors import ConfigError
-from hisparse_cli.profiles import (HardwareProfile, auto_profile_name, detect_auto_profile,
+from hisparse_cli.config.profiles import (HardwareProfile, auto_profile_name, detect_auto_profile,
                                    list_profiles, load_profile, profile_from_toml)
 
 GIB = 1 << 30

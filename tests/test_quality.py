@@ -322,7 +322,7 @@ def test_probe_train_cli_inputs_and_out(tiny_text_model, tmp_path):
     """--texts: missing or binary files are input errors (exit 3), binary files in a folder are
     skipped; --out: a non-.safetensors path is exit 2 before anything loads, an existing
     folder receives <model>.probe.safetensors and its sidecar."""
-    from hisparse_cli.cli import app
+    from hisparse_cli.cli.app import app
 
     path, _ = tiny_text_model
     runner = CliRunner()
@@ -385,7 +385,7 @@ def test_shipped_probe_matches_its_model_shape():
 # --- report and CLI -----------------------------------------------------------------------
 
 def test_report_files_and_cli(tiny_text_model, tmp_path):
-    from hisparse_cli.cli import app
+    from hisparse_cli.cli.app import app
 
     path, _ = tiny_text_model
     docs = tmp_path / "docs"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.kernels.dispatch import select_backend
 from hisparse_cli.model.config import ModelConfig
@@ -146,7 +146,7 @@ def test_recalibration_counts_and_no_growth():
 
 @pytest.mark.parametrize("t", [5, 1])  # a prefill chunk, and a decode step (its own code path)
 def test_importance_mass_equals_brute_force_probabilities(t):
-    from hisparse_cli.kernels.attention_ref import sparse_attention
+    from hisparse_cli.kernels.attention.attention_ref import sparse_attention
 
     g = torch.Generator().manual_seed(5)
     bs, nb, q_start, sinks, window = 4, 6, 19 + 5 - t, 2, 9
@@ -202,7 +202,7 @@ def test_strided_scoring_decode_steps_without_sampled_query(stride):
 
 
 def test_snapkv_decode_step_counts_only_keys_far_enough_back():
-    from hisparse_cli.kernels.attention_ref import sparse_attention
+    from hisparse_cli.kernels.attention.attention_ref import sparse_attention
 
     g = torch.Generator().manual_seed(2)
     bs, nb, q_start, m = 4, 5, 19, 6
@@ -221,7 +221,7 @@ def test_snapkv_decode_step_counts_only_keys_far_enough_back():
 def test_snapkv_counts_only_the_observation_window():
     """A key attended only by queries right after it (not by the late observation queries)
     loses to one attended by the late queries under snapkv, and wins under attention."""
-    from hisparse_cli.kernels.attention_ref import sparse_attention
+    from hisparse_cli.kernels.attention.attention_ref import sparse_attention
 
     g = torch.Generator().manual_seed(0)
     bs, t, window = 4, 16, 16
@@ -281,8 +281,8 @@ def test_strided_scores_follow_the_kernel_contract(stride):
     """The reference's strided estimate is the same estimator the Triton kernel implements
     (importance_triton.strided_mass_reference), so both backends pick the same globals."""
     pytest.importorskip("triton")
-    from hisparse_cli.kernels.attention_ref import sparse_attention
-    from hisparse_cli.kernels.importance_triton import strided_mass_reference
+    from hisparse_cli.kernels.attention.attention_ref import sparse_attention
+    from hisparse_cli.kernels.attention.importance_triton import strided_mass_reference
 
     g = torch.Generator().manual_seed(stride)
     bs, nb, t, q_start = 4, 7, 11, 17

@@ -112,13 +112,13 @@ def _has_images(page) -> bool:
         return True
 
 
-def _corrupt(path: Path, exc: BaseException) -> InputError:
+def _corrupt(path: Path | str, exc: BaseException) -> InputError:
     reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     return InputError(f"{path} is not a readable PDF (corrupt or truncated): {reason}",
                       hint="re-export or re-download the PDF and try again")
 
 
-def _open(path: Path, data: bytes, password: str | None):
+def _open(path: str, data: bytes, password: str | None):
     from pypdf import PdfReader  # heavy-ish import, only when a PDF is read
     from pypdf.errors import DependencyError
 
@@ -145,13 +145,13 @@ def _open(path: Path, data: bytes, password: str | None):
     return reader, True
 
 
-def _title(reader, path: Path) -> str:
+def _title(reader, path: str) -> str:
     try:
         meta = reader.metadata
         title = (meta.title or "").strip() if meta is not None else ""
     except Exception:  # noqa: BLE001 - metadata is optional decoration
         title = ""
-    return title or path.stem
+    return title or Path(path).stem
 
 
 def _clean(page_text: str) -> str:
@@ -170,16 +170,26 @@ def load_pdf(path: Path, *, password: str | None, max_pages: int, timeout_s: flo
     """
     started = time.monotonic()
     data = _read_bounded(path, max_bytes)
+    return pdf_document(data, source=str(path), password=password, max_pages=max_pages,
+                        timeout_s=timeout_s, max_chars=max_chars, started=started)
+
+
+def pdf_document(data: bytes, *, source: str, password: str | None, max_pages: int,
+                 timeout_s: float, max_chars: int, started: float | None = None) -> Document:
+    """`load_pdf` for the bytes of a PDF already read (a file's, stdin's, a collection
+    member's); `source` names it in messages and its stem is the fallback title. The clock
+    runs from `started` (time.monotonic(); default: now)."""
+    started = time.monotonic() if started is None else started
     try:
         with _deadline(max(timeout_s - (time.monotonic() - started), 1e-6)):
-            return _extract(path, data, password, max_pages, timeout_s, max_chars, started)
+            return _extract(source, data, password, max_pages, timeout_s, max_chars, started)
     except _ParseTimeout:
-        raise InputError(f"reading {path} took longer than {timeout_s:g} s (stopped while "
+        raise InputError(f"reading {source} took longer than {timeout_s:g} s (stopped while "
                          "pypdf was parsing it)",
                          hint="the PDF may be malformed; re-export it or split it") from None
 
 
-def _extract(path: Path, data: bytes, password: str | None, max_pages: int,
+def _extract(path: str, data: bytes, password: str | None, max_pages: int,
              timeout_s: float, max_chars: int, started: float) -> Document:
     with _quiet_pypdf():
         reader, encrypted = _open(path, data, password)
@@ -239,9 +249,9 @@ def _extract(path: Path, data: bytes, password: str | None, max_pages: int,
                          "so OCR is needed",
                          hint="run OCR first (e.g. `ocrmypdf in.pdf out.pdf`) and summarize "
                               "the result")
-    return Document(text="".join(parts), kind="pdf", source=str(path),
+    return Document(text="".join(parts), kind="pdf", source=path,
                     sections=tuple(sections), skipped=tuple(skipped), title=title,
-                    meta={"pages": n_pages, "encrypted": encrypted})
+                    meta={"pages": n_pages, "encrypted": encrypted, "bytes": len(data)})
 
 
-__all__ = ["load_pdf"]
+__all__ = ["load_pdf", "pdf_document"]

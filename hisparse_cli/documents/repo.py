@@ -1,20 +1,20 @@
-"""A source directory → one `Document(kind="repository")`.
+"""A source folder → one `Document(kind="repository")` (folder.py decides repository or
+collection, and lists the files through a view: git's, or the walk — walk.py).
 
-What is read: every regular text file under the root that survives, in this order,
-  1. the walk's rules (walk.py): version-control metadata (.git, .hg, .svn, ...), ignore
-     rules (the enclosing work tree's info/exclude and every .gitignore from its top down,
-     as in git; an ignored directory is not entered), vendored/build/cache/virtualenv
-     folders, symlinks (linked directories are never followed; a linked file is read only
-     when its target is inside the root and would itself be read),
-  2. lock files, binaries (by extension or content), files over `max_file_bytes`, minified or
-     machine-generated files (very long lines), empty files,
-  3. the file-count and total-character caps.
+What is read: every regular text file of the view (git's files inside a git work tree, else
+the walk's; version-control metadata, vendored/build/cache folders, secrets by name and
+symlinks that lead out of the root or to an excluded file are left out there) that survives
+  1. lock files, binaries (by extension or content), files over `max_file_bytes`, minified or
+     machine-generated files (very long lines), empty files, files whose text holds a
+     secret (a private key, a token: secret_files.py; `include_secrets` reads them),
+  2. the file-count and total-character caps.
 Everything left out is reported in `Document.skipped` as (path, reason) — directories once,
 with a trailing "/".
 
 Order (deterministic): the root README first, then build/config files, then docs, then
 sources, then everything else; alphabetical (case-insensitive) within each group. Each file
-appears under a header line `===== path/to/file =====` and is one `Section`.
+appears under a header line `===== path/to/file =====` and is one `Section` (with its size
+in bytes).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 
 from hisparse_cli.documents.base import Document, Section
+from hisparse_cli.documents.secret_files import secret_content
 from hisparse_cli.documents.text import SNIFF_BYTES, decode_bytes, looks_binary
-from hisparse_cli.documents.walk import SKIP_DIRS, RepositoryWalk, open_checked
+from hisparse_cli.documents.walk import SKIP_DIRS, Candidate, open_checked
 from hisparse_cli.errors import InputError
 
 LOCK_FILES = frozenset({
@@ -102,49 +103,52 @@ def _file_problem(rel: str, path: Path, max_file_bytes: int) -> str | None:
     return None
 
 
-def _read_text(path: Path, max_file_bytes: int) -> tuple[str | None, str]:
-    """(text, "") or (None, reason). Reads at most `max_file_bytes` (+1 to notice growth)."""
+def _read_text(path: Path, max_file_bytes: int,
+               include_secrets: bool = False) -> tuple[str | None, str, int]:
+    """(text, "", bytes read) or (None, reason, 0). Reads at most `max_file_bytes` (+1 to
+    notice growth)."""
     try:
         with open_checked(path) as handle:
             data = handle.read(max_file_bytes + 1)
     except OSError as exc:
-        return None, f"unreadable: {exc.strerror or exc}"
+        return None, f"unreadable: {exc.strerror or exc}", 0
     if len(data) > max_file_bytes:
-        return None, _too_large(len(data), max_file_bytes)
+        return None, _too_large(len(data), max_file_bytes), 0
     if looks_binary(data[:SNIFF_BYTES]):
-        return None, "binary file"
+        return None, "binary file", 0
     try:
         text = decode_bytes(data)[0]
     except InputError:
-        return None, "undecodable text"
+        return None, "undecodable text", 0
     if not text.strip():
-        return None, "empty file"
+        return None, "empty file", 0
     lines = text.count("\n") + 1
     if len(text) >= MINIFIED_MIN_CHARS and len(text) / lines > MINIFIED_MEAN_LINE:
-        return None, "minified or machine-generated (very long lines)"
-    return text, ""
+        return None, "minified or machine-generated (very long lines)", 0
+    secret = None if include_secrets else secret_content(text)
+    if secret is not None:
+        return None, secret, 0
+    return text, "", len(data)
 
 
-def repository_files(root: Path, *, max_file_bytes: int, max_files: int
-                     ) -> tuple[list[tuple[str, Path]], list[tuple[str, str]], bool]:
-    """What `load_repository` will try to read under `root` (resolved), in reading order:
-    (relative path, path to open) pairs that passed the walk and the per-file checks that
-    need no content; the (path, reason) pairs skipped so far; whether the enclosing work
-    tree ignores the root itself. `content_sha256` fingerprints exactly these files."""
-    def file_problem(rel: str, file_path: Path) -> str | None:
-        return _file_problem(rel, file_path, max_file_bytes)
-
-    walk = RepositoryWalk(root, file_problem)
-    candidates = sorted(walk.files(walk_cap=10 * max_files), key=lambda item: sort_key(item[0]))
+def repository_files(candidates: list[Candidate], skipped: list[tuple[str, str]], *,
+                     max_file_bytes: int) -> list[tuple[str, Path]]:
+    """What `load_repository` will try to read of a view's `candidates`, in reading order:
+    (relative path, path to open) pairs that pass the per-file checks that need no content
+    (a link's target is checked first, then its own name); the rest goes to `skipped`."""
     files = []
-    for rel, file_path in candidates:
-        reason = file_problem(rel, file_path)
+    for rel, file_path, target_rel in sorted(candidates, key=lambda item: sort_key(item[0])):
+        reason = None
+        if target_rel is not None and target_rel != rel:
+            reason = _file_problem(target_rel, file_path, max_file_bytes)
+            if reason is not None:
+                reason = f"symlink to {target_rel}, which is not read: {reason}"
+        reason = reason or _file_problem(rel, file_path, max_file_bytes)
         if reason is None:
             files.append((rel, file_path))
         else:
-            walk.skipped.append((rel, reason))
-    return files, walk.skipped, walk.root_ignored
-
+            skipped.append((rel, reason))
+    return files
 
 
 def header_name(rel: str) -> str:
@@ -164,16 +168,13 @@ def header_name(rel: str) -> str:
     return "".join(out)
 
 
-def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
-                    max_files: int) -> Document:
-    """Read a directory tree as one document (see the module docstring for the rules)."""
+def load_repository(path: Path, files: list[tuple[str, Path]], skipped: list[tuple[str, str]],
+                    *, max_file_bytes: int, max_total_chars: int, max_files: int,
+                    include_secrets: bool = False) -> Document:
+    """Read `files` (from `repository_files`, in order) as one document (the module
+    docstring has the rules); `skipped` holds what the listing left out already."""
     root = path.resolve()
-    files, skipped, root_ignored = repository_files(root, max_file_bytes=max_file_bytes,
-                                                    max_files=max_files)
-    if root_ignored:
-        raise InputError(f"{path} is ignored by the .gitignore of the git repository around "
-                         "it, so none of its files are read",
-                         hint="summarize a folder the repository does not ignore")
+    skipped = list(skipped)
     parts: list[str] = []
     sections: list[Section] = []
     offset = 0
@@ -182,7 +183,7 @@ def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
         if cap_reason:
             skipped.append((rel, cap_reason))
             continue
-        text, reason = _read_text(file_path, max_file_bytes)
+        text, reason, size = _read_text(file_path, max_file_bytes, include_secrets)
         if text is None:
             skipped.append((rel, reason))
             continue
@@ -195,19 +196,25 @@ def load_repository(path: Path, *, max_file_bytes: int, max_total_chars: int,
         if cap_reason:
             skipped.append((rel, cap_reason))
             continue
-        sections.append(Section(label=name, start=offset, end=offset + len(block) - 1))
+        sections.append(Section(label=name, start=offset, end=offset + len(block) - 1,
+                                bytes=size))
         parts.append(block)
         offset += len(block)
     if not sections:
-        reasons = sorted({reason for _, reason in skipped})
-        raise InputError(f"{path} contains no readable text files",
-                         hint=("everything was skipped: " + "; ".join(reasons[:5]))
-                         if reasons else "the directory is empty")
+        raise nothing_readable(path, skipped)
     return Document(text="".join(parts).rstrip("\n") + "\n", kind="repository",
                     source=str(path), sections=tuple(sections),
                     skipped=tuple(skipped), title=root.name, genre="code",
                     meta={"files": len(sections), "skipped": len(skipped)})
 
 
-__all__ = ["load_repository", "repository_files", "sort_key", "SKIP_DIRS", "LOCK_FILES",
-           "TEXT_SUFFIXES"]
+def nothing_readable(path: Path, skipped: list[tuple[str, str]]) -> InputError:
+    reasons = sorted({reason for _, reason in skipped})
+    return InputError(f"{path} contains no readable text files",
+                      hint=("everything was skipped: " + "; ".join(reasons[:5]))
+                      if reasons else "the directory is empty")
+
+
+__all__ = ["load_repository", "repository_files", "sort_key", "header_name",
+           "nothing_readable", "SKIP_DIRS", "LOCK_FILES", "TEXT_SUFFIXES", "CONFIG_FILES",
+           "BINARY_SUFFIXES"]

@@ -6,7 +6,9 @@ Owns the byte-level decisions shared with the repository reader:
   * `decode_bytes(data)`: a BOM decides first (UTF-8, UTF-16 LE/BE, UTF-32 LE/BE); without
     one, strict UTF-8, then strict cp1252, then latin-1 (which never fails). Newlines are
     normalised to "\\n". UTF-16 without a BOM is full of NUL bytes and is refused as binary.
-Markdown and every other text format are read as text; no markup is interpreted.
+Markdown and every other text format are read as text; no markup is interpreted (HTML goes to
+webpage.py, .docx to docx.py). `text_document` makes the Document from bytes already read (a
+file's, stdin's, a collection member's).
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def decode_bytes(data: bytes) -> tuple[str, str]:
     return text.replace("\r\n", "\n").replace("\r", "\n"), encoding
 
 
-def _markdown_title(text: str) -> str:
+def markdown_title(text: str) -> str:
+    """The text of a first non-blank line that is a `# ` heading, else ""."""
     for line in text.splitlines():
         if line.strip():
             return line.lstrip("#").strip() if line.startswith("# ") else ""
@@ -98,25 +101,47 @@ def load_text(path: Path, *, max_chars: int) -> Document:
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}",
                          hint="check the path and its permissions") from None
-    if len(data) > max_bytes:
-        raise _too_long(path, max_chars)
+    return text_document(data, source=str(path), name=path.name, max_chars=max_chars)
+
+
+def text_document(data: bytes, *, source: str, name: str, max_chars: int,
+                  title: str = "") -> Document:
+    """The bytes of one text document (a file's, stdin's) → a single-section Document.
+    `name` labels the section and, without a title (given, or a Markdown file's first
+    `# ` heading), gives the title (its stem). InputError for binary, empty or too-long
+    text."""
+    if len(data) > 4 * max_chars + 4:
+        raise _too_long(source, max_chars)
+    suffix = Path(name).suffix.lower()
     if looks_binary(data[:SNIFF_BYTES]):
-        raise InputError(f"{path} looks like a binary file, not text",
-                         hint="give a PDF, a text/Markdown file, or a source directory")
+        raise InputError(f"{source} looks like a binary file, not text", hint=(
+            _OLD_FORMATS[suffix] if suffix in _OLD_FORMATS else
+            "give a PDF, a .docx, an .html, a text/Markdown file, or a folder"))
     text, encoding = decode_bytes(data)
     if not text.strip():
-        raise InputError(f"{path} is empty", hint="give a file that contains text")
+        raise InputError(f"{source} is empty", hint="give a file that contains text")
     if len(text) > max_chars:
-        raise _too_long(path, max_chars)
-    title = (_markdown_title(text) if path.suffix.lower() in (".md", ".markdown") else "")
-    return Document(text=text, kind="text", source=str(path),
-                    sections=(Section(label=path.name, start=0, end=len(text)),),
-                    title=title or path.stem, meta={"encoding": encoding, "bytes": len(data)})
+        raise _too_long(source, max_chars)
+    if not title and suffix in (".md", ".markdown"):
+        title = markdown_title(text)
+    return Document(text=text, kind="text", source=source,
+                    sections=(Section(label=name, start=0, end=len(text), bytes=len(data)),),
+                    title=title or Path(name).stem,
+                    meta={"encoding": encoding, "bytes": len(data)})
 
 
-def _too_long(path: Path, max_chars: int) -> InputError:
+_OLD_FORMATS = {  # binary formats people expect to work: say how to convert them
+    ".doc": "the old Word format (.doc) is not read: save it as .docx (or PDF) and try again",
+    ".odt": "OpenDocument text is not read: save it as .docx (or PDF) and try again",
+    ".rtf": "save the document as .docx, PDF or plain text and try again",
+}
+
+
+def _too_long(path: Path | str, max_chars: int) -> InputError:
     return InputError(f"{path} is longer than the limit of {max_chars:,} characters",
                       hint="split the document into parts and summarize them separately")
 
 
-__all__ = ["looks_binary", "decode_bytes", "bom_encoding", "load_text", "SNIFF_BYTES"]
+__all__ = ["looks_binary", "decode_bytes", "bom_encoding", "load_text", "text_document",
+           "markdown_title",
+           "SNIFF_BYTES"]

@@ -1,23 +1,30 @@
-"""Which files under a repository root may be read: the folder walk, ignore rules, symlinks.
+"""Which files under a folder may be read: the two views of a tree, and the rules they share.
 
-Rules, in the order they are checked for every entry:
+A view lists candidate files and reports what it leaves out (`skipped`, with reasons):
+  * `GitView` (git_view.py): inside a git work tree, the files git sees — tracked ones (also
+    those a .gitignore matches) and untracked ones that are not ignored;
+  * `RepositoryWalk` (here): elsewhere (or without a usable git), a walk of the folder that
+    applies the ignore rules itself.
+`git_view.tree_view(root, file_problem)` picks one. Rules every view applies, in order:
   1. version-control metadata (`.git`, `.hg`, `.svn`, `.bzr`, `CVS`, `_darcs`, `.pijul`,
      `.jj`, `.sl`, Fossil's `.fslckout` / `_FOSSIL_` / `*.fossil`) is never read,
-  2. ignore rules as git applies them: the enclosing work tree's `info/exclude` (lowest
-     precedence), then every `.gitignore` from the work tree's top down to the entry's folder
-     (deeper files and later lines win, `!` re-includes; an ignored folder is not entered, so
-     nothing under it can be re-included). The work tree is the nearest folder at or above
-     the root holding `.git` (a folder, or a worktree/submodule `gitdir:` file): summarizing
-     `repo/src` applies `repo/.gitignore`. Above the root only those ignore files are read.
-  3. vendored/build/cache folders (SKIP_DIRS, `*.egg-info`) and virtualenvs are not entered,
+  2. ignore rules (the walk: the enclosing work tree's `info/exclude` (lowest precedence),
+     then every `.gitignore` from the work tree's top down to the entry's folder — deeper
+     files and later lines win, `!` re-includes; an ignored folder is not entered. The work
+     tree is the nearest folder at or above the root holding `.git` (a folder, or a
+     worktree/submodule `gitdir:` file): summarizing `repo/src` applies `repo/.gitignore`.
+     Above the root only those ignore files are read. Git's view: what git ignores),
+  3. vendored/build/cache folders (SKIP_DIRS, `*.egg-info`) and virtualenvs are not entered
+     (tracked or not),
   4. symlinks: a linked folder is never entered; a linked file is read only when its real
      target is inside the root and the target's own path passes every rule here and the
-     caller's per-file check (`file_problem`: size, lock, binary), so a link cannot expose
-     what the walk would skip (`link.txt -> .git/config`, `-> .env` when ignored, ...).
-     The target, not the link, is what gets opened.
-`open_checked` opens an admitted file so that a swap after the walk is caught: the last
+     caller's per-file check (`file_problem`: secrets by name), so a link cannot expose
+     what the view would skip (`link.txt -> .git/config`, `-> .env`, an ignored file, ...).
+     A file is listed with its real path (a link's target); files in a folder that is a
+     symlink are never listed.
+`open_checked` opens an admitted file so that a swap after the listing is caught: the last
 component may not be a symlink, it must be a regular file, and its real path must still be
-the one the walk admitted.
+the one the view admitted.
 """
 
 from __future__ import annotations
@@ -112,14 +119,67 @@ def _join(prefix: str, rel: str) -> str:
     return f"{prefix}/{rel}" if prefix and rel else prefix or rel
 
 
-class RepositoryWalk:
-    """The walk of one root (resolved): `files()` lists what may be read, `skipped` why the
-    rest is not. `file_problem` is the caller's per-file check, applied to link targets."""
+Candidate = tuple[str, Path, "str | None"]  # (relative path, real path, link target's rel)
+
+
+class TreeView:
+    """What the views share: the folder rules, the symlink rules and the skip report.
+    Subclasses give `entry_problem` (why an entry is not read) and `files()`."""
+
+    source = ""  # "git" | "walk": which view listed the files
 
     def __init__(self, root: Path, file_problem: FileProblem) -> None:
         self.root = root
         self.file_problem = file_problem
         self.skipped: list[tuple[str, str]] = []
+        self.root_ignored = False  # the root lies in a folder the work tree ignores
+
+    def folder_problem(self, rel: str) -> str | None:
+        """Why the folder `rel` is not entered by its name (rule 3), or None."""
+        name = rel.rpartition("/")[2]
+        if name in SKIP_DIRS or name.endswith(".egg-info"):
+            return "vendored/build/cache folder"
+        if (self.root / rel / "pyvenv.cfg").is_file():
+            return "virtualenv folder"
+        return None
+
+    def entry_problem(self, rel: str, is_dir: bool) -> str | None:  # pragma: no cover
+        raise NotImplementedError
+
+    def link_target(self, path: Path) -> tuple[Path | None, str]:
+        """(real target, "") for a symlink that may be read, else (None, reason)."""
+        try:
+            target = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            return None, "broken or looping symlink"
+        if not target.is_relative_to(self.root):
+            return None, "symlink points outside the repository (not followed)"
+        if target.is_dir():
+            return None, "symlinked directory (not followed)"
+        if not target.is_file():
+            return None, "not a regular file"
+        rel = target.relative_to(self.root).as_posix()
+        parts = rel.split("/")
+        for depth in range(1, len(parts) + 1):  # every folder on the way, then the file
+            reason = self.entry_problem("/".join(parts[:depth]), depth < len(parts))
+            if reason is None and depth == len(parts):
+                reason = self.file_problem(rel, target)
+            if reason is not None:
+                return None, f"symlink to {rel}, which is not read: {reason}"
+        return target, ""
+
+    def files(self, walk_cap: int) -> list[Candidate]:  # pragma: no cover
+        raise NotImplementedError
+
+
+class RepositoryWalk(TreeView):
+    """The walk of one root (resolved): `files()` lists what may be read, `skipped` why the
+    rest is not. `file_problem` is the caller's per-file check (files and link targets)."""
+
+    source = "walk"
+
+    def __init__(self, root: Path, file_problem: FileProblem) -> None:
+        super().__init__(root, file_problem)
         work_tree = _work_tree_top(root)
         top = work_tree or root
         self.prefix = root.relative_to(top).as_posix() if top != root else ""
@@ -127,7 +187,6 @@ class RepositoryWalk:
         exclude = _read_ignore(_git_dir(top) / "info" / "exclude", "") if work_tree else None
         if exclude is not None:
             rules.append(exclude)
-        self.root_ignored = False  # the root lies in a folder the work tree ignores
         parts = self.prefix.split("/") if self.prefix else []
         for depth in range(len(parts)):  # the work tree's top down to the root's parent
             base = "/".join(parts[:depth])
@@ -157,40 +216,14 @@ class RepositoryWalk:
             return "version-control metadata"
         if _ignored(self.rules_for(rel.rpartition("/")[0]), _join(self.prefix, rel), is_dir):
             return "ignored by .gitignore"
-        if is_dir:
-            if name in SKIP_DIRS or name.endswith(".egg-info"):
-                return "vendored/build/cache folder"
-            if (self.root / rel / "pyvenv.cfg").is_file():
-                return "virtualenv folder"
-        return None
+        return self.folder_problem(rel) if is_dir else None
 
-    def link_target(self, path: Path) -> tuple[Path | None, str]:
-        """(real target, "") for a symlink that may be read, else (None, reason)."""
-        try:
-            target = path.resolve(strict=True)
-        except (OSError, RuntimeError):
-            return None, "broken or looping symlink"
-        if not target.is_relative_to(self.root):
-            return None, "symlink points outside the repository (not followed)"
-        if target.is_dir():
-            return None, "symlinked directory (not followed)"
-        if not target.is_file():
-            return None, "not a regular file"
-        rel = target.relative_to(self.root).as_posix()
-        parts = rel.split("/")
-        for depth in range(1, len(parts) + 1):  # every folder on the way, then the file
-            reason = self.entry_problem("/".join(parts[:depth]), depth < len(parts))
-            if reason is None and depth == len(parts):
-                reason = self.file_problem(rel, target)
-            if reason is not None:
-                return None, f"symlink to {rel}, which is not read: {reason}"
-        return target, ""
-
-    def files(self, walk_cap: int) -> list[tuple[str, Path]]:
-        """Candidate files (relative posix path, path to open) in walk order; a link's path
-        to open is its real target. Stops after `walk_cap` files so that pointing the tool
-        at a huge tree (a home directory) ends quickly; the stop is reported in `skipped`."""
-        found: list[tuple[str, Path]] = []
+    def files(self, walk_cap: int) -> list[Candidate]:
+        """Candidate files (relative posix path, path to open, the target's relative path for
+        a link) in walk order; a link's path to open is its real target. Stops after
+        `walk_cap` files so that pointing the tool at a huge tree (a home directory) ends
+        quickly; the stop is reported in `skipped`."""
+        found: list[Candidate] = []
         if self.root_ignored:
             self.skipped.append((".", "ignored by the enclosing repository's .gitignore"))
             return found
@@ -217,16 +250,25 @@ class RepositoryWalk:
                     if target is None:
                         self.skipped.append((rel, reason))
                     else:
-                        found.append((rel, target))
+                        found.append((rel, target, target.relative_to(self.root).as_posix()))
                 elif is_dir:
                     visit(path, rel)
                 elif entry.is_file(follow_symlinks=False):
-                    found.append((rel, path))
+                    problem = self.file_problem(rel, path)
+                    if problem is None:
+                        found.append((rel, path, None))
+                    else:
+                        self.skipped.append((rel, problem))
                 else:
                     self.skipped.append((rel, "not a regular file"))
 
         visit(self.root, "")
         return found
+
+
+def inside_vcs_metadata(root: Path) -> bool:
+    """Is `root` (resolved) version-control metadata itself, or inside it (`repo/.git`)?"""
+    return any(part in VCS_NAMES or part.endswith(".fossil") for part in root.parts)
 
 
 def open_checked(path: Path) -> BinaryIO:
@@ -246,4 +288,5 @@ def open_checked(path: Path) -> BinaryIO:
     return handle
 
 
-__all__ = ["RepositoryWalk", "open_checked", "SKIP_DIRS", "VCS_NAMES"]
+__all__ = ["TreeView", "RepositoryWalk", "inside_vcs_metadata", "open_checked",
+           "Candidate", "SKIP_DIRS", "VCS_NAMES"]

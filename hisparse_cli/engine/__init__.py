@@ -6,7 +6,7 @@ Imported lazily so `import hisparse_cli.engine` stays light until an attribute i
 
 from __future__ import annotations
 
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig
 
 __all__ = ["Engine", "SparseConfig", "GenerationConfig", "GenerationResult", "RunStats"]
 

@@ -11,7 +11,7 @@ bookkeeping (block table, eviction, recalibration) runs between replays as plain
 eager tensor ops; per-step inputs travel in one pinned-memory copy. Sampling stays on the
 device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
 no host synchronisation per token. With the input embedding table in host memory (the
-tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/host_rows.py),
+tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/cuda/host_rows.py),
 where the loader could register the table for device access.
 """
 
@@ -21,44 +21,17 @@ from functools import lru_cache
 
 import torch
 
-from hisparse_cli.engine.config import GenerationConfig
 from hisparse_cli.engine.runner import KVRun, StepContext
 from hisparse_cli.engine.sparsity import cdiv
-
-# host-resident embedding tables registered for device access are read by a kernel in the
-# graph (kernels/host_rows.py), not through a host read of each token (benchmarks A/B it)
-HOST_GATHER = True
-
 
 def _mapped(table: torch.Tensor) -> bool:
     from hisparse_cli.kernels.dispatch import triton_available
 
     if not triton_available():
         return False
-    from hisparse_cli.kernels.host_rows import is_mapped
+    from hisparse_cli.kernels.cuda.host_rows import is_mapped
 
     return is_mapped(table)
-
-
-DECODE_KERNELS = ("auto", "persistent", "layers")
-
-
-def decode_kernel() -> str:
-    """HISPARSE_DECODE_KERNEL: "auto" (unset: the default) decodes each token with the
-    persistent kernel (the whole step in one launch, kernels/cuda_step.py) where it applies
-    (an sm_90 GPU with NVRTC, an AWQ INT4 model and settings it serves) and layer by layer
-    elsewhere; "persistent" asks for it (a run it does not apply to says why:
-    decode_kernel_note); "layers" decodes one kernel per operation always. Any other value is
-    a ConfigError."""
-    import os
-
-    from hisparse_cli.errors import ConfigError
-
-    value = os.environ.get("HISPARSE_DECODE_KERNEL", "").strip().lower() or "auto"
-    if value not in DECODE_KERNELS:
-        raise ConfigError(f"HISPARSE_DECODE_KERNEL={os.environ['HISPARSE_DECODE_KERNEL']!r}: "
-                          f"expected one of {', '.join(DECODE_KERNELS)}")
-    return value
 
 
 PAD_START = 1 << 30  # start position of padding blocks: later than any query, so masked (the
@@ -87,99 +60,29 @@ class GraphStepContext(StepContext):
         self.wants_hidden = run.token_scorer is not None
 
 
-class DeviceSampler:
-    """Greedy / temperature + top-p sampling with a repetition penalty and no-repeat n-gram
-    blocking, all on the device (tensor shapes depend only on the step count, which the host
-    knows, so nothing here waits for the device; `benchmarks/gpu_decode_syncs.py` checks)."""
-
-    @staticmethod
-    def buffer_bytes(vocab: int, max_new_tokens: int) -> tuple[int, ...]:
-        """Its device buffers' sizes (seen, history) and Engine._decode_graph's token buffer:
-        the planner's count (planner_run.simulate_run)."""
-        return (vocab, max(max_new_tokens, 1) * 8, max_new_tokens * 8)
-
-    def __init__(self, gen: GenerationConfig, vocab: int, device: torch.device) -> None:
-        self.gen = gen
-        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        self.hist = torch.zeros(max(gen.max_new_tokens, 1), dtype=torch.int64, device=device)
-        self.count = 0
-        self.rng = None
-        if gen.temperature > 0:
-            self.rng = torch.Generator(device=device)
-            self.rng.manual_seed(gen.seed if gen.seed is not None else 0)
-
-    def __call__(self, logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
-        from hisparse_cli.kernels.argmax_triton import greedy_pick
-
-        g = self.gen
-        x = logits[-1]  # [V]; copied before anything changes it (logits is the graph's buffer)
-        if g.repetition_penalty != 1.0:
-            pen = torch.where(x > 0, x / g.repetition_penalty, x * g.repetition_penalty)
-            x = torch.where(self.seen, pen, x)
-        ban = self._ngram_banned(x.shape[0])
-        if ban is not None:
-            x = torch.where(ban, float("-inf"), x)
-        if g.temperature == 0:  # suppressed ids masked inside the pick (no copy of the row)
-            tok = greedy_pick(x, suppress)
-        else:
-            if suppress is not None:  # index_fill_, not x[suppress] = ...: an indexed
-                # assignment of a Python scalar waits for the device (a host sync per token,
-                # found in H200 run 41)
-                x = x.clone().index_fill_(0, suppress, float("-inf"))
-            probs = torch.softmax(x / g.temperature, dim=-1)
-            if g.top_p < 1.0:
-                sp, si = torch.sort(probs, descending=True)
-                keep = torch.cumsum(sp, -1) - sp < g.top_p
-                probs = torch.zeros_like(probs).scatter_(0, si, sp * keep)
-            tok = torch.multinomial(probs, 1, generator=self.rng)
-        if g.repetition_penalty != 1.0:  # the state only the penalty and the ban read
-            self.seen.index_fill_(0, tok.reshape(-1), True)
-        if g.no_repeat_ngram_size and self.count < self.hist.shape[0]:
-            self.hist[self.count:self.count + 1].copy_(tok.reshape(1))
-        self.count += 1
-        return tok
-
-    def _ngram_banned(self, vocab: int) -> torch.Tensor | None:
-        """[V] bool: tokens that would complete an n-gram already generated (the semantics of
-        sampling.NgramBlocker: generated tokens only)."""
-        n, length = self.gen.no_repeat_ngram_size, self.count
-        if n == 0 or length < n - 1 or length == 0:
-            return None
-        h = self.hist[:length]
-        if n == 1:
-            nxt, match = h, torch.ones_like(h, dtype=torch.bool)
-        else:
-            starts = length - n + 1  # windows h[i:i+n-1] that a generated token follows
-            if starts <= 0:
-                return None
-            windows = h.unfold(0, n - 1, 1)[:starts]  # [starts, n-1]
-            match = (windows == h[length - n + 1:]).all(dim=1)
-            nxt = h[n - 1:length]
-        ban = torch.zeros(vocab, dtype=torch.int32, device=h.device)
-        ban.scatter_reduce_(0, nxt, match.to(torch.int32), reduce="amax")
-        return ban.bool()
-
-
 class GraphDecoder:
     """Decode steps of one run through a captured CUDA graph."""
 
     def __init__(self, model, run: KVRun, total_tokens: int, capture: bool | None = None,
-                 host_embeddings: bool | None = None, host_gather: bool | None = None) -> None:
+                 host_embeddings: bool | None = None, host_gather: bool | None = None,
+                 persistent: bool = False) -> None:
         """capture=False runs the same static-buffer step eagerly every time (no graph): the
         CPU tests use it to check the padded block list and device q_start without CUDA.
         host_embeddings (default: the table is not on the run's device): the graph starts
         from a static [1, hidden] input, filled with the token's row of the host table.
         host_gather (default: the loader registered the table for device access,
-        kernels/host_rows.py): a kernel in the graph reads the row from host memory at the
+        kernels/cuda/host_rows.py): a kernel in the graph reads the row from host memory at the
         device-resident token; otherwise the host reads the sampled token (one
-        synchronisation a token) and copies its row."""
+        synchronisation a token) and copies its row. persistent: the execution plan chose
+        the persistent decode kernel (kernels/cuda/cuda_step.py), which the step then runs
+        where this run allows it (else `cuda_step_reason` says why not)."""
         self.model, self.run = model, run
         self.capture = run.device.type == "cuda" if capture is None else capture
         table = model.model.embed_tokens.weight
         self.host_table = (table.device.type != run.device.type if host_embeddings is None
                            else host_embeddings)
         if host_gather is None:
-            host_gather = self.host_table and HOST_GATHER and _mapped(table)
+            host_gather = self.host_table and _mapped(table)
         self.host_gather = bool(host_gather) and self.host_table
         dev = run.device
         self.nb_max = self.padded_blocks(run, total_tokens)
@@ -205,20 +108,21 @@ class GraphDecoder:
                                     self.dev[2 + self.nb_max:])
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        # the greedy sampler inside the step (kernels/graph_sampler.py), where attached: the
+        # the greedy sampler inside the step (kernels/sampling/graph_sampler.py), where attached: the
         # step then writes the next token into self.tok itself
         self.sampler = None
         self.sampled = False  # the step (and its captured graph) runs self.sampler
         self.steps = 0
         self.captures = 0  # graphs captured by this decoder (1 at most; 0 with capture=False)
-        # the persistent decode kernel (kernels/cuda_step.py) in place of the layer-by-layer
-        # forward, where asked for (decode_kernel()) and where it applies
+        # the persistent decode kernel (kernels/cuda/cuda_step.py) in place of the
+        # layer-by-layer forward, where the plan chose it and this run allows it
+        self.persistent = persistent
         self.cuda_step = None
         self.cuda_step_reason: str | None = None
-        if decode_kernel() != "layers":
+        if persistent:
             self.cuda_step_reason = self._persistent_unsupported()
             if self.cuda_step_reason is None:
-                from hisparse_cli.kernels.cuda_step import CudaDecodeStep
+                from hisparse_cli.kernels.cuda.cuda_step import CudaDecodeStep
 
                 self.cuda_step = CudaDecodeStep(model, run, self.dev, self.tok, self.nb_max)
 
@@ -226,7 +130,7 @@ class GraphDecoder:
         """Why this decoder cannot run the persistent kernel (None: it can)."""
         if self.host_table and not self.host_gather:
             return "the host embedding table is read by the host (not registered)"
-        from hisparse_cli.kernels.cuda_step import unsupported
+        from hisparse_cli.kernels.cuda.cuda_step import unsupported
 
         return unsupported(self.model, self.run)
 
@@ -309,11 +213,11 @@ class GraphDecoder:
             done.record()
 
     def sample_in_graph(self, gen, eos) -> bool:
-        """Have the step sample greedily itself (kernels/graph_sampler.py), armed for this
+        """Have the step sample greedily itself (kernels/sampling/graph_sampler.py), armed for this
         generate; False where it cannot (not greedy, or the host reads each token to copy its
         embedding row). A graph captured for other settings, or without the sampler, is
         dropped (the next step captures again)."""
-        from hisparse_cli.kernels.graph_sampler import GraphSampler
+        from hisparse_cli.engine.sampling.graph import GraphSampler
 
         if not GraphSampler.serves(gen, eos) or (self.host_table and not self.host_gather):
             self.use_host_sampler()
@@ -350,7 +254,7 @@ class GraphDecoder:
             return self.cuda_step()     # embedding row itself)
         if self.host_table:
             if self.host_gather:  # the row read from host memory by a kernel in the graph
-                from hisparse_cli.kernels.host_rows import gather_rows
+                from hisparse_cli.kernels.cuda.host_rows import gather_rows
 
                 gather_rows(self.model.model.embed_tokens.weight, self.tok, self.x)
             return self.model.forward_hidden(self.x, self.dev[0:1], self.ctx)

@@ -30,15 +30,18 @@ class DecodeState:
         self.cache.reset()
         return self.cache
 
-    def decoder_for(self, model, run, total_tokens: int) -> tuple[GraphDecoder, bool]:
+    def decoder_for(self, model, run, total_tokens: int,
+                    persistent: bool = False) -> tuple[GraphDecoder, bool]:
         """(decoder for `run`, whether it replays a kept graph). A decoder that does not fit
-        is dropped (its graph freed) before the new one is built."""
+        is dropped (its graph freed) before the new one is built. persistent: the execution
+        plan's decode kernel is the persistent one (GraphDecoder)."""
         assert run.cache is self.cache, "the run does not use the kept cache"
         dec = self.decoder
-        if dec is not None and dec.rebind(model, run, total_tokens):
+        if dec is not None and dec.persistent == persistent and \
+                dec.rebind(model, run, total_tokens):
             return dec, dec.graph is not None
         self.release_decoder()
-        self.decoder = GraphDecoder(model, run, total_tokens)
+        self.decoder = GraphDecoder(model, run, total_tokens, persistent=persistent)
         return self.decoder, False
 
     def release_decoder(self) -> None:

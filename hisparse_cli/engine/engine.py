@@ -21,13 +21,12 @@ from typing import Callable
 import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.config import GenerationConfig, SparseConfig, check_positions
+from hisparse_cli.config.execution import ExecutionPlan, resolve_execution
+from hisparse_cli.config.settings import GenerationConfig, SparseConfig, check_positions
 from hisparse_cli.engine.kv_cache import int64_to_device
 from hisparse_cli.engine.runner import KVRun
-from hisparse_cli.engine.sampling import Sampler
-from hisparse_cli.kernels.dispatch import select_backend
+from hisparse_cli.engine.sampling.host import Sampler
 from hisparse_cli.model.config import ModelConfig
-from hisparse_cli.engine.cuda_graph import decode_kernel
 from hisparse_cli.model.llama import CausalLM, fuse_projections
 from hisparse_cli.model.loader import load_model
 from hisparse_cli.model.row_split import split_row_products
@@ -86,35 +85,57 @@ class Engine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, sparse: SparseConfig,
                  device: torch.device, kv_dtype: torch.dtype, path: Path | None = None,
                  pool_cap_blocks: int | None = None, backend: str | None = None,
-                 probe=None) -> None:
+                 probe=None, execution: ExecutionPlan | None = None) -> None:
+        """execution: how the run executes (config/execution.py); default: resolved here from
+        the model, device, settings, `backend` preference and the environment."""
         # q|k|v and gate|up as one matmul each (from_pretrained's loader already did it)
         self.model, self.cfg, self.sparse, self.device = fuse_projections(model), cfg, sparse, device
         if device.type == "cpu":  # decode's one-row products on every thread (model/row_split.py)
             split_row_products(self.model)
         self.probe = probe  # token scorer for importance="probe": (layer, x [T, hs]) -> [T, Hkv]
         self.kv_dtype, self.path, self.pool_cap_blocks = kv_dtype, path, pool_cap_blocks
-        self.backend = select_backend(device.type, backend)
-        self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
-        self.decode_kernel_note = None  # why the persistent decode kernel is not taken
-        if decode_kernel() != "layers":  # "auto" (the default) or "persistent"
-            self._prepare_persistent()
+        self._backend_preference = backend
+        self.execution = execution or self._resolve_execution()
+        self._apply_execution()
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
 
-    def _prepare_persistent(self) -> None:
-        """The INT4 linears into the persistent decode kernel's item layout, only where it
-        will run (CUDA-graph decode, a model and settings it serves): in the item layout a
-        linear's one-token product is a dequantize + matmul, far slower than the layer-by-layer
-        GEMV, so a model the kernel cannot take keeps its layout (the note says why)."""
-        from hisparse_cli.kernels.cuda_step import (model_unsupported, settings_unsupported,
-                                                    use_item_layout)
+    def _resolve_execution(self) -> ExecutionPlan:
+        return resolve_execution(
+            device=self.device.type, model_cfg=self.cfg, sparse=self.sparse,
+            compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+            weight_awq=self.cfg.quantization_config is not None,
+            backend=self._backend_preference, loaded_model=self.model)
 
-        why = (None if self._graph_enabled() else "CUDA-graph decode is off") or \
-            model_unsupported(self.model, self.device, convert=True) or \
-            settings_unsupported(self.sparse, self.kv_dtype)
-        self.decode_kernel_note = why
-        if why is None:
+    def _apply_execution(self) -> None:
+        """The plan's kernels for the model's norms/RoPE and the runs; where the persistent
+        decode kernel runs, the INT4 linears in its item layout (only there: in the item layout
+        a linear's one-token product is a dequantize + matmul, far slower than the
+        layer-by-layer GEMV, so a model the kernel cannot take keeps its layout)."""
+        self.backend = self.execution.kernels
+        self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
+        if self.execution.persistent:
+            from hisparse_cli.kernels.cuda.cuda_step import use_item_layout
+
             use_item_layout(self.model)
+
+    def replan(self) -> ExecutionPlan:
+        """Resolve the execution plan again from the environment as it is now (benchmarks and
+        tests that change HISPARSE_* between runs of one engine); returns the new plan."""
+        self.release_cached_state()
+        self.execution = self._resolve_execution()
+        self._apply_execution()
+        return self.execution
+
+    @property
+    def decode_kernel_note(self) -> str | None:
+        """Why the persistent decode kernel is not taken (None where it is, or where
+        HISPARSE_DECODE_KERNEL=layers asked for the layer-by-layer decode)."""
+        plan = self.execution
+        if plan.persistent or plan.decode_kernel_asked == "layers":
+            return None
+        return plan.decode_kernel.reason
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -217,6 +238,8 @@ class Engine:
             self.release_cached_state()  # a failed run's state is not kept
             raise
         stats.new_tokens = len(out)
+        if progress:  # the final count, as the stats say (the loops report an EOS, or lag)
+            progress("decode", len(out), gen.max_new_tokens)
         stats.kv_blocks_peak, stats.blocks_allocated, stats.blocks_freed = (
             pool.peak_live, pool.allocated, pool.freed)
         stats.kv_bytes_peak = run.kv_bytes_peak
@@ -243,7 +266,7 @@ class Engine:
             if dec is not None:
                 extra["decode_kernel"] = "persistent" if dec.cuda_step is not None else "layers"
                 note = self.decode_kernel_note or dec.cuda_step_reason
-                if note and decode_kernel() == "persistent":
+                if note and self.execution.decode_kernel_asked == "persistent":
                     extra["decode_kernel_note"] = note
         else:
             out, reason = self._decode_eager(run, logits, gen, eos, Sampler(gen, self.device),
@@ -253,15 +276,10 @@ class Engine:
         return out, reason, extra
 
     def _use_graph(self, gen: GenerationConfig) -> bool:
-        """CUDA-graph decode: CUDA + Triton attention (with a host-resident embedding table
-        too: the graph then starts after the lookup). HISPARSE_CUDA_GRAPH=0 turns it off."""
-        return self._graph_enabled()
-
-    def _graph_enabled(self) -> bool:
-        import os
-
-        return (self.device.type == "cuda" and self.backend.attention == "triton"
-                and os.environ.get("HISPARSE_CUDA_GRAPH") != "0")
+        """CUDA-graph decode, as the execution plan says: CUDA + Triton attention (with a
+        host-resident embedding table too: the graph then starts after the lookup), unless
+        HISPARSE_CUDA_GRAPH=0."""
+        return bool(self.execution.graph_decode.value)
 
     def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
         if not gen.stop_strings:
@@ -287,17 +305,18 @@ class Engine:
         return out, "length"
 
     def _decode_graph(self, run, logits, gen, eos, prompt_len, progress, sync_every: int = 16):
-        from hisparse_cli.engine.cuda_graph import DeviceSampler
-        from hisparse_cli.kernels import graph_sampler
+        from hisparse_cli.engine.sampling.device import DeviceSampler
 
         # the kept decoder when its capture fits this run (its graph replays from the first
         # step), else a new one that warms up and captures on its first step
         decoder, reused = self._decode_state.decoder_for(self.model, run,
-                                                         prompt_len + gen.max_new_tokens)
+                                                         prompt_len + gen.max_new_tokens,
+                                                         persistent=self.execution.persistent)
         # greedy decodes sample inside the step (and its graph), kernels/graph_sampler.py,
-        # unless HISPARSE_GRAPH_SAMPLER=0; a graph captured the other way is dropped
+        # where the plan says so (not with HISPARSE_GRAPH_SAMPLER=0); a graph captured the
+        # other way is dropped
         had_graph = decoder.graph is not None
-        fused = graph_sampler.enabled() and decoder.sample_in_graph(gen, eos)
+        fused = self.execution.graph_sampler.value and decoder.sample_in_graph(gen, eos)
         if not fused:
             decoder.use_host_sampler()
         if had_graph and decoder.graph is None:

@@ -64,7 +64,7 @@ class PagedKVCache:
         # On the CPU the K/V memory is head-major, [L, Hkv, capacity, bs, D], and k/v are that
         # storage seen as [L, capacity, bs, Hkv, D] (a permuted view; same bytes): each KV
         # head's keys are then one [capacity * bs, D] matrix, which the torch reference's
-        # matmuls read as is (kernels/attention_ref.py: heads_view). A one-query q.K over a
+        # matmuls read as is (kernels/attention/attention_ref.py: heads_view). A one-query q.K over a
         # 5K-slot layer took 215-235 us on a 2-core CPU with the heads interleaved against
         # 67-92 us head-major, and dense decode's SDPA 1.5 against 0.8 ms a layer. The CUDA
         # kernels take any strides; on the GPU the layout stays [L, capacity, bs, Hkv, D].

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.kv_cache import PagedKVCache, int64_to_device
 from hisparse_cli.engine.sparsity import SparseSequence
 from hisparse_cli.kernels.dispatch import KernelBackend

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.errors import ResourceError
 
 

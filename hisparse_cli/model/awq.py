@@ -5,7 +5,7 @@ Supported: what AutoAWQ publishes as "GEMM" checkpoints (`*-AWQ` models on the H
      "group_size": 32 | 64 | 128, "zero_point": true, "modules_to_not_convert": [...] | null}
 Tensors per quantized linear `<name>`: qweight int32 [in, out/8], qzeros int32
 [in/group, out/8], scales fp16 [in/group, out], optional bias [out]; layout and nibble order in
-kernels/awq_pack.py. Everything else (GEMV, GEMV-fast, llm-awq, exllama, marlin, other bit
+kernels/int4/awq_pack.py. Everything else (GEMV, GEMV-fast, llm-awq, exllama, marlin, other bit
 widths, symmetric, GPTQ, ...) is refused with a `ModelError` naming what is supported.
 A module is quantized exactly when its `<name>.qweight` is in the checkpoint, so mixed
 checkpoints (some linears fp16, `modules_to_not_convert`) load as they are.
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from hisparse_cli.errors import ModelError
-from hisparse_cli.kernels import awq_layout
-from hisparse_cli.kernels.awq_layout import kmajor_to_awq, repack_kmajor
+from hisparse_cli.kernels.int4 import awq_layout
+from hisparse_cli.kernels.int4.awq_layout import kmajor_to_awq, repack_kmajor
 from hisparse_cli.kernels.dispatch import select_backend
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -97,17 +97,17 @@ class AWQLinear(nn.Module):
     (fp16 as stored), bias [out] or None (in the compute dtype).
 
     On CUDA with the Triton backend, `from_checkpoint` repacks qweight once into the K-major
-    run-time layout int32 [out, in/8] (kernels/awq_layout.py; `layout` == "kmajor"; with
-    awq_layout.TILED_WEIGHTS its words in tiled order, "tiled"): same bytes, the
+    run-time layout int32 [out, in/8] (kernels/int4/awq_layout.py; `layout` == "kmajor"; with
+    a shape of whole 64-row tiles its words in tiled order, "tiled"): same bytes, the
     checkpoint-layout tensor is dropped. `checkpoint_qweight()` gives the AutoAWQ
     layout back. On the CPU (backend "int4pack", the default there) it also keeps a packed
     copy for decode-sized calls, non-persistent buffers `int4pack` uint8 [out, in/2] and
-    `int4pack_sz` bf16 [in/group, out, 2] (kernels/awq_cpu.py: ~25x faster one-token calls,
+    `int4pack_sz` bf16 [in/group, out, 2] (kernels/int4/awq_cpu.py: ~25x faster one-token calls,
     bf16 activations); prefill-sized calls keep the fp32 reference.
     """
 
     # "awq": qweight [in, out/8] (AutoAWQ GEMM); "kmajor": [out, in/8]; "tiled": the K-major
-    # words in awq_layout.tile_kmajor's order (awq_layout.TILED_WEIGHTS)
+    # words in awq_layout.tile_kmajor's order (every shape of whole 64-row tiles)
     layout = "awq"
     _prepared_key: tuple | None = None  # forward: what `_prepared` was made for
     _prepared = None  # the backend's awq_linear_k bound to these buffers
@@ -127,7 +127,7 @@ class AWQLinear(nn.Module):
                                                    device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device)
                              if bias else None)
-        # the CPU decode copy (kernels/awq_cpu.py), made by from_checkpoint on the CPU where
+        # the CPU decode copy (kernels/int4/awq_cpu.py), made by from_checkpoint on the CPU where
         # the shape allows; not part of the checkpoint (non-persistent)
         self.register_buffer("int4pack", None, persistent=False)
         self.register_buffer("int4pack_sz", None, persistent=False)
@@ -171,7 +171,7 @@ class AWQLinear(nn.Module):
             mod = cls(in_f, out_f, group_size, bias=bias is not None, dtype=dtype)
         mod.qweight = qweight.to(device).contiguous()
         if cls.repacks_on(mod.qweight.device):
-            tiled = awq_layout.TILED_WEIGHTS and awq_layout.tileable(out_f, in_f, group_size)
+            tiled = awq_layout.tileable(out_f, in_f, group_size)
             # the AWQ-layout tensor is freed here
             mod.qweight = repack_kmajor(mod.qweight, group_size if tiled else None)
             mod.layout = "tiled" if tiled else "kmajor"
@@ -183,7 +183,7 @@ class AWQLinear(nn.Module):
 
     def _pack_for_cpu(self) -> None:
         """(Re)make or drop the CPU decode copy to match the buffers' device and dtypes."""
-        from hisparse_cli.kernels.awq_cpu import int4pack_applies, pack_for_cpu
+        from hisparse_cli.kernels.int4.awq_cpu import int4pack_applies, pack_for_cpu
 
         qw = self.qweight
         if (self.layout == "awq" and self.packs_on(qw.device)
@@ -207,7 +207,7 @@ class AWQLinear(nn.Module):
     def checkpoint_qweight(self) -> torch.Tensor:
         """qweight in the AutoAWQ GEMM layout [in, out/8], whatever the run-time layout."""
         if self.layout == "items":
-            from hisparse_cli.kernels.awq_items import items_to_awq
+            from hisparse_cli.kernels.int4.awq_items import items_to_awq
 
             return items_to_awq(self.qweight, self.in_features, self.out_features)[0]
         if self.layout == "tiled":
@@ -232,12 +232,12 @@ class AWQLinear(nn.Module):
         return True
 
     def set_layout(self, layout: str) -> bool:
-        """layout "items": the persistent decode kernel's layout (kernels/awq_items.py: group
+        """layout "items": the persistent decode kernel's layout (kernels/int4/awq_items.py: group
         size 128, in and out features multiples of 128), which packs the scales and zero
         points into the items, so qweight becomes the items [T * G, 2128] and qzeros / scales
         are dropped; any other layout is reached through the AutoAWQ tensors. True when the
         layout is then the one asked for. One linear's conversion at a time (chunked)."""
-        from hisparse_cli.kernels import awq_items
+        from hisparse_cli.kernels.int4 import awq_items
 
         if layout == self.layout:
             return True
@@ -282,7 +282,7 @@ class AWQLinear(nn.Module):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                    dtype: torch.dtype | None = None) -> "AWQLinear":
         """Round-to-nearest INT4 of an fp weight [out, in] (tests, quantized lm_head)."""
-        from hisparse_cli.kernels.awq_pack import quantize_weight
+        from hisparse_cli.kernels.int4.awq_pack import quantize_weight
 
         p = quantize_weight(weight.detach(), group_size)
         return cls.from_checkpoint(p.qweight, p.qzeros, p.scales, bias, group_size,
@@ -295,13 +295,13 @@ class AWQLinear(nn.Module):
                 b, key = self._buffers, self._prepared_key
                 if key is None or key[0] != "items" or key[1] is not b["qweight"] \
                         or key[2] is not b["bias"]:
-                    from hisparse_cli.kernels.awq_items_triton import PreparedItemsLinear
+                    from hisparse_cli.kernels.int4.awq_items_triton import PreparedItemsLinear
 
                     self._prepared = PreparedItemsLinear(b["qweight"], self.in_features,
                                                          self.out_features, b["bias"])
                     self._prepared_key = ("items", b["qweight"], b["bias"])
                 return self._prepared(x)
-            from hisparse_cli.kernels.awq_items import items_linear
+            from hisparse_cli.kernels.int4.awq_items_linear import items_linear
 
             return items_linear(x, self.qweight, self.in_features, self.out_features, self.bias)
         backend = select_backend(x.device.type)

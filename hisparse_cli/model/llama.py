@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse_cli.kernels.dispatch import KernelBackend, select_backend
-from hisparse_cli.kernels.norm_rope_ref import rms_norm, rope_tabled, rope_tables, silu_mul_
+from hisparse_cli.kernels.norm_rope.norm_rope_ref import rms_norm, rope_tabled, rope_tables, silu_mul_
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.model.rope import RotaryEmbedding
 
@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
                         fused: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """The Triton path of forward on the input x + h_prev, xh = [x, h_prev] (h_prev None:
         x), returning (x', h) for the output x' + h: the residual adds are left to the norm
-        after them, so that with FUSE_RESIDUAL_NORM the previous layer's add runs inside this
+        after them, so that in the residual chain the previous layer's add runs inside this
         layer's input norm (one add_rms_norm kernel). CausalLM.forward_hidden chains layers
         this way; a direct call (hooks, quantize) goes through forward, which adds. xh is
         emptied: x and h_prev die at the add, not when the caller lets go of them."""
@@ -181,10 +181,9 @@ class DecoderLayer(nn.Module):
 # add_rms_norm kernel: 32 torch add launches a Llama-3-8B token fewer, and no non-PDL kernel
 # breaking the programmatic-dependent-launch chain between the down projection and the next
 # norm (H200 run 57, `gpu_awq_ab.py --fuse-residual`: decode +2.0-3.0 % INT4, +1.3-1.8 %
-# fp16). The memory planner models the chain (planner_step.layer_peak, chained). Not taken
-# while any hook is registered on a layer (quality/capture.py, quantize): their callers see
-# whole layer outputs.
-FUSE_RESIDUAL_NORM = True
+# fp16). The memory planner models the chain (planner/step.py: layer_peak, chained). Not
+# taken while any hook is registered on a layer (quality/capture.py, quantize): their callers
+# see whole layer outputs.
 
 
 def _hooked(layers: nn.ModuleList) -> bool:
@@ -252,7 +251,7 @@ class CausalLM(nn.Module):
             cos, sin = rope_tables(cos, sin)
         layers = self.model.layers
         last = len(layers) - 1
-        if fused is not None and FUSE_RESIDUAL_NORM and not _hooked(layers):
+        if fused is not None and not _hooked(layers):
             h = None  # the output is x + h: each add runs in the norm after it
             for i, layer in enumerate(layers):
                 xh = [x, h]

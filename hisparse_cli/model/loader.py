@@ -38,8 +38,9 @@ def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        hint = ("hisparse loads only safetensors/GGUF (never pickle); convert with "
-                "transformers' save_pretrained(safe_serialization=True)") if pickles else None
+        from hisparse_cli.hub.resolve import PICKLE_HINT
+
+        hint = PICKLE_HINT if pickles else None
         raise ModelError(f"no *.safetensors weights in {folder}", hint=hint)
     return files
 
@@ -197,13 +198,13 @@ def _load_fused(parent: nn.Module, attr: str, parts: tuple[str, ...], pre: str, 
 def _map_host_table(emb: nn.Embedding) -> None:
     """A host-resident table for a CUDA run: copied into memory of its own (the checkpoint's
     tensor may share a file mapping) and registered for the device to read
-    (kernels/host_rows.py: CUDA-graph decode then gathers the token's row on the device).
+    (kernels/cuda/host_rows.py: CUDA-graph decode then gathers the token's row on the device).
     Left as it is, read on the host, where registration is not possible."""
     from hisparse_cli.kernels.dispatch import triton_available
 
     if not triton_available():  # the gather is a Triton kernel; graph decode needs Triton too
         return
-    from hisparse_cli.kernels import host_rows
+    from hisparse_cli.kernels.cuda import host_rows
 
     table = torch.empty(emb.weight.shape, dtype=emb.weight.dtype)
     table.copy_(emb.weight)

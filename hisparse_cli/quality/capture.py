@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hisparse_cli.engine.config import SparseConfig
+from hisparse_cli.config.settings import SparseConfig
 
 
 class CaptureContext:

@@ -100,8 +100,8 @@ def generate_summary(engine, doc: EvalDocument, setting: NamedSetting, cfg: Harn
                      probe=None) -> dict:
     """Summary of the truncated document under `setting`, its ROUGE and its run stats."""
     from hisparse_cli.documents.base import Document
-    from hisparse_cli.engine.config import GenerationConfig
-    from hisparse_cli.pipeline import SummarySettings, summarize_document
+    from hisparse_cli.config.settings import GenerationConfig
+    from hisparse_cli.summarize.pipeline import SummarySettings, summarize_document
     from hisparse_cli.scoring import rouge_scores
 
     eng = engine_with(engine, setting.sparse, probe)
@@ -150,7 +150,7 @@ def evaluate(engine, docs: list[EvalDocument], settings: list[NamedSetting],
     for doc in docs:
         doc_rows = {s.name: {"doc": doc.id, "setting": s.name} for s in settings}
         if cfg.teacher_forced:
-            ids = engine.tokenizer(doc.text)["input_ids"]
+            ids = engine.tokenizer(doc.text, verbose=False)["input_ids"]  # we chunk ourselves
             layout = build_layout(ids, cfg.layout)
             dense = teacher_forced(engine, layout.ids, settings[0].sparse,
                                    q_positions=layout.recall_positions, capture_qk=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields, replace
 
-from hisparse_cli.engine.config import IMPORTANCE_POLICIES, SparseConfig
+from hisparse_cli.config.settings import IMPORTANCE_POLICIES, SparseConfig
 from hisparse_cli.errors import ConfigError
 
 SHORT = {"w": "window_size", "g": "global_tokens", "s": "sink_tokens", "r": "recalibrate_every",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hisparse_cli.kernels.awq_pack import PackedInt4
+from hisparse_cli.kernels.int4.awq_pack import PackedInt4
 from hisparse_cli.model.awq import AWQConfig
 
 SHARD_BYTES = 4 * 1024**3

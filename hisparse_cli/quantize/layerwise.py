@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hisparse_cli.kernels.awq_pack import PackedInt4, quantize_weight
+from hisparse_cli.kernels.int4.awq_pack import PackedInt4, quantize_weight
 from hisparse_cli.quantize.search import (gated_mlp_loss, linear_outputs_loss, search_clip,
                                           search_scale)
 

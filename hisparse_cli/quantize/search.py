@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse_cli.kernels.awq_pack import fake_quantize
+from hisparse_cli.kernels.int4.awq_pack import fake_quantize
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,203 @@
+"""Replay of one `Engine.generate` run: the host policy itself (engine/sparsity.py's
+`SparseSequence` on an engine/block_pool.py `BlockPool`: plain Python, no torch) decides,
+step by step, how many blocks are live, how many each step reads, which are evicted and when
+the globals are recalibrated; the device-side tensors of each step are replayed with the
+traces of planner/step.py on top of what is resident (ids, slots, logits, and the paged KV
+storage, which `KVRun` allocates once before prefill at the working-set bound of the prefill
+chunk over prompt + new tokens and which never grows).
+
+The result is the peak of device bytes the run allocates besides the weights (and cuBLAS's
+workspace), what was live at that moment, and the KV numbers `RunStats` reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hisparse_cli.engine.block_pool import BlockPool
+from hisparse_cli.config.settings import SparseConfig
+from hisparse_cli.engine.sparsity import SparseSequence, cdiv
+from hisparse_cli.planner.attn import AttnStep
+from hisparse_cli.planner.step import evict_peak, forward_peak, recalibrate_peak
+from hisparse_cli.planner.trace import StepShape, SubPeak, Trace
+
+
+@dataclass(frozen=True)
+class KVSummary:
+    """KV numbers of the run. `peak_live_blocks` / `kv_bytes_peak` are what `RunStats`
+    reports as kv_blocks_peak / kv_bytes_peak (live blocks x bytes per block + K/V slots)."""
+
+    block_size: int
+    bytes_per_block: int  # K and V of one block, every layer
+    window: int | None  # effective window (profile window, capped by a model-native one)
+    sinks: int
+    sink_blocks: int
+    span_blocks: int  # blocks spanning window + chunk - 1 positions, plus one boundary block
+    working_set_bound_blocks: int  # SparseSequence.working_set_bound (what check_fits uses)
+    peak_live_blocks: int
+    kv_bytes_peak: int
+    capacity_blocks: int  # paged storage, allocated once (= the bound, >= peak live)
+    global_slots: int  # per layer and KV head
+    candidate_slots: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class RunTrace:
+    peak: int  # device bytes allocated at the run's peak, weights and workspace excluded
+    peak_live: dict[str, int]  # what was live then, by name
+    peak_label: str  # when: "prefill step 12 (tokens 6144-6655): forward"
+    phase_peaks: dict[str, int]  # largest transient of each kind of work
+    resident_end: dict[str, int]  # live after the last step
+    kv: KVSummary
+    prefill_steps: int
+    decode_steps: int
+    extra: dict = field(default_factory=dict)
+
+
+def visible_count(seq: SparseSequence, q_start: int, n: int) -> int:
+    """len(seq.visible_blocks(q_start, n)[0]) without building the lists."""
+    bs = seq.cfg.block_size
+    last = (q_start + n - 1) // bs
+    if seq.window is None:
+        return last + 1
+    lo = max(seq.sinks, q_start - seq.window + 1)
+    a = min(cdiv(seq.sinks, bs), last + 1)  # sink blocks [0, a)
+    b = min(lo, q_start + n - 1) // bs  # window blocks [b, last]
+    return (last + 1 - b) + min(a, b)
+
+
+def blocks_in_order(seq: SparseSequence, q_start: int, n: int) -> bool:
+    """Whether the step's visible blocks are consecutive physical ids (attention_ref reads
+    them in place on the CPU). Always for dense attention: its blocks are minted in order and
+    never freed (answered without building the list of a long text's blocks)."""
+    if seq.window is None:
+        return True
+    ids = seq.visible_blocks(q_start, n)[0]
+    return ids == list(range(ids[0], ids[0] + len(ids)))
+
+
+def sampled_queries(q_start: int, n: int, stride: int) -> int:
+    """Positions q in [q_start, q_start + n) with q % stride == 0."""
+    return (q_start + n - 1) // stride - (q_start - 1) // stride
+
+
+def policy(sparse: SparseConfig, model_window: int | None) -> SparseSequence:
+    return SparseSequence(sparse, BlockPool(), model_window=model_window)
+
+
+def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, prompt: int,
+                 new_tokens: int, graph_workspace: int = 0, graph_input_bytes: int = 0,
+                 sampler_bytes: tuple[int, ...] = (), sampler_kept: bool = False) -> RunTrace:
+    """graph_workspace > 0: decode runs as a CUDA graph (engine/cuda_graph.py), whose side
+    stream holds a cuBLAS workspace of that many bytes from the first decode step on;
+    graph_input_bytes: its static embedded-row input (host-resident table), if any;
+    sampler_bytes: the graph decode's sampler buffers, allocated at its start; sampler_kept:
+    they are the in-graph sampler's (kernels/sampling/graph_sampler.py: no per-token temporaries, kept
+    with the decode graph after the run), else DeviceSampler's (freed at the run's end)."""
+    pool = BlockPool()
+    seq = SparseSequence(sparse, pool, model_window=model_window)
+    assert (seq.window, seq.sinks) == (s.window, s.sinks), "StepShape disagrees with the policy"
+    tr = Trace(s.cuda)
+    tr.label = "setup"
+    lh, bs, chunk = s.layers * s.hkv, sparse.block_size, sparse.prefill_chunk
+    ids = tr.alloc("input_ids", prompt * 8)
+    cap = seq.working_set_bound(chunk, prompt + new_tokens)  # KVRun: storage allocated once
+    pool.bind_storage(cap)
+    kv_bytes = s.layers * cap * bs * s.hkv * s.d * s.kvb
+    tr.alloc("kv.paged_kv", kv_bytes)  # K
+    tr.alloc("kv.paged_kv", kv_bytes)  # V
+    if s.score_tensor:
+        tr.alloc("kv.importance_scores", s.layers * cap * bs * s.hkv * 4)
+    for name, n in (("kv.global_slots", s.G), ("kv.candidate_slots", s.C)):
+        for nbytes in (lh * n * s.d * s.kvb, lh * n * s.d * s.kvb, lh * n * 8, lh * n * 4,
+                       lh * n * 4):
+            tr.alloc(name, nbytes)
+    bpb = 2 * s.layers * bs * s.hkv * s.d * s.kvb
+    slot_bytes = 2 * lh * (s.G + s.C) * s.d * s.kvb  # PagedKVCache.slot_bytes()
+    logits, kv_peak = -1, 0
+    samp: list[int] = []
+    fwd_memo: dict[tuple, tuple[SubPeak, list[int]]] = {}
+    g_valid = c_valid = 0  # filled global / candidate slots (reference mask branch)
+    evict_memo: dict[int, SubPeak] = {}
+    recal = recalibrate_peak(s) if s.G else None
+    phase: dict[str, int] = {}
+
+    def note(kind: str, value: int) -> None:
+        phase[kind] = max(phase.get(kind, 0), value)
+
+    steps = [(st, min(chunk, prompt - st)) for st in range(0, prompt, chunk)]
+    n_prefill = len(steps)
+    steps += [(prompt + i, 1) for i in range(max(new_tokens - 1, 0))]
+    sample = SubPeak(tr.size(s.vocab * 4) + tr.size(8), {"sampling": tr.size(s.vocab * 4)})
+    for i, (start, n) in enumerate(steps):
+        decode = i >= n_prefill
+        where = (f"decode step {i - n_prefill + 1} (position {start})" if decode else
+                 f"prefill step {i + 1}/{n_prefill} (tokens {start}-{start + n - 1})")
+        tr.label = where
+        inp = -1
+        if decode and graph_workspace and start == prompt:  # GraphDecoder: built, warmed up
+            # (eager, on its stream: the workspace), captured; its buffers live to the end
+            nb_max = (min(seq.working_set_bound(1), cdiv(prompt + new_tokens, bs))
+                      if seq.window is not None else cdiv(prompt + new_tokens, bs))
+            tr.alloc("cuda_graph", (2 + 2 * nb_max) * 8)  # static step inputs
+            tr.alloc("cuda_graph", 8)  # static token
+            tr.alloc("cuda_graph", graph_input_bytes)  # the embedded row (host table)
+            tr.alloc("workspace.cublas_graph_stream", graph_workspace)
+            samp = [tr.alloc("sampler", b) for b in sampler_bytes]
+        if decode and not sampler_kept:  # sampler on the previous logits, then the token
+            tr.bump(sample, where + ": sampling")
+            inp = tr.alloc("step_tensors", 8)
+        new_blocks = seq.append(n)
+        if s.score_tensor and new_blocks:  # reset_scores: index tensor
+            tr.bump(SubPeak(tr.size(8 * len(new_blocks))), where)
+        kv_peak = max(kv_peak, pool.live * bpb + slot_bytes)
+        nb = visible_count(seq, start, n)
+        ctx = [tr.alloc("step_tensors", n * 8), tr.alloc("step_tensors", nb * 8),
+               tr.alloc("step_tensors", nb * 8), tr.alloc("step_tensors", n * 8)]
+        ts = (sampled_queries(start, n, s.score_stride)
+              if s.backend == "torch" and s.track_scores and s.score_stride > 1 else 0)
+        a = AttnStep(t=n, nb=nb, ts=ts, globals_full=g_valid == s.G,
+                     in_place=not s.cuda and s.backend == "torch" and blocks_in_order(seq, start, n))
+        if a.key not in fwd_memo:
+            fwd_memo[a.key] = forward_peak(s, a)
+        fwd, kept = fwd_memo[a.key]
+        note("decode_forward" if decode else "prefill_forward", fwd.peak)
+        tr.bump(fwd, where + ": forward")
+        ctx += [tr.alloc("step_tensors", b) for b in kept]  # the reference's mask memo
+        new_logits = tr.alloc("logits", s.vocab * 4)
+        evicted = seq.evict()
+        if evicted and s.C:
+            ne = len(evicted)
+            fresh = sum(bs - min(bs, max(0, seq.sinks - e.start)) for e in evicted)
+            c_valid = min(s.C, c_valid + fresh)
+            if ne not in evict_memo:
+                evict_memo[ne] = evict_peak(s, ne)
+            note("evict", evict_memo[ne].peak)
+            tr.bump(evict_memo[ne], where + ": eviction to candidate slots")
+        if recal is not None and seq.recalibration_due(start, start + n):
+            g_valid, c_valid = min(s.G, g_valid + c_valid), 0
+            note("recalibrate", recal.peak)
+            tr.bump(recal, where + ": recalibration")
+        tr.free(*ctx, inp, logits)
+        logits = new_logits
+    if new_tokens and not sampler_kept:
+        tr.bump(sample, "final sampling")
+    if samp and not sampler_kept:
+        tr.free(*samp)
+    resident = tr.live_by_name()
+    tr.free(ids)
+    bound_seq = policy(sparse, model_window)
+    kv = KVSummary(
+        block_size=bs, bytes_per_block=bpb, window=seq.window, sinks=seq.sinks,
+        sink_blocks=cdiv(seq.sinks, bs) if seq.window is not None else 0,
+        span_blocks=cdiv(seq.window + chunk - 1, bs) + 1 if seq.window is not None else 0,
+        working_set_bound_blocks=bound_seq.working_set_bound(chunk, prompt + new_tokens),
+        peak_live_blocks=pool.peak_live, kv_bytes_peak=kv_peak, capacity_blocks=cap,
+        global_slots=s.G, candidate_slots=s.C)
+    seq.release()
+    return RunTrace(peak=tr.peak, peak_live=tr.peak_live, peak_label=tr.peak_label,
+                    phase_peaks=phase, resident_end=resident, kv=kv, prefill_steps=n_prefill,
+                    decode_steps=len(steps) - n_prefill)

@@ -1,0 +1,129 @@
+"""Device bytes of a model's weights, by kind, as model/loader.py places them.
+
+Unquantized weights load in the compute dtype (the loader casts every tensor to it). AWQ INT4
+linears (AutoAWQ GEMM layout, model/awq.py) hold per linear in -> out with group g:
+    qweight int32 [in, out/8]   = in*out/2 bytes
+    qzeros  int32 [in/g, out/8] = (in/g)*(out/8)*4 bytes
+    scales  fp16  [in/g, out]   = (in/g)*out*2 bytes
+plus a bias [out] in the compute dtype where the architecture has one. Norms, embeddings and
+(unless `awq_lm_head`) the LM head stay in the compute dtype. With `embeddings_on_host` the
+embedding table stays in host RAM; a tied LM head then gets its own device copy.
+On CUDA every tensor is sized as the caching allocator counts it (planner_trace.cuda_block_bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hisparse_cli.model.config import ModelConfig
+from hisparse_cli.planner.trace import cuda_block_bytes
+
+
+@dataclass(frozen=True)
+class WeightItem:
+    name: str
+    bytes: int
+    formula: str
+    on_device: bool = True
+
+
+def awq_linear_bytes(in_f: int, out_f: int, group: int) -> tuple[int, int, int]:
+    """(qweight, qzeros, scales) bytes of one AWQ GEMM linear."""
+    return in_f * out_f // 2, (in_f // group) * (out_f // 8) * 4, (in_f // group) * out_f * 2
+
+
+def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
+    """(name, in, out, has_bias) of one decoder layer's linears."""
+    hs, qd, kd, im = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                      cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    ab, mb = cfg.attention_bias, cfg.mlp_bias
+    return [("q_proj", hs, qd, ab), ("k_proj", hs, kd, ab), ("v_proj", hs, kd, ab),
+            ("o_proj", qd, hs, cfg.o_bias), ("gate_proj", hs, im, mb), ("up_proj", hs, im, mb),
+            ("down_proj", im, hs, mb)]
+
+
+def cpu_int4pack_items(cfg: ModelConfig, group: int, awq_lm_head: bool) -> list[WeightItem]:
+    """The packed CPU decode copies of the AWQ linears (kernels/int4/awq_cpu.py), per linear as the
+    loader stacks them (q|k|v, gate|up) and only where the shape allows the packing."""
+    from hisparse_cli.kernels.int4.awq_cpu import int4pack_applies, packed_bytes
+
+    hs, qd, kd, im = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                      cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    stacked = [("qkv", hs, qd + 2 * kd), ("o", qd, hs), ("gate_up", hs, 2 * im),
+               ("down", im, hs)]
+    per_layer, parts = 0, []
+    for name, i, o in stacked:
+        if int4pack_applies(i, o, group):
+            per_layer += sum(packed_bytes(i, o, group))
+            parts.append(f"{name} {i}x{o}")
+    items = []
+    if per_layer:
+        items.append(WeightItem(
+            "weights.linears_cpu_int4pack", cfg.num_hidden_layers * per_layer,
+            f"{cfg.num_hidden_layers} layers x ({', '.join(parts)}): in*out/2 + "
+            f"(in/{group})*out*4 each (packed decode copy, bf16 scales and zeros)"))
+    if awq_lm_head and int4pack_applies(hs, cfg.vocab_size, group):
+        b = sum(packed_bytes(hs, cfg.vocab_size, group))
+        items.append(WeightItem("weights.lm_head_cpu_int4pack", b,
+                                f"INT4 {hs}x{cfg.vocab_size} packed decode copy"))
+    return items
+
+
+def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_head: bool,
+                 embeddings_on_host: bool, cuda: bool,
+                 cpu_int4: bool = False) -> list[WeightItem]:
+    def a(n: int) -> int:
+        return cuda_block_bytes(n) if cuda else max(n, 0)
+
+    V, H, L, D = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+    dt = {2: "2 B", 4: "4 B"}[cb]
+    items = [WeightItem("weights.embeddings", a(V * H * cb), f"[{V}, {H}] x {dt}",
+                        on_device=not embeddings_on_host)]
+    per_layer, parts, bias = 0, [], 0
+    for name, i, o, has_bias in linear_shapes(cfg):
+        if awq:
+            qw, qz, sc = awq_linear_bytes(i, o, group)
+            per_layer += a(qw) + a(qz) + a(sc)
+            parts.append(f"{name} {i}x{o}")
+        else:
+            per_layer += a(i * o * cb)
+            parts.append(f"{name} {i}x{o}")
+        if has_bias:
+            bias += a(o * cb)
+    if awq:
+        lin_formula = (f"{L} layers x ({', '.join(parts)}) as INT4: in*out/2 + (in/{group})*"
+                       f"(out/8)*4 + (in/{group})*out*2 each")
+    else:
+        lin_formula = f"{L} layers x ({', '.join(parts)}) x {dt}"
+    items.append(WeightItem("weights.linears", L * per_layer, lin_formula))
+    if bias:
+        items.append(WeightItem("weights.biases", L * bias, f"{L} layers x q/k/v/o/mlp biases"))
+    norm = 2 * a(H * cb) + (2 * a(D * cb) if cfg.qk_norm else 0)
+    qk = f" + 2 x [{D}] (q/k norm)" if cfg.qk_norm else ""
+    items.append(WeightItem("weights.norms", L * norm + a(H * cb),
+                            f"{L} layers x (2 x [{H}]{qk}) + final [{H}], x {dt}"))
+    if cfg.tie_word_embeddings and not embeddings_on_host:
+        items.append(WeightItem("weights.lm_head", 0, "tied to the embeddings (shared tensor)"))
+    elif awq and awq_lm_head:
+        qw, qz, sc = awq_linear_bytes(H, V, group)
+        items.append(WeightItem("weights.lm_head", a(qw) + a(qz) + a(sc),
+                                f"INT4 {H}x{V}: {qw} + {qz} + {sc}"))
+    else:
+        why = " (device copy of the host-resident tied table)" if cfg.tie_word_embeddings else ""
+        items.append(WeightItem("weights.lm_head", a(V * H * cb), f"[{V}, {H}] x {dt}{why}"))
+    items.append(WeightItem("weights.rope", a(D // 2 * 4), f"inv_freq [{D // 2}] fp32"))
+    if awq and cpu_int4 and not cuda:
+        items += cpu_int4pack_items(cfg, group, awq_lm_head)
+    return items
+
+
+def check_awq_shapes(cfg: ModelConfig, group: int, awq_lm_head: bool) -> str | None:
+    """Why this model cannot be AWQ-quantized with `group`, or None."""
+    shapes = [(n, i, o) for n, i, o, _ in linear_shapes(cfg)]
+    if awq_lm_head:
+        shapes.append(("lm_head", cfg.hidden_size, cfg.vocab_size))
+    for name, i, o in shapes:
+        if i % group or o % 8:
+            return (f"{name} ({i} -> {o}) needs in_features divisible by group_size {group} "
+                    f"and out_features by 8")
+    return None
