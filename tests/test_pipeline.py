@@ -197,6 +197,22 @@ def test_repository_chunks_name_their_files():
     assert big[0].label == "src/m0.py, src/m1.py, src/m2.py, src/m3.py and 3 more files"
 
 
+def test_collection_and_docx_html_chunks_are_labelled_by_file_and_page():
+    from dataclasses import replace
+
+    members = _repo({f"notes/ch{i}.md": _words(20, i) for i in range(3)})
+    collection = replace(members, kind="collection", genre="collection")
+    assert split_document(collection, 50, _count_words)[0].label == "notes/ch0.md, notes/ch1.md"
+    for kind in ("docx", "html"):
+        paged = replace(_pdf([_words(30, s) for s in range(3)]), kind=kind)
+        assert [c.label for c in split_document(paged, 70, _count_words)] == ["pages 1–2",
+                                                                               "page 3"]
+    headed = replace(_repo({"Introduction": _words(30, 0), "Methods": _words(30, 1)}),
+                     kind="html", genre="scientific")
+    assert [c.label for c in split_document(headed, 40, _count_words)] == ["Introduction",
+                                                                            "Methods"]
+
+
 def test_merge_labels():
     assert merge_labels(["pages 1–2", "page 3"]) == "pages 1–3"
     assert merge_labels(["page 3, lines 1–9", "page 3, lines 9–20"]) == "page 3"
