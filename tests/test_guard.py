@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from hisparse_cli.summarize.digest import extractive_digest
-from hisparse_cli.summarize.guard import (clean_output, end_on_sentence, ends_mid_sentence, find_problem,
-                                repair_loop, split_sentences)
-from hisparse_cli.summarize.lengths import GENRE_WORDS, chunk_length_plan, length_plan, target_words
+from hisparse_cli.summarize.guard import (clean_output, end_on_sentence, ends_mid_sentence,
+                                          find_problem, repair_loop, split_sentences)
+from hisparse_cli.summarize.lengths import (GENRE_WORDS, chunk_length_plan, length_plan,
+                                            target_words)
 from hisparse_cli.summarize.prompts import instruction_texts, task_sentence
 
 GOOD = [

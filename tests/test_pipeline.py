@@ -27,8 +27,8 @@ from hisparse_cli.errors import ConfigError, InputError
 from hisparse_cli.summarize.pipeline import SummarySettings, aggregate_stats, summarize_document
 from hisparse_cli.config.profiles import load_profile
 from hisparse_cli.documents.genre import GENRES
-from hisparse_cli.summarize.prompts import (FOCUS, NOUN, chunk_prompt, document_prompt, prompt_text,
-                                  render_prompt, task_sentence)
+from hisparse_cli.summarize.prompts import (FOCUS, NOUN, chunk_prompt, document_prompt,
+                                            prompt_text, render_prompt, task_sentence)
 from hisparse_cli.summarize.runtime import load_probe_for, plan_device, sparse_settings
 
 TINY_SPARSE = SparseConfig(sink_tokens=4, window_size=64, global_tokens=8, block_size=16,

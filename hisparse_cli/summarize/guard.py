@@ -103,8 +103,9 @@ def end_on_sentence(text: str) -> str:
 def clean_output(text: str, labels: Iterable[str] = ()) -> str:
     """Scaffolding removed: a preamble ("Here is a summary of the document:", "Summary:"),
     short first lines that are headings ("Key points:", "Title: …", a copied document title
-    of up to 8 words without punctuation) when text follows, heading lines ("## Summary", "[pages 3–5]", "Part 2 of 5:"), sentences about the prompt's
-    layout ("The part summary is again: …"), and lines that are only a chunk label."""
+    of up to 8 words without punctuation) when text follows, heading lines ("## Summary",
+    "[pages 3–5]", "Part 2 of 5:"), sentences about the prompt's layout ("The part summary
+    is again: …"), and lines that are only a chunk label."""
     labels = {lab.strip().lower() for lab in labels if lab.strip()}
     text = _PREAMBLE.sub("", text.strip(), count=1)
     while True:  # headings the model put above its text ("Legal summary:", a title line)

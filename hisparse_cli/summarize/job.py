@@ -102,8 +102,8 @@ def read_reference(path: str | Path, role: str = "reference",
 
 
 class Job:
-    """`attention`: auto | dense | sparse (planner/attention_choice.py); `explicit_sparse`: sparse flags were
-    given on the command line (auto then means sparse)."""
+    """`attention`: auto | dense | sparse (planner/attention_choice.py); `explicit_sparse`:
+    sparse flags were given on the command line (auto then means sparse)."""
 
     def __init__(self, profile: HardwareProfile, sparse: SparseConfig,
                  settings: SummarySettings, *, model_spec: str | None = None,
@@ -179,8 +179,8 @@ class Job:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def choose_attention(self, doc: Document):
-        """The AttentionChoice for `doc` (planner/attention_choice.py): the planner asked about the dense KV
-        of the document's largest generation on this run's device and budget."""
+        """The AttentionChoice for `doc` (planner/attention_choice.py): the planner asked about
+        the dense KV of the document's largest generation on this run's device and budget."""
         from hisparse_cli.planner.attention_choice import choose_attention
 
         engine = self.engine()

@@ -104,5 +104,6 @@ def chunk_length_plan(*, chunk_words: int, per_word: float, cap_tokens: int,
     return plan_for(target, per_word, cap_tokens)
 
 
-__all__ = ["LengthPlan", "length_plan", "plan_for", "floor_tokens", "MIN_SHARE", "chunk_length_plan", "target_words", "tokens_for",
-           "tokens_per_word", "GENRE_WORDS", "CHUNK_WORDS", "RATIO"]
+__all__ = ["LengthPlan", "length_plan", "plan_for", "floor_tokens", "MIN_SHARE",
+           "chunk_length_plan", "target_words", "tokens_for", "tokens_per_word", "GENRE_WORDS",
+           "CHUNK_WORDS", "RATIO"]

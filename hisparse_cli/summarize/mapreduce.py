@@ -29,8 +29,8 @@ from hisparse_cli.documents.base import Document
 from hisparse_cli.documents.genre import guess_genre
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.summarize.guard import end_on_sentence, words
-from hisparse_cli.summarize.lengths import (LengthPlan, chunk_length_plan, plan_for, target_words,
-                                  tokens_per_word)
+from hisparse_cli.summarize.lengths import (LengthPlan, chunk_length_plan, plan_for,
+                                            target_words, tokens_per_word)
 from hisparse_cli.summarize.prompts import chunk_prompt, collection_prompt, combine_prompt
 
 FAN_IN = 8
@@ -167,7 +167,8 @@ def reduce(run, parts: list[tuple[str, str]], prompt_for: PromptFor, length: Len
             candidate = groups[-1] + [i]
             size = len(run.render(prompt_for([parts[j] for j in candidate], candidate[0] + 1,
                                              len(parts), False, group_words)))
-            if groups[-1] and (len(candidate) > FAN_IN or size + group_plan.max_new_tokens > run.max_pos):
+            too_long = size + group_plan.max_new_tokens > run.max_pos
+            if groups[-1] and (len(candidate) > FAN_IN or too_long):
                 groups.append([i])
             else:
                 groups[-1] = candidate

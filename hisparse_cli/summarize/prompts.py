@@ -205,6 +205,6 @@ def count_tokens(tokenizer, text: str) -> int:
 
 
 __all__ = ["Prompt", "SYSTEM", "FOCUS", "NOTES_FOCUS", "NOUN", "task_sentence", "focus_for",
-           "document_prompt", "readable_title", "chunk_prompt", "combine_prompt", "collection_prompt",
-           "instruction_texts", "render_prompt", "count_tokens", "prompt_text", "has_chat_template",
-           "tokenizable"]
+           "document_prompt", "readable_title", "chunk_prompt", "combine_prompt",
+           "collection_prompt", "instruction_texts", "render_prompt", "count_tokens",
+           "prompt_text", "has_chat_template", "tokenizable"]

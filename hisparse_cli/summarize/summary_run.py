@@ -23,7 +23,7 @@ from hisparse_cli.summarize.digest import extractive_digest
 from hisparse_cli.documents.base import Document
 from hisparse_cli.config.settings import GenerationConfig
 from hisparse_cli.summarize.guard import (MIN_WORDS, Problem, clean_output, end_on_sentence,
-                                ends_mid_sentence, find_problem, repair_loop, words)
+                                          ends_mid_sentence, find_problem, repair_loop, words)
 from hisparse_cli.summarize.prompts import count_tokens, instruction_texts, render_prompt
 
 REPAIR_MIN_SHARE = 0.5  # a repaired text keeps at least this share of the target words
