@@ -190,8 +190,9 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value", justify="right")
     chunks = len([c for c in result.get("chunks", []) if c["level"] == 0]) or 1
+    noun = "document" if result["strategy"] == "collection" else "chunk"
     rows = [
-        ("strategy", f"{result['strategy']} ({chunks} chunk{'s' if chunks > 1 else ''})"),
+        ("strategy", f"{result['strategy']} ({chunks} {noun}{'s' if chunks > 1 else ''})"),
         ("prompt tokens", f"{stats['prompt_tokens']:,}"),
         ("new tokens", f"{stats['new_tokens']:,}"),
         ("prefill", f"{stats['prefill_tok_s']:,.1f} tok/s"),
@@ -201,7 +202,7 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
         ("recalibrations", f"{stats['recalibrations']:,}"),
         ("peak memory", f"{human_bytes(stats['peak_memory_bytes'])} ({stats['peak_memory_kind']})"),
         ("device", f"{stats['device']} / {stats['backend']}"),
-        *cpu_rows(result),
+        *_summary_rows(result),
         ("time", f"{result['timings']['total_seconds']:.1f} s"),
     ]
     if document:
@@ -217,20 +218,23 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
     return table
 
 
-def cpu_rows(result: dict) -> list[tuple[str, str]]:
-    """Stats rows of the CPU runtime: decode path and threads per phase (with the policy)."""
-    stats = result["stats"]
+def _summary_rows(result: dict) -> list[tuple[str, str]]:
+    """Attention choice, length against its target, and the guard's work (when known)."""
     rows = []
-    if stats.get("decode_path"):
-        rows.append(("decode path", stats["decode_path"]))
-    threads = stats.get("threads")
-    if threads:
-        text = ", ".join(f"{phase} {'→'.join(map(str, counts))}" for phase, counts in threads.items())
-        policy = ((result.get("settings") or {}).get("device") or {}).get("threads") or {}
-        if policy:
-            text += (f" ({policy['source']}, {policy['cpus']} CPUs"
-                     + (f", quota {policy['quota']:g}" if policy.get("quota") else "") + ")")
-        rows.append(("threads", text))
+    attention = (result.get("settings") or {}).get("attention")
+    if attention:
+        shape = "dense" if attention.get("window_size") is None else (
+            f"sparse, window {attention['window_size']}, {attention['global_tokens']} globals")
+        rows.append(("attention", f"{shape} ({attention['requested']}: {attention['reason']})"))
+    length = result.get("length")
+    if length:
+        rows.append(("summary length", f"{length['words']:,} words (target "
+                                       f"{length['target_words']:,}, cap "
+                                       f"{length['max_new_tokens']:,} tokens)"))
+    guard = result.get("guard")
+    if guard:
+        rows.append(("guard", f"{guard.get('retries', 0)} retries, {guard.get('repairs', 0)} "
+                              f"repairs, {guard.get('digests', 0)} digests"))
     return rows
 
 

@@ -125,6 +125,24 @@ def test_reference_path_is_resolved_wherever_it_was_found(tmp_path, monkeypatch)
                     str((tmp_path / "refs" / "doc1.txt").resolve())]
 
 
+def test_guard_warnings_are_kept_beside_reference_warnings(tmp_path, monkeypatch):
+    class GuardedJob(FakeJob):
+        def run(self, doc, **kw):
+            out = super().run(doc, **kw)
+            out["warnings"] = ["final summary: loop (…); retried with repetition penalty 1.3"]
+            return out
+
+    monkeypatch.chdir(tmp_path)
+    docs = _docs(tmp_path / "in", 1)
+    docs[0].with_suffix(".ref.txt").write_bytes(b"")  # an empty reference: no ROUGE
+    results = ResultsFile(tmp_path / "r.jsonl")
+    results.open(resume=False)
+    run_batch(expand_inputs(["in"]), GuardedJob(), results)
+    [record] = _lines(tmp_path / "r.jsonl")
+    assert record["status"] == "ok" and len(record["warnings"]) == 2
+    assert record["warnings"][0].startswith("no ROUGE") and "retried" in record["warnings"][1]
+
+
 def test_folder_sha_changes_with_content(tmp_path):
     repo = tmp_path / "r"
     (repo / "pkg").mkdir(parents=True)

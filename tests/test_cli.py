@@ -99,7 +99,9 @@ def test_summarize_stdout_is_only_the_summary(tiny, doc, tmp_path):
     assert settings["profile"] == "cpu" and settings["sparse"]["window_size"] == 64
     assert settings["generation"]["max_new_tokens"] == 6 and settings["device"]["device"] == "cpu"
     assert settings["model"]["path"] == str(tiny)
-    assert record["stats"]["prompt_tokens"] > 0 and record["stats"]["new_tokens"] <= 6
+    assert record["stats"]["prompt_tokens"] > 0
+    assert all(r["stats"]["new_tokens"] <= 6 for r in record["runs"])  # retries: the guard's
+    assert settings["attention"]["mode"] == "sparse"  # --window given: the sparse set asked for
     for key in ("prefill_tok_s", "decode_tok_s", "kv_blocks_peak", "kv_bytes_peak",
                 "recalibrations", "peak_memory_bytes"):
         assert key in record["stats"]
@@ -206,9 +208,32 @@ def test_quantize_refuses_bad_device_out_and_group_size(tiny, doc, tmp_path):
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
+def test_attention_auto_is_dense_on_the_cpu_and_said_so(tiny, doc):
+    auto = run("summarize", doc, "--model", tiny, "--profile", "cpu", "-n", "6", "--json")
+    assert auto.exit_code == 0, show(auto)
+    record = json.loads(auto.stdout)
+    attention = record["settings"]["attention"]
+    assert (attention["requested"], attention["mode"]) == ("auto", "dense")
+    assert "fits" in attention["reason"] and "host RAM" in attention["reason"]
+    assert record["settings"]["sparse"]["window_size"] is None  # the policy the run used
+    assert set(record["length"]) == {"target_words", "max_new_tokens", "min_new_tokens",
+                                     "words"}
+    assert isinstance(record["warnings"], list) and "retries" in record["guard"]
+    assert "attention" in auto.stderr and "auto: the whole KV" in auto.stderr  # stats table
+    assert "summary length" in auto.stderr and "guard" in auto.stderr
+    alias = json.loads(run("summarize", doc, "--model", tiny, "--profile", "cpu", "-n", "6",
+                           "--json", "--dense").stdout)["settings"]["attention"]
+    assert (alias["requested"], alias["mode"], alias["reason"]) == ("dense", "dense", "asked for")
+
+
 def test_dense_with_window_is_a_usage_error(doc):
     assert_error(run("summarize", doc, "--dense", "--window", "64", "--profile", "cpu"), 2,
-                 "--dense")
+                 "dense attention cannot be combined with --window")
+    assert_error(run("summarize", doc, "--attention", "dense", "--global-tokens", "8", "-p",
+                     "cpu"), 2, "dense attention cannot be combined with --global-tokens")
+    assert_error(run("summarize", doc, "--dense", "--attention", "sparse", "-p", "cpu"), 2,
+                 "--dense cannot be combined with --attention sparse")
+    assert_error(run("summarize", doc, "--attention", "fast", "-p", "cpu"), 2, "fast")
 
 
 def test_encrypted_pdf_exits_3(tiny, tmp_path):

@@ -192,13 +192,17 @@ def test_progress_lines_in_a_log_and_none_with_quiet(tiny, doc, monkeypatch):
     err = result.stderr
     assert f"hisparse: reading {doc}" in err and "hisparse: loading model llama" in err
     record = json.loads(result.stdout)
-    prompt, new = record["stats"]["prompt_tokens"], record["stats"]["new_tokens"]
+    # the first generation's lines (a random model's summary is then retried by the guard:
+    # each retry logs its own lines, "summary (retry N): …")
+    first = record["runs"][0]["stats"]
+    prompt, new = first["prompt_tokens"], first["new_tokens"]
     assert f"hisparse: summary: prefill of {prompt:,} tokens" in err
     during = re.findall(r"summary · prefill: (\d+)/(\d+) tokens, [\d.,]+ tok/s, ETA \d+ s", err)
     assert during and all(int(a) < int(b) == prompt for a, b in during), err
-    # the new-token count is the same in the log line, the table and the JSON
+    # the new-token count is the same in the log line and the JSON; the table's is the total
     assert f"summary: {prompt:,} prompt tokens" in err and f", {new:,} new tokens (" in err
-    assert re.search(rf"new tokens\s*│?\s*{new}\b", err), err
+    total = record["stats"]["new_tokens"]
+    assert re.search(rf"new tokens\s*│?\s*{total}\b", err), err
     quiet = run("summarize", doc, "--model", tiny, "-q", *TINY_FLAGS)
     assert quiet.exit_code == 0 and quiet.stderr == "", show(quiet)
 
@@ -323,13 +327,18 @@ def _plan_and_run(tiny, path, *extra, input: bytes | None = None):
 
 def test_plan_path_matches_the_summarize_run_stream(tiny, doc):
     plan, record = _plan_and_run(tiny, doc)
+    # the summary's prompt (the random model's summary is then retried by the guard with the
+    # same prompt; the plan counts one generation)
+    prompt = record["runs"][0]["stats"]["prompt_tokens"]
     assert plan["input"]["strategy"] == record["strategy"] == "stream"
-    assert plan["input"]["prompt_tokens"] == record["prompt_tokens"]
+    assert plan["input"]["prompt_tokens"] == prompt
     assert plan["input"]["chunk_count"] == 0 and plan["input"]["attention"] == "sparse"
-    assert plan["settings"]["context_tokens"] == record["prompt_tokens"]  # the memory plan
+    assert plan["input"]["attention_choice"] == record["settings"]["attention"]  # one rule
+    assert plan["settings"]["context_tokens"] == prompt  # the memory plan
     assert plan["input"]["document"]["kind"] == "text"
     piped, from_stdin = _plan_and_run(tiny, "-", "--title", "deal", input=doc.read_bytes())
-    assert piped["input"]["prompt_tokens"] == from_stdin["prompt_tokens"] == record["prompt_tokens"]
+    assert (piped["input"]["prompt_tokens"] == from_stdin["runs"][0]["stats"]["prompt_tokens"]
+            == prompt)
 
 
 def test_plan_path_matches_the_summarize_run_map_reduce(tiny):

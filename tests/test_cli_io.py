@@ -372,4 +372,4 @@ def test_probe_file_implies_importance_probe(doc):
         RunOptions(probe=Path("p.safetensors"),
                    sparse_flags={"importance": "snapkv"}).sparse(cpu)
     assert_error(run("summarize", doc, "--probe", "p.safetensors", "--dense", "-p", "cpu"), 2,
-                 "--dense")
+                 "dense attention cannot be combined with --probe")

@@ -13,6 +13,7 @@ import pytest
 from pypdf import PdfReader, PdfWriter
 
 from hisparse_cli.documents import IngestLimits, guess_genre, load_document
+from hisparse_cli.documents.genre import canonical_genre
 from hisparse_cli.errors import ConfigError, InputError
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
@@ -287,18 +288,42 @@ def test_limits_validated():
 
 @pytest.mark.parametrize("text, kind, genre", [
     ("This Agreement is made between the parties. Clause 4 limits liability; the governing "
-     "law is Dutch and breach of confidentiality allows termination.", "pdf", "legal"),
+     "law is Dutch and breach of confidentiality allows termination.", "pdf", "contract"),
+    ("By using the service you agree to these terms of service. We may suspend your account "
+     "at our sole discretion; your content is licensed to us.", "text", "contract"),
     ("The patient was admitted with pneumonia. Diagnosis confirmed; treatment with 500 mg "
-     "levofloxacin. Discharge medication and follow-up with the physician.", "text", "medical"),
+     "levofloxacin. Discharge medication and follow-up with the physician.", "text", "clinical"),
     ("Abstract. We propose a method; experiments on the dataset beat the baseline, with "
      "significant results (Table 2, Figure 3).", "pdf", "scientific"),
+    ("Smith v. Jones. The appellant appeals the judgment entered after a jury verdict. The "
+     "respondent argues the trial court was right. We hold that it erred; reversed and "
+     "remanded.", "pdf", "judgment"),
+    ("BACKGROUND OF THE INVENTION. The present invention relates to a valve. In the prior "
+     "art valves leaked. In one embodiment the valve comprises a body wherein the seat is "
+     "hollow. What is claimed is: 1. A valve comprising a body.", "text", "patent"),
+    ("Mice lacking the receptor gene showed lower expression of the protein in neurons; in "
+     "vivo and in vitro assays of the mutant cells confirmed the pathway (p < 0.01).", "text",
+     "biomedical"),
+    ("GAO was asked to review the program. Federal agencies spent $2 billion in fiscal year "
+     "2019; officials told us that the legislation Congress passed lacks oversight. We "
+     "recommend that the Department of Energy report on it.", "text", "report"),
     ("import os\n\ndef main():\n    return None\n\nclass Store:\n    def get(self):\n"
      "        return self.x\n", "text", "code"),
     ("We walked to the lake and had a picnic in the sun.", "text", "generic"),
     ("anything at all", "repository", "code"),
+    ("def main(): return None — but read as a folder of prose documents", "collection",
+     "collection"),
 ])
 def test_guess_genre(text, kind, genre):
     assert guess_genre(text, kind) == genre
+
+
+def test_an_uncertain_guess_is_generic():
+    # as many contract cues as scientific ones: neither wins by the margin
+    text = "The agreement and the parties. We propose experiments on a dataset. Liability."
+    assert guess_genre(text, "text") == "generic"
+    assert canonical_genre("legal") == "contract" and canonical_genre("medical") == "clinical"
+    assert canonical_genre("nonsense") == "generic" and canonical_genre(None) == "generic"
 
 
 # --- repositories -----------------------------------------------------------------------------

@@ -589,7 +589,7 @@ LLAMA_GPU = ("-m", "llama-3-8b", "-p", "3090-24g", "-c", "8000")
 
 
 @pytest.mark.parametrize("base, alt, expect", [
-    (SMOL_CPU, ("--prefill-chunk", "128"), "--prefill-chunk 128"),
+    ((*SMOL_CPU, "--attention", "sparse"), ("--prefill-chunk", "128"), "--prefill-chunk 128"),
     (SMOL_8K_CPU, ("--window", "256"), "--window 256"),
     ((*SMOL_8K_CPU, "--dense"), ("--kv-dtype", "float16"), "--window 2048"),  # dense: a window
     ((*SMOL_8K_CPU, "--window", "4096", "--global-tokens", "2048", "--recalibrate-topk", "2048"),
@@ -617,6 +617,23 @@ def test_cli_check_exits_5_with_every_kind_of_suggestion(base, alt, expect):
     if found[0]["fits"]:  # within the plan's budget, or the suggested profile's
         limit = found[0]["overrides"].get("budget_bytes", plan["budget_bytes"])
         assert found[0]["peak_allocated_bytes"] <= limit
+
+
+def test_plan_attention_auto_is_dense_when_it_fits_else_the_largest_sparse_set():
+    dense = json.loads(_cli("--json", *SMOL_8K_CPU, "--budget-gib", "8").stdout)
+    choice = dense["settings"]["attention"]
+    assert choice["mode"] == "dense" and dense["settings"]["sparse"]["window_size"] is None
+    assert "fits" in choice["reason"] and choice["requested"] == "auto"
+    sparse_peak = json.loads(_cli("--json", *SMOL_8K_CPU, "--attention", "sparse").stdout)[
+        "peak_allocated_bytes"]
+    tight = json.loads(_cli("--json", *SMOL_8K_CPU, "--budget-gib",
+                            repr((sparse_peak + 4096) / GIB)).stdout)
+    assert tight["settings"]["attention"]["mode"] == "sparse" and tight["fits"] is True
+    assert "dense needs" in tight["settings"]["attention"]["reason"]
+    table = _cli(*SMOL_8K_CPU, "--budget-gib", "8").stdout
+    assert "attention" in table and "auto: the whole KV" in table
+    asked = json.loads(_cli("--json", *SMOL_8K_CPU, "--dense").stdout)["settings"]["attention"]
+    assert (asked["mode"], asked["requested"], asked["reason"]) == ("dense", "dense", "asked for")
 
 
 def test_cpu_plan_budget_is_the_hosts_ram(monkeypatch):

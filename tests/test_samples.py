@@ -53,15 +53,15 @@ def test_pdf_structure_is_valid():
 
 def test_pdf_extracts_to_exactly_the_source_words():
     doc = load_document(CONTRACT_PDF)
-    assert doc.kind == "pdf" and doc.genre == "legal" and doc.title == "Master Services Agreement"
+    assert doc.kind == "pdf" and doc.genre == "contract" and doc.title == "Master Services Agreement"
     assert [s.label for s in doc.sections] == [f"page {i}" for i in range(1, doc.meta["pages"] + 1)]
     body = re.sub(r"^\[page \d+\]$", "", doc.text, flags=re.MULTILINE)
     assert body.split() == CONTRACT_TXT.read_text(encoding="utf-8").split()
 
 
-def test_medical_report_loads_as_medical_text():
+def test_medical_report_loads_as_a_clinical_text():
     doc = load_document(MEDICAL)
-    assert doc.kind == "text" and doc.genre == "medical"
+    assert doc.kind == "text" and doc.genre == "clinical"
     assert 1300 <= len(doc.text.split()) <= 1700
 
 

@@ -22,6 +22,12 @@ import typer
 P_MODEL, P_SPARSE, P_GEN, P_OUT = "Model and profile", "Sparse attention", "Generation", "Output"
 
 
+class Attention(str, Enum):
+    auto = "auto"
+    dense = "dense"
+    sparse = "sparse"
+
+
 class Strategy(str, Enum):
     auto = "auto"
     stream = "stream"
@@ -86,6 +92,9 @@ class RunOptions:
         help="Map-reduce: document tokens per chunk.  [default: as many as fit]")] = None
     chunk_new_tokens: Annotated[Optional[int], _opt("--chunk-new-tokens", panel=P_GEN,
         min=16, help="Map-reduce: length of each chunk summary in tokens.")] = None
+    words: Annotated[Optional[int], _opt("--words", "-w", panel=P_GEN, min=5,
+        help="Target summary length in words (the prompt asks for it; --max-new-tokens still "
+             "caps the tokens).  [default: from the genre and the document's length]")] = None
     instructions: Annotated[Optional[str], _opt("--instructions", "-i", panel=P_GEN,
         help="Replace the genre's task sentence in the prompt.")] = None
     temperature: Annotated[float, _opt("--temperature", panel=P_GEN, parser=_TEMPERATURE,
@@ -98,11 +107,16 @@ class RunOptions:
         parser=_PENALTY, help=f"> 1 discourages repeating tokens.  {_PENALTY_NOTE}")] = 1.1
     no_repeat_ngram: Annotated[int, _opt("--no-repeat-ngram", panel=P_GEN, min=0,
         help="Never repeat an n-gram of this size (0 = off).")] = 8
+    attention: Annotated[Optional[Attention], _opt("--attention", panel=P_SPARSE,
+        case_sensitive=False, help="auto: dense attention whenever the memory planner says the "
+        "document's whole KV fits the budget (host RAM on the CPU, the profile's VRAM budget "
+        "on a GPU), else the largest sparse working set that fits; dense: always exact; "
+        "sparse: the profile's window and globals.  [default: the profile's, auto]")] = None
     probe: Annotated[Optional[Path], _opt("--probe", panel=P_SPARSE, readable=False,
         help="Probe file for --importance probe (implies it).  [default: the shipped one for "
              "the model]")] = None
     dense: Annotated[bool, _opt("--dense", panel=P_SPARSE,
-        help="Dense attention (no window, no globals): the exact baseline.")] = False
+        help="Same as --attention dense (kept for scripts).")] = False
     threads: Annotated[Optional[int], _opt("--threads", "-t", panel=P_MODEL, min=1,
         help="CPU threads, in every phase (overrides HISPARSE_THREADS).  [default: every CPU "
              "this process may use, fewer while other work holds CPUs]")] = None
@@ -141,15 +155,45 @@ class RunOptions:
 
         return load_profile(self.profile)
 
+    def attention_mode(self, profile) -> str:
+        """auto | dense | sparse: --attention, --dense (its alias), else the profile's.
+        --dense with --attention auto/sparse is a usage error (exit 2)."""
+        from hisparse_cli.errors import ConfigError
+
+        if self.dense and self.attention not in (None, Attention.dense):
+            raise ConfigError(f"--dense cannot be combined with --attention "
+                              f"{self.attention.value}",
+                              hint="--dense is --attention dense; give one of them")
+        if self.dense:
+            return "dense"
+        return self.attention.value if self.attention is not None else profile.attention
+
+    def explicit_sparse(self) -> bool:
+        """Sparse working-set flags given (with --attention auto they mean sparse)."""
+        from hisparse_cli.config.settings import SparseConfig
+
+        shaping = {f.name for f in fields(SparseConfig) if f.metadata["sparse_only"]}
+        return self.probe is not None or bool(shaping & set(self.sparse_flags))
+
     def sparse(self, profile):
         from hisparse_cli.errors import ConfigError
         from hisparse_cli.summarize.runtime import sparse_settings
 
+        from hisparse_cli.config.settings import SparseConfig
+
+        dense = self.attention_mode(profile) == "dense"
+        declared = {f.name: f.metadata for f in fields(SparseConfig)}
         flags = dict(self.sparse_flags)
+        given = [declared[n]["flag"] for n in flags if declared[n]["sparse_only"]]
+        if dense and given:
+            shown = " and ".join(given)
+            raise ConfigError(f"dense attention cannot be combined with {shown}",
+                              hint="dense attention has no window and no global tokens: drop "
+                                   f"{shown}, or use --attention sparse")
         importance = flags.pop("importance", None)
         if self.probe is not None:  # a probe file says which importance is wanted
-            if self.dense:
-                raise ConfigError("--dense cannot be combined with --probe",
+            if dense:
+                raise ConfigError("dense attention cannot be combined with --probe",
                                   hint="dense attention keeps every token: nothing to score")
             if importance is None:
                 importance = "probe"
@@ -157,7 +201,7 @@ class RunOptions:
                 raise ConfigError(f"--probe is used only with --importance probe, not "
                                   f"--importance {importance}",
                                   hint="drop --probe, or use --importance probe")
-        return sparse_settings(profile, dense=self.dense, importance=importance, **flags)
+        return sparse_settings(profile, dense=dense, importance=importance, **flags)
 
     def summary_settings(self, profile):
         from hisparse_cli.config.settings import GenerationConfig
@@ -170,7 +214,7 @@ class RunOptions:
         return SummarySettings(strategy=self.strategy.value, generation=gen,
                                chunk_tokens=self.chunk_tokens,
                                chunk_new_tokens=self.chunk_new_tokens,
-                               instructions=self.instructions)
+                               instructions=self.instructions, words=self.words)
 
 
 def _sparse_parameters() -> list[inspect.Parameter]:
@@ -217,4 +261,4 @@ def run_options(func):
     return wrapper
 
 
-__all__ = ["RunOptions", "Strategy", "run_options", "P_OUT"]
+__all__ = ["RunOptions", "Strategy", "Attention", "run_options", "P_OUT"]

@@ -12,7 +12,10 @@ downloading (its config.json is read). Settings: CLI flag > profile > built-in d
 plan is for the profile's device (a GPU profile plans CUDA even on a CPU-only machine).
 stdout gets the plan (a table, or one JSON document with --json); `--check` exits 5 when the
 plan does not fit the budget: --budget-gib, else the profile's VRAM budget on CUDA, else (on
-the CPU) this machine's physical RAM. Settings no summarize run accepts (a sparse size above
+the CPU) this machine's physical RAM. `--attention auto` (the default) plans what summarize
+would run: dense attention when its whole KV fits that budget, else the largest sparse working
+set that fits (planner/attention_choice.py); the choice and its reason are a row of the table and
+`settings.attention` in the JSON. Settings no summarize run accepts (a sparse size above
 the model's positions, a --max-new-tokens that leaves no room for a prompt) are refused the
 same way (engine.config.check_positions, exit 2).
 """
@@ -26,7 +29,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hisparse_cli.cli.options import Strategy, finite_float
+from hisparse_cli.cli.options import Attention, Strategy, finite_float
 
 P_MODEL, P_SPARSE, P_MEM = "Model and profile", "Sparse attention", "Memory"
 P_DOC = "Document (with PATH)"
@@ -113,7 +116,12 @@ def plan(
     recalibrate_topk: Annotated[Optional[int], _opt("--recalibrate-topk", panel=P_SPARSE,
                                                     min=0)] = None,
     prefill_chunk: Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1)] = None,
-    dense: Annotated[bool, _opt("--dense", panel=P_SPARSE, help="Dense attention.")] = False,
+    attention: Annotated[Optional[Attention], _opt("--attention", panel=P_SPARSE,
+        case_sensitive=False, help="auto: dense when the whole KV fits the budget, else the "
+        "largest sparse working set that fits (as summarize decides); dense; sparse.  "
+        "[default: the profile's, auto]")] = None,
+    dense: Annotated[bool, _opt("--dense", panel=P_SPARSE,
+                                help="Same as --attention dense.")] = False,
     weight_format: Annotated[Optional[WeightFormat], _opt("--weight-format", panel=P_MEM, help=(
         "Override the weights' format.  [default: what the checkpoint holds]"))] = None,
     embeddings_on_host: Annotated[Optional[bool], _opt(
@@ -149,9 +157,13 @@ def plan(
     document's tokens, strategy, chunks and attention, before any weights load.
 
     When the run does not fit, the plan also says what to change."""
+    from dataclasses import replace
+
+    from hisparse_cli.cli.options import RunOptions
+    from hisparse_cli.config.profiles import load_profile
     from hisparse_cli.console import print_table, write_result
     from hisparse_cli.errors import ConfigError
-    from hisparse_cli.config.profiles import load_profile
+    from hisparse_cli.planner.attention_choice import choose_attention
     from hisparse_cli.summarize.runtime import sparse_settings
 
     doc = None
@@ -166,9 +178,14 @@ def plan(
         doc = load_document(path if path == "-" else Path(path), password=password,
                             include_secrets=include_secrets, title=title)
     prof = load_profile(profile)
-    sparse = sparse_settings(prof, dense=dense, window_size=window, global_tokens=global_tokens,
-                             sink_tokens=sink_tokens, block_size=block_size,
-                             recalibrate_every=recalibrate_every,
+    shaping = dict(window_size=window, global_tokens=global_tokens, sink_tokens=sink_tokens,
+                   recalibrate_every=recalibrate_every, recalibrate_topk=recalibrate_topk)
+    opts = RunOptions(dense=dense, attention=attention,
+                      sparse_flags={k: v for k, v in shaping.items() if v is not None})
+    mode = opts.attention_mode(prof)  # --dense with --attention sparse: exit 2
+    sparse = sparse_settings(prof, dense=mode == "dense", window_size=window,
+                             global_tokens=global_tokens, sink_tokens=sink_tokens,
+                             block_size=block_size, recalibrate_every=recalibrate_every,
                              recalibrate_topk=recalibrate_topk, prefill_chunk=prefill_chunk)
     from hisparse_cli.planner.memory import GIB
     from hisparse_cli.planner.profile import plan_for_profile
@@ -184,17 +201,28 @@ def plan(
                                    chunk_tokens=chunk_tokens, chunk_new_tokens=chunk_new_tokens,
                                    instructions=instructions)
         ctx, new = report.peak_generation
-    result = plan_for_profile(
-        cfg, prof, context_tokens=ctx, max_new_tokens=new, sparse=sparse,
-        device_kind=device.value if device else None, backend=backend.value if backend else None,
-        weight_format=weight_format.value if weight_format else None,
-        kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
-        awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
-        model_name=name)
+
+    def plan_with(policy):
+        return plan_for_profile(
+            cfg, prof, context_tokens=ctx, max_new_tokens=new, sparse=policy,
+            device_kind=device.value if device else None,
+            backend=backend.value if backend else None,
+            weight_format=weight_format.value if weight_format else None,
+            kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
+            awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
+            model_name=name)
+
+    kind = device.value if device else ("cpu" if prof.vram_budget_gib is None else "cuda")
+    choice = choose_attention(mode, sparse=sparse, plan=plan_with, context_tokens=ctx + new,
+                              explicit_sparse=opts.explicit_sparse(),
+                              budget_name="the given budget" if budget_gib else (
+                                  "host RAM" if kind == "cpu" else "VRAM budget"))
+    result = plan_with(choice.sparse)
+    result = replace(result, settings={**result.settings, "attention": choice.to_dict()})
     if report is not None:
         from hisparse_cli.cli.plan_document import attention_choice, document_json, document_table
 
-        attention = attention_choice(result, sparse)
+        attention = attention_choice(choice)
     if as_json:
         out = result.to_dict()
         if report is not None:

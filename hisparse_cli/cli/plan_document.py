@@ -39,18 +39,12 @@ def plan_for_document(doc: Document, model_spec: str | None, cfg, max_new_tokens
     return plan_document(doc, load_tokenizer(folder), cfg, settings)
 
 
-def attention_choice(memory_plan, sparse) -> dict:
-    """Which attention the summarize run uses, and why.
-
-    ATTENTION-CHOICE (issue 38): the run's `auto` attention (dense when the whole KV cache of
-    the run fits the budget, else sparse) is decided by the pipeline's own rule; once it
-    exists, call it here with `memory_plan` (its budget and KV bytes) and `sparse`. Until
-    then the run uses what the flags and the profile say, which is what this reports."""
-    if sparse.window_size is None:
-        return {"attention": "dense", "reason": "--dense: every token sees every token"}
-    return {"attention": "sparse",
-            "reason": (f"the profile's sparse policy: window {sparse.window_size}, "
-                       f"{sparse.global_tokens} global and {sparse.sink_tokens} sink tokens")}
+def attention_choice(choice) -> dict:
+    """Which attention the summarize run uses, and why: `choice` is the run's own decision
+    (planner/attention_choice.py:choose_attention, the rule `summarize` applies to the
+    document's largest generation)."""
+    return {"attention": choice.mode, "reason": f"{choice.requested}: {choice.reason}",
+            "attention_choice": choice.to_dict()}
 
 
 def document_json(doc: Document, report: DocumentPlan, attention: dict) -> dict:

@@ -39,7 +39,8 @@ def build_job(opts: RunOptions):
     return Job(profile, sparse, settings, model_spec=opts.model, probe_path=opts.probe,
                threads=opts.threads,
                warn=None if opts.quiet else warn, model_progress=progress,
-               stage=None if opts.quiet else status)
+               stage=None if opts.quiet else status,
+               attention=opts.attention_mode(profile), explicit_sparse=opts.explicit_sparse())
 
 
 def check_input(path: str, given: str = "PATH") -> None:

@@ -28,6 +28,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
+ATTENTION_MODES = ("auto", "dense", "sparse")  # planner/attention_choice.py re-exports it
 WEIGHT_FORMATS = ("fp16", "awq-int4")
 GIB = 1 << 30
 
@@ -54,7 +55,9 @@ class HardwareProfile:
     kv_dtype:            dtype of the paged K/V cache
     weight_format:       "fp16" weights or "awq-int4" quantized linear layers
     embeddings_on_host:  keep the token-embedding table in host RAM (saves VRAM)
-    max_new_tokens:      default summary length
+    max_new_tokens:      default cap of the summary's tokens
+    attention:           auto | dense | sparse (planner/attention_choice.py; auto: dense when
+                         it fits)
     """
 
     name: str
@@ -65,6 +68,7 @@ class HardwareProfile:
     weight_format: str = "fp16"
     embeddings_on_host: bool = False
     max_new_tokens: int = GenerationConfig().max_new_tokens
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -84,6 +88,7 @@ class HardwareProfile:
         _int_field("max_new_tokens", self.max_new_tokens, 1)
         _choice_field("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice_field("weight_format", self.weight_format, WEIGHT_FORMATS)
+        _choice_field("attention", self.attention, ATTENTION_MODES)
         if not isinstance(self.embeddings_on_host, bool):
             raise ConfigError(f"embeddings_on_host must be true or false, "
                               f"got {self.embeddings_on_host!r}")

@@ -27,15 +27,18 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 def setting(default: object, *, flag: str, help: str, short: str | None = None,
             aliases: tuple[str, ...] = (), minimum: int | None = None,
             choices: tuple[str, ...] | None = None, positions: bool = False,
-            optional: bool = False) -> object:
+            optional: bool = False, sparse_only: bool = True) -> object:
     """A SparseConfig field and everything said about it, declared once: its CLI flag and help
     (cli/options.py makes `--flag` from it), its `hisparse eval --settings` short letter and
     key aliases (quality/settings.py), its rule (`minimum` for whole numbers, `choices` for
     names; `optional`: None allowed), and `positions`: counted in positions, so never above
-    the model's (check_positions). Profiles hold these fields in their `[sparse]` table."""
+    the model's (check_positions); `sparse_only`: shapes the sparse working set, so a dense run
+    refuses it (block size and prefill chunk apply to dense runs too). Profiles hold these
+    fields in their `[sparse]` table."""
     return field(default=default, metadata={
         "flag": flag, "help": help, "short": short, "aliases": aliases, "minimum": minimum,
-        "choices": choices, "positions": positions, "optional": optional})
+        "choices": choices, "positions": positions, "optional": optional,
+        "sparse_only": sparse_only})
 
 
 def check_setting(f: Field, value: object) -> None:
@@ -71,7 +74,8 @@ class SparseConfig:
                                  aliases=("globals", "global"), minimum=0, positions=True,
                                  help="Important evicted tokens kept per layer and KV head.")
     block_size: int = setting(16, flag="--block-size", short="b", aliases=("block",),
-                              minimum=1, positions=True, help="Tokens per paged KV block.")
+                              minimum=1, positions=True, sparse_only=False,
+                              help="Tokens per paged KV block.")
     recalibrate_every: int = setting(256, flag="--recalibrate-every", short="r",
                                      aliases=("recal", "every"), minimum=1,
                                      help="Re-choose the global tokens every N tokens.")
@@ -80,7 +84,8 @@ class SparseConfig:
                                     help="Candidates per layer/head held for the next "
                                          "recalibration.")
     prefill_chunk: int = setting(256, flag="--prefill-chunk", short="c", aliases=("chunk",),
-                                 minimum=1, help="Tokens per forward pass while prefilling.")
+                                 minimum=1, sparse_only=False,
+                                 help="Tokens per forward pass while prefilling.")
     importance: str = setting("attention", flag="--importance", aliases=("policy",),
                               choices=IMPORTANCE_POLICIES,
                               help="How global tokens are chosen: attention, snapkv, uniform "

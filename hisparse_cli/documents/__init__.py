@@ -11,21 +11,19 @@
       *.html / *.htm, or content starting `<!doctype html`/`<html`  → HTML reader (webpage.py)
       anything else → text reader (text.py; Markdown is text; a notes.txt that starts with
       "%PDF" is text)
-and fills `Document.genre` with `guess_genre`, which picks the prompt family (a collection's
-genre is "collection"). Every failure is an `InputError` (exit code 3) with a hint; bad
+and fills `Document.genre` with `guess_genre` (genre.py), which picks the prompt family (a
+collection's genre is "collection"). Every failure is an `InputError` (exit code 3) with a hint; bad
 limits are a `ConfigError`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from hisparse_cli.documents.base import Document, Section
+from hisparse_cli.documents.genre import GENRES, guess_genre
 from hisparse_cli.errors import ConfigError, InputError
-
-GENRES = ("legal", "medical", "scientific", "code", "generic")
 
 
 @dataclass(frozen=True)
@@ -124,58 +122,7 @@ def load_document(path: str | Path, *, password: str | None = None,
 
 
 def _with_genre(document: Document) -> Document:
-    document = replace(document, genre=guess_genre(document.text, document.kind))
-    if document.kind == "collection":  # until guess_genre knows collections (issue 38)
-        document = replace(document, genre="collection")
-    return document
-
-
-# --- genre guess --------------------------------------------------------------------------
-# Heuristic: count whole-word keyword occurrences per genre in the first 50,000 characters.
-# The genre with most hits wins if it matched at least 3 *distinct* keywords and has strictly
-# more hits than the runner-up; otherwise "generic". A repository is always "code".
-_GENRE_KEYWORDS: dict[str, tuple[str, ...]] = {
-    "legal": ("agreement", "party", "parties", "hereby", "herein", "whereas", "clause",
-              "liability", "indemnify", "indemnification", "termination", "governing law",
-              "jurisdiction", "warrant", "warranties", "breach", "confidentiality", "licensee",
-              "licensor", "plaintiff", "defendant", "court", "statute", "contract"),
-    "medical": ("patient", "diagnosis", "diagnosed", "admission", "admitted", "discharge",
-                "discharged", "mg", "dose", "clinical", "symptoms", "treatment", "medication",
-                "medications", "blood pressure", "history of", "physician", "prescribed",
-                "allergies", "follow-up", "hospital", "ward", "vital signs", "prognosis"),
-    "scientific": ("abstract", "hypothesis", "experiment", "experiments", "results",
-                   "methodology", "we propose", "et al", "dataset", "baseline", "significant",
-                   "figure", "table", "theorem", "proof", "empirical", "evaluation",
-                   "related work", "conclusion", "arxiv", "doi", "sample size"),
-    "code": ("def", "return", "import", "class", "function", "const", "struct", "void",
-             "#include", "public", "private", "namespace", "async", "await", "lambda",
-             "self", "fn", "impl", "package", "func", "null", "none", "elif", "typedef"),
-}
-_GENRE_PATTERNS = {
-    genre: re.compile(r"(?<![\w#])(" + "|".join(re.escape(k) for k in sorted(
-        words, key=len, reverse=True)) + r")(?!\w)")
-    for genre, words in _GENRE_KEYWORDS.items()
-}
-GENRE_SAMPLE_CHARS = 50_000
-GENRE_MIN_DISTINCT = 3
-
-
-def guess_genre(text: str, kind: str) -> str:
-    """"legal" | "medical" | "scientific" | "code" | "generic" by keyword scoring (above)."""
-    if kind == "repository":
-        return "code"
-    sample = text[:GENRE_SAMPLE_CHARS].lower()
-    scores: list[tuple[int, str]] = []
-    for genre, pattern in _GENRE_PATTERNS.items():
-        hits = pattern.findall(sample)
-        if len(set(hits)) >= GENRE_MIN_DISTINCT:
-            scores.append((len(hits), genre))
-    if not scores:
-        return "generic"
-    scores.sort(reverse=True)
-    if len(scores) > 1 and scores[0][0] == scores[1][0]:
-        return "generic"
-    return scores[0][1]
+    return replace(document, genre=guess_genre(document.text, document.kind))
 
 
 __all__ = ["load_document", "IngestLimits", "guess_genre", "GENRES", "Document", "Section"]

@@ -37,8 +37,7 @@ class Document:
                `text` (map-reduce keeps them)
     skipped:   (item, reason) pairs of what was left out (files, pages, secrets)
     title:     a best-effort title (file or folder name, PDF metadata title)
-    genre:     "legal" | "medical" | "scientific" | "code" | "collection" | "generic"
-               (prompt choice)
+    genre:     one of documents.genre.GENRES (prompt and length choice)
     """
 
     text: str

@@ -46,6 +46,10 @@ def plan_table(plan: MemoryPlan) -> Table:
         table.add_row("budget (host RAM)" if source == "host RAM" else "budget",
                       _b(plan.budget_bytes),
                       Text.assemble(verdict, f" (headroom {_b(plan.headroom_bytes)})"))
+    attention = s.get("attention")
+    if attention:
+        table.add_row("attention", "dense" if attention["window_size"] is None else "sparse",
+                      f"{attention['requested']}: {attention['reason']}")
     table.add_section()
     for item in plan.items:
         if not item.counted:

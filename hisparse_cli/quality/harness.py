@@ -150,7 +150,7 @@ def evaluate(engine, docs: list[EvalDocument], settings: list[NamedSetting],
     for doc in docs:
         doc_rows = {s.name: {"doc": doc.id, "setting": s.name} for s in settings}
         if cfg.teacher_forced:
-            ids = engine.tokenizer(doc.text)["input_ids"]
+            ids = engine.tokenizer(doc.text, verbose=False)["input_ids"]  # we chunk ourselves
             layout = build_layout(ids, cfg.layout)
             dense = teacher_forced(engine, layout.ids, settings[0].sparse,
                                    q_positions=layout.recall_positions, capture_qk=True)

@@ -51,7 +51,10 @@ class Chunk:
 
 
 def _unit_kind(doc: Document) -> str:
-    return {"pdf": "page", "repository": "file"}.get(doc.kind, "text")
+    """What one section is called in chunk labels: a PDF's or .docx's pages and an HTML page's
+    headed parts are "page"s, a repository's or a collection's members "file"s."""
+    return {"pdf": "page", "docx": "page", "html": "page", "repository": "file",
+            "collection": "file"}.get(doc.kind, "text")
 
 
 def document_units(doc: Document) -> list[Unit]:

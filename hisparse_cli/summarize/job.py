@@ -29,6 +29,8 @@ from hisparse_cli.errors import InputError
 from hisparse_cli.summarize.pipeline import PipelineProgress, SummarySettings, summarize_document
 from hisparse_cli.config.profiles import HardwareProfile
 
+PROMPT_OVERHEAD_TOKENS = 320  # system message, task sentences, chat template: above any prompt's
+
 
 def document_info(doc: Document, count: Callable[[str], int] | None = None) -> dict:
     """What the JSON output says about the document. `items`: every file read — a
@@ -123,14 +125,21 @@ def cpu_run_stats(runs: list[dict]) -> dict:
 
 
 class Job:
+    """`attention`: auto | dense | sparse (planner/attention_choice.py); `explicit_sparse`:
+    sparse flags were given on the command line (auto then means sparse)."""
+
     def __init__(self, profile: HardwareProfile, sparse: SparseConfig,
                  settings: SummarySettings, *, model_spec: str | None = None,
                  warn: Callable[[str], None] | None = None, model_progress=None,
                  resolve: Callable | None = None, probe_path: Path | None = None,
                  stage: Callable[[str], object] | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, attention: str = "auto",
+                 explicit_sparse: bool = False) -> None:
+        from hisparse_cli.planner.attention_choice import check_mode
+
         self.profile, self.sparse, self.settings = profile, sparse, settings
         self.stage = stage  # a context manager per slow stage (console.status), or None
+        self.attention, self.explicit_sparse = check_mode(attention), explicit_sparse
         self.probe_path, self.threads = probe_path, threads
         self.model_spec, self.warn, self.model_progress = model_spec, warn, model_progress
         self._resolve = resolve
@@ -200,8 +209,8 @@ class Job:
             return str(path.resolve()) if path.exists() else str(spec)
 
         view = {"model": asked(self.model_spec), "probe": asked(self.probe_path),
-                "profile": self.profile.name, "sparse": asdict(self.sparse),
-                **self.settings.to_dict()}
+                "profile": self.profile.name, "attention": self.attention,
+                "sparse": asdict(self.sparse), **self.settings.to_dict()}
         return json.loads(json.dumps(view, default=str))  # as a results file holds it
 
     def settings_id(self) -> str:
@@ -209,12 +218,43 @@ class Job:
         text = json.dumps(self.settings_view(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def choose_attention(self, doc: Document):
+        """The AttentionChoice for `doc` (planner/attention_choice.py): the planner asked about
+        the dense KV of the document's largest generation on this run's device and budget."""
+        from hisparse_cli.planner.attention_choice import choose_attention
+
+        engine = self.engine()
+        max_pos = int(engine.cfg.max_position_embeddings)
+        cap = self.settings.generation.max_new_tokens
+        context = max(1, min(max_pos - cap, len(doc.text) // 2 + PROMPT_OVERHEAD_TOKENS))
+        if self.attention == "auto" and not self.explicit_sparse and not self.sparse.dense:
+            from hisparse_cli.summarize.prompts import count_tokens
+
+            tokens = count_tokens(engine.tokenizer, doc.text)
+            context = max(1, min(max_pos - cap, tokens + PROMPT_OVERHEAD_TOKENS))
+        device = self.device_plan.device if self.device_plan else "cpu"
+        budget_name = "host RAM" if device == "cpu" else "VRAM budget"
+
+        def plan(sparse: SparseConfig):
+            from hisparse_cli.planner.profile import plan_for_profile
+
+            return plan_for_profile(engine.cfg, self.profile, context_tokens=context,
+                                    max_new_tokens=cap, sparse=sparse, device_kind=device)
+
+        return choose_attention(self.attention, sparse=self.sparse, plan=plan,
+                                context_tokens=context + cap,
+                                explicit_sparse=self.explicit_sparse, budget_name=budget_name)
+
     def run(self, doc: Document, *, reference_text: str | None = None,
             reference_path: str | None = None, ingest_seconds: float = 0.0,
             progress: PipelineProgress | None = None) -> dict:
         """Summarize `doc` (and score it when a reference is given) → the result object."""
+        from hisparse_cli.planner.attention_choice import running_under
+
         engine = self.engine()
-        result = summarize_document(doc, engine, self.settings, progress)
+        choice = self.choose_attention(doc)
+        with running_under(engine, choice.sparse):
+            result = summarize_document(doc, engine, self.settings, progress)
         if reference_text is not None:
             from hisparse_cli.scoring import rouge_scores
 
@@ -224,7 +264,9 @@ class Job:
         out = result.to_dict()
         out["stats"].update(cpu_run_stats(out.get("runs", [])))
         out["timings"] = {"ingest_seconds": ingest_seconds, **out["timings"]}
-        out["settings"] = {**self.settings_dict(), **out["settings"]}
+        out["settings"] = {**self.settings_dict(), "attention": choice.to_dict(),
+                           **out["settings"]}
+        out["settings"]["sparse"] = asdict(choice.sparse)  # the policy the run used
         out["reference"] = reference_path
         tokenizer = getattr(engine, "tokenizer", None)
         out["document"] = document_info(doc, _token_counter(tokenizer) if tokenizer else None)
@@ -248,10 +290,10 @@ class JobSpec:
 
 
 def _token_counter(tokenizer) -> Callable[[str], int]:
-    from hisparse_cli.summarize.prompts import tokenizable
+    from hisparse_cli.summarize.prompts import count_tokens
 
     def count(text: str) -> int:
-        return len(tokenizer(tokenizable(text), add_special_tokens=False)["input_ids"])
+        return count_tokens(tokenizer, text)
 
     return count
 

@@ -46,7 +46,7 @@ class DryEngine:
     def __init__(self, tokenizer, cfg) -> None:
         self.tokenizer, self.cfg = tokenizer, cfg
         self.calls: list[tuple[int, int]] = []
-        self._reply = tokenizer(DRY_SUMMARY, add_special_tokens=False)["input_ids"]
+        self._reply = tokenizer(DRY_SUMMARY, add_special_tokens=False, verbose=False)["input_ids"]
 
     def generate(self, token_ids, max_new_tokens: int | None = None, *, gen=None,
                  progress=None, **_overrides) -> _DryResult:
@@ -88,11 +88,11 @@ def load_tokenizer(folder: Path):
 def plan_document(doc: Document, tokenizer, cfg, settings) -> DocumentPlan:
     """Run the pipeline on `doc` with a DryEngine (module docstring)."""
     from hisparse_cli.summarize.pipeline import summarize_document
-    from hisparse_cli.summarize.prompts import tokenizable
+    from hisparse_cli.summarize.prompts import count_tokens
 
     engine = DryEngine(tokenizer, cfg)
     result = summarize_document(doc, engine, settings)
-    doc_tokens = len(tokenizer(tokenizable(doc.text), add_special_tokens=False)["input_ids"])
+    doc_tokens = count_tokens(tokenizer, doc.text)
     max_pos = int(cfg.max_position_embeddings)
     if result.strategy == "stream":
         chunks: tuple[dict, ...] = ()
