@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from hisparse_cli.errors import ConfigError
 
 IMPORTANCE_POLICIES = ("attention", "snapkv", "uniform", "probe")
+RETRIEVAL_SUMMARIES = ("minmax", "mean")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -41,6 +42,16 @@ class SparseConfig:
                         baseline), or "probe" (a learned scorer on hidden states; needs a probe)
     score_stride:       importance is estimated from the queries at positions that are multiples
                         of this (1 = exact; 4 cuts scoring cost 4x, see QUALITY.md)
+    retrieval_tokens:   the retrieval tier (engine/retrieval.py): 0 = off (evicted pages are
+                        dropped); N > 0 = pages leaving the window are kept in an offload
+                        store and each step attends, per layer and KV head, to the best
+                        ceil(N / block_size) of them by their key summaries
+    page_cache_tokens:  resident page-cache slots per layer and KV head (0 = as many as
+                        retrieval_tokens); more slots keep recently used pages resident
+                        (fewer host-to-device copies on CUDA), the attended set stays the best
+                        retrieval_tokens
+    retrieval_summary:  per-page key summary the pages are scored by: "minmax" (Quest's per-
+                        channel bounds, an upper bound of q.k) or "mean" (the mean key)
     """
 
     sink_tokens: int = 4
@@ -53,6 +64,9 @@ class SparseConfig:
     importance: str = "attention"
     score_stride: int = 4
     observation_window: int = 64
+    retrieval_tokens: int = 0
+    page_cache_tokens: int = 0
+    retrieval_summary: str = "minmax"
 
     def __post_init__(self) -> None:
         _check_int("sink_tokens", self.sink_tokens, 0)
@@ -65,6 +79,17 @@ class SparseConfig:
         _check_int("prefill_chunk", self.prefill_chunk, 1)
         _check_int("score_stride", self.score_stride, 1)
         _check_int("observation_window", self.observation_window, 1)
+        _check_int("retrieval_tokens", self.retrieval_tokens, 0)
+        _check_int("page_cache_tokens", self.page_cache_tokens, 0)
+        if self.retrieval_summary not in RETRIEVAL_SUMMARIES:
+            raise ConfigError(
+                f"retrieval_summary must be one of {', '.join(RETRIEVAL_SUMMARIES)}, got "
+                f"{self.retrieval_summary!r}", hint="use 'minmax' (default) or 'mean'")
+        if self.page_cache_tokens and self.page_cache_tokens < self.retrieval_tokens:
+            raise ConfigError(
+                f"page_cache_tokens ({self.page_cache_tokens}) must be at least "
+                f"retrieval_tokens ({self.retrieval_tokens})",
+                hint="raise page_cache_tokens, or set it to 0 (as many as retrieval_tokens)")
         if self.importance not in IMPORTANCE_POLICIES:
             raise ConfigError(
                 f"importance must be one of {', '.join(IMPORTANCE_POLICIES)}, got {self.importance!r}",
@@ -78,6 +103,23 @@ class SparseConfig:
     @property
     def uses_globals(self) -> bool:
         return not self.dense and self.global_tokens > 0
+
+    @property
+    def retrieval(self) -> bool:
+        """The retrieval tier is on: a sparse window with a retrieval budget."""
+        return not self.dense and self.retrieval_tokens > 0
+
+    @property
+    def retrieval_pages(self) -> int:
+        """Pages attended per layer and KV head out of the offload store (0 = off)."""
+        return -(-self.retrieval_tokens // self.block_size) if self.retrieval else 0
+
+    @property
+    def page_cache_pages(self) -> int:
+        """Resident page-cache slots per layer and KV head (>= retrieval_pages)."""
+        if not self.retrieval:
+            return 0
+        return max(self.retrieval_pages, -(-self.page_cache_tokens // self.block_size))
 
     def with_overrides(self, **overrides: object) -> "SparseConfig":
         """A copy with the non-None overrides applied (CLI flag > profile > default)."""
@@ -147,4 +189,5 @@ def check_positions(max_positions: int, *, sparse: SparseConfig | None = None,
                           hint=f"lower --max-new-tokens (below {max_positions:,})")
 
 
-__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES", "check_positions"]
+__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES", "RETRIEVAL_SUMMARIES",
+           "check_positions"]
