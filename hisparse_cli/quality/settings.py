@@ -10,7 +10,10 @@ A spec names one `SparseConfig`, applied over a base config (the profile's):
 
 Short tokens: w<N> window, g<N> globals, s<N> sinks, r<N> recalibrate_every,
 k<N> recalibrate_topk, c<N> prefill_chunk, b<N> block_size, t<N> score_stride,
-o<N> observation_window, and a policy name (attention, snapkv, uniform, probe).
+o<N> observation_window, q<N> retrieval_tokens, and a policy name (attention, snapkv,
+uniform, probe). The retrieval tier: `window=256,globals=32,chunk=128,retrieval_tokens=256`
+(keys retrieval_tokens / retrieval, page_cache_tokens / page_cache, retrieval_summary /
+summary = minmax | mean).
 Keys of the key=value form: the SparseConfig field names and the aliases in `ALIASES`.
 When a spec sets the number of globals but not recalibrate_topk, the candidate pool follows
 the global count (the profiles' convention: full turnover possible at each recalibration).
@@ -26,12 +29,14 @@ from hisparse_cli.errors import ConfigError
 
 SHORT = {"w": "window_size", "g": "global_tokens", "s": "sink_tokens", "r": "recalibrate_every",
          "k": "recalibrate_topk", "c": "prefill_chunk", "b": "block_size", "t": "score_stride",
-         "o": "observation_window"}
+         "o": "observation_window", "q": "retrieval_tokens"}
 ALIASES = {"window": "window_size", "globals": "global_tokens", "global": "global_tokens",
            "sinks": "sink_tokens", "sink": "sink_tokens", "recal": "recalibrate_every",
            "every": "recalibrate_every", "topk": "recalibrate_topk", "chunk": "prefill_chunk",
            "block": "block_size", "stride": "score_stride", "obs": "observation_window",
-           "policy": "importance"}
+           "policy": "importance", "retrieval": "retrieval_tokens",
+           "page_cache": "page_cache_tokens", "summary": "retrieval_summary"}
+_TEXT_KEYS = ("importance", "retrieval_summary")
 _SHORT_RE = re.compile(r"^([a-z])(\d+)$")
 HINT = ("use e.g. 'dense', 'w1024-g64', 'w512-g32-uniform' or "
         "'window=1024,globals=64,importance=snapkv'")
@@ -68,7 +73,7 @@ def _pairs(spec: str) -> dict[str, object]:
             key = ALIASES.get(key, key)
             if key not in known:
                 raise ConfigError(f"setting {spec!r}: unknown key {key!r}", hint=HINT)
-            if key == "importance":
+            if key in _TEXT_KEYS:
                 out[key] = value
             elif key == "window_size" and value.lower() in ("none", "dense"):
                 out[key] = None
@@ -121,9 +126,13 @@ def describe(cfg: SparseConfig) -> str:
     """Compact one-line description of a config (reports)."""
     if cfg.dense:
         return "dense"
-    return (f"sinks {cfg.sink_tokens}, window {cfg.window_size}, globals {cfg.global_tokens} "
+    text = (f"sinks {cfg.sink_tokens}, window {cfg.window_size}, globals {cfg.global_tokens} "
             f"({cfg.importance}), recal {cfg.recalibrate_every}/top{cfg.recalibrate_topk}, "
             f"chunk {cfg.prefill_chunk}")
+    if cfg.retrieval:
+        text += (f", retrieval {cfg.retrieval_tokens} ({cfg.retrieval_summary}, page cache "
+                 f"{cfg.page_cache_pages * cfg.block_size})")
+    return text
 
 
 __all__ = ["NamedSetting", "parse_setting", "parse_settings", "describe"]
