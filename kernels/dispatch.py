@@ -103,13 +103,12 @@ class KernelBackend:
 
         return page_summary(pages, kind)
 
-    def score_top_pages(self, q, lo, hi, k: int):
-        """[Hkv, k] best pages per KV head, ascending: Triton scoring + top-k on CUDA."""
-        if self.attention == "triton":
-            from hisparse_cli.kernels.attention.page_score_triton import score_top_pages
-        else:
-            from hisparse_cli.kernels.attention.page_score_ref import score_top_pages
-        return score_top_pages(q, lo, hi, k)
+    def score_top_pages(self, q, lo, hi, k: int, scale: float):
+        """[Hkv, k] best pages per KV head, ascending (the torch reference on every device:
+        a Triton kernel is not written yet)."""
+        from hisparse_cli.kernels.attention.page_score_ref import score_top_pages
+
+        return score_top_pages(q, lo, hi, k, scale)
 
     def gather_pages(self, dst, src, heads, slots, rows) -> None:
         from hisparse_cli.kernels.attention.page_score_ref import gather_pages

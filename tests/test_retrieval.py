@@ -169,7 +169,8 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype):
     n = 100
     for copy_offload in (False, True):
         cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=0, block_size=8,
-                           recalibrate_topk=0, prefill_chunk=8, retrieval_tokens=16)
+                           recalibrate_topk=0, prefill_chunk=8, retrieval_tokens=16,
+                           retrieval_summary="minmax")
         pool = BlockPool()
         run = KVRun(_cfg(), cfg, torch.device("cpu"), dtype, select_backend("cpu"), pool,
                     total_tokens=n, copy_offload=copy_offload)
@@ -193,8 +194,9 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype):
                     want = ref[p * 8:(p + 1) * 8].transpose(0, 1)
                     assert torch.equal(got, want), (p, copy_offload)
                 keys = src.k[p * 8:(p + 1) * 8].transpose(0, 1)  # summaries of the same bits
-                assert torch.equal(tier.lo[0, :, p], keys.amin(1))
-                assert torch.equal(tier.hi[0, :, p], keys.amax(1))
+                sdt = tier.lo.dtype
+                assert torch.equal(tier.lo[0, :, p], keys.amin(1).to(sdt))
+                assert torch.equal(tier.hi[0, :, p], keys.amax(1).to(sdt))
 
 
 def test_page_cache_map_hits_and_lru():

@@ -106,6 +106,10 @@ _SHARED: list[tuple[str, object, object]] = [
         min=0, help="Candidates per layer/head held for the next recalibration.")], None),
     ("prefill_chunk", Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1,
         help="Tokens per forward pass while prefilling.")], None),
+    ("retrieval_tokens", Annotated[Optional[int], _opt("--retrieval-tokens", panel=P_SPARSE,
+        min=0, help="Retrieval tier: evicted pages are kept off the working set and each step "
+             "attends to the best N tokens' pages of them per layer and KV head (0 = off).  "
+             "[default: the profile's]")], None),
     ("importance", Annotated[Optional[str], _opt("--importance", panel=P_SPARSE,
         help="How global tokens are chosen: attention, snapkv, uniform or probe.  "
              "[default: the profile's]")], None),
@@ -147,6 +151,7 @@ class RunOptions:
     recalibrate_every: int | None = None
     recalibrate_topk: int | None = None
     prefill_chunk: int | None = None
+    retrieval_tokens: int | None = None
     importance: str | None = None
     probe: Path | None = None
     dense: bool = False
@@ -178,7 +183,8 @@ class RunOptions:
             profile, dense=self.dense, window_size=self.window, global_tokens=self.global_tokens,
             sink_tokens=self.sink_tokens, block_size=self.block_size,
             recalibrate_every=self.recalibrate_every, recalibrate_topk=self.recalibrate_topk,
-            prefill_chunk=self.prefill_chunk, importance=importance)
+            prefill_chunk=self.prefill_chunk, importance=importance,
+            retrieval_tokens=self.retrieval_tokens)
 
     def summary_settings(self, profile):
         from hisparse_cli.config.settings import GenerationConfig

@@ -113,6 +113,8 @@ def plan(
     recalibrate_topk: Annotated[Optional[int], _opt("--recalibrate-topk", panel=P_SPARSE,
                                                     min=0)] = None,
     prefill_chunk: Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1)] = None,
+    retrieval_tokens: Annotated[Optional[int], _opt("--retrieval-tokens", panel=P_SPARSE,
+                                                    min=0)] = None,
     dense: Annotated[bool, _opt("--dense", panel=P_SPARSE, help="Dense attention.")] = False,
     weight_format: Annotated[Optional[WeightFormat], _opt("--weight-format", panel=P_MEM, help=(
         "Override the weights' format.  [default: what the checkpoint holds]"))] = None,
@@ -169,7 +171,8 @@ def plan(
     sparse = sparse_settings(prof, dense=dense, window_size=window, global_tokens=global_tokens,
                              sink_tokens=sink_tokens, block_size=block_size,
                              recalibrate_every=recalibrate_every,
-                             recalibrate_topk=recalibrate_topk, prefill_chunk=prefill_chunk)
+                             recalibrate_topk=recalibrate_topk, prefill_chunk=prefill_chunk,
+                             retrieval_tokens=retrieval_tokens)
     from hisparse_cli.planner.memory import GIB
     from hisparse_cli.planner.profile import plan_for_profile
 

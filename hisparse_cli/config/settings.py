@@ -50,8 +50,9 @@ class SparseConfig:
                         retrieval_tokens); more slots keep recently used pages resident
                         (fewer host-to-device copies on CUDA), the attended set stays the best
                         retrieval_tokens
-    retrieval_summary:  per-page key summary the pages are scored by: "minmax" (Quest's per-
-                        channel bounds, an upper bound of q.k) or "mean" (the mean key)
+    retrieval_summary:  per-page key summary the pages are scored by: "mean" (the mean key;
+                        measured better, half the bytes) or "minmax" (Quest's per-channel
+                        bounds, an upper bound of q.k); kernels/attention/page_score_ref.py
     """
 
     sink_tokens: int = 4
@@ -66,7 +67,7 @@ class SparseConfig:
     observation_window: int = 64
     retrieval_tokens: int = 0
     page_cache_tokens: int = 0
-    retrieval_summary: str = "minmax"
+    retrieval_summary: str = "mean"
 
     def __post_init__(self) -> None:
         _check_int("sink_tokens", self.sink_tokens, 0)
@@ -84,7 +85,7 @@ class SparseConfig:
         if self.retrieval_summary not in RETRIEVAL_SUMMARIES:
             raise ConfigError(
                 f"retrieval_summary must be one of {', '.join(RETRIEVAL_SUMMARIES)}, got "
-                f"{self.retrieval_summary!r}", hint="use 'minmax' (default) or 'mean'")
+                f"{self.retrieval_summary!r}", hint="use 'mean' (default) or 'minmax'")
         if self.page_cache_tokens and self.page_cache_tokens < self.retrieval_tokens:
             raise ConfigError(
                 f"page_cache_tokens ({self.page_cache_tokens}) must be at least "

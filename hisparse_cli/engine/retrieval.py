@@ -8,8 +8,8 @@ A page is one KV block. When the host policy evicts a block that holds no sink
   * copied (CUDA): its K/V are copied, on a side stream, into pinned host memory
     [L, Hkv, pages, bs, D]; the block goes back to the pool (the next step waits for the copy
     before writing into a reused block).
-Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D])
-is written to resident memory at the same moment.
+Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D],
+float16 for a float32 cache: a ranking needs no more) is written to resident memory then.
 
 Every step, for every layer, before its attention: the step's queries score the offloaded
 pages against their summaries (kernels/attention/page_score_ref.py: the largest bound over
@@ -99,8 +99,9 @@ class RetrievalTier:
         self.max_pages, self.in_place = max_pages, in_place
         dev, dt = cache.device, cache.dtype
         shape = (self.L, self.H, max_pages, self.D)
-        self.lo = torch.zeros(shape, dtype=dt, device=dev)
-        self.hi = self.lo if summary == "mean" else torch.zeros(shape, dtype=dt, device=dev)
+        sdt = torch.float16 if dt == torch.float32 else dt  # summaries: 2 bytes a channel
+        self.lo = torch.zeros(shape, dtype=sdt, device=dev)
+        self.hi = self.lo if summary == "mean" else torch.zeros(shape, dtype=sdt, device=dev)
         self.row = [-1] * max_pages  # logical page -> row of the store (in place: block id)
         self.offloaded: list[int] = []  # logical pages in the store, in eviction order
         self.first_page = 0  # the lowest logical page ever offloaded (sink blocks are below)
@@ -148,9 +149,9 @@ class RetrievalTier:
         pg = int64_to_device(pages, cache.device)
         keys = cache.k.index_select(1, ids).permute(0, 3, 1, 2, 4)  # [L, Hkv, n, bs, D]
         lo, hi = self.backend.page_summary(keys, self.kind)
-        self.lo.index_copy_(2, pg, lo)
+        self.lo.index_copy_(2, pg, lo.to(self.lo.dtype))
         if self.hi is not self.lo:
-            self.hi.index_copy_(2, pg, hi)
+            self.hi.index_copy_(2, pg, hi.to(self.hi.dtype))
         if self.in_place:
             rows = physical
         else:
@@ -197,7 +198,7 @@ class RetrievalTier:
             return [list(self.offloaded)] * self.H
         lo = self.first_page  # offloaded pages are the contiguous range [lo, lo + n)
         top = self.backend.score_top_pages(q, self.lo[layer, :, lo:lo + n],
-                                           self.hi[layer, :, lo:lo + n], self.R)
+                                           self.hi[layer, :, lo:lo + n], self.R, self.D ** -0.5)
         return (top + lo).tolist()
 
     def prepare(self, layer: int, q: torch.Tensor) -> None:

@@ -22,7 +22,8 @@ from hisparse_cli.errors import ConfigError
 from hisparse_cli.config.profiles import HardwareProfile
 
 SPARSE_FLAGS = ("sink_tokens", "window_size", "global_tokens", "block_size",
-                "recalibrate_every", "recalibrate_topk", "prefill_chunk", "importance")
+                "recalibrate_every", "recalibrate_topk", "prefill_chunk", "importance",
+                "retrieval_tokens")
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,16 @@ def sparse_settings(profile: HardwareProfile, *, dense: bool = False,
     if unknown:
         raise ConfigError(f"unknown sparse setting(s): {', '.join(sorted(unknown))}")
     if dense:
-        clash = [name for name in ("window_size", "global_tokens") if flags.get(name) is not None]
+        clash = [name for name in ("window_size", "global_tokens", "retrieval_tokens")
+                 if flags.get(name)]
         if clash:
             opts = " and ".join("--" + n.replace("_size", "").replace("_", "-") for n in clash)
             raise ConfigError(f"--dense cannot be combined with {opts}",
                               hint="dense attention has no window and no global tokens")
     config = profile.sparse_config(**flags)
     if dense:
-        config = replace(config, window_size=None, global_tokens=0, recalibrate_topk=0)
+        config = replace(config, window_size=None, global_tokens=0, recalibrate_topk=0,
+                         retrieval_tokens=0)
     return config
 
 

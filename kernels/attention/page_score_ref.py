@@ -7,9 +7,15 @@ Layouts (shared with page_score_triton.py):
                gives q . mean
     q:         [T, Hq, D] the step's queries (after RoPE); GQA: query head h reads KV head
                h // (Hq // Hkv)
-Page score (per KV head): the largest, over the step's queries and the query heads of the
-KV head, of the bound sum_d max(q_d * lo_d, q_d * hi_d) = q+ . hi + q- . lo (q+ = max(q, 0),
-q- = min(q, 0)), which for "minmax" is an upper bound of q . k over the page's keys.
+Page score (per KV head): each query row (a step's query x a query head of the KV head) rates
+every page by the bound b = sum_d max(q_d * lo_d, q_d * hi_d) = q+ . hi + q- . lo (q+ =
+max(q, 0), q- = min(q, 0)); for "minmax" an upper bound of q . k over the page's keys, for
+"mean" q . mean key. A page's score is its estimated attention mass summed over the rows:
+sum over rows of softmax over pages of (scale * b). Against the largest bound over the rows
+(Quest's decode rule), on a 2K-token eval_dev document with 256 retrieved tokens per layer
+and KV head (SmolLM2, prefill chunks of 128): recall 0.9375 vs 0.9357 (minmax), 0.9454 vs
+0.9428 (mean), long-range retention ratio 2.66 vs 7.18 (mean): a chunk's queries share one
+set of pages, and the mass sum picks the pages most of them want.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ def page_summary(pages: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Te
     raise ValueError(f"unknown summary kind {kind!r}")
 
 
-def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                scale: float) -> torch.Tensor:
     """[Hkv, n] fp32: each page's score (module doc) for the step's queries q [T, Hq, D]."""
     t, hq, d = q.shape
     hkv = lo.shape[0]
@@ -35,7 +42,7 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Te
     qf = q.float().reshape(t, hkv, grp, d).permute(1, 0, 2, 3).reshape(hkv, t * grp, d)
     s = torch.bmm(qf.clamp(min=0), hi.float().transpose(1, 2))  # [Hkv, T*grp, n]
     s += torch.bmm(qf.clamp(max=0), lo.float().transpose(1, 2))
-    return s.amax(dim=1)
+    return torch.softmax(s.mul_(scale), dim=-1).sum(dim=1)
 
 
 def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -44,9 +51,10 @@ def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
     return idx.sort(dim=-1).values
 
 
-def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int) -> torch.Tensor:
-    """top_pages(page_scores(q, lo, hi), k): the pages a step retrieves, per KV head."""
-    return top_pages(page_scores(q, lo, hi), k)
+def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
+                    scale: float) -> torch.Tensor:
+    """top_pages(page_scores(q, lo, hi, scale), k): the pages a step retrieves, per KV head."""
+    return top_pages(page_scores(q, lo, hi, scale), k)
 
 
 def gather_pages(dst: torch.Tensor, src: torch.Tensor, heads: torch.Tensor,
