@@ -104,10 +104,13 @@ class KernelBackend:
         return page_summary(pages, kind)
 
     def score_top_pages(self, q, lo, hi, k: int, scale: float):
-        """[Hkv, k] best pages per KV head, ascending (the torch reference on every device:
-        a Triton kernel is not written yet)."""
-        from hisparse_cli.kernels.attention.page_score_ref import score_top_pages
-
+        """[Hkv, k] best pages per KV head, ascending: Triton scoring (no [rows, pages]
+        tensor) where the attention runs in Triton and the head size is a power of two."""
+        d = q.shape[-1]
+        if self.attention == "triton" and d >= 16 and d & (d - 1) == 0:
+            from hisparse_cli.kernels.attention.page_score_triton import score_top_pages
+        else:
+            from hisparse_cli.kernels.attention.page_score_ref import score_top_pages
         return score_top_pages(q, lo, hi, k, scale)
 
     def gather_pages(self, dst, src, heads, slots, rows) -> None:

@@ -237,3 +237,41 @@ def test_engine_logits_with_full_budget_equal_dense(tiny_models):
     eng.sparse = SparseConfig(**base)
     evict_only = eng.logits(ids)
     assert (evict_only - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("summary", ["mean", "minmax"])
+def test_planner_bytes_equal_a_cpu_run(tiny_models, summary):
+    """The planner's KV numbers with the retrieval tier == the CPU run's: resident KV peak and
+    blocks (RunStats), offloaded bytes, and every byte of the run's KV allocations (storage for
+    every block with offload in place, segment slots, candidates, scores, page summaries)."""
+    from hisparse_cli.engine.engine import Engine
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner.memory import plan_memory
+
+    path, _ = tiny_models["llama"]
+    sparse = SparseConfig(sink_tokens=4, window_size=32, global_tokens=8, block_size=8,
+                          recalibrate_topk=8, recalibrate_every=32, prefill_chunk=32,
+                          retrieval_tokens=24, page_cache_tokens=40, retrieval_summary=summary)
+    prompt, new = 200, 6
+    eng = Engine.from_pretrained(path, sparse=sparse)
+    res = eng.generate(list(range(1, prompt + 1)), max_new_tokens=new, min_new_tokens=new)
+    plan = plan_memory(ModelConfig.from_folder(path), weight_format="fp32", sparse=sparse,
+                       context_tokens=prompt, max_new_tokens=new, kv_dtype=torch.float32,
+                       compute_dtype=torch.float32, device_kind="cpu", backend="torch")
+    assert res.stats.kv_bytes_peak == plan.kv.kv_bytes_peak
+    assert res.stats.kv_blocks_peak == plan.kv.peak_live_blocks
+    assert res.stats.pages_offloaded > 0
+    items = {i.name: i.bytes for i in plan.items}
+    assert items["offload_store (host RAM)"] == 0 and plan.offload_store_bytes == 0
+    run, _ = eng.new_run(prompt + new)
+    with run:
+        c, t = run.cache, run.retrieval
+        tensors = [c.k, c.v, c.score, c.sk, c.sv, c.spos, c.smass, c.sseen, c.ck, c.cv, c.cpos,
+                   c.cmass, c.cseen, t.lo, t.pos_offsets] + ([t.hi] if summary == "minmax" else [])
+        allocated = sum(x.untyped_storage().nbytes() for x in tensors)
+    planned = sum(items.get(n, 0) for n in ("kv.paged_kv", "kv.importance_scores",
+                                             "kv.global_and_page_cache_slots",
+                                             "kv.candidate_slots", "kv.page_summaries"))
+    assert allocated == planned
+    # the offloaded pages at the end: the planner's replay and the run's store agree
+    assert res.stats.offload_bytes == plan.offload_bytes > 0
