@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-rouge", action="store_true")
     ap.add_argument("--limit", type=int, default=0, help="first N documents only")
+    ap.add_argument("--min-tokens", type=int, default=4096,
+                    help="pool only documents at least this long (tokens after truncation): "
+                         "a 700-token document has no eviction to speak of")
     ap.add_argument("--settings", nargs="*", default=[EVICTION, RETRIEVAL])
     a = ap.parse_args()
     if a.docs.startswith("@"):
@@ -59,7 +62,7 @@ def main() -> None:
             print(f"# {doc.stem}", file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         data = json.loads(report.read_text())
-        rows += data["rows"]
+        rows += [r for r in data["rows"] if r.get("tokens", 0) >= a.min_tokens]
         meta = data
     if meta is None:
         sys.exit("no documents")
@@ -71,7 +74,8 @@ def main() -> None:
 
     settings = [NamedSetting(s["name"], SparseConfig(**s["sparse"])) for s in meta["settings"]]
     summary = summarize_settings(EvalResult(settings=settings, rows=rows, config=HarnessConfig()))
-    print(f"{len({r['doc'] for r in rows})} documents, max {a.max_tokens} tokens")
+    print(f"{len({r['doc'] for r in rows})} documents of {a.min_tokens}-{a.max_tokens} tokens "
+          f"(of {len(docs)} run)")
     print(summary_table(summary))
     (a.out / "pooled.json").write_text(json.dumps(summary, indent=2, default=str))
 
