@@ -169,6 +169,7 @@ class RetrievalTier:
         cache, side = self.cache, self.side
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(cache.device))
+            ids.record_stream(side)  # made on the main stream, read on the side stream
         with torch.cuda.stream(side) if side is not None else _nullcontext():
             for src, dst in ((cache.k, self.store_k), (cache.v, self.store_v)):
                 blocks = src.index_select(1, ids).permute(0, 3, 1, 2, 4)  # [L, Hkv, n, bs, D]
@@ -182,7 +183,6 @@ class RetrievalTier:
         """Order the current stream's next writes after the last offload copy (CUDA)."""
         if self.offload_done is not None:
             torch.cuda.current_stream(self.cache.device).wait_event(self.offload_done)
-            self.offload_done = None
 
     # -- retrieval ---------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -243,9 +243,8 @@ class RetrievalTier:
             for dst, src in ((dst_k, cache.k[layer]), (dst_v, cache.v[layer])):
                 self.backend.gather_pages(dst, src.permute(2, 0, 1, 3), h, s, r)
             return
-        self.wait_offload()  # (a page offloaded this step may be picked at once)
-        if self.side is not None:
-            torch.cuda.current_stream(dev).wait_stream(self.side)
+        if self.offload_done is not None:  # the host reads the store: the copies must be done
+            self.offload_done.synchronize()
         hh, rr = torch.tensor(heads), torch.tensor(rows)
         h, s = (int64_to_device(x, dev) for x in (heads, slots))
         for dst, store in ((dst_k, self.store_k), (dst_v, self.store_v)):
