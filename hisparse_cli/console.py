@@ -200,6 +200,12 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
         ("peak KV blocks", f"{stats['kv_blocks_peak']:,}"),
         ("peak KV bytes", human_bytes(stats["kv_bytes_peak"])),
         ("recalibrations", f"{stats['recalibrations']:,}"),
+        *([("offloaded pages", f"{stats['pages_offloaded']:,} "
+                               f"({human_bytes(stats.get('offload_bytes', 0))} host)"),
+           ("retrieved pages / step", f"{stats.get('pages_retrieved_per_step', 0.0):,.1f}"),
+           ("page cache hit rate", f"{stats.get('cache_hit_rate', 0.0):.1%}"),
+           ("bytes into page cache", human_bytes(stats.get("bytes_to_cache", 0)))]
+          if stats.get("pages_offloaded") else []),
         ("peak memory", f"{human_bytes(stats['peak_memory_bytes'])} ({stats['peak_memory_kind']})"),
         ("device", f"{stats['device']} / {stats['backend']}"),
         *_summary_rows(result),

@@ -96,6 +96,28 @@ class KernelBackend:
                       slot_mapping)
         return qk[:, :hq]
 
+    # -- retrieval tier: page summaries, page scoring + top-k, gather into cache slots -----
+    # (kernels/attention/page_score_ref.py has the contracts)
+    def page_summary(self, pages, kind: str):
+        from hisparse_cli.kernels.attention.page_score_ref import page_summary
+
+        return page_summary(pages, kind)
+
+    def score_top_pages(self, q, lo, hi, k: int, scale: float):
+        """[Hkv, k] best pages per KV head, ascending: Triton scoring (no [rows, pages]
+        tensor) where the attention runs in Triton and the head size is a power of two."""
+        d = q.shape[-1]
+        if self.attention == "triton" and d >= 16 and d & (d - 1) == 0:
+            from hisparse_cli.kernels.attention.page_score_triton import score_top_pages
+        else:
+            from hisparse_cli.kernels.attention.page_score_ref import score_top_pages
+        return score_top_pages(q, lo, hi, k, scale)
+
+    def gather_pages(self, dst, src, heads, slots, rows) -> None:
+        from hisparse_cli.kernels.attention.page_score_ref import gather_pages
+
+        gather_pages(dst, src, heads, slots, rows)
+
     # -- INT4 (AWQ GEMM layout) linear -----------------------------------------------------
     def awq_linear(self, x, qweight, qzeros, scales, bias, group_size, *, cpu_pack=None):
         """See kernels/int4/awq_ref.py:awq_linear for the contract. cpu_pack: the layer's

@@ -261,4 +261,23 @@ def run_options(func):
     return wrapper
 
 
-__all__ = ["RunOptions", "Strategy", "Attention", "run_options", "P_OUT"]
+def sparse_options(func):
+    """Decorator: add one CLI option per SparseConfig field to `func`'s signature (for commands
+    that take the sparse settings without the rest of the run options: `hisparse plan`); pass
+    the given ones as `sparse_flags` (field name -> value)."""
+    sig = inspect.signature(func, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "sparse_flags"]
+    extra = _sparse_parameters()
+
+    @functools.wraps(func)
+    def wrapper(**kwargs):
+        flags = {p.name: kwargs.pop(p.name) for p in extra}
+        return func(sparse_flags={n: v for n, v in flags.items() if v is not None}, **kwargs)
+
+    del wrapper.__wrapped__
+    wrapper.__signature__ = sig.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper
+
+
+__all__ = ["RunOptions", "Strategy", "Attention", "run_options", "sparse_options", "P_OUT"]

@@ -29,7 +29,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from hisparse_cli.cli.options import Attention, Strategy, finite_float
+from hisparse_cli.cli.options import Attention, Strategy, finite_float, sparse_options
 
 P_MODEL, P_SPARSE, P_MEM = "Model and profile", "Sparse attention", "Memory"
 P_DOC = "Document (with PATH)"
@@ -91,6 +91,7 @@ def resolve_config(spec: str | None):
     return ModelConfig.from_folder(folder), folder.name, _quantized_lm_head(folder)
 
 
+@sparse_options
 def plan(
     path: Annotated[Optional[str], typer.Argument(
         metavar="PATH", help="A document, folder or - (stdin) to plan for: its tokens, strategy, chunks and "
@@ -107,15 +108,6 @@ def plan(
     max_new_tokens: Annotated[Optional[int], _opt("--max-new-tokens", "-n", panel=P_MODEL,
                                                   min=0, help="Summary length in tokens. "
                                                   " [default: the profile's]")] = None,
-    window: Annotated[Optional[int], _opt("--window", panel=P_SPARSE, min=1)] = None,
-    global_tokens: Annotated[Optional[int], _opt("--global-tokens", panel=P_SPARSE, min=0)] = None,
-    sink_tokens: Annotated[Optional[int], _opt("--sink-tokens", panel=P_SPARSE, min=0)] = None,
-    block_size: Annotated[Optional[int], _opt("--block-size", panel=P_SPARSE, min=1)] = None,
-    recalibrate_every: Annotated[Optional[int], _opt("--recalibrate-every", panel=P_SPARSE,
-                                                     min=1)] = None,
-    recalibrate_topk: Annotated[Optional[int], _opt("--recalibrate-topk", panel=P_SPARSE,
-                                                    min=0)] = None,
-    prefill_chunk: Annotated[Optional[int], _opt("--prefill-chunk", panel=P_SPARSE, min=1)] = None,
     attention: Annotated[Optional[Attention], _opt("--attention", panel=P_SPARSE,
         case_sensitive=False, help="auto: dense when the whole KV fits the budget, else the "
         "largest sparse working set that fits (as summarize decides); dense; sparse.  "
@@ -152,6 +144,7 @@ def plan(
     include_secrets: Annotated[bool, _opt("--include-secrets", panel=P_DOC,
         help="With PATH: as summarize's --include-secrets.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    sparse_flags: Optional[dict] = None,
 ) -> None:
     """Predict the GPU (or host) memory of a summarize run, line by line; with PATH, also the
     document's tokens, strategy, chunks and attention, before any weights load.
@@ -164,7 +157,6 @@ def plan(
     from hisparse_cli.console import print_table, write_result
     from hisparse_cli.errors import ConfigError
     from hisparse_cli.planner.attention_choice import choose_attention
-    from hisparse_cli.summarize.runtime import sparse_settings
 
     doc = None
     if path is not None:  # the document first: a missing one costs nothing (no torch yet)
@@ -178,15 +170,9 @@ def plan(
         doc = load_document(path if path == "-" else Path(path), password=password,
                             include_secrets=include_secrets, title=title)
     prof = load_profile(profile)
-    shaping = dict(window_size=window, global_tokens=global_tokens, sink_tokens=sink_tokens,
-                   recalibrate_every=recalibrate_every, recalibrate_topk=recalibrate_topk)
-    opts = RunOptions(dense=dense, attention=attention,
-                      sparse_flags={k: v for k, v in shaping.items() if v is not None})
+    opts = RunOptions(dense=dense, attention=attention, sparse_flags=sparse_flags or {})
     mode = opts.attention_mode(prof)  # --dense with --attention sparse: exit 2
-    sparse = sparse_settings(prof, dense=mode == "dense", window_size=window,
-                             global_tokens=global_tokens, sink_tokens=sink_tokens,
-                             block_size=block_size, recalibrate_every=recalibrate_every,
-                             recalibrate_topk=recalibrate_topk, prefill_chunk=prefill_chunk)
+    sparse = opts.sparse(prof)  # dense with a window or other sparse-only flag: exit 2
     from hisparse_cli.planner.memory import GIB
     from hisparse_cli.planner.profile import plan_for_profile
 

@@ -103,6 +103,11 @@ def summarize(
         help="The document's title in the prompt (default: its own: a PDF's or page's "
              "title, a Markdown heading, the file name; none for stdin text without a "
              "heading).")] = None,
+    trace: Annotated[Optional[Path], typer.Option(
+        "--trace", rich_help_panel=P_OUT, readable=False,
+        help="Write one JSON line per prefill chunk and decode step to FILE: active blocks, "
+             "evictions, resident blocks, recalibrations and, with the retrieval tier, "
+             "offloaded pages, retrievals, page-cache hits and bytes moved.")] = None,
     *, opts: RunOptions,
 ) -> None:
     """Summarize one document: summary on stdout, stats on stderr."""
@@ -113,6 +118,8 @@ def summarize(
 
     if out is not None:
         out = check_output_file(out)  # before the run: a bad --out costs nothing
+    if trace is not None:
+        trace = check_output_file(trace, "--trace")
     check_input(path)
     piped = _read_piped(path)  # stdin's bytes, read before anything heavy (empty: exit 3)
     reference_text = read_reference(reference) if reference is not None else None
@@ -122,11 +129,19 @@ def summarize(
         doc = load_document("-" if piped else Path(path), password=opts.password,
                             include_secrets=opts.include_secrets, title=title, stdin=piped)
     ingest_seconds = time.perf_counter() - started
-    job.engine()
-    with TokenProgress(quiet=opts.quiet) as progress:
-        record = job.run(doc, reference_text=reference_text,
-                         reference_path=str(reference) if reference else None,
-                         ingest_seconds=ingest_seconds, progress=progress)
+    engine = job.engine()
+    trace_file = trace.open("w", encoding="utf-8") if trace is not None else None
+    if trace_file is not None:
+        engine.step_trace = lambda rec: trace_file.write(json.dumps(rec) + "\n")
+    try:
+        with TokenProgress(quiet=opts.quiet) as progress:
+            record = job.run(doc, reference_text=reference_text,
+                             reference_path=str(reference) if reference else None,
+                             ingest_seconds=ingest_seconds, progress=progress)
+    finally:
+        if trace_file is not None:
+            engine.step_trace = None
+            trace_file.close()
     job.release()
     record = printable_record(record)  # a file name that is not UTF-8 → \xNN (batch.py)
     text = json.dumps(record, ensure_ascii=False, indent=2) + "\n" if as_json \

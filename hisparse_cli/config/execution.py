@@ -120,14 +120,19 @@ def _backend(device: str, prefer: str | None, env: Environment) -> tuple[KernelB
     return kernels, why
 
 
-def _graph_decode(device: str, kernels: KernelBackend, env: Environment) -> Choice:
-    """Engine CUDA-graph decode: CUDA with Triton attention, unless HISPARSE_CUDA_GRAPH=0."""
+def _graph_decode(device: str, kernels: KernelBackend, env: Environment,
+                  sparse: SparseConfig | None = None) -> Choice:
+    """Engine CUDA-graph decode: CUDA with Triton attention, unless HISPARSE_CUDA_GRAPH=0 or
+    the retrieval tier is on (its page choice is host bookkeeping read back every step)."""
     if device != "cuda":
         return Choice(False, "CUDA-graph decode is off (not a CUDA device)")
     if kernels.attention != "triton":
         return Choice(False, "CUDA-graph decode is off (torch attention kernels)")
     if not env.cuda_graph:
         return Choice(False, "CUDA-graph decode is off (HISPARSE_CUDA_GRAPH=0)")
+    if sparse is not None and sparse.retrieval:
+        return Choice(False, "CUDA-graph decode is off: the retrieval tier picks and copies "
+                             "pages on the host every step (eager decode, layer kernels)")
     return Choice(True, "CUDA with Triton attention: each decode step replays a captured graph")
 
 
@@ -252,7 +257,7 @@ def resolve_execution(*, device: str, model_cfg, sparse: SparseConfig, compute_d
         kernels, why = _backend(device, backend, env)
         # the loader lays INT4 weights out for the environment's kernels (AWQLinear)
         layout_kernels = select_backend(device, env.backend).int4_linear
-    graph = _graph_decode(device, kernels, env)
+    graph = _graph_decode(device, kernels, env, sparse)
     awq_config = None
     if weight_awq and loaded_model is None and model_cfg.quantization_config is not None:
         from hisparse_cli.model.awq import parse_quantization_config

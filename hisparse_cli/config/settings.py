@@ -16,6 +16,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from hisparse_cli.errors import ConfigError
 
 IMPORTANCE_POLICIES = ("attention", "snapkv", "uniform", "probe")
+RETRIEVAL_SUMMARIES = ("minmax", "mean")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -96,10 +97,32 @@ class SparseConfig:
     observation_window: int = setting(64, flag="--observation-window", short="o",
                                       aliases=("obs",), minimum=1,
                                       help="snapkv: queries before eviction that score a token.")
+    retrieval_tokens: int = setting(0, flag="--retrieval-tokens", short="q",
+                                    aliases=("retrieval",), minimum=0, positions=True,
+                                    help="Retrieval tier (engine/retrieval.py): pages leaving "
+                                         "the window are kept in an offload store and each step "
+                                         "attends, per layer and KV head, to the best N tokens' "
+                                         "pages of them by their key summaries (0 = off: evicted "
+                                         "pages are dropped).")
+    page_cache_tokens: int = setting(0, flag="--page-cache-tokens", short="p",
+                                     aliases=("page_cache",), minimum=0, positions=True,
+                                     help="Retrieval tier: resident page-cache slots per layer "
+                                          "and KV head (0 = as many as --retrieval-tokens); more "
+                                          "keep recently used pages resident.")
+    retrieval_summary: str = setting("mean", flag="--retrieval-summary",
+                                     aliases=("summary",), choices=RETRIEVAL_SUMMARIES,
+                                     help="Retrieval tier: the per-page key summary pages are "
+                                          "scored by: mean (the mean key; measured better, half "
+                                          "the bytes) or minmax (Quest's per-channel bounds).")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             check_setting(f, getattr(self, f.name))
+        if self.page_cache_tokens and self.page_cache_tokens < self.retrieval_tokens:
+            raise ConfigError(
+                f"page_cache_tokens ({self.page_cache_tokens}) must be at least "
+                f"retrieval_tokens ({self.retrieval_tokens})",
+                hint="raise --page-cache-tokens, or set it to 0 (as many as --retrieval-tokens)")
 
     @property
     def dense(self) -> bool:
@@ -108,6 +131,23 @@ class SparseConfig:
     @property
     def uses_globals(self) -> bool:
         return not self.dense and self.global_tokens > 0
+
+    @property
+    def retrieval(self) -> bool:
+        """The retrieval tier is on: a sparse window with a retrieval budget."""
+        return not self.dense and self.retrieval_tokens > 0
+
+    @property
+    def retrieval_pages(self) -> int:
+        """Pages attended per layer and KV head out of the offload store (0 = off)."""
+        return -(-self.retrieval_tokens // self.block_size) if self.retrieval else 0
+
+    @property
+    def page_cache_pages(self) -> int:
+        """Resident page-cache slots per layer and KV head (>= retrieval_pages)."""
+        if not self.retrieval:
+            return 0
+        return max(self.retrieval_pages, -(-self.page_cache_tokens // self.block_size))
 
     def with_overrides(self, **overrides: object) -> "SparseConfig":
         """A copy with the non-None overrides applied (CLI flag > profile > default)."""
@@ -174,5 +214,5 @@ def check_positions(max_positions: int, *, sparse: SparseConfig | None = None,
                           hint=f"lower --max-new-tokens (below {max_positions:,})")
 
 
-__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES", "check_positions",
-           "check_setting", "setting"]
+__all__ = ["SparseConfig", "GenerationConfig", "IMPORTANCE_POLICIES", "RETRIEVAL_SUMMARIES",
+           "check_positions", "check_setting", "setting"]

@@ -4,7 +4,9 @@ Physical ids are handed out from the free list first (most recently freed first,
 device storage stays compact), otherwise a new id is minted; `capacity` is the number of
 distinct ids minted so far (an id is minted only when every minted id is live, so it equals
 `peak_live`). An optional `max_blocks` cap (the user's budget) raises `ResourceError` instead of
-growing past it. `bind_storage(n)` ties the pool to device storage allocated once for `n`
+growing past it. `offload(id)`: a live block held by the retrieval tier's offload store in place (the CPU):
+it stays live (never handed out again) but leaves the working set: `max_blocks` caps the
+working set (live minus offloaded). `bind_storage(n)` ties the pool to device storage allocated once for `n`
 blocks: minting an id >= n is then a bug of the caller (a step longer than the run was sized
 for) and raises `RuntimeError` before any id points past the storage.
 """
@@ -25,6 +27,8 @@ class BlockPool:
         self.allocated = 0  # allocate() calls over the pool's life
         self.freed = 0  # free() calls over the pool's life
         self.peak_live = 0
+        self._offloaded: set[int] = set()
+        self.peak_resident = 0  # most live blocks not offloaded at once
         self.storage_blocks: int | None = None  # device storage behind the ids (bind_storage)
 
     def bind_storage(self, n_blocks: int) -> None:
@@ -39,6 +43,15 @@ class BlockPool:
         return len(self._live)
 
     @property
+    def offloaded(self) -> int:
+        return len(self._offloaded)
+
+    def offload(self, block_id: int) -> None:
+        if block_id not in self._live:
+            raise ValueError(f"block {block_id} is not allocated")
+        self._offloaded.add(block_id)
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
@@ -49,7 +62,8 @@ class BlockPool:
         if self._free:
             block_id = self._free.pop()
         else:
-            if self.max_blocks is not None and self.capacity >= self.max_blocks:
+            if (self.max_blocks is not None
+                    and self.capacity - len(self._offloaded) >= self.max_blocks):
                 raise ResourceError(
                     f"KV block pool is full ({self.max_blocks} blocks)",
                     hint="lower --window/--global-tokens/--prefill chunk or raise the profile's budget",
@@ -64,12 +78,14 @@ class BlockPool:
         self._live.add(block_id)
         self.allocated += 1
         self.peak_live = max(self.peak_live, len(self._live))
+        self.peak_resident = max(self.peak_resident, len(self._live) - len(self._offloaded))
         return block_id
 
     def free(self, block_id: int) -> None:
         if block_id not in self._live:
             raise ValueError(f"block {block_id} is not allocated (double free?)")
         self._live.remove(block_id)
+        self._offloaded.discard(block_id)
         self._free.append(block_id)
         self.freed += 1
 

@@ -58,6 +58,8 @@ class GraphStepContext(StepContext):
         self.slots, self.block_ids, self.block_starts = slots, block_ids, block_starts
         self.memo = None
         self.wants_hidden = run.token_scorer is not None
+        assert run.retrieval is None, "graph decode does not run the retrieval tier"
+        self.window = run.seq.window  # (the retrieval tier's per-step window never applies)
 
 
 class GraphDecoder:

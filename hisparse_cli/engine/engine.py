@@ -53,6 +53,14 @@ class RunStats:
     backend: str = "torch"
     decode_path: str = ""  # Engine.decode_path: "native (float16 weights)", "torch", ...
     threads: dict = field(default_factory=dict)  # CPU: {"prefill": [2], "decode": [2, 1]}
+    # the retrieval tier (engine/retrieval.py; zeros when off): pages moved to the offload
+    # store, their bytes there, (layer, KV head, page) picks per step, the page cache's hit
+    # rate and the K/V bytes copied into it (host -> device on CUDA)
+    pages_offloaded: int = 0
+    offload_bytes: int = 0
+    pages_retrieved_per_step: float = 0.0
+    cache_hit_rate: float = 0.0
+    bytes_to_cache: int = 0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -105,6 +113,7 @@ class Engine:
         self._apply_execution()
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
+        self.step_trace = None  # callable(dict): one record per prefill chunk / decode step
 
     def _resolve_execution(self) -> ExecutionPlan:
         return resolve_execution(
@@ -207,6 +216,7 @@ class Engine:
         run = KVRun(self.cfg, self.sparse, self.device, self.kv_dtype, self.backend, pool,
                     token_scorer=self.probe, total_tokens=total_tokens, chunk=chunk,
                     cache_source=self._kept_cache if reuse else None)
+        run.trace = self.step_trace
         if reuse and (self._decode_state is None or self._decode_state.cache is not run.cache):
             from hisparse_cli.engine.decode_state import DecodeState
 
@@ -287,9 +297,14 @@ class Engine:
         if progress:  # the final count, as the stats say (the loops report an EOS, or lag)
             progress("decode", len(out), gen.max_new_tokens)
         stats.kv_blocks_peak, stats.blocks_allocated, stats.blocks_freed = (
-            pool.peak_live, pool.allocated, pool.freed)
+            pool.peak_resident, pool.allocated, pool.freed)  # (offloaded pages not counted)
         stats.kv_bytes_peak = run.kv_bytes_peak
         stats.recalibrations = run.seq.recalibrations
+        if run.retrieval is not None:
+            r = run.retrieval.stats
+            stats.pages_offloaded, stats.offload_bytes = r.pages_offloaded, run.offload_bytes
+            stats.pages_retrieved_per_step = r.pages_retrieved / r.steps if r.steps else 0.0
+            stats.cache_hit_rate, stats.bytes_to_cache = r.hit_rate, r.bytes_to_cache
         stats.peak_memory_bytes, stats.peak_memory_kind = _peak_memory(self.device)
         if self.governor is not None:
             stats.threads = self.governor.report()
@@ -330,7 +345,9 @@ class Engine:
         """CUDA-graph decode, as the execution plan says: CUDA + Triton attention (with a
         host-resident embedding table too: the graph then starts after the lookup), unless
         HISPARSE_CUDA_GRAPH=0."""
-        return bool(self.execution.graph_decode.value)
+        # (a view of the engine with other settings, quality/capture.py:engine_with, keeps
+        # the plan it was made with: the retrieval tier decodes eagerly whatever it says)
+        return bool(self.execution.graph_decode.value) and not self.sparse.retrieval
 
     def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
         if not gen.stop_strings:

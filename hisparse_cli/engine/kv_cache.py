@@ -41,7 +41,8 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, capacity_blocks: int, global_tokens: int = 0,
                  candidate_slots: int = 0, track_scores: bool = False, window: int | None = None,
-                 importance: str = "attention", sinks: int = 0, queries_per_candidate: float = 1.0) -> None:
+                 importance: str = "attention", sinks: int = 0, queries_per_candidate: float = 1.0,
+                 page_cache_tokens: int = 0) -> None:
         # the constructor's arguments: a cache kept for reuse (engine/decode_state.py) serves a
         # later run only when they are equal
         self.spec = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -49,7 +50,8 @@ class PagedKVCache:
                          capacity_blocks=capacity_blocks, global_tokens=global_tokens,
                          candidate_slots=candidate_slots, track_scores=track_scores, window=window,
                          importance=importance, sinks=sinks,
-                         queries_per_candidate=queries_per_candidate)
+                         queries_per_candidate=queries_per_candidate,
+                         page_cache_tokens=page_cache_tokens)
         self.L, self.H, self.D, self.bs = num_layers, num_kv_heads, head_dim, block_size
         self.dtype, self.device = dtype, device
         self.window, self.importance, self.sinks = window, importance, sinks
@@ -90,33 +92,41 @@ class PagedKVCache:
                     torch.zeros((L, H, n), dtype=torch.float32, device=device),  # mass
                     torch.zeros((L, H, n), dtype=torch.float32, device=device))  # queries seen
 
-        self.gk, self.gv, self.gpos, self.gmass, self.gseen = slots(self.G)
+        # the extra key segment every query of a layer sees beside the paged blocks: the
+        # globals, then (retrieval tier, engine/retrieval.py) the page-cache slots; g* are
+        # views of its first G columns
+        self.P = page_cache_tokens
+        self.sk, self.sv, self.spos, self.smass, self.sseen = slots(self.G + self.P)
+        self.gk, self.gv, self.gpos, self.gmass, self.gseen = (
+            t[:, :, :self.G] for t in (self.sk, self.sv, self.spos, self.smass, self.sseen))
         self.ck, self.cv, self.cpos, self.cmass, self.cseen = slots(self.C)
         # per-layer views, made once (these tensors are never reallocated): a step's layers
         # pick from these lists instead of slicing [L, ...] tensors, an op per access on the
-        # CPU's decode path
+        # CPU's decode path; the segment's (k, v, pos, mass, seen) replace the globals' in
+        # the attention call when there is a page cache
+        seg = (self.sk, self.sv, self.spos, self.smass, self.sseen) if self.P else (
+            self.gk, self.gv, self.gpos, self.gmass, self.gseen)
         self.layer_views = [tuple(t[i] if t is not None else None for t in (
-            self.k, self.v, self.gk, self.gv, self.gpos, self.gmass, self.gseen, self.score))
-            for i in range(num_layers)]
+            self.k, self.v, *seg, self.score)) for i in range(num_layers)]
 
     # -- storage ---------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         return 2 * self.L * self.bs * self.H * self.D * self.k.element_size()
 
     def slot_bytes(self) -> int:
-        """Bytes of the global and candidate slots (fixed for the run)."""
-        return 2 * self.L * self.H * (self.G + self.C) * self.D * self.k.element_size()
+        """Bytes of the global, candidate and page-cache K/V slots (fixed for the run)."""
+        return 2 * self.L * self.H * (self.G + self.C + self.P) * self.D * self.k.element_size()
 
     def reset(self) -> None:
         """In place, the contents `__init__` gives a fresh cache (the same storage and pointers,
         so a captured CUDA graph stays valid): K/V, slots and scores zero, slot positions -1.
         K/V would be overwritten before any unmasked read, but masked slots are read too and
         zeros make a reused cache byte-identical to a new one (one memset of the storage)."""
-        for t in (self.k, self.v, self.score, self.gk, self.gv, self.gmass, self.gseen,
+        for t in (self.k, self.v, self.score, self.sk, self.sv, self.smass, self.sseen,
                   self.ck, self.cv, self.cmass, self.cseen):
             if t is not None:
                 t.zero_()
-        self.gpos.fill_(-1)
+        self.spos.fill_(-1)
         self.cpos.fill_(-1)
 
     def reset_scores(self, blocks: list[int]) -> None:

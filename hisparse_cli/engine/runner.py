@@ -2,10 +2,12 @@
 (`PagedKVCache`) + the step context the attention layers call. Prefill and decode are the same
 `step` with T tokens or one.
 
-Order of a step: reserve slots -> forward (each layer stores its K/V, attends over
-{sinks ∪ globals ∪ window}, adds importance mass) -> evict blocks that left every future
-window (best tokens copied to candidate slots first, then freed) -> recalibrate the globals
-when the step crossed a multiple of recalibrate_every.
+Order of a step: reserve slots -> forward (each layer stores its K/V, with the retrieval tier
+fills its page cache for the step's queries, attends over {sinks ∪ globals ∪ window ∪
+retrieved pages}, adds importance mass) -> evict blocks that left every future window (best
+tokens copied to candidate slots first; with the retrieval tier the blocks go to the offload
+store, engine/retrieval.py; then freed) -> recalibrate the globals when the step crossed a
+multiple of recalibrate_every.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class StepContext:
         self.host_block_ids = ids  # (the native CPU decode reads the list, model/cpu_decode.py)
         self.block_ids = int64_to_device(ids, dev)
         self.block_starts = int64_to_device(starts, dev)
+        self.window = seq.step_window(q_start, n)
         self.memo: dict = {}  # per-step values shared by all layers (torch reference)
         self.wants_hidden = run.token_scorer is not None
 
@@ -61,11 +64,13 @@ class StepContext:
         """The layer's sparse attention of q over its stored keys (the step's included)."""
         run, cache = self.run, self.run.cache
         k_l, v_l, gk, gv, gpos, gmass, gseen, score = cache.layer_views[layer]
-        glob = cache.G > 0
+        glob = cache.G + cache.P > 0
+        if run.retrieval is not None:  # the page cache (the segment after the globals)
+            run.retrieval.prepare(layer, q)
         # masses go straight into the layer's score / global_mass / global_seen
         out, _, _ = run.backend.sparse_attention(
             q, k_l, v_l, self.block_ids, self.block_starts, self.q_start,
-            run.seq.sinks, run.seq.window, run.scale,
+            run.seq.sinks, self.window, run.scale,
             g_k=gk if glob else None, g_v=gv if glob else None,
             g_pos=gpos if glob else None, return_scores=run.track_scores,
             scores_into=(score, gmass, gseen) if run.track_scores else None,
@@ -81,19 +86,24 @@ class KVRun:
     tokens; required for dense attention, whose bound is the whole text).
 
     cache_source(spec) may return a kept PagedKVCache whose `spec` equals the one this run needs,
-    already reset (Engine's reuse across generate calls); None allocates a new one."""
+    already reset (Engine's reuse across generate calls); None allocates a new one.
+
+    Retrieval tier (sparse.retrieval): offloaded pages stay in place on the CPU (the storage is
+    then every block of the run) and are copied to pinned host memory on CUDA; copy_offload
+    copies on the CPU too (tests of the copy path)."""
 
     def __init__(self, cfg: ModelConfig, sparse: SparseConfig, device: torch.device,
                  kv_dtype: torch.dtype, backend: KernelBackend, pool: BlockPool,
                  token_scorer=None, *, total_tokens: int | None = None,
-                 chunk: int | None = None,
+                 chunk: int | None = None, copy_offload: bool = False,
                  cache_source: Callable[[dict], PagedKVCache | None] | None = None) -> None:
         self.cfg, self.sparse, self.device, self.backend, self.pool = cfg, sparse, device, backend, pool
-        self.seq = SparseSequence(sparse, pool, model_window=cfg.sliding_window)
+        self.seq = SparseSequence(sparse, pool, model_window=cfg.sliding_window,
+                                  offload_in_place=device.type == "cpu" and not copy_offload)
         self.chunk = chunk or sparse.prefill_chunk  # longest step the storage is sized for
         if total_tokens is not None:  # a pool capped below the bound fails before allocating
             self.seq.check_fits(self.chunk, total_tokens)
-        capacity = self.seq.working_set_bound(self.chunk, total_tokens)
+        capacity = self.seq.storage_blocks(self.chunk, total_tokens)
         pool.bind_storage(capacity)  # no id past the storage: it never grows
         use_globals = self.seq.window is not None and sparse.global_tokens > 0
         imp = sparse.importance
@@ -114,7 +124,9 @@ class KVRun:
             global_tokens=sparse.global_tokens if use_globals else 0,
             candidate_slots=sparse.recalibrate_topk if use_globals else 0,
             track_scores=self.track_scores or self.token_scorer is not None, window=self.seq.window,
-            importance=imp, sinks=self.seq.sinks, queries_per_candidate=per_candidate)
+            importance=imp, sinks=self.seq.sinks, queries_per_candidate=per_candidate,
+            page_cache_tokens=sparse.page_cache_pages * sparse.block_size if self.seq.retrieval
+            else 0)
         cache = cache_source(spec) if cache_source is not None else None
         if cache is not None:
             assert cache.spec == spec, "a kept KV cache of another shape"
@@ -124,7 +136,19 @@ class KVRun:
         self.score_kwargs = {"score_stride": stride} if self.track_scores and stride > 1 else {}
         if self.track_scores and imp == "snapkv" and w - obs > 0:
             self.score_kwargs["score_min_distance"] = w - obs
-        self.kv_bytes_peak = 0
+        self.retrieval = None
+        if self.seq.retrieval:
+            from hisparse_cli.engine.retrieval import RetrievalTier
+
+            self.retrieval = RetrievalTier(
+                self.cache, max_pages=capacity if self.seq.offload_in_place else
+                -(-(total_tokens or 0) // sparse.block_size),
+                retrieval_pages=sparse.retrieval_pages, cache_pages=sparse.page_cache_pages,
+                summary=sparse.retrieval_summary, in_place=self.seq.offload_in_place,
+                backend=backend)
+        self.kv_bytes_peak = 0  # resident: working-set blocks, slots, page cache, summaries
+        self.offload_bytes = 0  # pages in the offload store (host memory)
+        self.trace = None  # callable(dict) receiving one record per step (--trace)
 
     def __enter__(self) -> "KVRun":
         return self
@@ -140,20 +164,49 @@ class KVRun:
         """input_ids: [T] on the device -> logits [T, V] or [1, V] (fp32)."""
         n = input_ids.shape[0]
         start = self.seq.num_tokens
+        tier = self.retrieval
+        if tier is not None:
+            tier.wait_offload()  # a reused block is written only after its copy to the host
+            tier.begin_step()
         new_blocks = self.seq.append(n)  # ids < cache.capacity (the pool is bound to it)
         self.cache.reset_scores(new_blocks)
-        live_bytes = self.pool.live * self.cache.bytes_per_block() + self.cache.slot_bytes()
-        self.kv_bytes_peak = max(self.kv_bytes_peak, live_bytes)
+        self.kv_bytes_peak = max(self.kv_bytes_peak, self.resident_bytes())
         ctx = StepContext(self, start, n)
         positions = torch.arange(start, start + n, device=self.device)
         logits = model(input_ids, positions, ctx, all_logits=all_logits)
         evicted = self.seq.evict()
         if evicted:
             self.cache.evict_to_candidates([e.physical for e in evicted], [e.start for e in evicted])
+            off = [e for e in evicted if e.offloaded]
+            if off:
+                bs = self.sparse.block_size
+                tier.offload([e.physical for e in off], [e.start // bs for e in off])
+                self.offload_bytes = len(tier.offloaded) * tier.page_bytes()
         if self.cache.G and self.seq.recalibration_due(start, start + n):
             self.cache.recalibrate()
             self.seq.recalibrations += 1
+        if self.trace is not None:
+            self.trace(self.step_record(start, n, ctx, evicted))
         return logits
+
+    def resident_bytes(self) -> int:
+        """Bytes of the working set now: resident blocks, the global / candidate / page-cache
+        slots and the page summaries (offloaded pages are host memory: `offload_bytes`)."""
+        summ = self.retrieval.summary_bytes() if self.retrieval is not None else 0
+        return (self.seq.resident_blocks() * self.cache.bytes_per_block()
+                + self.cache.slot_bytes() + summ)
+
+    def step_record(self, start: int, n: int, ctx: StepContext, evicted: list) -> dict:
+        """One --trace line: what the step read, evicted and retrieved."""
+        rec = {"phase": "prefill" if n > 1 else "decode", "start": start, "tokens": n,
+               "active_blocks": int(ctx.block_ids.numel()), "evicted": len(evicted),
+               "resident_blocks": self.seq.resident_blocks(),
+               "recalibrations": self.seq.recalibrations}
+        tier = self.retrieval
+        if tier is not None:
+            rec.update(offloaded_pages=len(tier.offloaded), retrieved=tier.step_picks,
+                       hits=tier.step_hits, bytes_to_cache=tier.step_bytes)
+        return rec
 
     # -- introspection for tests and the eval harness ---------------------------------------
     def global_positions(self, layer: int) -> torch.Tensor:

@@ -28,13 +28,15 @@ class EvictedBlock:
 
     physical: int
     start: int  # position of the block's first token
-    freed: bool  # False for a block that holds sinks (kept for them)
+    freed: bool  # False for a block that holds sinks (kept for them) or is offloaded in place
+    offloaded: bool = False  # goes to the retrieval tier's offload store
 
 
 class SparseSequence:
     """Block table and eviction bookkeeping of one sequence under a SparseConfig."""
 
-    def __init__(self, cfg: SparseConfig, pool: BlockPool, model_window: int | None = None) -> None:
+    def __init__(self, cfg: SparseConfig, pool: BlockPool, model_window: int | None = None,
+                 offload_in_place: bool = False) -> None:
         self.cfg = cfg
         self.pool = pool
         w = cfg.window_size
@@ -42,6 +44,11 @@ class SparseSequence:
             w = model_window if w is None else min(w, model_window)
         self.window = w
         self.sinks = cfg.sink_tokens if w is not None else 0
+        # the retrieval tier: a model-native window is the model's own rule (no retrieval past it)
+        self.retrieval = cfg.retrieval and w is not None and model_window is None
+        if self.retrieval:
+            self.sinks = cdiv(self.sinks, cfg.block_size) * cfg.block_size
+        self.offload_in_place = self.retrieval and offload_in_place
         self.block_table: list[int | None] = []
         self.num_tokens = 0
         self._next_evict = 0  # logical index of the next block to evict
@@ -103,6 +110,24 @@ class SparseSequence:
         lo = max(self.sinks, q_start - self.window + 1)
         return min(lo, q_start + n - 1) // bs, last
 
+    def step_window(self, q_start: int, n: int) -> int | None:
+        """The window the step's attention applies: `window`, or with the retrieval tier the
+        distance from the first window block's start to the step's last query (every query
+        of the step then sees all of its window blocks; module doc)."""
+        if not self.retrieval:
+            return self.window
+        first, _ = self.visible_span(q_start, n)
+        return max(self.window, q_start + n - first * self.cfg.block_size)
+
+    def storage_blocks(self, chunk: int, total_tokens: int | None) -> int:
+        """Blocks of device storage a run allocates: the working-set bound, or with offload
+        in place every block of the run (the offloaded pages stay in it)."""
+        if self.offload_in_place:
+            if total_tokens is None:
+                raise ValueError("offload in place needs total_tokens for its storage")
+            return cdiv(total_tokens, self.cfg.block_size)
+        return self.working_set_bound(chunk, total_tokens)
+
     def visible_blocks(self, q_start: int, n: int) -> tuple[list[int], list[int]]:
         """(physical ids, start positions) of blocks holding keys any query in
         [q_start, q_start + n) may see, in position order (sinks first, then the window)."""
@@ -135,10 +160,15 @@ class SparseSequence:
             phys = self.block_table[b]
             assert phys is not None
             holds_sink = b * bs < self.sinks
-            if not holds_sink:
+            offloaded = self.retrieval and not holds_sink
+            freed = not holds_sink and not self.offload_in_place
+            if freed:
                 self.pool.free(phys)
                 self.block_table[b] = None
-            out.append(EvictedBlock(physical=phys, start=b * bs, freed=not holds_sink))
+            elif offloaded:
+                self.pool.offload(phys)
+            out.append(EvictedBlock(physical=phys, start=b * bs, freed=freed,
+                                    offloaded=offloaded))
             self._next_evict += 1
         return out
 
@@ -156,3 +186,7 @@ class SparseSequence:
 
     def live_blocks(self) -> list[int]:
         return [b for b in self.block_table if b is not None]
+
+    def resident_blocks(self) -> int:
+        """Blocks of the working set (live and not offloaded in place)."""
+        return self.pool.live - self.pool.offloaded

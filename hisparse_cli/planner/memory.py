@@ -83,6 +83,14 @@ class MemoryPlan:
     phase_peaks: dict
     suggestions: tuple[Suggestion, ...] = ()
     notes: tuple[str, ...] = ()
+    # host memory the run allocates outside the device's: the retrieval tier's offload store
+    # (pinned, CUDA; 0 on the CPU, where offloaded pages stay in the KV storage) and weights
+    # kept in host RAM; host_fits: whether it fits this machine's RAM
+    host_bytes: int = 0
+    offload_store_bytes: int = 0
+    offload_bytes: int = 0  # pages off the working set at the run's end (x bytes per page)
+    host_ram_bytes: int | None = None
+    host_fits: bool | None = None
     request: dict = field(default_factory=dict, repr=False, compare=False)  # for re-planning
     execution: ExecutionPlan | None = field(default=None, compare=False)
 
@@ -247,6 +255,18 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     peak = weights + workspace + run.peak
     assert sum(i.bytes for i in items if i.counted) == peak
     items += _info_items(run)
+    store = run.extra.get("offload_store_host_bytes", 0)
+    if run.extra:
+        items.append(LineItem(
+            "offload_store (host RAM)", store,
+            "retrieval tier: every page of the run in pinned host memory, K and V "
+            "[L, Hkv, pages, bs, D]" if cuda else
+            "retrieval tier: offloaded pages stay in place in kv.paged_kv (sized for every "
+            f"block); {run.extra['offloaded_pages']} pages = {run.extra['offload_bytes']:,} B "
+            "of it are off the working set at the end", counted=False))
+    host = store + sum(w.bytes for w in witems if not w.on_device)
+    ram = host_ram_bytes() if cuda else None
+    host_fits = None if ram is None else host <= ram
     context = CUDA_CONTEXT_BYTES if cuda else 0
     resident = weights + workspace + sum(run.resident_end.values())
     fits = None if budget_bytes is None else peak <= budget_bytes
@@ -276,12 +296,24 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                       resident_bytes=resident, cuda_context_bytes=context,
                       device_total_bytes=peak + context, budget_bytes=budget_bytes, fits=fits,
                       peak_when=run.peak_label, kv=run.kv, phase_peaks=dict(run.phase_peaks),
-                      notes=notes, request=request, execution=execution)
+                      notes=notes, request=request, execution=execution, host_bytes=host,
+                      offload_store_bytes=store, host_ram_bytes=ram, host_fits=host_fits,
+                      offload_bytes=run.extra.get("offload_bytes", 0))
     if suggest and fits is False:
         from dataclasses import replace
 
         plan = replace(plan, suggestions=tuple(suggestions(plan, plan_memory)))
     return plan
+
+
+def host_ram_bytes() -> int | None:
+    """This machine's physical RAM (None where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 _REUSE_NOTE = (
@@ -301,6 +333,10 @@ _RESIDENT = {
     "kv.importance_scores": "fp32 importance per cached token: {cap} blocks x L*bs*Hkv*4",
     "kv.global_slots": "{G} global tokens per layer/KV head: K, V + pos/mass/seen",
     "kv.candidate_slots": "{C} candidate tokens per layer/KV head: K, V + pos/mass/seen",
+    "kv.global_and_page_cache_slots": ("{G} global tokens + the retrieval tier's page-cache "
+                                       "slots per layer/KV head: K, V + pos/mass/seen"),
+    "kv.page_summaries": ("retrieval tier: one key summary per page (mean: one, minmax: two "
+                          "[L, Hkv, pages, D]; fp16 for an fp32 cache)"),
     "logits": "fp32 logits [V] of the previous (and, after the forward, the current) step",
     "step_tensors": "slot mapping, block ids/starts, positions of the step",
     "cuda_graph": ("CUDA-graph decode's static inputs (position, slot, padded block list, "

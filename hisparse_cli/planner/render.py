@@ -39,6 +39,12 @@ def plan_table(plan: MemoryPlan) -> Table:
         table.add_row("CUDA context", _b(plan.cuda_context_bytes),
                       "outside torch's allocator (not in max_memory_allocated)")
         table.add_row("device total", _b(plan.device_total_bytes), "peak + context")
+    if plan.host_bytes or plan.offload_store_bytes:
+        ram = (f" of {_b(plan.host_ram_bytes)} RAM: "
+               + ("fits" if plan.host_fits else "does NOT fit")) if plan.host_ram_bytes else ""
+        table.add_row("host bytes", _b(plan.host_bytes),
+                      f"offload store {_b(plan.offload_store_bytes)} + host-resident "
+                      f"weights{ram}")
     if plan.budget_bytes is not None:
         verdict = Text("fits", style="green") if plan.fits else Text("does NOT fit",
                                                                       style="bold red")

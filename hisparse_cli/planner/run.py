@@ -8,6 +8,13 @@ chunk over prompt + new tokens and which never grows).
 
 The result is the peak of device bytes the run allocates besides the weights (and cuBLAS's
 workspace), what was live at that moment, and the KV numbers `RunStats` reports.
+
+Retrieval tier (engine/retrieval.py): the key segment is G + page-cache slots wide, the page
+summaries are resident, the storage holds every block where pages are offloaded in place (the
+CPU) and the pinned host store every page on CUDA (`extra["offload_store_host_bytes"]`); each
+step with offloaded pages adds its scoring transient (page_score_ref.page_scores: the
+queries' fp32 copies and two [Hkv, T * grp, pages] fp32 score tensors) and each eviction its
+summary transient.
 """
 
 from __future__ import annotations
@@ -98,25 +105,39 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
     they are the in-graph sampler's (kernels/sampling/graph_sampler.py: no per-token temporaries, kept
     with the decode graph after the run), else DeviceSampler's (freed at the run's end)."""
     pool = BlockPool()
-    seq = SparseSequence(sparse, pool, model_window=model_window)
+    seq = SparseSequence(sparse, pool, model_window=model_window, offload_in_place=not s.cuda)
     assert (seq.window, seq.sinks) == (s.window, s.sinks), "StepShape disagrees with the policy"
     tr = Trace(s.cuda)
     tr.label = "setup"
     lh, bs, chunk = s.layers * s.hkv, sparse.block_size, sparse.prefill_chunk
     ids = tr.alloc("input_ids", prompt * 8)
-    cap = seq.working_set_bound(chunk, prompt + new_tokens)  # KVRun: storage allocated once
+    cap = seq.storage_blocks(chunk, prompt + new_tokens)  # KVRun: storage allocated once
+    P = sparse.page_cache_pages * bs if seq.retrieval else 0  # page-cache slots
+    max_pages = cap if seq.offload_in_place else cdiv(prompt + new_tokens, bs)
     pool.bind_storage(cap)
     kv_bytes = s.layers * cap * bs * s.hkv * s.d * s.kvb
     tr.alloc("kv.paged_kv", kv_bytes)  # K
     tr.alloc("kv.paged_kv", kv_bytes)  # V
     if s.score_tensor:
         tr.alloc("kv.importance_scores", s.layers * cap * bs * s.hkv * 4)
-    for name, n in (("kv.global_slots", s.G), ("kv.candidate_slots", s.C)):
+    for name, n in (("kv.global_slots" if not P else "kv.global_and_page_cache_slots", s.G + P),
+                    ("kv.candidate_slots", s.C)):
         for nbytes in (lh * n * s.d * s.kvb, lh * n * s.d * s.kvb, lh * n * 8, lh * n * 4,
                        lh * n * 4):
             tr.alloc(name, nbytes)
+    summ_bytes = 0
+    if seq.retrieval:  # RetrievalTier: fp16 summaries for an fp32 cache, else the cache's
+        n_summ = 1 if sparse.retrieval_summary == "mean" else 2
+        one = lh * max_pages * s.d * (2 if s.kvb == 4 else s.kvb)
+        for _ in range(n_summ):
+            tr.alloc("kv.page_summaries", one)
+        summ_bytes = n_summ * one
+        if not s.cuda:  # RetrievalTier.pos_offsets
+            tr.alloc("kv.page_summaries", bs * 8)
+    store_host = 0 if seq.offload_in_place or not seq.retrieval else (
+        2 * lh * max_pages * bs * s.d * s.kvb)
     bpb = 2 * s.layers * bs * s.hkv * s.d * s.kvb
-    slot_bytes = 2 * lh * (s.G + s.C) * s.d * s.kvb  # PagedKVCache.slot_bytes()
+    slot_bytes = 2 * lh * (s.G + s.C + P) * s.d * s.kvb  # PagedKVCache.slot_bytes()
     logits, kv_peak = -1, 0
     samp: list[int] = []
     fwd_memo: dict[tuple, tuple[SubPeak, list[int]]] = {}
@@ -153,7 +174,12 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
         new_blocks = seq.append(n)
         if s.score_tensor and new_blocks:  # reset_scores: index tensor
             tr.bump(SubPeak(tr.size(8 * len(new_blocks))), where)
-        kv_peak = max(kv_peak, pool.live * bpb + slot_bytes)
+        kv_peak = max(kv_peak, (pool.live - pool.offloaded) * bpb + slot_bytes + summ_bytes)
+        n_off = (seq._next_evict - cdiv(seq.sinks, bs)) if seq.retrieval else 0
+        if n_off > sparse.retrieval_pages:  # page scoring of the step's queries
+            rows = n * s.hq
+            tr.bump(SubPeak(3 * tr.size(rows * s.d * 4) + 2 * tr.size(rows * n_off * 4)
+                            + tr.size(s.hkv * n_off * 4)), where + ": page scoring")
         nb = visible_count(seq, start, n)
         ctx = [tr.alloc("step_tensors", n * 8), tr.alloc("step_tensors", nb * 8),
                tr.alloc("step_tensors", nb * 8), tr.alloc("step_tensors", n * 8)]
@@ -169,6 +195,10 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
         ctx += [tr.alloc("step_tensors", b) for b in kept]  # the reference's mask memo
         new_logits = tr.alloc("logits", s.vocab * 4)
         evicted = seq.evict()
+        if seq.retrieval and any(e.offloaded for e in evicted):  # summaries of the new pages
+            no = sum(e.offloaded for e in evicted)
+            keys = tr.size(s.layers * no * bs * s.hkv * s.d * s.kvb)
+            tr.bump(SubPeak(keys + 2 * tr.size(lh * no * s.d * s.kvb)), where + ": offload")
         if evicted and s.C:
             ne = len(evicted)
             fresh = sum(bs - min(bs, max(0, seq.sinks - e.start)) for e in evicted)
@@ -195,9 +225,16 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
         sink_blocks=cdiv(seq.sinks, bs) if seq.window is not None else 0,
         span_blocks=cdiv(seq.window + chunk - 1, bs) + 1 if seq.window is not None else 0,
         working_set_bound_blocks=bound_seq.working_set_bound(chunk, prompt + new_tokens),
-        peak_live_blocks=pool.peak_live, kv_bytes_peak=kv_peak, capacity_blocks=cap,
+        peak_live_blocks=pool.peak_resident, kv_bytes_peak=kv_peak, capacity_blocks=cap,
         global_slots=s.G, candidate_slots=s.C)
+    extra = {}
+    if seq.retrieval:
+        extra = {"offload_store_host_bytes": store_host, "page_summary_bytes": summ_bytes,
+                 "page_cache_slots": P, "offloaded_pages": pool.offloaded if
+                 seq.offload_in_place else seq._next_evict - cdiv(seq.sinks, bs),
+                 "offload_in_place": seq.offload_in_place}
+        extra["offload_bytes"] = extra["offloaded_pages"] * bpb
     seq.release()
     return RunTrace(peak=tr.peak, peak_live=tr.peak_live, peak_label=tr.peak_label,
                     phase_peaks=phase, resident_end=resident, kv=kv, prefill_steps=n_prefill,
-                    decode_steps=len(steps) - n_prefill)
+                    decode_steps=len(steps) - n_prefill, extra=extra)

@@ -80,7 +80,16 @@ def _gib(n: int) -> str:
 
 
 def check_plan_fits(plan: MemoryPlan, what: str = "the run") -> None:
-    """ResourceError (exit 5) when the plan's peak exceeds its budget; hint: the suggestions."""
+    """ResourceError (exit 5) when the plan's peak exceeds its budget (hint: the suggestions),
+    or when its host memory (the retrieval tier's offload store, host-resident weights) does
+    not fit this machine's RAM."""
+    if plan.host_fits is False:
+        raise ResourceError(
+            f"{what} needs {_gib(plan.host_bytes)} of host memory (offload store "
+            f"{_gib(plan.offload_store_bytes)}) but this machine has {_gib(plan.host_ram_bytes)} "
+            "of RAM", hint="summarize fewer tokens per run (--strategy map-reduce, or a shorter "
+            "--context), or turn the retrieval tier off (--retrieval-tokens 0); "
+            "`hisparse plan` shows the line items")
     if plan.fits is not False:
         return
     hints = [s.change for s in plan.suggestions if s.fits][:3]

@@ -16,7 +16,8 @@ from dataclasses import asdict
 from hisparse_cli.scoring import ROUGE_TYPES, bootstrap_ci, paired_bootstrap_ci
 
 TF_METRICS = ("recall", "recall_min_layer", "kl", "top1_agreement", "ppl_ratio",
-              "retention_ratio", "kv_fraction", "kv_bytes_peak", "tf_tok_s")
+              "retention_ratio", "kv_fraction", "kv_bytes_peak", "offload_bytes",
+              "cache_hit_rate", "tf_tok_s")
 GEN_METRICS = ("prefill_tok_s", "decode_tok_s", "kv_bytes_peak")
 GOAL = {"kv_fraction_max": 0.10, "rougeL_delta_min": -0.005, "recall_min": 0.90}
 

@@ -6,6 +6,9 @@ captured on the side (no engine edits: a wrapped step context and a forward hook
     trace.k[l]        [T, Hkv, D]        keys after RoPE (capture_qk)
     trace.q[l]        [S, Hq, D]         queries at q_positions (capture_qk)
     trace.globals_at  {position: [L, Hkv, G]} globals in force when that position was processed
+    trace.retrieved_at {position: [L, Hkv, S*bs]} retrieval tier: the positions each layer's
+                      page cache showed at that position's step (-1 = none)
+    trace.window_at   {position: first window position its step attended} (retrieval tier)
     logits_at(engine, trace.hidden[rows]) -> [n, V]   the LM head, exactly as the model applies it
 
 Only the last position's logits come out of each step; the full hidden states let callers
@@ -26,8 +29,8 @@ from hisparse_cli.config.settings import SparseConfig
 class CaptureContext:
     """Wraps the engine's StepContext: records q/k per layer, then delegates."""
 
-    def __init__(self, inner, recorder: "QKRecorder") -> None:
-        self.inner, self.recorder = inner, recorder
+    def __init__(self, inner, recorder: "QKRecorder | None", on_attended=None) -> None:
+        self.inner, self.recorder, self.on_attended = inner, recorder, on_attended
 
     @property
     def wants_hidden(self) -> bool:
@@ -37,8 +40,12 @@ class CaptureContext:
         self.inner.observe(layer, x)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.recorder.record(layer, self.inner.q_start, q, k)
-        return self.inner.attend(layer, q, k, v)
+        if self.recorder is not None:
+            self.recorder.record(layer, self.inner.q_start, q, k)
+        out = self.inner.attend(layer, q, k, v)
+        if self.on_attended is not None:
+            self.on_attended(layer)
+        return out
 
 
 class QKRecorder:
@@ -80,6 +87,10 @@ class Trace:
     k: list[torch.Tensor] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)
     globals_at: dict[int, torch.Tensor] = field(default_factory=dict)
+    retrieved_at: dict[int, torch.Tensor] = field(default_factory=dict)
+    window_at: dict[int, int] = field(default_factory=dict)
+    offload_bytes: int = 0
+    retrieval: dict = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -121,13 +132,28 @@ def teacher_forced(engine, ids: list[int], sparse: SparseConfig, *, q_positions=
     recorder = QKRecorder(eng.cfg.num_hidden_layers, n, list(q_positions)) if capture_qk else None
     want = sorted(set(int(p) for p in q_positions))
     globals_at: dict[int, torch.Tensor] = {}
-    cursor = {"start": 0}
+    retrieved_at: dict[int, torch.Tensor] = {}
+    window_at: dict[int, int] = {}
+    cursor = {"start": 0, "inside": [], "run": None, "rpos": None}
+
+    def keep_retrieved(layer: int) -> None:  # after a layer's attention, in a watched step
+        tier = cursor["run"].retrieval
+        if cursor["inside"] and tier is not None:
+            if cursor["rpos"] is None:
+                cursor["rpos"] = torch.full((eng.cfg.num_hidden_layers, tier.H, tier.S * tier.bs),
+                                            -1, dtype=torch.int64)
+            if tier.offloaded:
+                cursor["rpos"][layer] = tier.positions(layer).cpu()
 
     def keep_hidden(_module, _inp, out):
         hidden[cursor["start"]:cursor["start"] + out.shape[0]] = out.float().cpu()
 
     def call(input_ids, positions, ctx, all_logits=False):
-        wrapped = CaptureContext(ctx, recorder) if recorder is not None else ctx
+        wrapped = CaptureContext(ctx, recorder, keep_retrieved) if (
+            recorder is not None or cursor["inside"]) else ctx
+        if cursor["inside"] and ctx.window is not None:
+            for p in cursor["inside"]:  # the step's first window position (retrieval tier)
+                window_at[p] = ctx.q_start + ctx.n - ctx.window
         # every position's final hidden state is read (keep_hidden), not only the last one
         return model(input_ids, positions, wrapped, all_logits=all_logits, full_last_layer=True)
 
@@ -136,6 +162,7 @@ def teacher_forced(engine, ids: list[int], sparse: SparseConfig, *, q_positions=
     t0 = time.perf_counter()
     try:
         run, _ = eng.new_run(n)
+        cursor["run"] = run
         with run:
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
@@ -144,15 +171,21 @@ def teacher_forced(engine, ids: list[int], sparse: SparseConfig, *, q_positions=
                     g = run.cache.gpos.detach().cpu().clone()  # [L, Hkv, G], fixed for the step
                     for p in inside:
                         globals_at[p] = g
-                cursor["start"] = s
+                cursor.update(start=s, inside=inside if run.retrieval is not None else [],
+                              rpos=None)
                 run.step(call, x[s:e])
+                if cursor["rpos"] is not None:
+                    for p in inside:
+                        retrieved_at[p] = cursor["rpos"]
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             seconds = time.perf_counter() - t0
             trace = Trace(config=sparse, hidden=hidden, seconds=seconds,
                           kv_bytes_peak=int(run.kv_bytes_peak), recalibrations=run.seq.recalibrations,
                           sinks=run.seq.sinks, window=run.seq.window, q_positions=want,
-                          globals_at=globals_at)
+                          globals_at=globals_at, retrieved_at=retrieved_at, window_at=window_at,
+                          offload_bytes=int(run.offload_bytes),
+                          retrieval=run.retrieval.stats.to_dict() if run.retrieval else {})
     finally:
         handle.remove()
     if recorder is not None:

@@ -73,10 +73,25 @@ def attention_recall_per_layer(engine, dense: Trace, sparse: Trace) -> list[floa
         gpos = None
         if sparse.globals_at:
             gpos = torch.stack([sparse.globals_at[p][layer] for p in dense.q_positions])
-        keep = kept_mask(q_pos, n_keys, sparse.sinks, sparse.window, gpos, hkv)
+        if sparse.retrieved_at:  # the page cache's positions beside the globals
+            rpos = torch.stack([_pad(sparse.retrieved_at.get(p), layer, sparse.retrieved_at, hkv)
+                                for p in dense.q_positions])
+            gpos = rpos if gpos is None else torch.cat((gpos, rpos), dim=-1)
+        starts = None
+        if sparse.window_at:
+            starts = torch.tensor([sparse.window_at.get(p, 0) for p in dense.q_positions])
+        keep = kept_mask(q_pos, n_keys, sparse.sinks, sparse.window, gpos, hkv, starts)
         r = attention_recall(dense.q[layer], dense.k[layer][:n_keys], q_pos, keep, scale)
         out.append(float(r.mean()))
     return out
+
+
+def _pad(rpos, layer: int, all_rpos: dict, hkv: int) -> torch.Tensor:
+    """A step's retrieved positions of `layer`, or -1s of the same width for a step without."""
+    if rpos is not None:
+        return rpos[layer]
+    width = next(iter(all_rpos.values())).shape[-1]
+    return torch.full((hkv, width), -1, dtype=torch.int64)
 
 
 def compare(engine, layout: Layout, dense: Trace, sparse: Trace) -> dict:
@@ -89,7 +104,9 @@ def compare(engine, layout: Layout, dense: Trace, sparse: Trace) -> dict:
         "recall_per_layer": per_layer, **fid.to_dict(),
         "retention_ppl_dense": ret.ppl_dense, "retention_ppl_sparse": ret.ppl_sparse,
         "retention_ratio": ret.ppl_ratio,
-        "kv_bytes_peak": sparse.kv_bytes_peak,
+        "kv_bytes_peak": sparse.kv_bytes_peak, "offload_bytes": sparse.offload_bytes,
+        **({"retrieval": sparse.retrieval, "cache_hit_rate": sparse.retrieval["cache_hit_rate"]}
+           if sparse.retrieval else {}),
         "kv_fraction": sparse.kv_bytes_peak / dense.kv_bytes_peak if dense.kv_bytes_peak else None,
         "tf_seconds": sparse.seconds, "tf_tok_s": sparse.tok_s,
         "recalibrations": sparse.recalibrations,

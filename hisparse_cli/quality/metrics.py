@@ -21,15 +21,21 @@ import torch
 
 
 def kept_mask(q_pos: torch.Tensor, n_keys: int, sinks: int, window: int | None,
-              gpos: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
+              gpos: torch.Tensor | None, num_kv_heads: int,
+              window_start: torch.Tensor | None = None) -> torch.Tensor:
     """[S, Hkv, N] bool: keys 0..N-1 the sparse run let each query see.
 
     q_pos: [S] positions; gpos: [S, Hkv, G] globals in force at each query's step
-    (-1 = empty slot) or None; the visibility rule is the engine's (sparsity.py)."""
+    (-1 = empty slot) or None, with the retrieval tier also the positions its page cache
+    showed (concatenated); the visibility rule is the engine's (sparsity.py). window_start:
+    [S] the first window position of each query's step (the retrieval tier's whole window
+    blocks), instead of `window`."""
     k_pos = torch.arange(n_keys, device=q_pos.device)
     causal = k_pos[None, :] <= q_pos[:, None]  # [S, N]
     if window is None:
         vis = causal
+    elif window_start is not None:
+        vis = causal & ((k_pos[None, :] < sinks) | (k_pos[None, :] >= window_start[:, None]))
     else:
         vis = causal & ((k_pos[None, :] < sinks) | (k_pos[None, :] > q_pos[:, None] - window))
     keep = vis[:, None, :].expand(-1, num_kv_heads, -1).clone()  # [S, Hkv, N]

@@ -38,7 +38,7 @@ def _goal_mark(entry: dict) -> str:
 
 def summary_table(summary: dict[str, dict]) -> str:
     """One Markdown row per setting (means with 95% bootstrap intervals over documents)."""
-    head = ("| setting | KV MiB | KV % dense | attn recall | KL(dense‖sparse) | top-1 agree | "
+    head = ("| setting | KV MiB | KV % dense | offloaded MiB | attn recall | KL(dense‖sparse) | top-1 agree | "
             "ppl ratio | retention ppl ratio | ROUGE-L | ΔROUGE-L vs dense | TF tok/s | goal |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, e in summary.items():
@@ -47,7 +47,7 @@ def summary_table(summary: dict[str, dict]) -> str:
         delta = (e.get("rouge_delta") or {}).get("rougeL")
         lines.append(
             f"| `{name}` | {_fmt(kv, 1, 1 / MIB, False)} | {_fmt(e.get('kv_fraction'), 1, 100, False)} "
-            f"| {_fmt(e.get('recall'))} | {_fmt(e.get('kl'))} | {_fmt(e.get('top1_agreement'))} "
+            f"| {_fmt(e.get('offload_bytes'), 1, 1 / MIB, False)} | {_fmt(e.get('recall'))} | {_fmt(e.get('kl'))} | {_fmt(e.get('top1_agreement'))} "
             f"| {_fmt(e.get('ppl_ratio'))} | {_fmt(e.get('retention_ratio'))} "
             f"| {_fmt(rouge, 2, 100)} | {_fmt(delta, 2, 100)} "
             f"| {_fmt(e.get('tf_tok_s'), 0, 1, False)} | {_goal_mark(e)} |")

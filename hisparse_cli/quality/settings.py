@@ -10,7 +10,10 @@ A spec names one `SparseConfig`, applied over a base config (the profile's):
 
 Short tokens: w<N> window, g<N> globals, s<N> sinks, r<N> recalibrate_every,
 k<N> recalibrate_topk, c<N> prefill_chunk, b<N> block_size, t<N> score_stride,
-o<N> observation_window, and a policy name (attention, snapkv, uniform, probe).
+o<N> observation_window, q<N> retrieval_tokens, p<N> page_cache_tokens, and a policy name
+(attention, snapkv, uniform, probe). The retrieval tier:
+`window=256,globals=32,chunk=128,retrieval_tokens=256` (keys retrieval_tokens / retrieval,
+page_cache_tokens / page_cache, retrieval_summary / summary = minmax | mean).
 Keys of the key=value form: the SparseConfig field names and their aliases. Letters and
 aliases are declared with each field (config/settings.py), so a new field needs no edit here.
 When a spec sets the number of globals but not recalibrate_topk, the candidate pool follows
@@ -119,9 +122,13 @@ def describe(cfg: SparseConfig) -> str:
     """Compact one-line description of a config (reports)."""
     if cfg.dense:
         return "dense"
-    return (f"sinks {cfg.sink_tokens}, window {cfg.window_size}, globals {cfg.global_tokens} "
+    text = (f"sinks {cfg.sink_tokens}, window {cfg.window_size}, globals {cfg.global_tokens} "
             f"({cfg.importance}), recal {cfg.recalibrate_every}/top{cfg.recalibrate_topk}, "
             f"chunk {cfg.prefill_chunk}")
+    if cfg.retrieval:
+        text += (f", retrieval {cfg.retrieval_tokens} ({cfg.retrieval_summary}, page cache "
+                 f"{cfg.page_cache_pages * cfg.block_size})")
+    return text
 
 
 __all__ = ["NamedSetting", "parse_setting", "parse_settings", "describe"]

@@ -113,8 +113,8 @@ def aggregate_stats(runs: list[dict]) -> dict:
     stats = [r["stats"] for r in runs]
     out = {key: sum(s.get(key, 0) for s in stats) for key in (
         "prompt_tokens", "new_tokens", "prefill_seconds", "decode_seconds", "recalibrations",
-        "blocks_allocated", "blocks_freed")}
-    for key in ("kv_blocks_peak", "kv_bytes_peak", "peak_memory_bytes"):
+        "blocks_allocated", "blocks_freed", "pages_offloaded", "bytes_to_cache")}
+    for key in ("kv_blocks_peak", "kv_bytes_peak", "peak_memory_bytes", "offload_bytes"):
         out[key] = max((s.get(key, 0) for s in stats), default=0)
     out["prefill_tok_s"] = (out["prompt_tokens"] / out["prefill_seconds"]
                             if out["prefill_seconds"] else 0.0)
@@ -123,6 +123,8 @@ def aggregate_stats(runs: list[dict]) -> dict:
     last = stats[-1] if stats else {}
     for key in ("peak_memory_kind", "device", "backend"):
         out[key] = last.get(key, "")
+    for key in ("cache_hit_rate", "pages_retrieved_per_step"):  # the last generation's
+        out[key] = last.get(key, 0.0)
     out["generations"] = len(stats)
     return out
 

@@ -54,7 +54,8 @@ def sparse_settings(profile: HardwareProfile, *, dense: bool = False,
     `dense=True` turns the sliding window off (every query sees every key); it cannot be
     combined with --window or --global-tokens."""
     if dense:
-        clash = [name for name in ("window_size", "global_tokens") if flags.get(name) is not None]
+        clash = [name for name in ("window_size", "global_tokens", "retrieval_tokens")
+                 if flags.get(name)]
         if clash:
             flag = {f.name: f.metadata["flag"] for f in fields(SparseConfig)}
             opts = " and ".join(flag[n] for n in clash)
@@ -62,7 +63,8 @@ def sparse_settings(profile: HardwareProfile, *, dense: bool = False,
                               hint="dense attention has no window and no global tokens")
     config = profile.sparse_config(**flags)
     if dense:
-        config = replace(config, window_size=None, global_tokens=0, recalibrate_topk=0)
+        config = replace(config, window_size=None, global_tokens=0, recalibrate_topk=0,
+                         retrieval_tokens=0)
     return config
 
 

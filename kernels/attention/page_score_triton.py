@@ -1,0 +1,94 @@
+"""Triton page scoring of the retrieval tier (the contract and the torch oracle:
+kernels/attention/page_score_ref.py; selected by kernels/dispatch.py on CUDA).
+
+    page_scores(q [T, Hq, D], lo [Hkv, n, D], hi [Hkv, n, D], scale) -> [Hkv, n] fp32
+    score_top_pages(q, lo, hi, k, scale) -> [Hkv, k] int64, ascending
+
+Version 1 (`_page_mass`): one program per (KV head, tile of BLOCK_M query rows; a row is a
+query x a query head of the KV head). Two passes over the pages: the first keeps each row's
+running max and sum of exp (online softmax) of scale * (q+ . hi + q- . lo), the second adds
+each page's probability, summed over the tile's rows, into the output with an atomic add.
+No [rows, pages] tensor is materialised (the reference's two fp32 [Hkv, T * grp, n] tensors:
+268 MB at 128K tokens with chunks of 128 on an 8-KV-head model). Top-k: torch.topk on the
+scores (k is at most a few hundred pages; a Triton top-k is not written).
+Any strides on the last-but-one dims; the last dim must be contiguous (asserted).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
+               s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
+               GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    kvh = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    dd = tl.arange(0, D)
+    t, g = rows // GRP, rows % GRP
+    q = tl.load(q_ptr + t[:, None] * s_qt + (kvh * GRP + g)[:, None] * s_qh + dd[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qp = tl.maximum(q, 0.0)
+    qn = tl.minimum(q, 0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(0, n_pages, BLOCK_N):  # pass 1: each row's max and sum of exp
+        pg = start + tl.arange(0, BLOCK_N)
+        ok = pg < n_pages
+        lo = tl.load(lo_ptr + kvh * s_lh + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+        hi = tl.load(hi_ptr + kvh * s_hh + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+        s = (tl.dot(qp, tl.trans(hi), input_precision="ieee")
+             + tl.dot(qn, tl.trans(lo), input_precision="ieee")) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+        m_i = m_new
+    inv = tl.where(row_ok, 1.0 / l_i, 0.0)
+    for start in range(0, n_pages, BLOCK_N):  # pass 2: probabilities summed over the rows
+        pg = start + tl.arange(0, BLOCK_N)
+        ok = pg < n_pages
+        lo = tl.load(lo_ptr + kvh * s_lh + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+        hi = tl.load(hi_ptr + kvh * s_hh + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None],
+                     other=0.0).to(tl.float32)
+        s = (tl.dot(qp, tl.trans(hi), input_precision="ieee")
+             + tl.dot(qn, tl.trans(lo), input_precision="ieee")) * scale
+        p = tl.exp(s - m_i[:, None]) * inv[:, None]
+        p = tl.where(row_ok[:, None] & ok[None, :], p, 0.0)
+        tl.atomic_add(out_ptr + kvh * s_oh + pg, tl.sum(p, axis=0), mask=ok)
+
+
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+                block_m: int = 16, block_n: int = 64) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv, n, _ = lo.shape
+    assert hq % hkv == 0 and lo.shape == hi.shape and lo.shape[-1] == d
+    assert q.stride(-1) == 1 and lo.stride(-1) == 1 and hi.stride(-1) == 1
+    assert d >= 16 and d & (d - 1) == 0, "head_dim must be a power of two >= 16"
+    grp = hq // hkv
+    out = torch.zeros((hkv, n), dtype=torch.float32, device=q.device)
+    if n == 0 or t == 0:
+        return out
+    rows = t * grp
+    grid = (hkv, triton.cdiv(rows, block_m))
+    _page_mass[grid](q, lo, hi, out, rows, n, float(scale), q.stride(0), q.stride(1),
+                     lo.stride(0), lo.stride(1), hi.stride(0), hi.stride(1), out.stride(0),
+                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out
+
+
+def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
+                    scale: float) -> torch.Tensor:
+    from hisparse_cli.kernels.attention.page_score_ref import top_pages
+
+    return top_pages(page_scores(q, lo, hi, scale), k)
+
+
+__all__ = ["page_scores", "score_top_pages"]

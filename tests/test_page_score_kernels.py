@@ -1,0 +1,112 @@
+"""Page scoring + top-k (kernels/attention/page_score_*.py) against brute force, over dtype x
+pages x budget: the reference equals an explicit loop over queries, heads and pages; the
+Triton kernel equals the reference (`gpu`; also on the CPU with TRITON_INTERPRET=1); the
+gather into cache slots is bit-exact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hisparse_cli.kernels.attention.page_score_ref import (gather_pages, page_scores,
+                                                           page_summary, score_top_pages)
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def brute(q, lo, hi, scale):
+    t, hq, d = q.shape
+    hkv, n, _ = lo.shape
+    grp = hq // hkv
+    out = torch.zeros(hkv, n, dtype=torch.float64)
+    for h in range(hkv):
+        for ti in range(t):
+            for g in range(grp):
+                qq = q[ti, h * grp + g].double()
+                b = torch.stack([torch.maximum(qq * lo[h, j].double(), qq * hi[h, j].double()).sum()
+                                 for j in range(n)])
+                out[h] += torch.softmax(b * scale, 0)
+    return out
+
+
+def _inputs(t, n, dtype, kind, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, 4, 16, generator=g).to(dtype).to(device)
+    pages = torch.randn(2, n, 8, 16, generator=g).to(dtype).to(device)
+    lo, hi = page_summary(pages, kind)
+    return q, lo, hi, pages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,n", [(1, 5), (3, 17), (9, 40)])
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
+def test_reference_equals_brute_force(dtype, t, n, kind):
+    q, lo, hi, pages = _inputs(t, n, dtype, kind)
+    got = page_scores(q, lo, hi, 0.25).double()
+    assert torch.allclose(got, brute(q, lo, hi, 0.25), atol=TOL[dtype] * t * 2)
+    if kind == "minmax":  # the bound is an upper bound of every key's q.k in the page
+        for h in range(2):
+            qq = q[:, h * 2:(h + 1) * 2].float().reshape(-1, 16)
+            bound = qq.clamp(min=0) @ hi[h].float().T + qq.clamp(max=0) @ lo[h].float().T
+            dots = torch.einsum("rd,nbd->rnb", qq, pages[h].float()).amax(-1)
+            assert (bound >= dots - 1e-4).all()
+
+
+@pytest.mark.parametrize("k", [1, 4, 17])
+def test_top_pages_are_the_best_k(k):
+    q, lo, hi, _ = _inputs(5, 17, torch.float32, "minmax", seed=3)
+    top = score_top_pages(q, lo, hi, k, 0.25)
+    want = brute(q, lo, hi, 0.25)
+    for h in range(2):
+        assert top[h].tolist() == sorted(top[h].tolist())
+        assert set(top[h].tolist()) == set(want[h].topk(k).indices.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gather_into_slots_is_bit_exact(dtype):
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(3, 20, 8, 16, generator=g).to(dtype)
+    seg = torch.zeros(3, 5 + 6 * 8, 16, dtype=dtype)  # globals, then 6 slots of 8
+    dst = seg[:, 5:].unflatten(1, (6, 8))
+    heads, slots, rows = (torch.tensor(x) for x in ([0, 2, 2, 1], [3, 0, 5, 3], [7, 19, 0, 7]))
+    gather_pages(dst, src.permute(0, 1, 2, 3), heads, slots, rows)
+    for h, s, r in zip(heads.tolist(), slots.tolist(), rows.tolist()):
+        assert torch.equal(seg[h, 5 + s * 8:5 + (s + 1) * 8], src[h, r])
+    assert int((seg != 0).any(-1).sum()) == 4 * 8  # nothing else written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,n,k", [(1, 37, 4), (16, 300, 16), (128, 1000, 32)])
+def test_triton_scores_equal_the_reference(dtype, t, n, k):
+    _check_triton(dtype, t, n, k, "cuda")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton interpreter on the CPU: TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("t,n,k", [(1, 37, 4), (5, 130, 16)])
+def test_triton_scores_interpreted(dtype, t, n, k):
+    _check_triton(dtype, t, n, k, "cpu")
+
+
+def _check_triton(dtype, t, n, k, dev):
+    pytest.importorskip("triton")
+    from hisparse_cli.kernels.attention.page_score_triton import page_scores as tri
+
+    q, lo, hi, _ = _inputs(t, n, dtype, "minmax", device=dev, seed=t)
+    # a strided summary view, as the engine passes it ([L, Hkv, pages, D] sliced)
+    big_lo = torch.zeros(2, n + 9, 16, dtype=dtype, device=dev)
+    big_lo[:, 4:4 + n] = lo
+    got = tri(q, big_lo[:, 4:4 + n], hi, 0.25)
+    want = page_scores(q, lo, hi, 0.25)
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * t), (got - want).abs().max()
+    top = score_top_pages(q, lo, hi, k, 0.25)
+    from hisparse_cli.kernels.attention.page_score_triton import score_top_pages as tri_top
+
+    # the same pages up to ties within the tolerance
+    got_top = tri_top(q, lo, hi, k, 0.25)
+    assert (want.gather(1, got_top) >= want.gather(1, top).min(1, keepdim=True).values
+            - 1e-3 * t).all()

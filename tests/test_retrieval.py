@@ -1,0 +1,318 @@
+"""The retrieval tier (engine/retrieval.py): attention over sinks ∪ window ∪ globals ∪ retrieved
+pages equals brute-force attention over exactly that set; a budget covering every page is dense
+attention; a planted long-range key is attended after eviction with retrieval and not without;
+offloaded pages round-trip bit-exactly (in place and copied); the page cache's hits and LRU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse_cli.config.settings import SparseConfig
+from hisparse_cli.engine.block_pool import BlockPool
+from hisparse_cli.engine.retrieval import PageCacheMap
+from hisparse_cli.engine.runner import KVRun
+from hisparse_cli.errors import ConfigError
+from hisparse_cli.kernels.dispatch import select_backend
+
+from test_sparse_attention import HKV, HQ, D, RandomQKV, _cfg
+
+
+class Recording(RandomQKV):
+    """RandomQKV that also records, per step and layer, what the page cache showed."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen: dict[int, tuple] = {}  # step start -> (gpos, retrieved pos, window, n)
+
+    def __call__(self, input_ids, positions, ctx, all_logits=False):
+        p = positions.tolist()
+        run = self.run
+        for layer in range(run.cfg.num_hidden_layers):
+            self.out[p] = ctx.attend(layer, self.q[p], self.k[p], self.v[p])
+            tier = run.retrieval
+            rpos = tier.positions(layer).clone() if tier is not None and tier.offloaded else None
+            self.seen[p[0]] = (run.global_positions(layer), rpos, ctx.window, len(p))
+        return torch.zeros(len(p), 8)
+
+
+def drive(cfg: SparseConfig, n: int, src: RandomQKV, decode_from: int | None = None,
+          copy_offload: bool = False):
+    pool = BlockPool()
+    run = KVRun(_cfg(), cfg, torch.device("cpu"), torch.float32, select_backend("cpu"), pool,
+                total_tokens=n, chunk=cfg.prefill_chunk, copy_offload=copy_offload)
+    src.run = run
+    with run:
+        pos = 0
+        while pos < n:
+            step = 1 if decode_from is not None and pos >= decode_from else cfg.prefill_chunk
+            step = min(step, n - pos)
+            run.step(src, torch.zeros(step, dtype=torch.int64))
+            pos += step
+        stats = run.retrieval.stats if run.retrieval is not None else None
+    assert pool.live == 0 and pool.allocated == pool.freed
+    return run, stats
+
+
+def brute_force(src, q_pos: int, sinks: int, first: int, gpos, rpos):
+    """One query's output over an explicit key set: sinks, the step's window blocks (from
+    position `first` on, causal), globals, retrieved pages."""
+    out = torch.empty(HQ, D)
+    grp = HQ // HKV
+    for h in range(HQ):
+        kv = h // grp
+        allowed = {k for k in range(q_pos + 1) if k < sinks or k >= first}
+        g = {int(x) for x in gpos[kv].tolist() if x >= 0}
+        r = {int(x) for x in rpos[kv].tolist() if x >= 0} if rpos is not None else set()
+        assert not (r & g) and not (r & allowed) and not (g & allowed), "a key counted twice"
+        idx = torch.tensor(sorted(allowed | g | r))
+        s = (src.k[idx, kv] @ src.q[q_pos, h]) * D ** -0.5
+        out[h] = torch.softmax(s, 0) @ src.v[idx, kv]
+    return out
+
+
+def dense(src, q_pos: int):
+    grp = HQ // HKV
+    out = torch.empty(HQ, D)
+    for h in range(HQ):
+        s = (src.k[:q_pos + 1, h // grp] @ src.q[q_pos, h]) * D ** -0.5
+        out[h] = torch.softmax(s, 0) @ src.v[:q_pos + 1, h // grp]
+    return out
+
+
+def _check_steps(src, run, n):
+    starts = sorted(src.seen)
+    for i, start in enumerate(starts):
+        gpos, rpos, window, steps = src.seen[start]
+        end = starts[i + 1] if i + 1 < len(starts) else n
+        first = start + steps - window  # the step's first window block
+        assert first % run.sparse.block_size == 0 or first <= run.seq.sinks
+        for q in range(start, end):
+            ref = brute_force(src, q, run.seq.sinks, first, gpos, rpos)
+            assert torch.allclose(src.out[q], ref, atol=1e-5), (q, (src.out[q] - ref).abs().max())
+
+
+CASES = [  # sinks, window, globals, block, chunk, n, retrieval_tokens, cache tokens, summary
+    (4, 16, 4, 8, 8, 120, 16, 0, "minmax"),
+    (2, 24, 0, 4, 5, 90, 12, 24, "minmax"),  # no globals, a bigger page cache, odd chunk
+    (0, 16, 6, 8, 16, 130, 24, 0, "mean"),
+    (4, 16, 4, 8, 8, 100, 8, 16, "minmax"),
+]
+
+
+@pytest.mark.parametrize("sinks,window,globs,block,chunk,n,rt,ct,kind", CASES)
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("copy_offload", [False, True])
+def test_retrieval_matches_brute_force(sinks, window, globs, block, chunk, n, rt, ct, kind,
+                                       decode, copy_offload):
+    cfg = SparseConfig(sink_tokens=sinks, window_size=window, global_tokens=globs,
+                       block_size=block, recalibrate_every=8, recalibrate_topk=globs,
+                       prefill_chunk=chunk, score_stride=1, retrieval_tokens=rt,
+                       page_cache_tokens=ct, retrieval_summary=kind)
+    src = Recording(n, seed=n + block)
+    run, stats = drive(cfg, n, src, decode_from=n // 2 if decode else None,
+                       copy_offload=copy_offload)
+    _check_steps(src, run, n)
+    assert stats.pages_offloaded > 0 and stats.pages_retrieved > 0
+    assert stats.hits + stats.misses == stats.pages_retrieved
+    picked = [r for _, r, _, _ in src.seen.values() if r is not None]
+    assert all(int((r >= 0).sum()) <= HKV * rt for r in picked)  # within the budget
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("copy_offload", [False, True])
+def test_budget_covering_every_page_is_dense(decode, copy_offload):
+    n = 150
+    cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=4, block_size=8,
+                       recalibrate_every=8, recalibrate_topk=4, prefill_chunk=12,
+                       retrieval_tokens=n)
+    src = Recording(n, seed=5)
+    drive(cfg, n, src, decode_from=n // 2 if decode else None, copy_offload=copy_offload)
+    for q in range(n):
+        assert torch.allclose(src.out[q], dense(src, q), atol=1e-5), q
+
+
+def _planted_run(retrieval_tokens: int):
+    """One key planted early (position 30) that the last queries look for."""
+    n = 240
+    g = torch.Generator().manual_seed(11)
+    src = Recording(n, seed=2)
+    src.q *= 0.2
+    src.k *= 0.2
+    fact = torch.randn(D, generator=g)
+    src.k[30] = 4.0 * fact
+    src.q[-20:] = 4.0 * fact
+    src.v[30] = 10.0
+    cfg = SparseConfig(sink_tokens=4, window_size=32, global_tokens=0, block_size=8,
+                       recalibrate_topk=0, prefill_chunk=16, retrieval_tokens=retrieval_tokens)
+    run, _ = drive(cfg, n, src, decode_from=n - 20)
+    return src
+
+
+def test_planted_fact_is_attended_after_eviction_only_with_retrieval():
+    with_r, without = _planted_run(16), _planted_run(0)
+    grp = HQ // HKV
+    for q in range(220, 240):  # the fact left the window long ago
+        p_fact = []
+        for src in (with_r, without):
+            s = (src.k[:q + 1, 0] @ src.q[q, 0]) * D ** -0.5
+            p_fact.append(float(torch.softmax(s, 0)[30]))
+        assert p_fact[0] > 0.5  # dense attention finds it
+        # with retrieval the value of the fact dominates the output; without, it is gone
+        assert float(with_r.out[q, :grp].mean()) > 5.0, q
+        assert float(without.out[q, :grp].mean()) < 1.0, q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_offloaded_pages_round_trip_bit_exactly(dtype):
+    """Every offloaded page, read back through the store, is its tokens' K/V bit for bit."""
+    n = 100
+    for copy_offload in (False, True):
+        cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=0, block_size=8,
+                           recalibrate_topk=0, prefill_chunk=8, retrieval_tokens=16,
+                           retrieval_summary="minmax")
+        pool = BlockPool()
+        run = KVRun(_cfg(), cfg, torch.device("cpu"), dtype, select_backend("cpu"), pool,
+                    total_tokens=n, copy_offload=copy_offload)
+        src = Recording(n, seed=1)
+        src.k, src.v = src.k.to(dtype), src.v.to(dtype)
+        src.q, src.out = src.q.to(dtype), src.out.to(dtype)
+        src.run = run
+        with run:
+            for s in range(0, n, 8):
+                run.step(src, torch.zeros(min(8, n - s), dtype=torch.int64))
+            tier = run.retrieval
+            assert tier.offloaded == list(range(1, len(tier.offloaded) + 1))
+            for p in tier.offloaded:
+                r = tier.row[p]
+                for store, ref in ((tier.store_k, src.k), (tier.store_v, src.v)):
+                    if copy_offload:
+                        got = store[0, :, r]  # [Hkv, bs, D]
+                    else:
+                        cache = run.cache.k if ref is src.k else run.cache.v
+                        got = cache[0, r].permute(1, 0, 2)
+                    want = ref[p * 8:(p + 1) * 8].transpose(0, 1)
+                    assert torch.equal(got, want), (p, copy_offload)
+                keys = src.k[p * 8:(p + 1) * 8].transpose(0, 1)  # summaries of the same bits
+                sdt = tier.lo.dtype
+                assert torch.equal(tier.lo[0, :, p], keys.amin(1).to(sdt))
+                assert torch.equal(tier.hi[0, :, p], keys.amax(1).to(sdt))
+
+
+def test_page_cache_map_hits_and_lru():
+    m = PageCacheMap(3)
+    slots, miss = m.place([5, 7], step=1)
+    assert miss == [(slots[0], 5), (slots[1], 7)]
+    slots2, miss2 = m.place([7, 9], step=2)  # 7 hits; 9 takes the empty slot
+    assert miss2 == [(slots2[1], 9)] and slots2[0] == slots[1]
+    _, miss3 = m.place([9, 11], step=3)  # 11 evicts the least recently used: 5 (step 1)
+    assert miss3[0][0] == slots[0] and 5 not in m.slot_of and {7, 9, 11} == set(m.slot_of)
+
+
+def test_settings_validation():
+    with pytest.raises(ConfigError, match="page_cache_tokens"):
+        SparseConfig(retrieval_tokens=64, page_cache_tokens=32)
+    with pytest.raises(ConfigError, match="retrieval_summary"):
+        SparseConfig(retrieval_summary="max")
+    c = SparseConfig(block_size=16, retrieval_tokens=40, page_cache_tokens=100)
+    assert (c.retrieval_pages, c.page_cache_pages) == (3, 7)
+    assert not SparseConfig.dense_config().retrieval
+
+
+def test_engine_logits_with_full_budget_equal_dense(tiny_models):
+    """The tiny random Llama through Engine.logits: the retrieval tier with a budget covering
+    every page gives dense attention's logits; a small budget does not (the test can fail)."""
+    from hisparse_cli.engine.engine import Engine
+
+    path, _ = tiny_models["llama"]
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng = Engine.from_pretrained(path, sparse=SparseConfig.dense_config(block_size=8,
+                                                                         prefill_chunk=32))
+    want = eng.logits(ids)
+    base = dict(sink_tokens=4, window_size=32, global_tokens=8, block_size=8,
+                recalibrate_topk=8, recalibrate_every=32, prefill_chunk=32)
+    eng.sparse = SparseConfig(**base, retrieval_tokens=300)
+    full = eng.logits(ids)
+    assert torch.allclose(full, want, atol=1e-4, rtol=1e-4), (full - want).abs().max()
+    eng.sparse = SparseConfig(**base)
+    evict_only = eng.logits(ids)
+    assert (evict_only - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("summary", ["mean", "minmax"])
+def test_planner_bytes_equal_a_cpu_run(tiny_models, summary):
+    """The planner's KV numbers with the retrieval tier == the CPU run's: resident KV peak and
+    blocks (RunStats), offloaded bytes, and every byte of the run's KV allocations (storage for
+    every block with offload in place, segment slots, candidates, scores, page summaries)."""
+    from hisparse_cli.engine.engine import Engine
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner.memory import plan_memory
+
+    path, _ = tiny_models["llama"]
+    sparse = SparseConfig(sink_tokens=4, window_size=32, global_tokens=8, block_size=8,
+                          recalibrate_topk=8, recalibrate_every=32, prefill_chunk=32,
+                          retrieval_tokens=24, page_cache_tokens=40, retrieval_summary=summary)
+    prompt, new = 200, 6
+    eng = Engine.from_pretrained(path, sparse=sparse)
+    res = eng.generate(list(range(1, prompt + 1)), max_new_tokens=new, min_new_tokens=new)
+    plan = plan_memory(ModelConfig.from_folder(path), weight_format="fp32", sparse=sparse,
+                       context_tokens=prompt, max_new_tokens=new, kv_dtype=torch.float32,
+                       compute_dtype=torch.float32, device_kind="cpu", backend="torch")
+    assert res.stats.kv_bytes_peak == plan.kv.kv_bytes_peak
+    assert res.stats.kv_blocks_peak == plan.kv.peak_live_blocks
+    assert res.stats.pages_offloaded > 0
+    items = {i.name: i.bytes for i in plan.items}
+    assert items["offload_store (host RAM)"] == 0 and plan.offload_store_bytes == 0
+    run, _ = eng.new_run(prompt + new)
+    with run:
+        c, t = run.cache, run.retrieval
+        tensors = [c.k, c.v, c.score, c.sk, c.sv, c.spos, c.smass, c.sseen, c.ck, c.cv, c.cpos,
+                   c.cmass, c.cseen, t.lo, t.pos_offsets] + ([t.hi] if summary == "minmax" else [])
+        allocated = sum(x.untyped_storage().nbytes() for x in tensors)
+    planned = sum(items.get(n, 0) for n in ("kv.paged_kv", "kv.importance_scores",
+                                             "kv.global_and_page_cache_slots",
+                                             "kv.candidate_slots", "kv.page_summaries"))
+    assert allocated == planned
+    # the offloaded pages at the end: the planner's replay and the run's store agree
+    assert res.stats.offload_bytes == plan.offload_bytes > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_full_budget_equals_dense_and_store_round_trips(tiny_models, backend):
+    """On CUDA: pages copied to pinned host memory on the side stream, gathered back into the
+    page-cache slots; a budget covering every page gives the dense logits (fp16 tolerance)
+    and every stored page equals its tokens' K/V bit for bit."""
+    from hisparse_cli.engine.engine import Engine
+
+    path, _ = tiny_models["llama"]
+    ids = torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng = Engine.from_pretrained(path, device="cuda", dtype=torch.float16, backend=backend,
+                                 sparse=SparseConfig.dense_config(block_size=16,
+                                                                  prefill_chunk=64))
+    want = eng.logits(ids)
+    base = dict(sink_tokens=4, window_size=64, global_tokens=8, block_size=16,
+                recalibrate_topk=8, recalibrate_every=64, prefill_chunk=64)
+    eng.sparse = SparseConfig(**base, retrieval_tokens=400, page_cache_tokens=512)
+    got = eng.logits(ids)
+    assert (got - want).abs().max() < 5e-2, (got - want).abs().max()
+    x = torch.tensor(ids, device="cuda")
+    eng.sparse = SparseConfig.dense_config(block_size=16, prefill_chunk=64)
+    dense_run, _ = eng.new_run(len(ids))  # blocks minted in order: physical = logical
+    with dense_run:
+        for s in range(0, len(ids), 64):
+            dense_run.step(eng.model, x[s:s + 64])
+        k0 = dense_run.cache.k[0].clone()  # layer 0's keys depend on the tokens only
+    eng.sparse = SparseConfig(**base, retrieval_tokens=64)
+    run, _ = eng.new_run(len(ids))
+    with run:
+        for s in range(0, len(ids), 64):
+            run.step(eng.model, x[s:s + 64])
+        torch.cuda.synchronize()
+        tier = run.retrieval
+        assert not tier.in_place and tier.store_k.is_pinned() and tier.offloaded
+        for p in tier.offloaded:  # [Hkv, bs, D] stored == [bs, Hkv, D] computed, bit for bit
+            assert torch.equal(tier.store_k[0, :, p].cuda(), k0[p].transpose(0, 1)), p
+    res = eng.generate(ids, max_new_tokens=8, min_new_tokens=8)
+    assert res.stats.bytes_to_cache > 0 and res.stats.pages_offloaded > 0
+    assert "cuda_graph" not in res.extra  # the eager decode
