@@ -110,7 +110,7 @@ def _summarize(job, path: Path | StdinInput, started: float, references: Path | 
     with progress if progress is not None else nullcontext():
         out = job.run(doc, reference_text=ref_text, reference_path=str(ref) if ref else None,
                       ingest_seconds=ingest, progress=progress)
-    out["warnings"] = warnings
+    out["warnings"] = warnings + list(out.get("warnings") or ())  # + the guard's (pipeline)
     return out
 
 
