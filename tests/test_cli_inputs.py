@@ -372,8 +372,8 @@ def test_plan_path_matches_the_real_model_run(document, real_home):
     assert ran.exit_code == 0, show(ran)
     plan, record = json.loads(planned.stdout)["input"], json.loads(ran.stdout)
     assert plan["strategy"] == record["strategy"]
-    if record["strategy"] == "stream":
-        assert plan["prompt_tokens"] == record["prompt_tokens"]
+    if record["strategy"] == "stream":  # each generation (the guard may retry) reads it all
+        assert {r["stats"]["prompt_tokens"] for r in record["runs"]} == {plan["prompt_tokens"]}
     else:
         assert [(c["label"], c["prompt_tokens"]) for c in plan["chunks"]] == [
             (c["label"], c["prompt_tokens"]) for c in record["chunks"] if c["level"] == 0]
