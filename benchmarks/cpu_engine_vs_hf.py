@@ -38,6 +38,7 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -215,9 +216,12 @@ def cli_run(variant: str, doc: str, model: str, a) -> dict:
         doc = str(Path(doc).resolve())
         cmd = [sys.executable, "-m", "hisparse_cli.cli.app", "summarize", doc, "--profile", "cpu",
                "--max-new-tokens", str(a.new_tokens), "--json", "--quiet", *extra]
-    t0 = time.perf_counter()  # (`before` runs from its tree: `-m` imports from the cwd first)
+    # `-m` imports from the cwd first: `before` runs from its tree; the others from outside the
+    # checkout, whose top-level kernels/ would shadow the `kernels` distribution transformers
+    # probes (the installed package maps it to hisparse_cli.kernels)
+    t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(variant),
-                         cwd=BEFORE[0] if variant == "before" else None)
+                         cwd=BEFORE[0] if variant == "before" else tempfile.gettempdir())
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
