@@ -584,7 +584,7 @@ def _cli_peak(*args: str) -> int:
 
 
 SMOL_CPU = ("-m", "smollm2-135m", "-p", "cpu")
-SMOL_8K_CPU = (*SMOL_CPU, "-c", "8000")
+SMOL_8K_CPU = (*SMOL_CPU, "-c", "8000", "-n", "128")  # 8,128 positions: the window suggested is 2048
 LLAMA_GPU = ("-m", "llama-3-8b", "-p", "3090-24g", "-c", "8000")
 
 
