@@ -22,6 +22,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_scores(qp, qn, lo_ptr, hi_ptr, pg, ok, dd, s_ln, s_hn, scale):
+    """scale * (q+ . hi + q- . lo) of a tile of query rows against the pages `pg` of one KV
+    head (the upper bound of q . k over a page's keys); pages past the end load as zeros."""
+    lo = tl.load(lo_ptr + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None],
+                 other=0.0).to(tl.float32)
+    hi = tl.load(hi_ptr + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None],
+                 other=0.0).to(tl.float32)
+    return (tl.dot(qp, tl.trans(hi), input_precision="ieee")
+            + tl.dot(qn, tl.trans(lo), input_precision="ieee")) * scale
+
+
+@triton.jit
 def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
                s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
                GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -40,12 +52,8 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
     for start in range(0, n_pages, BLOCK_N):  # pass 1: each row's max and sum of exp
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
-        lo = tl.load(lo_ptr + kvh * s_lh + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None],
-                     other=0.0).to(tl.float32)
-        hi = tl.load(hi_ptr + kvh * s_hh + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None],
-                     other=0.0).to(tl.float32)
-        s = (tl.dot(qp, tl.trans(hi), input_precision="ieee")
-             + tl.dot(qn, tl.trans(lo), input_precision="ieee")) * scale
+        s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln,
+                         s_hn, scale)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
@@ -54,12 +62,8 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
     for start in range(0, n_pages, BLOCK_N):  # pass 2: probabilities summed over the rows
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
-        lo = tl.load(lo_ptr + kvh * s_lh + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None],
-                     other=0.0).to(tl.float32)
-        hi = tl.load(hi_ptr + kvh * s_hh + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None],
-                     other=0.0).to(tl.float32)
-        s = (tl.dot(qp, tl.trans(hi), input_precision="ieee")
-             + tl.dot(qn, tl.trans(lo), input_precision="ieee")) * scale
+        s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln,
+                         s_hn, scale)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & ok[None, :], p, 0.0)
         tl.atomic_add(out_ptr + kvh * s_oh + pg, tl.sum(p, axis=0), mask=ok)
