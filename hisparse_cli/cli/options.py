@@ -241,19 +241,15 @@ def _shared_parameters() -> list[inspect.Parameter]:
             for f in fields(RunOptions) if f.name != "sparse_flags"] + _sparse_parameters()
 
 
-def run_options(func):
-    """Decorator: add the shared options to `func`'s CLI signature; pass them as `opts`."""
+def _with_options(func, name: str, extra: list[inspect.Parameter], build):
+    """`func` with the CLI parameters `extra` added to its signature; a call passes their
+    values to `build(values)`, whose result reaches `func` as the keyword `name`."""
     sig = inspect.signature(func, eval_str=True)  # real objects: wrapper has other globals
-    own = [p for p in sig.parameters.values() if p.name != "opts"]
-    extra = _shared_parameters()
-    sparse_names = {p.name for p in _sparse_parameters()}
+    own = [p for p in sig.parameters.values() if p.name != name]
 
     @functools.wraps(func)
     def wrapper(**kwargs):
-        sparse = {n: kwargs.pop(n) for n in sparse_names}
-        opts = RunOptions(**{p.name: kwargs.pop(p.name) for p in extra if p.name not in sparse},
-                          sparse_flags={n: v for n, v in sparse.items() if v is not None})
-        return func(opts=opts, **kwargs)
+        return func(**{name: build({p.name: kwargs.pop(p.name) for p in extra})}, **kwargs)
 
     del wrapper.__wrapped__  # Typer must read the new signature, not func's
     wrapper.__signature__ = sig.replace(parameters=own + extra)
@@ -261,23 +257,26 @@ def run_options(func):
     return wrapper
 
 
+def _given(values: dict) -> dict:
+    return {n: v for n, v in values.items() if v is not None}
+
+
+def run_options(func):
+    """Decorator: add the shared options to `func`'s CLI signature; pass them as `opts`."""
+    sparse_names = {p.name for p in _sparse_parameters()}
+
+    def build(values):
+        sparse = {n: values.pop(n) for n in sparse_names}
+        return RunOptions(**values, sparse_flags=_given(sparse))
+
+    return _with_options(func, "opts", _shared_parameters(), build)
+
+
 def sparse_options(func):
     """Decorator: add one CLI option per SparseConfig field to `func`'s signature (for commands
     that take the sparse settings without the rest of the run options: `hisparse plan`); pass
     the given ones as `sparse_flags` (field name -> value)."""
-    sig = inspect.signature(func, eval_str=True)
-    own = [p for p in sig.parameters.values() if p.name != "sparse_flags"]
-    extra = _sparse_parameters()
-
-    @functools.wraps(func)
-    def wrapper(**kwargs):
-        flags = {p.name: kwargs.pop(p.name) for p in extra}
-        return func(sparse_flags={n: v for n, v in flags.items() if v is not None}, **kwargs)
-
-    del wrapper.__wrapped__
-    wrapper.__signature__ = sig.replace(parameters=own + extra)
-    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
-    return wrapper
+    return _with_options(func, "sparse_flags", _sparse_parameters(), _given)
 
 
 __all__ = ["RunOptions", "Strategy", "Attention", "run_options", "sparse_options", "P_OUT"]
