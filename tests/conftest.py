@@ -64,12 +64,17 @@ def gpu_group(item) -> str:
     return "rest"
 
 
+# read when the suite starts: a test's own isolated HISPARSE_HOME (monkeypatched before
+# `real_home` runs) must not become the place the real model is looked for
+_REAL_MODEL_HOME = (os.environ.get("HISPARSE_TEST_HOME") or os.environ.get("HISPARSE_HOME")
+                    or str(Path.home() / ".cache" / "hisparse"))
+
+
 def real_model_home() -> str:
     """Where the slow tests find (or pull, once) the real embedded model: HISPARSE_TEST_HOME,
     else the user's HISPARSE_HOME, else hisparse's default (~/.cache/hisparse) — never a
-    second copy beside the one the user already has."""
-    return (os.environ.get("HISPARSE_TEST_HOME") or os.environ.get("HISPARSE_HOME")
-            or str(Path.home() / ".cache" / "hisparse"))
+    second copy beside the one the user already has. As the environment was at start-up."""
+    return _REAL_MODEL_HOME
 
 
 @pytest.fixture
