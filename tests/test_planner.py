@@ -783,3 +783,38 @@ def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
     assert "workspace.persistent_decode" in {i.name for i in plan.items}
     assert abs(plan.peak_allocated_bytes - measured) <= 0.05 * measured, (
         plan.peak_allocated_bytes, measured, plan.peak_when)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_retrieval_plan_items_sum_to_peak_at_128k(backend):
+    """A 128K-token retrieval run on the 8B shape plans (its per-layer page scoring was a
+    temporary missing from the items, and `hisparse plan` failed its own check)."""
+    sparse = SparseConfig(window_size=2048, global_tokens=256, recalibrate_topk=256,
+                          prefill_chunk=512, retrieval_tokens=1024)
+    plan = plan_memory(shape_config("llama-3-8b"), weight_format="awq-int4", sparse=sparse,
+                       context_tokens=131056, max_new_tokens=16, kv_dtype="float16",
+                       compute_dtype="float16", device_kind="cuda", backend=backend,
+                       budget_bytes=80 << 30)
+    assert sum(i.bytes for i in plan.items if i.counted) == plan.peak_allocated_bytes
+    assert plan.offload_store_bytes > 0
+
+
+def test_page_scoring_temporaries_by_backend():
+    """Triton's scoring kernel writes only the [Hkv, pages] fp32 scores; the torch reference
+    holds the fp32 queries and two [Hkv, rows, pages] fp32 logits; both then keep topk's
+    values and indices."""
+    from types import SimpleNamespace
+
+    from hisparse_cli.planner.run import page_scoring
+    from hisparse_cli.planner.trace import Trace
+
+    tr = Trace(False)  # CPU: sizes are the bytes themselves
+    n, hq, hkv, d, pages, k = 512, 32, 8, 128, 8000, 64
+    shape = dict(hq=hq, hkv=hkv, d=d)
+    triton = page_scoring(tr, SimpleNamespace(backend="triton", **shape), n, pages, k)
+    torch_ = page_scoring(tr, SimpleNamespace(backend="torch", **shape), n, pages, k)
+    assert triton.peak == hkv * pages * 4 + max(hkv * k * 12, 3 * hkv * k * 8)
+    assert torch_.peak == 3 * n * hq * d * 4 + 2 * n * hq * pages * 4 + hkv * pages * 4
+    assert triton.live == {"retrieval.page_scoring": triton.peak}
+    odd = page_scoring(tr, SimpleNamespace(backend="triton", hq=hq, hkv=hkv, d=96), n, pages, k)
+    assert odd.peak > triton.peak  # no Triton scoring for a head size not a power of two

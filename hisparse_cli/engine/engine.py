@@ -342,6 +342,10 @@ class Engine:
         return out, reason, extra
 
     def _use_graph(self, gen: GenerationConfig) -> bool:
+        """Whether this generation decodes in a CUDA graph (tests force it per generation)."""
+        return self._graph_enabled()
+
+    def _graph_enabled(self) -> bool:
         """CUDA-graph decode, as the execution plan says: CUDA + Triton attention (with a
         host-resident embedding table too: the graph then starts after the lookup), unless
         HISPARSE_CUDA_GRAPH=0."""

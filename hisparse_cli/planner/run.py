@@ -91,6 +91,23 @@ def sampled_queries(q_start: int, n: int, stride: int) -> int:
     return (q_start + n - 1) // stride - (q_start - 1) // stride
 
 
+def page_scoring(tr: Trace, s: StepShape, n: int, pages: int, k: int) -> SubPeak:
+    """The temporaries of one layer's page scoring (KernelBackend.score_top_pages) for n
+    queries over `pages` offloaded pages, keeping k: Triton's kernel writes only the [Hkv,
+    pages] fp32 scores; the torch reference also holds the queries (fp32, clamped twice) and
+    two [Hkv, n * grp, pages] fp32 logits. Then topk's values and indices, and their sort."""
+    scores = tr.size(s.hkv * pages * 4)
+    if s.backend == "triton" and s.d >= 16 and s.d & (s.d - 1) == 0:
+        scoring = scores
+    else:
+        rows = n * s.hq
+        scoring = 3 * tr.size(rows * s.d * 4) + 2 * tr.size(rows * pages * 4) + scores
+    idx = tr.size(s.hkv * k * 8)
+    pick = scores + max(tr.size(s.hkv * k * 4) + idx, 3 * idx)  # topk; then idx.sort()
+    peak = max(scoring, pick)
+    return SubPeak(peak, {"retrieval.page_scoring": peak})
+
+
 def policy(sparse: SparseConfig, model_window: int | None) -> SparseSequence:
     return SparseSequence(sparse, BlockPool(), model_window=model_window)
 
@@ -177,9 +194,8 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
         kv_peak = max(kv_peak, (pool.live - pool.offloaded) * bpb + slot_bytes + summ_bytes)
         n_off = (seq._next_evict - cdiv(seq.sinks, bs)) if seq.retrieval else 0
         if n_off > sparse.retrieval_pages:  # page scoring of the step's queries
-            rows = n * s.hq
-            tr.bump(SubPeak(3 * tr.size(rows * s.d * 4) + 2 * tr.size(rows * n_off * 4)
-                            + tr.size(s.hkv * n_off * 4)), where + ": page scoring")
+            tr.bump(page_scoring(tr, s, n, n_off, sparse.retrieval_pages),
+                    where + ": page scoring")
         nb = visible_count(seq, start, n)
         ctx = [tr.alloc("step_tensors", n * 8), tr.alloc("step_tensors", nb * 8),
                tr.alloc("step_tensors", nb * 8), tr.alloc("step_tensors", n * 8)]
