@@ -51,12 +51,13 @@ class FakeEngine:
     tokenizer: object
     max_pos: int
     reply: object = SENTENCE
+    parameters: int = 8_000_000_000  # the model's size (map-reduce's final step: reduce_mode)
     calls: list = field(default_factory=list)
     gens: list = field(default_factory=list)
 
     @property
     def cfg(self):
-        return SimpleNamespace(max_position_embeddings=self.max_pos)
+        return SimpleNamespace(max_position_embeddings=self.max_pos, parameters=self.parameters)
 
     def generate(self, ids, max_new_tokens=None, *, gen=None, progress=None):
         assert len(ids) + max_new_tokens <= self.max_pos, "prompt + new tokens exceed positions"
@@ -519,3 +520,71 @@ def test_every_generation_gets_the_length_floor(tokenizer):
     summarize_document(_pdf([_sentences(30, s) for s in range(3)]), parts,
                        _settings(256, strategy="map-reduce", chunk_tokens=400))
     assert all(g.min_new_tokens > 0 for g in parts.gens)  # notes and the final summary
+
+
+# --- map-reduce's final step: selected or generated ---------------------------------------------
+def test_reduce_mode_by_flag_instructions_and_model_size():
+    from hisparse_cli.summarize.mapreduce import reduce_mode
+
+    small, large = 134_515_008, 8_030_261_248
+    assert reduce_mode(_settings(), small)[0] == "select"
+    assert reduce_mode(_settings(), large)[0] == "generate"
+    assert reduce_mode(_settings(instructions="List the fees."), small)[0] == "generate"
+    assert reduce_mode(_settings(reduce="generate"), small) == ("generate", "--reduce generate")
+    assert reduce_mode(_settings(reduce="select"), large) == ("select", "--reduce select")
+    with pytest.raises(ConfigError, match="reduce must be one of"):
+        _settings(reduce="extractive")
+
+
+NOTE_SENTENCES = [
+    "The provider delivers the hosted platform to the client every month.",
+    "The client pays the monthly fee within thirty days of each invoice.",
+    "Either party may end the agreement with sixty days of written notice.",
+    "The provider keeps the client's records confidential for five years.",
+]
+
+
+def test_a_small_models_final_summary_is_selected_from_the_notes(tokenizer):
+    """Reduce "select": no final generation; the summary is digest.extractive_digest of the
+    notes (written by the model from each part), within the target words."""
+    from hisparse_cli.summarize.digest import extractive_digest
+
+    doc = _pdf([_words(40, s) for s in range(4)])
+    notes = iter(NOTE_SENTENCES * 4)
+    engine = FakeEngine(tokenizer, max_pos=4096, parameters=134_515_008,
+                        reply=lambda prompt, gen: next(notes) + " " + next(notes))
+    result = summarize_document(doc, engine, _settings(64, strategy="map-reduce",
+                                                       chunk_tokens=120, words=20))
+    parts = [c for c in result.chunks if c.level == 0]
+    assert len(parts) >= 2 and len(engine.calls) == len(parts)  # the notes, nothing after
+    want = extractive_digest("\n".join(p.summary for p in parts), result.length["target_words"])
+    assert result.summary == want and result.summary
+    final = result.chunks[-1]
+    assert (final.label, final.level, final.status, final.new_tokens) == \
+        ("final summary", 1, "selected", 0)
+    assert result.settings["final_step"]["mode"] == "select"
+    assert result.settings["reduce"] == "auto"
+
+
+def test_selection_without_a_usable_note_sentence_generates(tokenizer, monkeypatch):
+    """Notes with no sentence a digest can take (code, tables): the model writes the final
+    summary after all."""
+    import hisparse_cli.summarize.summary_run as summary_run
+
+    monkeypatch.setattr(summary_run, "extractive_digest", lambda text, words: "")
+    doc = _pdf([_words(40, s) for s in range(4)])
+    engine = FakeEngine(tokenizer, max_pos=4096, parameters=134_515_008)
+    result = summarize_document(doc, engine, _settings(64, strategy="map-reduce",
+                                                       chunk_tokens=120, reduce="select"))
+    assert result.runs[-1]["step"] == "final summary"  # the model wrote it
+    assert result.chunks[-1].status == "ok" and result.summary == SENTENCE
+
+
+def test_model_parameters_match_the_published_counts():
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner.shapes import SHAPES
+
+    # Meta-Llama-3-8B 8,030,261,248; SmolLM2-135M 134,515,008; Mistral-7B-v0.3 7,248,023,552
+    assert ModelConfig.from_dict(SHAPES["llama-3-8b"]).parameters == 8_030_261_248
+    assert ModelConfig.from_dict(SHAPES["smollm2-135m"]).parameters == 134_515_008
+    assert ModelConfig.from_dict(SHAPES["mistral-7b"]).parameters == 7_248_023_552

@@ -28,6 +28,12 @@ class Attention(str, Enum):
     sparse = "sparse"
 
 
+class Reduce(str, Enum):
+    auto = "auto"
+    select = "select"
+    generate = "generate"
+
+
 class Strategy(str, Enum):
     auto = "auto"
     stream = "stream"
@@ -86,6 +92,10 @@ class RunOptions:
     strategy: Annotated[Strategy, _opt("--strategy", panel=P_GEN, case_sensitive=False,
         help="stream: one pass; map-reduce: chunk summaries then a final one; auto: stream "
              "when it fits the model's positions.")] = Strategy.auto
+    reduce: Annotated[Reduce, _opt("--reduce", panel=P_GEN, case_sensitive=False,
+        help="Map-reduce's final summary: select (the most central sentences of the parts' "
+             "notes, led by the first), generate (the model writes it from the notes), auto "
+             "(select for models under 1B parameters, generate otherwise).")] = Reduce.auto
     max_new_tokens: Annotated[Optional[int], _opt("--max-new-tokens", "-n", panel=P_GEN,
         min=1, help="Summary length limit in tokens.  [default: the profile's]")] = None
     chunk_tokens: Annotated[Optional[int], _opt("--chunk-tokens", panel=P_GEN, min=16,
@@ -146,6 +156,8 @@ class RunOptions:
         sparse = {k: settings.pop(k) for k in list(settings) if k in sparse_names}
         if isinstance(settings.get("strategy"), str):
             settings["strategy"] = Strategy(settings["strategy"])
+        if isinstance(settings.get("reduce"), str):
+            settings["reduce"] = Reduce(settings["reduce"])
         if settings.get("probe") is not None:
             settings["probe"] = Path(settings["probe"])
         return cls(**settings, sparse_flags={k: v for k, v in sparse.items() if v is not None})
@@ -214,7 +226,8 @@ class RunOptions:
         return SummarySettings(strategy=self.strategy.value, generation=gen,
                                chunk_tokens=self.chunk_tokens,
                                chunk_new_tokens=self.chunk_new_tokens,
-                               instructions=self.instructions, words=self.words)
+                               instructions=self.instructions, words=self.words,
+                               reduce=self.reduce.value)
 
 
 def _sparse_parameters() -> list[inspect.Parameter]:

@@ -68,8 +68,11 @@ def document_table(doc: Document, report: DocumentPlan, attention: dict) -> Tabl
         table.add_row("prompt tokens", f"{report.prompt_tokens:,}")
     else:
         n = len(report.chunks)
+        final = report.settings.get("final_step") or {}
+        how = (f"{final['mode']}ed ({final['reason']})" if final.get("mode") == "select" else
+               f"generated from their summaries ({final.get('reason', 'combine')})")
         table.add_row("strategy", f"map-reduce ({n} chunk{'s' if n != 1 else ''}, then the "
-                                  "final summary of their summaries)")
+                                  f"final summary, {how})")
         table.add_row("prompt tokens", f"{report.prompt_tokens:,} in the chunk prompts (the "
                                        "combine prompts depend on the chunk summaries)")
         for chunk in report.chunks:

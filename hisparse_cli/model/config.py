@@ -42,6 +42,16 @@ class ModelConfig:
     quantization_config: dict | None = field(default=None, compare=False)
 
     @property
+    def parameters(self) -> int:
+        """Weights in the model (embeddings, attention, MLP, norms, head; biases left out),
+        from the shapes alone."""
+        h, d, L = self.hidden_size, self.head_dim, self.num_hidden_layers
+        attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + L * layer + h + head
+
+    @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 

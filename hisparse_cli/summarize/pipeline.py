@@ -38,6 +38,7 @@ from hisparse_cli.summarize.prompts import document_prompt
 from hisparse_cli.summarize.summary_run import ChunkSummary, SummaryRun
 
 STRATEGIES = ("auto", "stream", "map-reduce")
+REDUCES = ("auto", "select", "generate")
 PipelineProgress = Callable[[str, str, int, int], None]  # (step, phase, done, total)
 MIN_CHUNK_TOKENS = 16
 MIN_WORDS_TARGET = 5
@@ -54,6 +55,8 @@ class SummarySettings:
     chunk_new_tokens:  map-reduce: token cap of each chunk's notes (None = from its length)
     instructions:      replaces the genre's task sentence in every prompt
     words:             target words of the summary (None = from genre and document length)
+    reduce:            map-reduce's final step: auto | select | generate (mapreduce.py:
+                       reduce_mode)
     """
 
     strategy: str = "auto"
@@ -62,8 +65,12 @@ class SummarySettings:
     chunk_new_tokens: int | None = None
     instructions: str | None = None
     words: int | None = None
+    reduce: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.reduce not in REDUCES:
+            raise ConfigError(f"reduce must be one of {', '.join(REDUCES)}, got {self.reduce!r}",
+                              hint="use --reduce auto, select or generate")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got "
                               f"{self.strategy!r}", hint="use --strategy auto, stream or map-reduce")
@@ -77,7 +84,7 @@ class SummarySettings:
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "generation": asdict(self.generation),
                 "chunk_tokens": self.chunk_tokens, "chunk_new_tokens": self.chunk_new_tokens,
-                "instructions": self.instructions, "words": self.words}
+                "instructions": self.instructions, "words": self.words, "reduce": self.reduce}
 
 
 @dataclass

@@ -35,7 +35,8 @@ _SENTENCE_START = re.compile(r"^[A-Z\"“(]")
 class ChunkSummary:
     """One step of a run: a document part (level 0), a combine round (1+), a member document
     of a collection ("document …"), or the final summary. status: ok | repaired | retried |
-    digest | failed (the guard's outcome; failed: no digest possible, the last attempt kept)."""
+    digest | failed (the guard's outcome; failed: no digest possible, the last attempt kept) |
+    selected (no generation: map-reduce's final summary chosen from the notes, mapreduce.py)."""
 
     label: str
     level: int
@@ -171,6 +172,11 @@ class SummaryRun:
             digest = end_on_sentence(digest) if not ends_mid_sentence(
                 end_on_sentence(digest)) else digest.rstrip(",;: ") + "."
         return digest
+
+    def record_selection(self, label: str, level: int, text: str) -> str:
+        """Record a step that generated nothing (its text chosen from earlier outputs)."""
+        self.chunks.append(ChunkSummary(label, level, 0, 0, text, "selected"))
+        return text
 
     def _record(self, step: str, label: str | None, level: int, ids: list[int], text: str,
                 status: str) -> str:
