@@ -21,7 +21,7 @@ from hisparse_cli.quality.aggregate import goal_check, summarize_settings
 from hisparse_cli.quality.capture import logits_at, teacher_forced
 from hisparse_cli.quality.dataset import EvalDocument, LayoutConfig, build_layout
 from hisparse_cli.quality.harness import HarnessConfig, compare, evaluate
-from hisparse_cli.quality.metrics import kept_mask, token_fidelity
+from hisparse_cli.quality.metrics import kept_mask, recall_ceiling, token_fidelity
 from hisparse_cli.quality.probe import (ImportanceProbe, find_probe, fingerprint, load_probe,
                                         save_probe)
 from hisparse_cli.quality.probe_train import ProbeTrainConfig, train_probe
@@ -95,6 +95,42 @@ def test_kept_mask_matches_python_sets():
             want = {k for k in range(q + 1) if k < 2 or k > q - 4}
             want |= {g for g in gpos[i, h].tolist() if g >= 0}
             assert set(torch.nonzero(keep[i, h]).flatten().tolist()) == want
+
+
+@pytest.mark.parametrize("page,budget", [(1, 3), (1, 0), (2, 4), (2, 5), (3, 6)])
+def test_recall_ceiling_is_the_best_selection_by_brute_force(page, budget):
+    """Every selection of `budget` keys (per query head) or `budget // page` aligned pages
+    (per KV head, shared by its query heads) enumerated: the ceiling is the best one's mass."""
+    import itertools
+
+    g = torch.Generator().manual_seed(page * 10 + budget)
+    s, hkv, grp, n = 3, 2, 2, 9
+    p = torch.softmax(torch.randn(s, hkv * grp, n, generator=g) * 2, dim=-1)
+    base = torch.zeros(s, n, dtype=torch.bool)
+    base[:, 0] = True  # a sink
+    base[:, -2:] = True  # the window
+    got = recall_ceiling(p, base, budget, hkv, page=page)
+    want = torch.zeros(s, hkv * grp)
+    for i in range(s):
+        for h in range(hkv):
+            heads = range(h * grp, (h + 1) * grp)
+            if page == 1:
+                options = [set(c) for c in itertools.combinations(range(n), min(budget, n))]
+                for q in heads:  # each query head its own best keys
+                    want[i, q] = max(float(p[i, q, sorted(base[i].nonzero().flatten().tolist()
+                                                          + [k for k in c if not base[i, k]])].sum())
+                                     for c in options)
+                continue
+            pages = [list(range(j, min(j + page, n))) for j in range(0, n, page)]
+            best, best_sel = -1.0, None
+            for c in itertools.combinations(range(len(pages)), min(budget // page, len(pages))):
+                keys = {k for j in c for k in pages[j]} | set(base[i].nonzero().flatten().tolist())
+                total = float(p[i, list(heads)][:, sorted(keys)].sum())  # the group's mass
+                if total > best:
+                    best, best_sel = total, sorted(keys)
+            for q in heads:
+                want[i, q] = float(p[i, q, best_sel].sum())
+    assert torch.allclose(got, want, atol=1e-6), (got, want)
 
 
 def test_token_fidelity_matches_torch_kl_div():

@@ -69,6 +69,34 @@ def attention_recall(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     return (p * keep.repeat_interleave(grp, dim=1)).sum(-1).clamp(max=1.0)
 
 
+def recall_ceiling(p: torch.Tensor, base: torch.Tensor, budget: int, num_kv_heads: int,
+                   page: int = 1) -> torch.Tensor:
+    """[S, Hq]: the most dense attention mass any selection of `budget` more keys can reach.
+
+    p: [S, Hq, N] dense attention probabilities; base: [S, N] bool, the keys every selection
+    keeps anyway (sinks and window). page == 1: each query head takes its own best `budget`
+    keys (the token oracle: no method that keeps `budget` keys per head does better).
+    page > 1: keys are taken in aligned pages of `page` positions, `budget // page` pages per
+    KV head, the same pages for the KV head's query heads, chosen by their mass summed over
+    those heads (the best a page-retrieval tier of that budget can do for one query)."""
+    s, hq, n = p.shape
+    grp = hq // num_kv_heads
+    kept = (p * base[:, None, :]).sum(-1)
+    rest = p.masked_fill(base[:, None, :], 0.0)
+    if page == 1:
+        k = min(budget, n)
+        return (kept + rest.topk(k, dim=-1).values.sum(-1)).clamp(max=1.0) if k else kept
+    pages = -(-n // page)
+    k = min(budget // page, pages)
+    if not k:
+        return kept
+    mass = torch.nn.functional.pad(rest, (0, pages * page - n)).view(s, hq, pages, page).sum(-1)
+    per_kv = mass.view(s, num_kv_heads, grp, pages).sum(2)  # [S, Hkv, pages]
+    top = per_kv.topk(k, dim=-1).indices
+    chosen = torch.zeros_like(per_kv).scatter_(-1, top, 1.0).repeat_interleave(grp, dim=1)
+    return (kept + (mass * chosen).sum(-1)).clamp(max=1.0)
+
+
 @dataclass
 class FidelitySums:
     """Additive sums over scored positions (merge with `+`)."""
@@ -125,4 +153,4 @@ def token_fidelity(dense_logits: torch.Tensor, sparse_logits: torch.Tensor,
                         nll_sparse=float(-ls.gather(1, t).sum()))
 
 
-__all__ = ["kept_mask", "attention_probs", "attention_recall", "FidelitySums", "token_fidelity"]
+__all__ = ["kept_mask", "attention_probs", "attention_recall", "recall_ceiling", "FidelitySums", "token_fidelity"]
