@@ -133,6 +133,17 @@ def test_recall_ceiling_is_the_best_selection_by_brute_force(page, budget):
     assert torch.allclose(got, want, atol=1e-6), (got, want)
 
 
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("budget", [0, -5])
+def test_recall_ceiling_without_budget_is_the_base_mass(page, budget):
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(2, 4, 10, generator=g), dim=-1)
+    base = torch.zeros(2, 10, dtype=torch.bool)
+    base[:, :3] = True
+    want = p[:, :, :3].sum(-1)
+    assert torch.allclose(recall_ceiling(p, base, budget, 2, page=page), want)
+
+
 def test_token_fidelity_matches_torch_kl_div():
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(7, 50, generator=g), torch.randn(7, 50, generator=g)

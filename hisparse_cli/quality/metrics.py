@@ -78,16 +78,17 @@ def recall_ceiling(p: torch.Tensor, base: torch.Tensor, budget: int, num_kv_head
     keys (the token oracle: no method that keeps `budget` keys per head does better).
     page > 1: keys are taken in aligned pages of `page` positions, `budget // page` pages per
     KV head, the same pages for the KV head's query heads, chosen by their mass summed over
-    those heads (the best a page-retrieval tier of that budget can do for one query)."""
+    those heads (the best a page-retrieval tier of that budget can do for one query). A budget
+    of 0 or less keeps the base alone."""
     s, hq, n = p.shape
     grp = hq // num_kv_heads
     kept = (p * base[:, None, :]).sum(-1)
     rest = p.masked_fill(base[:, None, :], 0.0)
     if page == 1:
-        k = min(budget, n)
+        k = max(0, min(budget, n))
         return (kept + rest.topk(k, dim=-1).values.sum(-1)).clamp(max=1.0) if k else kept
     pages = -(-n // page)
-    k = min(budget // page, pages)
+    k = max(0, min(budget // page, pages))
     if not k:
         return kept
     mass = torch.nn.functional.pad(rest, (0, pages * page - n)).view(s, hq, pages, page).sum(-1)
