@@ -77,7 +77,7 @@ def test_gemv_config_pdl_field():
 _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
-import awq_sm90_compile as c
+import sm90_compile as c
 from hisparse_cli.kernels.int4 import awq_gemv as ag
 from hisparse_cli.kernels.norm_rope import norm_rope_triton as nr
 from hisparse_cli.kernels.attention import store_kv_triton as sk
