@@ -295,6 +295,14 @@ def plan_for(cfg, sparse, ctx, new, backend, dev, **kw):
 GEN_EXTRA: dict = {}  # --cli-sampling: the CLI's default penalty and n-gram ban as well
 
 
+def cli_sampling() -> dict:
+    """The CLI's default repetition penalty and n-gram ban, as `generate` keywords."""
+    from hisparse_cli.cli.options import RunOptions
+
+    d = RunOptions()
+    return dict(repetition_penalty=d.repetition_penalty, no_repeat_ngram_size=d.no_repeat_ngram)
+
+
 def run_ours(model, cfg, sparse, ids, new, backend, dev, engine=None, **plan_kw) -> dict:
     """One Engine.generate. engine: a kept Engine (its sparse settings must be `sparse`), as a
     batch keeps one: a run of the same shapes after the first replays the kept CUDA graph
@@ -698,11 +706,7 @@ def main() -> None:
         if not a.ab_var or len(a.ab_values) < 2:
             ap.error(f"--ab-env wants VAR=A,B: got {a.ab_env!r}")
     if a.cli_sampling:
-        from hisparse_cli.cli.options import RunOptions
-
-        d = RunOptions()
-        GEN_EXTRA.update(repetition_penalty=d.repetition_penalty,
-                         no_repeat_ngram_size=d.no_repeat_ngram)
+        GEN_EXTRA.update(cli_sampling())
     out_dir = Path(a.out or os.environ.get("OUT") or "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
