@@ -74,8 +74,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_engine import (SMOKE, build_ours, cli_sampling, environment, free_all, left,  # noqa: E402
-                        log, pick_backend, prompt, run_ours, sync)
+from gpu_engine import (SMOKE, build_ours, cli_sampling, environment,  # noqa: E402
+                        free_all, left, log, pick_backend, prompt, run_ours, sync)
 from hisparse_cli.config.profiles import load_profile  # noqa: E402
 from hisparse_cli.config.settings import GenerationConfig, SparseConfig  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
