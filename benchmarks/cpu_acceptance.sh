@@ -9,8 +9,8 @@
 #   4. the fast test suite's wall time, quiet and with one competing CPU-bound process.
 # Every figure is taken beside nothing but the measured process (and, "contended", its one
 # busy competitor). Run it when no other job uses the machine; it takes ~45-60 min (the suite
-# twice is most of it; SKIP_SUITE=1 leaves it out). Output: $OUT (default
-# benchmarks/results/cpu-$(date +%F)), one .txt and one .json a step.
+# twice is most of it; SKIP_SUITE=1 leaves it out). Output: $OUT (default out/cpu-$(date +%F),
+# outside the tracked tree), one .txt and one .json a step.
 #
 #   HISPARSE_HOME=/work/hh bash benchmarks/cpu_acceptance.sh
 #
@@ -18,8 +18,9 @@
 # machine from ours (docs/history/cpu-2026-12-05.md, section 1). Where allowed, this shell's
 # autogroup gets nice -20 so that such a job takes only idle time; the line printed says if not.
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/cpu-$(date +%F)}
+OUT=${OUT:-out/cpu-$(date +%F)}
 mkdir -p "$OUT"
 SHARED=${HISPARSE_SHARED:-$( [ -d ../shared ] && echo ../shared || echo ../../shared )}
 PY=${PYTHON:-python}

@@ -15,10 +15,12 @@ Modes:
              default, dense, t1 / t2 = --threads 1 / 2, before = the same command from the
              tree given as --before) and, with variant `anchor`, the anchor tool itself on the
              same document and --max-new: process wall time, the run's own rates.
-  llama.cpp  `llama-bench` (benchmarks/llama_cpp_peer.py: built from the llama-cpp-python
-             sdist) on the GGUF inside the default model's wheel vs the engine (dense, the
-             same threads) on the same token counts: prefill pp tokens, decode tg tokens
-             from depth 0 and from depth pp.
+  llama.cpp  `llama-bench` (the peer a user would pick: built from the llama.cpp vendored in
+             the PyPI `llama-cpp-python` sdist, CPU only, see below) on the GGUF inside the
+             default model's wheel vs the engine (dense, the same threads) on the same token
+             counts: prefill pp tokens, decode tg tokens from depth 0 and from depth pp.
+             --build-only: build the peer and stop; --peer-only: one llama-bench call, its
+             JSON printed (the engine is not run).
   suite      `python -m pytest -q [--slow]` wall time.
 
     python benchmarks/cpu_engine_vs_hf.py --mode engine --anchor --docs A.txt B.txt \
@@ -26,8 +28,18 @@ Modes:
     python benchmarks/cpu_engine_vs_hf.py --mode cli --variants default,dense,anchor \
         --docs samples/medical/discharge_report.txt A.txt B.txt --conditions quiet,contended
     python benchmarks/cpu_engine_vs_hf.py --mode llama.cpp --threads 2 --pp 2048 --tg 128
+    python benchmarks/cpu_engine_vs_hf.py --mode llama.cpp --build-only [--version X.Y.Z]
+    python benchmarks/cpu_engine_vs_hf.py --mode llama.cpp --peer-only [--threads 2] [--pp 2048]
     python benchmarks/cpu_engine_vs_hf.py --mode suite --conditions quiet,contended --slow
 Documents from ../shared/eval_dev are read here only (never copied into the repo).
+
+The llama.cpp build (~10 min on 2 cores) and the extracted GGUF are cached outside the
+repository, in `--cache` (default `$HISPARSE_BENCH_CACHE`, else `~/.cache/hisparse-bench`):
+    llama-cpp-python-<version>.tar.gz   the sdist (`pip download --no-binary :all:`)
+    llama.cpp-<version>/                its vendored llama.cpp and the CMake build
+    <wheel stem>.gguf                   the default model's GGUF, extracted from its wheel
+A second call reuses all three. The wheel is read from $HISPARSE_HOME/downloads (where
+`hisparse models pull` keeps it); nothing is downloaded for the model.
 """
 
 from __future__ import annotations
@@ -38,9 +50,11 @@ import json
 import os
 import statistics
 import subprocess
-import tempfile
 import sys
+import tarfile
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,6 +288,103 @@ def _f(x, nd: int = 2) -> str:
 
 
 # -- llama.cpp mode ------------------------------------------------------------------------
+SDIST = "llama-cpp-python"
+# -march=native turns on ggml's AMX matmul on CPUs that have AMX; on the development VM (a
+# Sapphire Rapids guest) that path crashes in ggml::cpu::amx::tensor_traits::compute_forward
+# (SIGSEGV), so the build leaves AMX out; AVX-512 (VNNI, BF16) stays on.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cache_dir(explicit: str | None = None) -> Path:
+    path = Path(explicit or os.environ.get("HISPARSE_BENCH_CACHE")
+                or Path.home() / ".cache" / "hisparse-bench")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def fetch_sdist(cache: Path, version: str | None = None) -> Path:
+    """The llama-cpp-python sdist in `cache` (downloaded once with pip)."""
+    have = sorted(cache.glob("llama_cpp_python-*.tar.gz"))
+    if version:
+        have = [p for p in have if p.name == f"llama_cpp_python-{version}.tar.gz"]
+    if have:
+        return have[-1]
+    req = f"{SDIST}=={version}" if version else SDIST
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(cache), req], check=True, stdout=subprocess.DEVNULL)
+    return sorted(cache.glob("llama_cpp_python-*.tar.gz"))[-1]
+
+
+def build_llama_bench(cache: Path, version: str | None = None, jobs: int | None = None) -> Path:
+    """Path of a CPU-only `llama-bench` built from the sdist's vendored llama.cpp (cached)."""
+    sdist = fetch_sdist(cache, version)
+    stem = sdist.name[: -len(".tar.gz")]  # llama_cpp_python-X.Y.Z
+    src = cache / (stem.replace("llama_cpp_python", "llama.cpp") + "-noamx")
+    binary = src / "build" / "bin" / "llama-bench"
+    if binary.is_file():
+        return binary
+    if not (src / "CMakeLists.txt").is_file():
+        prefix = f"{stem}/vendor/llama.cpp/"
+        src.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist) as tar:
+            members = []
+            for m in tar.getmembers():
+                if m.name.startswith(prefix) and len(m.name) > len(prefix):
+                    m.name = m.name[len(prefix):]
+                    members.append(m)
+            tar.extractall(src, members=members, filter="data")
+    build = src / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF",
+                    "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}",
+                    f"-DCMAKE_CXX_FLAGS={NO_AMX}"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "-j",
+                    str(jobs or os.cpu_count() or 1)], check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+def default_gguf(cache: Path) -> Path:
+    """The default model's GGUF, extracted once from its wheel in $HISPARSE_HOME/downloads."""
+    from hisparse_cli.hub import registry
+
+    spec = registry.get_spec(registry.DEFAULT_MODEL)
+    target = cache / (Path(spec.wheel_filename).stem + ".gguf")
+    if not target.is_file():
+        wheel = registry.wheel_path(spec)
+        if not wheel.is_file():
+            sys.exit(f"no wheel at {wheel}: run `hisparse models pull` first")
+        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, \
+                open(target.with_suffix(".part"), "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        target.with_suffix(".part").rename(target)
+    return target
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int, pp: int, tg: int,
+                reps: int = 3, depth: int = 0) -> dict:
+    """{"pp_tok_s", "tg_tok_s", ...} from one `llama-bench` call (pp and tg tokens, `reps`
+    repetitions each, after `depth` tokens of context; pp 0: tg only), flash attention off
+    and on (`-fa 0,1`; its default, auto, is on for the CPU): each rate is the better of the
+    two, and `*_by_fa` keeps both (at depth 2048 on the development machine, tg was 46.7
+    tok/s with -fa 0 and 23.2 with -fa 1)."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(pp), "-n", str(tg),
+           "-r", str(reps), "-d", str(depth), "-fa", "0,1", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    shown = ["llama-bench", "-m", gguf.name] + cmd[3:]
+    res = {"command": " ".join(shown), "threads": threads, "depth": depth}
+    for r in rows:
+        key = "tg" if r.get("n_gen") else "pp"
+        fa = int(bool(r.get("flash_attn")))
+        res.setdefault(f"{key}_tok_s_by_fa", {})[fa] = r["avg_ts"]
+        res[f"{key}_tok_s"] = max(res.get(f"{key}_tok_s", 0.0), r["avg_ts"])
+        res["build"] = f"{r.get('build_commit')} ({r.get('build_number')})"
+        res["cpu"] = r.get("cpu_info")
+    return res
+
+
 def engine_pp_tg(model: str, threads: int, pp: int, tg: int) -> dict:
     """The engine's (dense) prefill of pp tokens, then decode of tg tokens from depth 0 and
     from depth pp (random ids, as llama-bench)."""
@@ -296,11 +407,8 @@ def engine_pp_tg(model: str, threads: int, pp: int, tg: int) -> dict:
 
 
 def llama_cpp_mode(a, model: str) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import llama_cpp_peer as peer
-
-    cache = peer.cache_dir(a.cache)
-    binary, gguf = peer.build_llama_bench(cache), peer.default_gguf(cache)
+    cache = cache_dir(a.cache)
+    binary, gguf = build_llama_bench(cache, a.version), default_gguf(cache)
     rows = []
     whos = ["llama.cpp", "hisparse", "hisparse auto"]  # auto: our thread policy (threads.py)
     for r in range(a.rounds):
@@ -308,8 +416,8 @@ def llama_cpp_mode(a, model: str) -> list[dict]:
             for who in rotate(whos, r):
                 with condition(cond):
                     if who == "llama.cpp":
-                        res = peer.llama_bench(binary, gguf, a.threads, a.pp, a.tg, a.reps)
-                        res["tg_depth_tok_s"] = peer.llama_bench(
+                        res = llama_bench(binary, gguf, a.threads, a.pp, a.tg, a.reps)
+                        res["tg_depth_tok_s"] = llama_bench(
                             binary, gguf, a.threads, 0, a.tg, a.reps, depth=a.pp)["tg_tok_s"]
                     else:
                         spec = {"variant": "pp_tg", "model": model, "pp": a.pp, "tg": a.tg,
@@ -356,7 +464,8 @@ def suite_mode(a, model: str) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("engine", "cli", "llama.cpp", "suite"), default="engine")
     ap.add_argument("--model", default=None)
     ap.add_argument("--docs", nargs="+", default=[str(DEFAULT_DOC)])
@@ -371,7 +480,14 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=2048)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--cache", default=None)
+    ap.add_argument("--cache", default=None, help="llama.cpp: the build cache (default "
+                    "$HISPARSE_BENCH_CACHE, else ~/.cache/hisparse-bench)")
+    ap.add_argument("--version", default=None, help="llama.cpp: the llama-cpp-python sdist "
+                    "version (default: the newest cached, else PyPI's newest)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="llama.cpp: build llama-bench (cached) and stop")
+    ap.add_argument("--peer-only", action="store_true", help="llama.cpp: one llama-bench call "
+                    "(--threads, default 2, --pp, --tg, --reps), its JSON printed")
     ap.add_argument("--slow", action="store_true")
     ap.add_argument("--before", default=None, help="cli: a tree (e.g. a worktree of the "
                     "previous commit) whose `hisparse summarize` the variant `before` runs")
@@ -386,6 +502,14 @@ def main() -> None:
             res = run_variant(spec["variant"], spec["model"], spec["ids"], spec["new"],
                               spec["threads"])
         print(json.dumps(res))
+        return
+    if a.build_only or a.peer_only:  # the llama.cpp peer alone
+        cache = cache_dir(a.cache)
+        binary = build_llama_bench(cache, a.version)
+        print(f"llama-bench: {binary}", file=sys.stderr)
+        if a.peer_only:
+            print(json.dumps(llama_bench(binary, default_gguf(cache), a.threads or 2, a.pp, a.tg,
+                                         a.reps)))
         return
     model = a.model
     if model is None:

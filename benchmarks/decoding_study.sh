@@ -5,6 +5,7 @@
 # Each configuration is one `hisparse batch` run; the end table has mean ROUGE with 95 %
 # bootstrap intervals. Usage: benchmarks/decoding_study.sh [EVAL_DEV_DIR] [OUT_DIR]
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 DOCS="${1:-$(dirname "$0")/../../shared/eval_dev}/legal_tldr"
 OUT="${2:-/tmp/decoding_study}"
 mkdir -p "$OUT"

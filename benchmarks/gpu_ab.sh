@@ -14,6 +14,7 @@
 # Writes $OUT/ab/{before,after}-engine-N.txt, tokens-{before,after}-N.json and summary.txt;
 # the summary's last lines are the verdict. Budget: ~40 s an engine run, ~60 s a token run.
 set -uo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 BEFORE_TAR=${1:?usage: gpu_ab.sh BEFORE.tar [ROUNDS]}
 ROUNDS=${2:-2}
 TOKEN_ROUNDS=${TOKEN_ROUNDS:-2}  # 0: engine rounds only (the tokens already compared)

@@ -1,6 +1,6 @@
 """GPU check + benchmark of the Triton sparse attention kernels (hisparse_cli/kernels/*_triton.py).
 
-    OUT=./out python benchmarks/gpu_attention.py [SECTIONS]   # from the repo root, on a CUDA machine
+    python benchmarks/gpu_attention.py [SECTIONS] [--out DIR]   # repo root, a CUDA machine
     SECTIONS: comma list of correctness,prefill,decode,sweep,dsweep,ssweep (default: first four)
 
 1. correctness: every kernel vs the torch reference (kernels/attention/attention_ref.py) over a grid of
@@ -14,11 +14,13 @@
 4. a small sweep of tiles / num_warps / num_stages / splits.
 5. dsweep: decode split count x key tile x warps (with scores, as the engine runs decode);
 6. ssweep: scoring tiles at the h200-141g prefill shape (chunk 1024, window 4096, stride 16).
-Prints compact tables; writes $OUT/gpu_attention.json. Self-contained: torch + triton only.
+Prints compact tables; writes DIR/gpu_attention.json (DIR: --out, else $OUT, else ./out).
+Self-contained: torch + triton only. Exits 1 when a check fails or a section errs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -332,16 +334,29 @@ def ssweep() -> None:
               f"{100 * (ms - base) / base:4.1f} % of the attention)")
 
 
+SECTIONS = {"correctness": correctness, "prefill": prefill, "decode": decode, "sweep": sweep,
+            "dsweep": dsweep, "ssweep": ssweep}
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sections", nargs="?", default="correctness,prefill,decode,sweep",
+                    help=f"comma list of {','.join(SECTIONS)} (default: the first four)")
+    ap.add_argument("--out", default=None, help="output folder (default: $OUT, else ./out)")
+    a = ap.parse_args()
+    names = a.sections.split(",")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    out = Path(os.environ.get("OUT", "./out"))
+    out = Path(a.out or os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
     RESULTS["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                           triton=triton.__version__, sms=torch.cuda.get_device_properties(0).multi_processor_count)
     print(RESULTS["env"])
     t0 = time.time()
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["correctness", "prefill", "decode", "sweep"]
-    for section in [globals()[n] for n in names]:
+    for section in [SECTIONS[n] for n in names]:
         ts = time.time()
         try:
             section()

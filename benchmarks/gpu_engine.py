@@ -1,6 +1,8 @@
 """GPU benchmark and planner validation (issue: GPU path, exact memory planner, VRAM budgets).
 
     python benchmarks/gpu_engine.py [--out DIR] [--time-budget 540] [--budget-gib 6] [--smoke]
+    python benchmarks/gpu_engine.py --retrieval [--out DIR] [--contexts 32768,131056]
+        [--budget-gib 6] [--decode-tokens 64] [--retrieval-tokens 1024]
 
 One run, one H200, random weights built on the device (no download, no files):
   (a) planner vs measured: `plan_memory(...).peak_allocated_bytes` against the
@@ -16,7 +18,21 @@ One run, one H200, random weights built on the device (no download, no files):
   (d) a 6 GiB card emulated with set_per_process_memory_fraction (hisparse_cli.planner.vram): the
       4060ti-6g profile, 32K and 128K prompts, an 8B-shaped random AWQ INT4 model with host
       embeddings and a Llama-3.2-1B-shaped fp16 model, each run only if the planner says it fits.
+  (e) --awq-vs-fp16: the same 8B shape with fp16 and with AWQ INT4 (g128) weights, same sparse
+      settings, same prompts: prefill and decode tok/s and the INT4/fp16 ratios.
 Prints compact tables; writes $OUT/gpu_engine.json (OUT env or --out, default ./out).
+
+--retrieval (issue 41; BENCHMARKS.md): the retrieval tier vs eviction-only at the same resident
+KV, alone: a Llama-3-8B-shaped AWQ INT4 model, embeddings in host RAM, the --profile
+(4060ti-6g) in a --budget-gib card emulated with set_per_process_memory_fraction (0: the whole
+card). For each context, in the same run, two settings over the profile's:
+  eviction-only  the profile's window / globals, window widened by retrieval_tokens + the
+                 page-cache and summary bytes (the same resident KV; printed side by side)
+  retrieval      the profile's settings + retrieval_tokens (page cache = retrieval_tokens)
+Per run: prefill and decode tok/s, their ratios (retrieval / eviction-only), host->device bytes
+per decoded token (RunStats.bytes_to_cache over the decode), the page-cache hit rate, pages
+retrieved per step, the planner's device peak vs torch.cuda.max_memory_allocated and its host
+offload store vs the pinned bytes allocated. Writes $OUT/gpu_retrieval.json.
 Attention backend: Triton when kernels/attention/attention_triton.py imports and agrees with the torch
 reference on a smoke shape, else the torch reference (HISPARSE_BACKEND=torch), said loudly.
 Phases that would overrun --time-budget are skipped with the reason printed.
@@ -33,6 +49,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,6 +310,14 @@ def plan_for(cfg, sparse, ctx, new, backend, dev, **kw):
 
 
 GEN_EXTRA: dict = {}  # --cli-sampling: the CLI's default penalty and n-gram ban as well
+
+
+def cli_sampling() -> dict:
+    """The CLI's default repetition penalty and n-gram ban, as `generate` keywords."""
+    from hisparse_cli.cli.options import RunOptions
+
+    d = RunOptions()
+    return dict(repetition_penalty=d.repetition_penalty, no_repeat_ngram_size=d.no_repeat_ngram)
 
 
 def run_ours(model, cfg, sparse, ids, new, backend, dev, engine=None, **plan_kw) -> dict:
@@ -647,13 +672,112 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
     return rows
 
 
+def same_resident_eviction(sparse, cfg: ModelConfig, context: int):
+    """The eviction-only setting whose resident KV matches the retrieval one's: the window
+    widened by the page cache plus the page summaries' bytes, in tokens."""
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    pages = -(-context // sparse.block_size)
+    n_summ = 1 if sparse.retrieval_summary == "mean" else 2
+    summ = n_summ * cfg.num_hidden_layers * cfg.num_key_value_heads * pages * cfg.head_dim * 2
+    extra = sparse.page_cache_pages * sparse.block_size + summ // per_token
+    return replace(sparse, retrieval_tokens=0, window_size=sparse.window_size + extra)
+
+
+def phase_retrieval(a) -> list[dict]:
+    """--retrieval: eviction-only and retrieval rows per context, and their ratios."""
+    from hisparse_cli.engine.engine import Engine
+
+    dev = torch.device("cuda")
+    backend, why = pick_backend(dev)
+    log(f"backend {backend}: {why}")
+    calib = calibrate(dev)
+    prof = load_profile(a.profile)
+    base = prof.sparse_config(retrieval_tokens=a.retrieval_tokens)
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if a.budget_gib:
+        from hisparse_cli.planner.vram import allocator_cap_bytes, budget_fraction
+
+        total = torch.cuda.get_device_properties(dev).total_memory
+        ctx_b = calib.get("non_allocator_bytes_after_cublas") or 500 * MIB
+        cap = allocator_cap_bytes(int(a.budget_gib * GIB), card=True, context_bytes=ctx_b)
+        torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), index)
+    kw = dict(weight_format="awq-int4", embeddings_on_host=True,
+              budget_bytes=prof.vram_budget_bytes if a.budget_gib else None)
+    model = build_ours(cfg, dev, awq=True, host_emb=True)
+    run_ours(model, cfg, base, prompt(1024, cfg.vocab_size), 2, backend, dev, **kw)
+    rows = []
+    try:
+        for ctx in (int(c) for c in a.contexts.split(",")):
+            ids = prompt(ctx, cfg.vocab_size)
+            pair = {}
+            for name, sparse in (("eviction-only", same_resident_eviction(base, cfg, ctx)),
+                                 ("retrieval", base)):
+                eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                             backend=backend)
+                plan = plan_for(cfg, sparse, ctx, a.decode_tokens, backend, dev, **kw)
+                free_all(dev)
+                pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
+                    if hasattr(torch.cuda, "host_memory_stats") else None
+                res = eng.generate(ids, max_new_tokens=a.decode_tokens,
+                                   min_new_tokens=a.decode_tokens)
+                s = res.stats
+                row = {"setting": name, "context": ctx, "device": torch.cuda.get_device_name(dev),
+                       "window": sparse.window_size, "retrieval_tokens": sparse.retrieval_tokens,
+                       "prefill_tok_s": s.prefill_tok_s,
+                       "decode_tok_s": (s.new_tokens - 1) / s.decode_seconds,
+                       "peak_bytes": s.peak_memory_bytes,
+                       "predicted_peak_bytes": plan.peak_allocated_bytes,
+                       "device_error_pct": 100.0 * (plan.peak_allocated_bytes
+                                                    - s.peak_memory_bytes) / s.peak_memory_bytes,
+                       "kv_bytes_peak": s.kv_bytes_peak,
+                       "planned_kv_bytes_peak": plan.kv.kv_bytes_peak,
+                       "planned_host_offload_bytes": plan.offload_store_bytes,
+                       "pinned_bytes_before_run": pinned0,
+                       "pages_offloaded": s.pages_offloaded, "offload_bytes": s.offload_bytes,
+                       "cache_hit_rate": s.cache_hit_rate,
+                       "pages_retrieved_per_step": s.pages_retrieved_per_step,
+                       "bytes_to_cache": s.bytes_to_cache,
+                       "h2d_bytes_per_token": s.bytes_to_cache / (ctx + s.new_tokens),
+                       "cuda_graph": (res.extra or {}).get("cuda_graph"),
+                       "decode_kernel": (res.extra or {}).get("decode_kernel")}
+                eng.release_cached_state()
+                del eng
+                free_all(dev)
+                pair[name] = row
+                rows.append(row)
+                log(json.dumps(row, default=str))
+            ev, rt = pair["eviction-only"], pair["retrieval"]
+            rows.append({"setting": "ratio retrieval / eviction-only", "context": ctx,
+                         "decode": rt["decode_tok_s"] / ev["decode_tok_s"],
+                         "prefill": rt["prefill_tok_s"] / ev["prefill_tok_s"]})
+            log(json.dumps(rows[-1]))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+    return rows
+
+
+def retrieval_main(a) -> None:
+    """--retrieval alone: its rows into $OUT/gpu_retrieval.json and onto stdout."""
+    t0 = time.perf_counter()
+    rows = phase_retrieval(a)
+    out = Path(a.out or os.environ.get("OUT") or "out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_retrieval.json").write_text(json.dumps(
+        {"rows": rows, "seconds": time.perf_counter() - t0}, indent=2, default=str))
+    for r in rows:
+        print(json.dumps(r, default=str))
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default: $OUT or ./out)")
     ap.add_argument("--time-budget", type=float, default=540.0, help="seconds for the script")
     ap.add_argument("--reserve", type=float, default=100.0,
                     help="seconds kept for the bandwidth and budget phases")
-    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--contexts", default=None,
+                    help="default 8192,32768,131072; with --retrieval 32768,131056")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--budget-gib", type=float, default=6.0, help="card size for (d); 0: skip")
     ap.add_argument("--skip-static", action="store_true", help="skip the torch.compile peer")
@@ -688,7 +812,18 @@ def main() -> None:
     ap.add_argument("--cli-sampling", action="store_true",
                     help="decode with the CLI's default sampler settings (repetition penalty "
                     "1.1, no-repeat n-gram 8) instead of plain greedy")
+    ap.add_argument("--retrieval", action="store_true",
+                    help="run only the retrieval tier vs eviction-only at the same resident KV "
+                    "(writes gpu_retrieval.json)")
+    ap.add_argument("--profile", default="4060ti-6g", help="--retrieval: the sparse settings")
+    ap.add_argument("--retrieval-tokens", type=int, default=1024,
+                    help="--retrieval: the retrieval tier's tokens (and page cache)")
     a = ap.parse_args()
+    if a.contexts is None:
+        a.contexts = "32768,131056" if a.retrieval else "8192,32768,131072"
+    if a.retrieval:
+        retrieval_main(a)
+        return
     if a.ab_graph_sampler and not a.ab_env:
         a.ab_env = "HISPARSE_GRAPH_SAMPLER=" + a.ab_order
     a.ab_var, a.ab_values = None, ()
@@ -698,11 +833,7 @@ def main() -> None:
         if not a.ab_var or len(a.ab_values) < 2:
             ap.error(f"--ab-env wants VAR=A,B: got {a.ab_env!r}")
     if a.cli_sampling:
-        from hisparse_cli.cli.options import RunOptions
-
-        d = RunOptions()
-        GEN_EXTRA.update(repetition_penalty=d.repetition_penalty,
-                         no_repeat_ngram_size=d.no_repeat_ngram)
+        GEN_EXTRA.update(cli_sampling())
     out_dir = Path(a.out or os.environ.get("OUT") or "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

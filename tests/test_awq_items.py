@@ -288,7 +288,7 @@ def test_prepared_items_linear_equals_items_linear(m, chunk, monkeypatch):
 _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
-import awq_sm90_compile as c
+import sm90_compile as c
 from hisparse_cli.kernels.int4 import awq_items_triton as t
 for dt in ('*fp16', '*bf16'):
     k = c.compile_one(t._dequant_items_kernel, dict(it_ptr='*i32', s_ptr='*fp16', z_ptr='*u8',

@@ -790,7 +790,7 @@ def _extreme_x(packed, device, k, n):
 _COMPILE_PACKED = """
 import sys
 sys.path.insert(0, 'benchmarks')
-import awq_sm90_compile as c
+import sm90_compile as c
 from hisparse_cli.kernels.int4.awq_layout import GemvConfig
 for packed, m, partial in ((1, 1, False), (2, 2, True)):
     cfg = GemvConfig(block_n=32, block_kw=16, split=1, num_warps=1, num_stages=1, stream=2,

@@ -5,7 +5,7 @@ CPU: the host mirror of the kernel's parameter struct, the CTA ranges behind the
 buffer's size, why a model/run is refused, AWQLinear's item layout against its other layouts,
 and (where libnvrtc is found) that the kernel compiles for the GQA / hidden sizes it serves.
 GPU (H200): every decode step of small random INT4 Llamas through the kernel against the
-engine's layer-by-layer Triton step from the same state (benchmarks/gpu_cuda_decode.py's
+engine's layer-by-layer Triton step from the same state (benchmarks/gpu_decode.py bench's
 check), and an Engine.generate that runs it inside the CUDA graph.
 """
 
@@ -278,7 +278,7 @@ def test_attention_warps_follow_the_pages_a_unit():
 
 def _bench():
     spec = importlib.util.spec_from_file_location(
-        "gpu_cuda_decode", ROOT / "benchmarks" / "gpu_cuda_decode.py")
+        "gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

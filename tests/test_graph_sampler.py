@@ -162,7 +162,7 @@ assert not bad, bad
 _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
-import awq_sm90_compile as c
+import sm90_compile as c
 from hisparse_cli.kernels.sampling import argmax_triton as a
 from hisparse_cli.kernels.sampling import graph_sampler as g
 scratch = dict(vals_ptr='*fp32', idx_ptr='*i32', nan_ptr='*i32')

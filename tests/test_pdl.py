@@ -77,7 +77,7 @@ def test_gemv_config_pdl_field():
 _COMPILE = """
 import sys
 sys.path.insert(0, 'benchmarks')
-import awq_sm90_compile as c
+import sm90_compile as c
 from hisparse_cli.kernels.int4 import awq_gemv as ag
 from hisparse_cli.kernels.norm_rope import norm_rope_triton as nr
 from hisparse_cli.kernels.attention import store_kv_triton as sk
@@ -192,11 +192,11 @@ def test_pdl_gemv_waits_for_its_producer(prefetch, m, k, n):
 
 
 def test_profile_critical_path_charges_overlap_once():
-    """benchmarks/gpu_decode_profile.py: with PDL a kernel's profiled span starts at its early
+    """benchmarks/gpu_decode.py profile: with PDL a kernel's profiled span starts at its early
     launch, inside its predecessor's; the critical-path attribution charges each instant of
     device time to one kernel, so the parts add up to the busy time (gaps excluded)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_decode_profile import exclusive_us
+    from gpu_decode import exclusive_us
 
     spans = [("gemv", 5.0, 12.0), ("norm", 0.0, 10.0), ("rope", 12.0, 15.0),
              ("gemv", 20.0, 21.0), ("tiny", 13.0, 14.0)]  # inside rope: charged nothing

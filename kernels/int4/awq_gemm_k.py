@@ -22,14 +22,14 @@ emulation): per word, one LOP3 a nibble pair into the fp16 magic 1024 + q (1024 
 byte's upper nibble), one HADD2 / HFMA2 to the exact integer q - z, one HMUL2 by s: fp16
 (q - z) s rounded once, the same bits as the fp32 path above (whose q s - z s is exact in
 fp32 before its one rounding). sm_90 loop of the table's 1,024-token tile: 312 -> 221
-instructions (`awq_sm90_compile.py`); timed by `benchmarks/gpu_prefill_packed.sh`.
+instructions (`sm90_compile.py awq`); timed by `benchmarks/gpu_prefill_packed.sh`.
 Epilogue: + bias in fp32, one rounding to x's dtype. Program order: all token tiles of one
 column tile are consecutive, so a weight tile comes from DRAM once and from L2 after.
 
 Launch: awq_layout.gemm_config (a table by token bucket and N class; nothing tuned at run
 time: deterministic and CUDA-graph capturable; allocates only y). Written for Triton >= 3.0
 (3.6 on the H200): plain loads, tl.join/reshape/permute, tl.dot; no descriptors, no
-autotune. benchmarks/awq_sm90_compile.py compiles it for sm_90 without a GPU.
+autotune. benchmarks/sm90_compile.py awq compiles it for sm_90 without a GPU.
 """
 
 from __future__ import annotations

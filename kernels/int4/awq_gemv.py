@@ -30,7 +30,7 @@ fp32 (two HADD2.F32 and an FADD) and scaled by 64 s (128 s) into the fp32 accumu
 division keeps every lane sum below 65504 for any finite fp16 x (4 x 15/64 x 65504, 8 x
 15/128 x 65504); the price is at tiny x, where the products fall below fp16's normal range
 and keep 2^-25 absolute precision (x 64 or 128 in y's units). SASS for sm_90
-(`awq_sm90_compile.py --packed`), one 16-word step of a thread at 1 token: 471 instructions
+(`sm90_compile.py awq --packed`), one 16-word step of a thread at 1 token: 471 instructions
 on the fp32 path, 370 packed 1, 338 packed 2 (96 registers); at 4 tokens 1270 / 891 / 752.
 The two PTX blocks run only on CUDA (ASM); the CPU interpreter runs an fp16 emulation of them
 (_dequant_pairs_emulated, _dot_lanes_emulated) through the same Triton code around them.
@@ -54,7 +54,7 @@ slower in the engine (H200 run 73: INT4 decode -4.7 / -3.3 %) and is gone.
 
 Written for Triton >= 3.0 (3.6 on the H200, 3.9 locally and under TRITON_INTERPRET=1); PTX
 inline assembly only on the packed path; no descriptors or autotuning.
-benchmarks/awq_sm90_compile.py compiles it for sm_90 without a GPU.
+benchmarks/sm90_compile.py awq compiles it for sm_90 without a GPU.
 """
 
 from __future__ import annotations

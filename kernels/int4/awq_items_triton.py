@@ -27,7 +27,7 @@ from hisparse_cli.kernels.int4.awq_items import (GROUP, ITEM_WORDS, SCALES_WORD,
 from hisparse_cli.kernels.int4.awq_layout import DEQUANT_CHUNK_ELEMS, dequant_chunk
 from hisparse_cli.kernels.int4.awq_triton import GraphedDequant, _dequant_matmul
 
-# Row tiles per program (8: the whole item) and warps: for sm_90 (benchmarks/awq_sm90_compile.py)
+# Row tiles per program (8: the whole item) and warps: for sm_90 (benchmarks/sm90_compile.py)
 # 48 registers, no spills, 16-byte loads and stores, the K permutation through shared memory
 # (STS.128 + LDSM); 4 warps take 95 registers. Not yet timed on a GPU.
 BLOCK_RT = 8

@@ -16,7 +16,7 @@ Contract: identical to kernels/int4/awq_ref.py:awq_linear / awq_linear_k (the or
 for Triton >= 3.0 (checked with 3.6 on the H200 and 3.9 locally, also under
 TRITON_INTERPRET=1): plain loads, `tl.join`/`tl.reshape`/`tl.permute`, `tl.dot`,
 `tl.atomic_add`; no
-descriptors, no autotune, no inline assembly. benchmarks/awq_sm90_compile.py compiles them for
+descriptors, no autotune, no inline assembly. benchmarks/sm90_compile.py awq compiles them for
 sm_90 without a GPU.
 
 AWQ-layout unpacking: logical column n of a tile sits in word n // 8 at bit

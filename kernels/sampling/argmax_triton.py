@@ -1,7 +1,7 @@
 """Greedy decoding's token pick: the argmax of one logits row, optional ids suppressed, on the GPU.
 
 `torch.argmax` over a 128K-entry row is one single-pass reduction that took 27.6 us a token on
-the H200 (run 134, `gpu_decode_profile.py`: 1 % of an INT4 step, the largest kernel between
+the H200 (run 134, `gpu_decode.py profile`: 1 % of an INT4 step, the largest kernel between
 two decode graph replays); and a suppressed EOS (min_new_tokens) cost a clone and an
 index_fill before it. Here two small kernels do both: stage 1, one program per BLOCK entries,
 masks the suppressed ids and keeps its block's best (value, first index, first NaN index);

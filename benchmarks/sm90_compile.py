@@ -1,14 +1,24 @@
-"""Compile the K-major AWQ kernels and the item layout's dequantize for sm_90 without a GPU
-(Triton's bundled ptxas) and print registers, spills, shared memory and the SASS instruction
-mix of each configuration.
+"""Compile hisparse's Triton kernels for sm_90 without a GPU (Triton's bundled ptxas) and print
+registers, spills, shared memory and 16-byte loads/stores of each configuration.
 
-    python benchmarks/awq_sm90_compile.py [--sass-dir DIR] [--all | --packed]
+    python benchmarks/sm90_compile.py awq [--sass-dir DIR] [--all | --packed]
+    python benchmarks/sm90_compile.py norm-rope [--quick]
 
-Catches what the CPU interpreter accepts but the compiler refuses (e.g. constexpr rules of
-Triton 3.6) and shows whether loads/stores are 16 bytes wide and whether layouts convert
+Both catch what the CPU interpreter accepts but the compiler refuses (e.g. constexpr rules of
+Triton 3.6). Tests import this module (`compile_one`, `compile_gemv`, `report`, `GEMV_SIG`,
+`GEMV_ALIGNED`) and run `norm-rope --quick`.
+
+awq: the K-major AWQ kernels and the item layout's dequantize, with the SASS instruction mix
+of each configuration: whether loads/stores are 16 bytes wide and whether layouts convert
 through shared memory (LDS/STS/BAR in the GEMV loop mean a layout conversion). The fused
 prefill GEMM: the table's tiles (--all: every sweep candidate), HGMMA = wgmma on Hopper,
 LDGSTS = cp.async pipelined loads.
+
+norm-rope: the RMSNorm / residual-add + RMSNorm / RoPE (+ K/V store) / SiLU-mul kernels at
+the configurations the launchers pick for Llama-family shapes. Pointers and strides carry the
+16-divisibility Triton's launcher specializes on at run time (the model's row strides are
+multiples of 16). --quick: fp16 only. Exits non-zero on a failure or a kernel that spills
+(tests/test_norm_rope_kernels.py runs it).
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be JIT functions, not interpreted
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -34,6 +45,7 @@ from hisparse_cli.kernels.int4 import awq_items_triton as ait  # noqa: E402
 from hisparse_cli.kernels.int4 import awq_triton as at  # noqa: E402
 from hisparse_cli.kernels.int4.awq_layout import (GEMM_CANDIDATES, GEMM_TABLE,  # noqa: E402
                                              GEMV_CANDIDATES, GemvConfig)
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as nt  # noqa: E402
 
 OPS = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "I2F",
        "PRMT", "F2FP", "HFMA2", "HMUL2", "HADD2")
@@ -52,15 +64,21 @@ def compile_one(fn, sig: dict, consts: dict, warps: int, aligned: tuple[str, ...
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def report(name: str, k, sass_dir: Path | None) -> None:
+def disassemble(k, resources: bool = True) -> tuple[str, str]:
+    """(cuobjdump's resource usage, nvdisasm's SASS) of a compiled kernel."""
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(k.asm["cubin"])
         res = subprocess.run([str(bindir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-                             capture_output=True, text=True).stdout
+                             capture_output=True, text=True).stdout if resources else ""
         sass = subprocess.run([str(bindir / "nvdisasm"), str(cubin)], capture_output=True,
                               text=True).stdout
+    return res, sass
+
+
+def report(name: str, k, sass_dir: Path | None) -> None:
+    res, sass = disassemble(k)
     use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     ops = re.finditer(r"\b([A-Z][A-Z0-9]+)(?:\.[A-Z0-9.]+)?\s", sass)
     mix = collections.Counter(m.group(1) for m in ops if m.group(1) in OPS)
@@ -100,12 +118,7 @@ def compile_gemv(c: GemvConfig, m: int, partial: bool, group: int, dt: str):
 
 def _loop_body(k) -> str:
     """SASS of the kernel's first loop (label to its backward branch), '' if none."""
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([str(bindir / "nvdisasm"), str(cubin)], capture_output=True,
-                              text=True).stdout
+    _, sass = disassemble(k, resources=False)
     for m in re.finditer(r"BRA `\((\.L_x_\d+)\)", sass):
         label = m.group(1)
         start = sass.find(f"\n{label}:")
@@ -170,19 +183,11 @@ def gemv_candidates(every: bool) -> list[tuple[GemvConfig, int, bool]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sass-dir", type=Path)
-    ap.add_argument("--all", action="store_true",
-                    help="every GEMV candidate of gpu_awq.py --gemv-sweep (default: a few)")
-    ap.add_argument("--packed", action="store_true",
-                    help="only the GEMV's packed fp16 path (GemvConfig.packed 1, 2: its PTX "
-                         "inline assembly) at 1 and 2 tokens, with and without split-K, and "
-                         "the fp32 path's tile for comparison; prints the loop's length")
-    a = ap.parse_args()
+def awq(a) -> int:
+    """The AWQ kernels (args: sass_dir, all, packed)."""
     if a.packed:
         compile_packed(a.sass_dir)
-        return
+        return 0
     cands = [(c, m, p, 128, "*fp16") for c, m, p in gemv_candidates(a.all)]
     c0 = cands[0][0]
     cands += [(c0, 3, False, 128, "*bf16"), (c0, 1, True, 128, "*bf16"),  # bf16 activations
@@ -227,7 +232,96 @@ def main() -> None:
                              TILED=True, T=16), warps, gemm_aligned, stages)
         report(f"gemm {dt[1:]} g{group} bm{bm} bn{bn} bk{bk} w{warps} st{stages}"
                f"{' packed' if packed else ''}: loop {loop_length(k)}", k, a.sass_dir)
+    return 0
+
+
+# -- norm / RoPE ------------------------------------------------------------------------------
+DT = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+# as launched on sm_90 (kernels/pdl.py: a decode-chain kernel waits, then triggers)
+PDL = dict(PDL_WAIT=True, PDL_TRIGGER=True)
+
+
+def usage(k) -> tuple[int, int, int, int]:
+    """(registers, local bytes, LDG.128 count, STG.128 count) of a compiled kernel."""
+    res, sass = disassemble(k)
+    use = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    return (int(use.group(1)), int(use.group(4)), len(re.findall(r"LDG\.E\.128", sass)),
+            len(re.findall(r"STG\.E\.128", sass)))
+
+
+def aligned_args(sig: dict) -> tuple[str, ...]:
+    """The norm/RoPE kernels' 16-divisible arguments: pointers and strides."""
+    return tuple(n for n in sig if n.endswith("_ptr") or n.startswith("s"))
+
+
+def cases(quick: bool = False):
+    """(name, fn, signature, constexprs, num_warps) for each dtype and shape."""
+    for dt in ("fp16",) if quick else ("fp16", "bf16", "fp32"):
+        p = DT[dt]
+        for h in (64, 128, 2048, 4096, 5120, 8192):  # q/k heads (qwen3) .. hidden sizes
+            block, rows, warps = nt.norm_config(h)
+            for res in (False, True):
+                sig = {"x_ptr": p, "y_ptr": p, "w_ptr": p, "out_ptr": p, "sum_ptr": p,
+                       "R": "i32", "B": "i32", "sxa": "i32", "sxb": "i32", "sya": "i32",
+                       "syb": "i32", "eps": "fp32"}
+                yield (f"rms_norm{'+res' if res else ''} {dt} H={h}", nt._rms_norm, sig,
+                       dict(H=h, BLOCK_H=block, ROWS=rows, HAS_RES=res, **PDL), warps)
+        for heads, d in ((40, 128), (48, 128), (6, 64), (20, 96)):
+            bh, bd, warps = nt.rope_config(heads, d // 2)
+            sig = {"x_ptr": p, "cos_ptr": p, "sin_ptr": p, "out_ptr": p, "NH": "i32",
+                   "sxt": "i32", "sxh": "i32", "sct": "i32", "sst": "i32"}
+            yield (f"rope {dt} heads={heads} D={d}", nt._rope, sig,
+                   dict(HALF=d // 2, BLOCK_H=bh, BLOCK_D=bd, **PDL), warps)
+        for hq, hkv, d in ((32, 8, 128), (28, 4, 128), (9, 3, 64)):  # Llama-3-8B, Qwen2, SmolLM2
+            bh, bd, warps = nt.rope_config(hq + 2 * hkv, d // 2)
+            sig = {"qkv_ptr": p, "cos_ptr": p, "sin_ptr": p, "q_ptr": p, "kc_ptr": p,
+                   "vc_ptr": p, "slot_ptr": "*i64", "sxt": "i32", "sct": "i32", "sst": "i32",
+                   "stride_cb": "i32", "stride_cs": "i32", "stride_ch": "i32"}
+            yield (f"rope_store_kv {dt} {hq}/{hkv} D={d}", nt._rope_store_kv, sig,
+                   dict(HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_H=bh, BLOCK_D=bd, BS=16, **PDL),
+                   warps)
+        sig = {"gu_ptr": p, "INTER": "i32", "stride_t": "i32"}
+        yield (f"silu_mul {dt}", nt._silu_mul, sig, dict(BLOCK=nt.SILU_BLOCK, **PDL), 4)
+
+
+def norm_rope(a) -> int:
+    """The norm/RoPE kernels (args: quick)."""
+    bad = 0
+    for name, fn, sig, consts, warps in cases(a.quick):
+        try:
+            regs, local, ldg, stg = usage(compile_one(fn, sig, consts, warps, aligned_args(sig)))
+        except Exception as exc:  # noqa: BLE001 - report every failing configuration
+            print(f"{name:<36} FAILED: {type(exc).__name__}: {exc}")
+            bad += 1
+            continue
+        flag = "  SPILLS" if local else ""
+        bad += bool(local)
+        print(f"{name:<36} warps {warps:>2} regs {regs:>3} local {local} "
+              f"LDG.128 {ldg} STG.128 {stg}{flag}")
+    print("ok" if not bad else f"{bad} failing configuration(s)")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("awq", help="the K-major AWQ kernels, the item dequantize, the fused GEMM")
+    p.add_argument("--sass-dir", type=Path, help="write each configuration's SASS here")
+    p.add_argument("--all", action="store_true",
+                   help="every GEMV candidate of gpu_awq.py --gemv-sweep (default: a few)")
+    p.add_argument("--packed", action="store_true",
+                   help="only the GEMV's packed fp16 path (GemvConfig.packed 1, 2: its PTX "
+                        "inline assembly) at 1 and 2 tokens, with and without split-K, and "
+                        "the fp32 path's tile for comparison; prints the loop's length")
+    p.set_defaults(run=awq)
+    p = sub.add_parser("norm-rope", help="the RMSNorm / RoPE / K/V store / SiLU-mul kernels "
+                       "(exits 1 on a failure or a spill)")
+    p.add_argument("--quick", action="store_true", help="fp16 only")
+    p.set_defaults(run=norm_rope)
+    a = ap.parse_args()
+    return a.run(a)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
