@@ -8,6 +8,7 @@ with bootstrap intervals over documents. One subcommand a study:
     python3 benchmarks/quality_sparsity.py gpu --parts .gpu_a .gpu_b --wheels .whl \
         --docs-dir .gpu_docs --out "$OUT" --time-budget 420          # on the GPU machine
     python benchmarks/quality_sparsity.py retrieval --docs @FILE --max-tokens 7168 --out DIR
+    python benchmarks/quality_sparsity.py ceiling --docs @FILE --max-tokens 7168 --out DIR
     python benchmarks/quality_sparsity.py gguf-check M.gguf CONVERTED_FOLDER
 
 sweep, policies, rouge: CPU studies on a fixed eval_dev subset (the first --docs of SUBSET),
@@ -72,6 +73,18 @@ blocks at their peak + global/candidate/page-cache slots + page summaries):
   retrieval:      window=192,globals=16,chunk=64,retrieval_tokens=256
   eviction-only:  window=512,globals=32,chunk=64   (about the same resident KV)
 ROUGE and recall do not depend on timing, so SCHED_IDLE (contended) runs are fine.
+
+ceiling: the best attention recall any selection can reach at a resident budget (QUALITY.md,
+issue 41). One dense teacher-forced run a document (the eval's layout: the same 64 recall
+positions), then per layer, from the dense softmax at those positions
+(hisparse_cli/quality/metrics.py: recall_ceiling), for resident budgets T = --fractions of the
+tokens: window-only (sinks + the last T - sinks tokens), the token oracle (each query head's
+own best T - sinks keys besides the sinks: no selection of T keys per head does better), and
+the page oracle (sinks + a window of W, then the best (T - sinks - W) / 16 aligned 16-token
+pages per KV head for this very query, shared by its query heads: the most a page-retrieval
+tier of that budget can reach). Resident KV here counts keys only (no prefill chunk, no
+summaries), so the ceilings are generous. One JSON a document in --out (resumable); the pooled
+table has 95 % bootstrap intervals over documents.
 
 gguf-check: checks `gpu`'s plan B against hisparse's converter. Plan B (`gpu --converter
 plain`, or when hisparse's converter, transformers' GGUF reader, fails on the GPU machine's
@@ -603,6 +616,86 @@ def retrieval(a) -> None:
     (a.out / "pooled.json").write_text(json.dumps(summary, indent=2, default=str))
 
 
+def ceiling(a) -> None:
+    import torch
+
+    from hisparse_cli.config.settings import SparseConfig
+    from hisparse_cli.engine import Engine
+    from hisparse_cli.hub import resolve_model
+    from hisparse_cli.quality.capture import teacher_forced
+    from hisparse_cli.quality.dataset import LayoutConfig, build_layout, load_eval_documents
+    from hisparse_cli.quality.metrics import attention_probs, recall_ceiling
+    from hisparse_cli.scoring import bootstrap_ci
+
+    paths = ([Path(x) for x in Path(a.docs[1:]).read_text().split() if x] if a.docs.startswith("@")
+             else sorted(p for p in Path(a.docs).rglob("*.txt") if not p.name.endswith(".ref.txt")))
+    a.out.mkdir(parents=True, exist_ok=True)
+    fractions = [float(x) for x in a.fractions.split(",")]
+    windows = [int(x) for x in a.windows.split(",")]
+    eng = None
+    for doc in load_eval_documents(paths):
+        f = a.out / (doc.id.replace("/", "_") + ".json")
+        if f.exists():
+            continue
+        if eng is None:
+            torch.set_num_threads(a.threads)
+            eng = Engine.from_pretrained(Path(resolve_model(a.model)),
+                                         sparse=SparseConfig.dense_config())
+            hkv, scale = eng.cfg.num_key_value_heads, eng.cfg.head_dim ** -0.5
+        ids = eng.tokenizer(doc.text, verbose=False)["input_ids"]
+        lay = build_layout(ids, LayoutConfig(max_tokens=a.max_tokens))
+        if len(lay.ids) < a.min_tokens:
+            f.write_text(json.dumps({"doc": doc.id, "tokens": len(lay.ids), "rows": []}))
+            continue
+        started = time.perf_counter()
+        tr = teacher_forced(eng, lay.ids, SparseConfig.dense_config(),
+                            q_positions=lay.recall_positions, capture_qk=True)
+        q_pos = torch.tensor(tr.q_positions)
+        n = int(q_pos.max()) + 1
+        kpos = torch.arange(n)
+        causal = kpos[None, :] <= q_pos[:, None]
+        sink = causal & (kpos[None, :] < a.sinks)
+        per_layer: dict[tuple, list[float]] = {}
+        for layer in range(eng.cfg.num_hidden_layers):
+            p = attention_probs(tr.q[layer], tr.k[layer][:n], q_pos, scale)
+            for frac in fractions:
+                t = int(frac * len(lay.ids))
+                win = sink | (causal & (kpos[None, :] > q_pos[:, None] - (t - a.sinks)))
+                got = {"window-only": (p * win[:, None, :]).sum(-1).clamp(max=1.0),
+                       "token oracle": recall_ceiling(p, sink, t - a.sinks, hkv)}
+                for w in (w for w in windows if w + a.sinks < t):
+                    base = sink | (causal & (kpos[None, :] > q_pos[:, None] - w))
+                    got[f"page oracle, window {w}"] = recall_ceiling(
+                        p, base, t - a.sinks - w, hkv, page=a.page)
+                for method, r in got.items():
+                    per_layer.setdefault((frac, method), []).append(float(r.mean()))
+        rows = [{"fraction": frac, "tokens": int(frac * len(lay.ids)), "method": m,
+                 "recall": sum(v) / len(v), "recall_min_layer": min(v)}
+                for (frac, m), v in per_layer.items()]
+        f.write_text(json.dumps({"doc": doc.id, "tokens": len(lay.ids), "rows": rows,
+                                 "seconds": round(time.perf_counter() - started, 1)}))
+        print(f"# {doc.id}: {len(lay.ids)} tokens", file=sys.stderr, flush=True)
+    docs = [json.loads(f.read_text()) for f in sorted(a.out.glob("*.json")) if f.name != "pooled.json"]
+    docs = [d for d in docs if d["rows"]]
+    if not docs:
+        sys.exit("no documents")
+    pooled: dict[tuple, list[float]] = {}
+    for d in docs:
+        for r in d["rows"]:
+            pooled.setdefault((r["fraction"], r["method"]), []).append(r["recall"])
+    print(f"{len(docs)} documents of {min(d['tokens'] for d in docs)}-"
+          f"{max(d['tokens'] for d in docs)} tokens; mean attention recall over layers, query "
+          f"heads and the 64 recall positions; 95 % bootstrap over documents")
+    print("| resident (share of the tokens) | method | recall | documents |\n|---|---|---|---:|")
+    table = []
+    for (frac, method), v in sorted(pooled.items()):
+        mean, lo, hi = bootstrap_ci(v, n_resamples=2000)
+        table.append({"fraction": frac, "method": method, "mean": mean, "lo": lo, "hi": hi,
+                      "n": len(v)})
+        print(f"| {frac:.0%} | {method} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {len(v)} |")
+    (a.out / "pooled.json").write_text(json.dumps(table, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -657,6 +750,20 @@ def main() -> None:
                         "a 700-token document has no eviction to speak of")
     p.add_argument("--settings", nargs="*", default=[EVICTION, RETRIEVAL])
     p.set_defaults(run=retrieval)
+    p = sub.add_parser("ceiling", help="the best recall any selection reaches at a resident "
+                       "budget: window-only, token and page oracles (CPU)")
+    p.add_argument("--docs", required=True, help="@FILE (one path a line) or a folder")
+    p.add_argument("--max-tokens", type=int, default=7168)
+    p.add_argument("--min-tokens", type=int, default=4096)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="default")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fractions", default="0.05,0.08,0.10,0.15,0.25",
+                   help="resident budgets as shares of the document's tokens")
+    p.add_argument("--windows", default="64,128,256", help="the page oracle's windows")
+    p.add_argument("--page", type=int, default=16, help="page (KV block) size in tokens")
+    p.add_argument("--sinks", type=int, default=4)
+    p.set_defaults(run=ceiling)
     p = sub.add_parser("gguf-check", help="gpu's plan-B converter against hisparse's output")
     p.add_argument("gguf", help="the GGUF file")
     p.add_argument("converted", help="a folder hisparse's converter wrote from it")
