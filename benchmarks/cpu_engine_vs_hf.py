@@ -222,12 +222,12 @@ def _same(a: list[int], b: list[int]) -> str:
 
 # -- cli mode ------------------------------------------------------------------------------
 def cli_run(variant: str, doc: str, model: str, a) -> dict:
+    doc = str(Path(doc).resolve())  # every variant runs from another folder (below)
     if variant == "anchor":
         cmd = [sys.executable, str(ANCHOR), model, doc, "--max-new", str(a.new_tokens)]
     else:
         extra = {"default": [], "before": [], "dense": ["--dense"], "t1": ["--threads", "1"],
                  "t2": ["--threads", "2"]}[variant]
-        doc = str(Path(doc).resolve())
         cmd = [sys.executable, "-m", "hisparse_cli.cli.app", "summarize", doc, "--profile", "cpu",
                "--max-new-tokens", str(a.new_tokens), "--json", "--quiet", *extra]
     # `-m` imports from the cwd first: `before` runs from its tree; the others from outside the
