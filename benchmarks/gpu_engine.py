@@ -32,7 +32,9 @@ card). For each context, in the same run, two settings over the profile's:
 Per run: prefill and decode tok/s, their ratios (retrieval / eviction-only), host->device bytes
 per decoded token (RunStats.bytes_to_cache over the decode), the page-cache hit rate, pages
 retrieved per step, the planner's device peak vs torch.cuda.max_memory_allocated and its host
-offload store vs the pinned bytes allocated. Writes $OUT/gpu_retrieval.json.
+offload store vs the pinned bytes allocated. Each timed run follows an untimed one of the same
+setting (an 8K prefix, 4 tokens), so compilation and first captures stay out of the rows.
+Writes $OUT/gpu_retrieval.json.
 Attention backend: Triton when kernels/attention/attention_triton.py imports and agrees with the torch
 reference on a smoke shape, else the torch reference (HISPARSE_BACKEND=torch), said loudly.
 Phases that would overrun --time-budget are skipped with the reason printed.
@@ -713,6 +715,14 @@ def phase_retrieval(a) -> list[dict]:
             pair = {}
             for name, sparse in (("eviction-only", same_resident_eviction(base, cfg, ctx)),
                                  ("retrieval", base)):
+                # untimed first: an 8K prefix (long enough to evict and to retrieve) and a few
+                # tokens, so no Triton/NVRTC compilation or first capture lands in the row (a
+                # cold machine's first row paid ~25 s of it: BENCHMARKS.md)
+                warm = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                              backend=backend)
+                warm.generate(ids[:min(ctx, 8192)], max_new_tokens=4, min_new_tokens=4)
+                warm.release_cached_state()
+                del warm
                 eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                              backend=backend)
                 plan = plan_for(cfg, sparse, ctx, a.decode_tokens, backend, dev, **kw)
