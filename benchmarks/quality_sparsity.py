@@ -624,7 +624,7 @@ def ceiling(a) -> None:
     from hisparse_cli.hub import resolve_model
     from hisparse_cli.quality.capture import teacher_forced
     from hisparse_cli.quality.dataset import LayoutConfig, build_layout, load_eval_documents
-    from hisparse_cli.quality.metrics import attention_probs, recall_ceiling
+    from hisparse_cli.quality.metrics import attention_probs, kept_mask, recall_ceiling
     from hisparse_cli.scoring import bootstrap_ci
 
     paths = ([Path(x) for x in Path(a.docs[1:]).read_text().split() if x] if a.docs.startswith("@")
@@ -652,21 +652,21 @@ def ceiling(a) -> None:
                             q_positions=lay.recall_positions, capture_qk=True)
         q_pos = torch.tensor(tr.q_positions)
         n = int(q_pos.max()) + 1
-        kpos = torch.arange(n)
-        causal = kpos[None, :] <= q_pos[:, None]
-        sink = causal & (kpos[None, :] < a.sinks)
+
+        def kept(window: int) -> torch.Tensor:  # [S, N]: sinks + window, the engine's rule
+            return kept_mask(q_pos, n, a.sinks, window, None, 1)[:, 0]
+
+        sink = kept(0)
         per_layer: dict[tuple, list[float]] = {}
         for layer in range(eng.cfg.num_hidden_layers):
             p = attention_probs(tr.q[layer], tr.k[layer][:n], q_pos, scale)
             for frac in fractions:
                 t = int(frac * len(lay.ids))
-                win = sink | (causal & (kpos[None, :] > q_pos[:, None] - (t - a.sinks)))
-                got = {"window-only": (p * win[:, None, :]).sum(-1).clamp(max=1.0),
+                got = {"window-only": recall_ceiling(p, kept(t - a.sinks), 0, hkv),
                        "token oracle": recall_ceiling(p, sink, t - a.sinks, hkv)}
                 for w in (w for w in windows if w + a.sinks < t):
-                    base = sink | (causal & (kpos[None, :] > q_pos[:, None] - w))
                     got[f"page oracle, window {w}"] = recall_ceiling(
-                        p, base, t - a.sinks - w, hkv, page=a.page)
+                        p, kept(w), t - a.sinks - w, hkv, page=a.page)
                 for method, r in got.items():
                     per_layer.setdefault((frac, method), []).append(float(r.mean()))
         rows = [{"fraction": frac, "tokens": int(frac * len(lay.ids)), "method": m,

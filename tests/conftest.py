@@ -33,10 +33,11 @@ if importlib.util.find_spec("hisparse_cli.kernels") is None:  # kernels/ maps in
                 "-e . ; with the dependencies already there: python3 -m pip install --no-deps "
                 "--no-build-isolation -e .), PYTHONPATH alone does not map kernels/", 2)
 
-# GPU test groups, each within a ~6-minute device call (H100 2026-12-06: int4-k-a 203 s, int4-k-b 212 s, int4-rest 285 s; H200 run logs: test_awq_triton's
-# kernels_k_cuda cases took 205 s for the fp16 half and 249 s for the bf16 one, its
-# kernels_cuda cases 131 s, 64 of its 192 packed GEMV cases 64 s, the engine files 124-136 s). name -> (test files, predicate on the test's name); a gpu test
-# in no group is in "rest". Run one with `python3 -m pytest -q -m gpu tests --gpu-group NAME`.
+# GPU test groups, each within a ~6-minute device call (H100, 2026-12-06: int4-k-a 203 s,
+# int4-k-b 212 s, int4-rest 285 s; H200 run logs: test_awq_triton's kernels_k_cuda cases took
+# 205 s for the fp16 half and 249 s for the bf16 one, its kernels_cuda cases 131 s, 64 of its
+# 192 packed GEMV cases 64 s, the engine files 124-136 s). name -> (test files, predicate on
+# the test's name); a gpu test in no group is in "rest". Run one with `python3 -m pytest -q -m gpu tests --gpu-group NAME`.
 GPU_GROUPS = {
     "int4-k-a": (("test_awq_triton.py",),
                  lambda name: "kernels_k_cuda" in name and "dtype0" in name),

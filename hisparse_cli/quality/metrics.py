@@ -154,4 +154,5 @@ def token_fidelity(dense_logits: torch.Tensor, sparse_logits: torch.Tensor,
                         nll_sparse=float(-ls.gather(1, t).sum()))
 
 
-__all__ = ["kept_mask", "attention_probs", "attention_recall", "recall_ceiling", "FidelitySums", "token_fidelity"]
+__all__ = ["kept_mask", "attention_probs", "attention_recall", "recall_ceiling", "FidelitySums",
+           "token_fidelity"]
