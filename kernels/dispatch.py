@@ -96,27 +96,52 @@ class KernelBackend:
                       slot_mapping)
         return qk[:, :hq]
 
-    # -- retrieval tier: page summaries, page scoring + top-k, gather into cache slots -----
-    # (kernels/attention/page_score_ref.py has the contracts)
+    # -- retrieval tier: page summaries, page scoring + top-k, the page cache --------------
+    # (kernels/attention/page_score_ref.py and page_cache_ref.py have the contracts)
     def page_summary(self, pages, kind: str):
         from hisparse_cli.kernels.attention.page_score_ref import page_summary
 
         return page_summary(pages, kind)
 
+    def _pow2_heads(self, d: int) -> bool:
+        return self.attention == "triton" and d >= 16 and d & (d - 1) == 0
+
     def score_top_pages(self, q, lo, hi, k: int, scale: float):
         """[Hkv, k] best pages per KV head, ascending: Triton scoring (no [rows, pages]
         tensor) where the attention runs in Triton and the head size is a power of two."""
-        d = q.shape[-1]
-        if self.attention == "triton" and d >= 16 and d & (d - 1) == 0:
+        if self._pow2_heads(q.shape[-1]):
             from hisparse_cli.kernels.attention.page_score_triton import score_top_pages
         else:
             from hisparse_cli.kernels.attention.page_score_ref import score_top_pages
         return score_top_pages(q, lo, hi, k, scale)
 
-    def gather_pages(self, dst, src, heads, slots, rows) -> None:
-        from hisparse_cli.kernels.attention.page_score_ref import gather_pages
+    def page_scores_in_range(self, q, lo, hi, rng, scale: float):
+        """[Hkv, P] scores of the pages in the device range rng = (first, n) of whole summary
+        tables, -1 elsewhere (static shapes: the CUDA-graph decode step)."""
+        if self._pow2_heads(q.shape[-1]):
+            from hisparse_cli.kernels.attention.page_score_triton import page_scores_in_range
+        else:
+            from hisparse_cli.kernels.attention.page_score_ref import page_scores_in_range
+        return page_scores_in_range(q, lo, hi, rng, scale)
 
-        gather_pages(dst, src, heads, slots, rows)
+    def place_pages(self, picks, slot_page, slot_used, step, row_of_page, counts):
+        """Page-cache slots of a step's picks (LRU), on the device: fill_row [Hkv, S]."""
+        if self.attention == "triton":
+            from hisparse_cli.kernels.attention.page_cache_triton import place_pages
+        else:
+            from hisparse_cli.kernels.attention.page_cache_ref import place_pages
+        return place_pages(picks, slot_page, slot_used, step, row_of_page, counts)
+
+    def fill_page_slots(self, dst_k, dst_v, src_k, src_v, fill_row, slot_page, slot_used,
+                        step, gpos, pos_out) -> None:
+        """The missing pages copied into their slots and the slots' positions written."""
+        bs, d = dst_k.shape[2], dst_k.shape[3]
+        if self._pow2_heads(d) and bs & (bs - 1) == 0:
+            from hisparse_cli.kernels.attention.page_cache_triton import fill_page_slots
+        else:
+            from hisparse_cli.kernels.attention.page_cache_ref import fill_page_slots
+        fill_page_slots(dst_k, dst_v, src_k, src_v, fill_row, slot_page, slot_used, step, gpos,
+                        pos_out)
 
     # -- INT4 (AWQ GEMM layout) linear -----------------------------------------------------
     def awq_linear(self, x, qweight, qzeros, scales, bias, group_size, *, cpu_pack=None):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers_cli import run, show
 from helpers_tokenizer import make_tiny_model_dir
@@ -75,7 +76,15 @@ def test_plan_shows_the_offload_store(tiny):
     assert res.exit_code == 0, show(res)
     plan = json.loads(res.stdout)
     assert plan["offload_store_bytes"] > 0 and plan["host_bytes"] >= plan["offload_store_bytes"]
-    assert plan["execution"]["graph_decode"]["value"] == "off"
-    assert "retrieval tier" in plan["execution"]["graph_decode"]["reason"]
+    ex = plan["execution"]
+    assert ex["graph_decode"]["value"] == "on"  # the page cache is filled inside the graph
+    assert ex["decode_kernel"]["value"] == "layers", ex["decode_kernel"]
+    from hisparse_cli.engine import SparseConfig
+    from hisparse_cli.kernels.cuda.cuda_step import settings_unsupported
+
+    # the persistent kernel does not fill the page cache: an INT4 model decodes layer by layer
+    why = settings_unsupported(SparseConfig(retrieval_tokens=64), torch.float16)
+    assert "retrieval tier" in why
+    assert settings_unsupported(SparseConfig(), torch.float16) is None
     names = [i["name"] for i in plan["items"]]
     assert "kv.page_summaries" in names and "offload_store (host RAM)" in names

@@ -99,6 +99,37 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     assert static.stats.recalibrations == eager.stats.recalibrations > 0
 
 
+def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch):
+    """The retrieval tier in the decoder's step (its static form: pages scored over the whole
+    summary table with the offloaded range read from a device tensor, slots placed and filled
+    by the page-cache kernels, under the interpreter), uncaptured: the same tokens, offloads
+    and page-cache counters as the eager loop, which scores the host-known slice."""
+    from hisparse_cli.engine import GenerationConfig, SparseConfig
+    from hisparse_cli.engine import cuda_graph
+
+    monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "0")
+    eng = _cpu_engine(tmp_path)
+    eng.sparse = SparseConfig(**SPARSE, retrieval_tokens=32, page_cache_tokens=48)
+    ids = torch.randint(3, 256, (130,), generator=torch.Generator().manual_seed(7))
+    g = GenerationConfig(max_new_tokens=24, eos_token_ids=(), repetition_penalty=1.1)
+    eager = eng.generate(ids, gen=g)
+    init = cuda_graph.GraphDecoder.__init__
+    monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "capture": False}))
+    steps = []
+    body = cuda_graph.GraphDecoder._body
+    monkeypatch.setattr(cuda_graph.GraphDecoder, "_body",
+                        lambda self: steps.append(self.ctx.static) or body(self))
+    monkeypatch.setattr(eng, "_use_graph", lambda gen: True)
+    static = eng.generate(ids, gen=g)
+    assert steps and all(steps)
+    assert static.token_ids == eager.token_ids
+    for key in ("pages_offloaded", "pages_retrieved_per_step", "cache_hit_rate",
+                "bytes_to_cache"):
+        assert getattr(static.stats, key) == getattr(eager.stats, key), key
+    assert static.stats.pages_offloaded > 2 and 0 < static.stats.cache_hit_rate < 1
+
+
 def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):
     """HISPARSE_GRAPH_SAMPLER=1: the step samples itself (kernels/sampling/graph_sampler.py, its
     kernels under the interpreter) and writes the next token into its own input; uncaptured
@@ -253,6 +284,29 @@ def test_graph_greedy_equals_eager(tmp_path, monkeypatch, prompt, sampler):
     assert len(graph.token_ids) == 150
     assert graph.token_ids == eager.token_ids
     assert graph.stats.recalibrations == eager.stats.recalibrations > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt", [300, 700])
+def test_graph_with_retrieval_equals_eager(tmp_path, monkeypatch, prompt):
+    """The retrieval tier inside the captured decode graph (pages read from the pinned store by
+    the page-cache kernel, over PCIe): the same greedy tokens and page-cache counters as the
+    eager loop; a second generate of the same shape replays the kept graph and tier."""
+    from hisparse_cli.engine import SparseConfig
+
+    monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
+    eng = _engine(tmp_path, torch.float32)
+    eng.sparse = SparseConfig(**SPARSE, retrieval_tokens=64, page_cache_tokens=96)
+    ids = torch.randint(3, 256, (prompt,), generator=torch.Generator().manual_seed(prompt))
+    gen = dict(max_new_tokens=120, eos_token_ids=(), repetition_penalty=1.1)
+    graph, eager = _both(eng, ids, monkeypatch, **gen)
+    assert graph.extra.get("cuda_graph") == "new"
+    assert graph.token_ids == eager.token_ids
+    for key in ("pages_offloaded", "cache_hit_rate", "bytes_to_cache"):
+        assert getattr(graph.stats, key) == getattr(eager.stats, key), key
+    again = eng.generate(ids, **gen)
+    assert again.extra.get("cuda_graph") == "reused" and again.token_ids == graph.token_ids
+    assert again.stats.cache_hit_rate == graph.stats.cache_hit_rate
 
 
 @pytest.mark.gpu

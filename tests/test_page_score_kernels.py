@@ -1,7 +1,7 @@
 """Page scoring + top-k (kernels/attention/page_score_*.py) against brute force, over dtype x
 pages x budget: the reference equals an explicit loop over queries, heads and pages; the
 Triton kernel equals the reference (`gpu`; also on the CPU with TRITON_INTERPRET=1); the
-gather into cache slots is bit-exact."""
+ranged form (whole tables, a device range) equals the reference over the range's slice."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hisparse_cli.kernels.attention.page_score_ref import (gather_pages, page_scores,
+from hisparse_cli.kernels.attention.page_score_ref import (page_scores, page_scores_in_range,
                                                            page_summary, score_top_pages)
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -64,19 +64,6 @@ def test_top_pages_are_the_best_k(k):
         assert set(top[h].tolist()) == set(want[h].topk(k).indices.tolist())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gather_into_slots_is_bit_exact(dtype):
-    g = torch.Generator().manual_seed(1)
-    src = torch.randn(3, 20, 8, 16, generator=g).to(dtype)
-    seg = torch.zeros(3, 5 + 6 * 8, 16, dtype=dtype)  # globals, then 6 slots of 8
-    dst = seg[:, 5:].unflatten(1, (6, 8))
-    heads, slots, rows = (torch.tensor(x) for x in ([0, 2, 2, 1], [3, 0, 5, 3], [7, 19, 0, 7]))
-    gather_pages(dst, src.permute(0, 1, 2, 3), heads, slots, rows)
-    for h, s, r in zip(heads.tolist(), slots.tolist(), rows.tolist()):
-        assert torch.equal(seg[h, 5 + s * 8:5 + (s + 1) * 8], src[h, r])
-    assert int((seg != 0).any(-1).sum()) == 4 * 8  # nothing else written
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t,n,k", [(1, 37, 4), (16, 300, 16), (128, 1000, 32)])
@@ -110,3 +97,56 @@ def _check_triton(dtype, t, n, k, dev):
     got_top = tri_top(q, lo, hi, k, 0.25)
     assert (want.gather(1, got_top) >= want.gather(1, top).min(1, keepdim=True).values
             - 1e-3 * t).all()
+
+
+@pytest.mark.parametrize("t,total,first,n", [(1, 40, 3, 20), (2, 17, 0, 17), (1, 30, 5, 0),
+                                             (1, 9, 8, 1)])
+def test_ranged_reference_equals_the_slice(t, total, first, n):
+    """Whole tables and a device range: the pages in range score as page_scores over the
+    slice (the softmax over them alone), every other page -1 (no page in range: all -1)."""
+    q, lo, hi, _ = _inputs(t, total, torch.float32, "minmax", seed=total)
+    got = page_scores_in_range(q, lo, hi, torch.tensor([first, n]), 0.25)
+    want = torch.full((2, total), -1.0)
+    if n:
+        want[:, first:first + n] = page_scores(q, lo[:, first:first + n], hi[:, first:first + n],
+                                               0.25)
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("k", [1, 4, 12])
+def test_top_valid_pages_pads_with_minus_one(k):
+    from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
+
+    scores = torch.tensor([[-1.0, 0.5, 0.1, -1.0, 0.9, 0.0, -1.0, 0.3],
+                           [-1.0] * 8])
+    got = top_valid_pages(scores, k)
+    best = [i for i in sorted(range(8), key=lambda i: -scores[0, i]) if scores[0, i] >= 0][:k]
+    assert got[0].tolist() == sorted(best) + [-1] * (k - len(best))
+    assert got[1].tolist() == [-1] * k
+
+
+def _check_ranged(dtype, t, total, first, n, dev):
+    pytest.importorskip("triton")
+    from hisparse_cli.kernels.attention.page_score_triton import page_scores_in_range as tri
+
+    q, lo, hi, _ = _inputs(t, total, dtype, "minmax", device=dev, seed=total + t)
+    rng = torch.tensor([first, n], device=dev)
+    got = tri(q, lo, hi, rng, 0.25)
+    want = page_scores_in_range(q, lo, hi, rng, 0.25)
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-4 * t), (got - want).abs().max()
+    assert (got[:, :first] == -1).all() and (got[:, first + n:] == -1).all()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton interpreter on the CPU: TRITON_INTERPRET=1")
+@pytest.mark.parametrize("t,total,first,n", [(1, 150, 7, 100), (3, 70, 0, 70), (1, 40, 2, 0)])
+def test_triton_ranged_scores_interpreted(t, total, first, n):
+    _check_ranged(torch.float16, t, total, first, n, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,total,first,n", [(1, 2100, 1, 2000), (4, 600, 3, 597),
+                                             (1, 8200, 1, 8199), (1, 64, 1, 0)])
+def test_triton_ranged_scores_equal_the_reference(dtype, t, total, first, n):
+    _check_ranged(dtype, t, total, first, n, "cuda")

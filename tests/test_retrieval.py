@@ -1,7 +1,8 @@
 """The retrieval tier (engine/retrieval.py): attention over sinks ∪ window ∪ globals ∪ retrieved
 pages equals brute-force attention over exactly that set; a budget covering every page is dense
 attention; a planted long-range key is attended after eviction with retrieval and not without;
-offloaded pages round-trip bit-exactly (in place and copied); the page cache's hits and LRU."""
+offloaded pages round-trip bit-exactly (in place and copied). The page cache's LRU:
+tests/test_page_cache_kernels.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 
 from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.block_pool import BlockPool
-from hisparse_cli.engine.retrieval import PageCacheMap
 from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.kernels.dispatch import select_backend
@@ -199,16 +199,6 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype):
                 assert torch.equal(tier.hi[0, :, p], keys.amax(1).to(sdt))
 
 
-def test_page_cache_map_hits_and_lru():
-    m = PageCacheMap(3)
-    slots, miss = m.place([5, 7], step=1)
-    assert miss == [(slots[0], 5), (slots[1], 7)]
-    slots2, miss2 = m.place([7, 9], step=2)  # 7 hits; 9 takes the empty slot
-    assert miss2 == [(slots2[1], 9)] and slots2[0] == slots[1]
-    _, miss3 = m.place([9, 11], step=3)  # 11 evicts the least recently used: 5 (step 1)
-    assert miss3[0][0] == slots[0] and 5 not in m.slot_of and {7, 9, 11} == set(m.slot_of)
-
-
 def test_settings_validation():
     with pytest.raises(ConfigError, match="page_cache_tokens"):
         SparseConfig(retrieval_tokens=64, page_cache_tokens=32)
@@ -267,11 +257,14 @@ def test_planner_bytes_equal_a_cpu_run(tiny_models, summary):
     with run:
         c, t = run.cache, run.retrieval
         tensors = [c.k, c.v, c.score, c.sk, c.sv, c.spos, c.smass, c.sseen, c.ck, c.cv, c.cpos,
-                   c.cmass, c.cseen, t.lo, t.pos_offsets] + ([t.hi] if summary == "minmax" else [])
+                   c.cmass, c.cseen, t.lo, t.row_of_page, t.range, t.slot_page, t.slot_used,
+                   t.step, t.counts, t.step_base, t.pick_ids] + (
+            [t.hi] if summary == "minmax" else [])
         allocated = sum(x.untyped_storage().nbytes() for x in tensors)
     planned = sum(items.get(n, 0) for n in ("kv.paged_kv", "kv.importance_scores",
                                              "kv.global_and_page_cache_slots",
-                                             "kv.candidate_slots", "kv.page_summaries"))
+                                             "kv.candidate_slots", "kv.page_summaries",
+                                             "kv.page_cache_state"))
     assert allocated == planned
     # the offloaded pages at the end: the planner's replay and the run's store agree
     assert res.stats.offload_bytes == plan.offload_bytes > 0

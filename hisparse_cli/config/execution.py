@@ -122,17 +122,14 @@ def _backend(device: str, prefer: str | None, env: Environment) -> tuple[KernelB
 
 def _graph_decode(device: str, kernels: KernelBackend, env: Environment,
                   sparse: SparseConfig | None = None) -> Choice:
-    """Engine CUDA-graph decode: CUDA with Triton attention, unless HISPARSE_CUDA_GRAPH=0 or
-    the retrieval tier is on (its page choice is host bookkeeping read back every step)."""
+    """Engine CUDA-graph decode: CUDA with Triton attention, unless HISPARSE_CUDA_GRAPH=0
+    (the retrieval tier's page choice and copies are device work inside the graph)."""
     if device != "cuda":
         return Choice(False, "CUDA-graph decode is off (not a CUDA device)")
     if kernels.attention != "triton":
         return Choice(False, "CUDA-graph decode is off (torch attention kernels)")
     if not env.cuda_graph:
         return Choice(False, "CUDA-graph decode is off (HISPARSE_CUDA_GRAPH=0)")
-    if sparse is not None and sparse.retrieval:
-        return Choice(False, "CUDA-graph decode is off: the retrieval tier picks and copies "
-                             "pages on the host every step (eager decode, layer kernels)")
     return Choice(True, "CUDA with Triton attention: each decode step replays a captured graph")
 
 

@@ -7,8 +7,9 @@ The KV storage was allocated once at the run's start (at its working-set bound; 
 grows) and global/candidate slots are updated in place, so captured pointers stay valid; the
 Engine keeps storage, decoder and graph for the next generate of the same shapes (`rebind`,
 engine/decode_state.py), whose first step then replays instead of capturing. Host
-bookkeeping (block table, eviction, recalibration) runs between replays as plain Python plus
-eager tensor ops; per-step inputs travel in one pinned-memory copy. Sampling stays on the
+bookkeeping (block table, eviction, recalibration, the retrieval tier's offloads) runs between
+replays as plain Python plus eager tensor ops; the retrieval tier's page choice and copies run
+inside the graph (engine/retrieval.py, its static form); per-step inputs travel in one pinned-memory copy. Sampling stays on the
 device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
 no host synchronisation per token. With the input embedding table in host memory (the
 tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/cuda/host_rows.py),
@@ -58,8 +59,14 @@ class GraphStepContext(StepContext):
         self.slots, self.block_ids, self.block_starts = slots, block_ids, block_starts
         self.memo = None
         self.wants_hidden = run.token_scorer is not None
-        assert run.retrieval is None, "graph decode does not run the retrieval tier"
-        self.window = run.seq.window  # (the retrieval tier's per-step window never applies)
+        self.window = run.seq.window
+        if run.retrieval is not None and self.window is not None:
+            # the eager step's window reaches back to its first window block's start (every
+            # key of a listed block is seen: it is not retrievable until it is evicted); its
+            # widest, window + bs - 1, shows exactly the listed blocks at every position
+            self.window += run.sparse.block_size - 1
+
+    static = True  # the retrieval tier's static-shape form: the same kernels every step
 
 
 class GraphDecoder:
@@ -159,6 +166,7 @@ class GraphDecoder:
                 and run.track_scores == old.track_scores
                 and run.score_kwargs == old.score_kwargs
                 and run.token_scorer is old.token_scorer
+                and run.retrieval is old.retrieval  # (kept with the cache, reset: its buffers)
                 and (run.seq.sinks, run.seq.window) == (old.seq.sinks, old.seq.window)):
             return False
         for done in self.copied:
@@ -185,6 +193,7 @@ class GraphDecoder:
         tokens); otherwise only the position and the slot are written."""
         run, seq = self.run, self.run.seq
         p = seq.num_tokens
+        run.begin_step()  # the retrieval tier: after the last offload copy; the step's number
         new = seq.append(1)
         if new:
             assert run.pool.capacity <= run.cache.capacity, "block ids past the KV storage"
@@ -306,14 +315,7 @@ class GraphDecoder:
         return out
 
     def _after_step(self) -> None:
-        run = self.run
-        start = run.seq.num_tokens - 1
-        evicted = run.seq.evict()
-        if evicted:
-            run.cache.evict_to_candidates([e.physical for e in evicted], [e.start for e in evicted])
-        if run.cache.G and run.seq.recalibration_due(start, start + 1):
-            run.cache.recalibrate()
-            run.seq.recalibrations += 1
+        self.run.end_step(self.run.seq.num_tokens - 1, 1)
 
     def _scores_snapshot(self):
         c = self.run.cache

@@ -7,7 +7,9 @@ candidates / scores, window, sinks, importance) takes the kept cache, reset in p
 cache's contents, and binds its new BlockPool and SparseSequence to it; when the padded block
 list length and the kernel arguments also match (`GraphDecoder.rebind`), its first decode step
 replays the kept graph: no warm-up, no capture. Any other shape frees the kept state before
-the new storage is allocated, so memory never holds two. Sampling stays outside the graph, so
+the new storage is allocated, so memory never holds two. The retrieval tier's device state and
+pinned store are kept the same way (`take_tier`), so a kept graph that reads them replays and
+the store is not pinned again. Sampling stays outside the graph, so
 sampler settings never prevent reuse.
 """
 
@@ -21,6 +23,16 @@ class DecodeState:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.decoder: GraphDecoder | None = None
+        self.tier = None  # the run's RetrievalTier (engine/retrieval.py), kept with the cache
+
+    def take_tier(self, args: dict):
+        """The kept retrieval tier, reset, when it was made with `args` for the kept cache;
+        else None (and it is dropped: the run makes its own)."""
+        tier, self.tier = self.tier, None
+        if tier is None or tier.cache is not self.cache or tier.args != args:
+            return None
+        tier.reset()
+        return tier
 
     def take_cache(self, spec: dict) -> PagedKVCache | None:
         """The kept cache, reset, when its shape is `spec`; else None (the caller frees this
@@ -51,4 +63,5 @@ class DecodeState:
 
     def release(self) -> None:
         self.release_decoder()
+        self.tier = None
         self.cache = None  # type: ignore[assignment]  # the storage goes with the last reference

@@ -215,12 +215,15 @@ class Engine:
         pool = BlockPool(self.pool_cap_blocks)
         run = KVRun(self.cfg, self.sparse, self.device, self.kv_dtype, self.backend, pool,
                     token_scorer=self.probe, total_tokens=total_tokens, chunk=chunk,
-                    cache_source=self._kept_cache if reuse else None)
+                    cache_source=self._kept_cache if reuse else None,
+                    tier_source=self._kept_tier if reuse else None)
         run.trace = self.step_trace
         if reuse and (self._decode_state is None or self._decode_state.cache is not run.cache):
             from hisparse_cli.engine.decode_state import DecodeState
 
             self._decode_state = DecodeState(run.cache)
+        if reuse:
+            self._decode_state.tier = run.retrieval
         return run, pool
 
     def _kept_cache(self, spec: dict):
@@ -229,6 +232,10 @@ class Engine:
         if cache is None:
             self.release_cached_state()  # before the new storage is allocated
         return cache
+
+    def _kept_tier(self, args: dict):
+        state = self._decode_state
+        return state.take_tier(args) if state is not None else None
 
     def release_cached_state(self) -> None:
         """Free the KV storage, decode graph and static buffers kept from the last CUDA-graph
@@ -349,9 +356,8 @@ class Engine:
         """CUDA-graph decode, as the execution plan says: CUDA + Triton attention (with a
         host-resident embedding table too: the graph then starts after the lookup), unless
         HISPARSE_CUDA_GRAPH=0."""
-        # (a view of the engine with other settings, quality/capture.py:engine_with, keeps
-        # the plan it was made with: the retrieval tier decodes eagerly whatever it says)
-        return bool(self.execution.graph_decode.value) and not self.sparse.retrieval
+        # (the retrieval tier decodes in the graph too: its page cache is device-resident)
+        return bool(self.execution.graph_decode.value)
 
     def _stopped(self, out: list[int], gen: GenerationConfig) -> bool:
         if not gen.stop_strings:

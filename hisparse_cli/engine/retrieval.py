@@ -12,17 +12,25 @@ Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, 
 float16 for a float32 cache: a ranking needs no more) is written to resident memory then.
 
 Every step, for every layer, before its attention: the step's queries score the offloaded
-pages against their summaries (kernels/attention/page_score_ref.py: the largest bound over
-the queries and the query heads of each KV head), and each KV head takes its best
-`retrieval_pages`. Each KV head has a page cache of `page_cache_pages` slots in the layer's
-extra key segment ([Hkv, G + S * bs, D]: the globals, then the slots; engine/kv_cache.py), the
-segment every attention kernel already reads beside the paged blocks. A page already in a slot
-is a hit; a miss is copied into the least recently used slot not needed this step (gather:
-store -> slot). Slot positions say what each query sees: the pages chosen this step at their
-real positions, every other slot -1 (masked), and a position that is also one of the KV
-head's globals masked too (the same key never counts twice in a softmax). The attended set of
-a step is then sinks ∪ the step's window blocks ∪ globals ∪ the retrieved pages; with a
-budget covering every page it is every key: dense attention.
+pages against their summaries (kernels/attention/page_score_ref.py: each page's estimated
+attention mass summed over the queries and the query heads of each KV head), and each KV head
+takes its best `retrieval_pages`. Each KV head has a page cache of `page_cache_pages` slots in
+the layer's extra key segment ([Hkv, G + S * bs, D]: the globals, then the slots;
+engine/kv_cache.py), the segment every attention kernel already reads beside the paged blocks.
+A page already in a slot is a hit; a miss is copied into the least recently used slot not
+needed this step (store -> slot; on CUDA the kernel reads the pinned store at its mapped
+address). Slot positions say what each query sees: the pages chosen this step at their real
+positions, every other slot -1 (masked), and a position that is also one of the KV head's
+globals masked too (the same key never counts twice in a softmax). The attended set of a step
+is then sinks ∪ the step's window blocks ∪ globals ∪ the retrieved pages; with a budget
+covering every page it is every key: dense attention.
+
+Device-resident: picks, slot choice (kernels/attention/page_cache_*.py), the copy and the
+counters stay on the device; the host only knows which pages are offloaded (it evicted them)
+and mirrors that range into a device tensor. A step therefore never waits for the device, and
+a decode step is captured in a CUDA graph (`prepare(static=True)`: the scoring then runs over
+the whole summary table with the range read on the device). The counters are read once, by
+`stats` at the end of a run (and per step only for `--trace`).
 """
 
 from __future__ import annotations
@@ -57,43 +65,16 @@ class RetrievalStats:
                 "bytes_to_cache": self.bytes_to_cache, "bytes_offloaded": self.bytes_offloaded}
 
 
-class PageCacheMap:
-    """Host bookkeeping of one (layer, KV head)'s page-cache slots: which page each slot holds
-    and when it was last picked (LRU among the slots a step does not need). Plain Python."""
-
-    __slots__ = ("page", "slot_of", "used")
-
-    def __init__(self, slots: int) -> None:
-        self.page = [-1] * slots
-        self.slot_of: dict[int, int] = {}
-        self.used = [-1] * slots
-
-    def place(self, pages: list[int], step: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Slots of `pages` (len <= slots) and the misses [(slot, page)] to copy in."""
-        want = set(pages)
-        slots, misses = [], []
-        free = sorted((s for s in range(len(self.page)) if self.page[s] not in want),
-                      key=lambda s: self.used[s], reverse=True)  # LRU last: pop() takes it
-        for p in pages:
-            s = self.slot_of.get(p)
-            if s is None:
-                s = free.pop()
-                old = self.page[s]
-                if old >= 0:
-                    del self.slot_of[old]
-                self.page[s], self.slot_of[p] = p, s
-                misses.append((s, p))
-            self.used[s] = step
-            slots.append(s)
-        return slots, misses
-
-
 class RetrievalTier:
     """Offload store + page summaries + page cache of one run (module doc)."""
 
     def __init__(self, cache: PagedKVCache, *, max_pages: int, retrieval_pages: int,
                  cache_pages: int, summary: str, in_place: bool, backend) -> None:
+        assert cache_pages >= retrieval_pages > 0, (cache_pages, retrieval_pages)
         self.cache, self.backend, self.kind = cache, backend, summary
+        self.args = dict(max_pages=max_pages, retrieval_pages=retrieval_pages,
+                         cache_pages=cache_pages, summary=summary, in_place=in_place,
+                         backend=backend)  # what a kept tier must match to serve a new run
         self.L, self.H, self.D, self.bs = cache.L, cache.H, cache.D, cache.bs
         self.R, self.S = retrieval_pages, cache_pages
         self.max_pages, self.in_place = max_pages, in_place
@@ -102,9 +83,6 @@ class RetrievalTier:
         sdt = torch.float16 if dt == torch.float32 else dt  # summaries: 2 bytes a channel
         self.lo = torch.zeros(shape, dtype=sdt, device=dev)
         self.hi = self.lo if summary == "mean" else torch.zeros(shape, dtype=sdt, device=dev)
-        self.row = [-1] * max_pages  # logical page -> row of the store (in place: block id)
-        self.offloaded: list[int] = []  # logical pages in the store, in eviction order
-        self.first_page = 0  # the lowest logical page ever offloaded (sink blocks are below)
         cuda = dev.type == "cuda"
         if in_place:
             self.store_k = self.store_v = None
@@ -113,13 +91,38 @@ class RetrievalTier:
             self.store_k = torch.zeros(host, dtype=dt, pin_memory=cuda)
             self.store_v = torch.zeros(host, dtype=dt, pin_memory=cuda)
         self.side = torch.cuda.Stream(dev) if cuda and not in_place else None
-        self.offload_done = None  # event: the last offload copy finished reading the blocks
-        self.maps = [[PageCacheMap(self.S) for _ in range(self.H)] for _ in range(self.L)]
-        self.stats = RetrievalStats()
-        self.step_no = 0
-        self.step_picks = self.step_hits = self.step_bytes = 0  # of the current step (trace)
+        # device state (kernels/attention/page_cache_ref.py has the layouts)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.row_of_page = torch.full((max_pages,), -1, **i64)  # page -> store row / block id
+        self.range = torch.zeros(2, **i64)  # (first offloaded page, pages offloaded)
+        self.slot_page = torch.full((self.L, self.H, self.S), -1, **i64)
+        self.slot_used = torch.full((self.L, self.H, self.S), -1, **i64)
+        self.step = torch.zeros(1, **i64)  # the step number slot_used compares with
+        self.counts = torch.zeros(3, **i64)  # picks, hits, misses over the run
+        self.step_base = torch.zeros(3, **i64)  # counts when the current step began (trace)
+        self.pick_ids = torch.arange(self.R, **i64)
         self.seg_base = cache.G  # first slot column of the page cache in the key segment
-        self.pos_offsets = torch.arange(self.bs, device=dev)
+        self._start_host_state()
+
+    def _start_host_state(self) -> None:
+        self.row = [-1] * self.max_pages  # logical page -> row of the store (in place: block)
+        self.offloaded: list[int] = []  # logical pages in the store, in eviction order
+        self.first_page = 0  # the lowest logical page ever offloaded (sink blocks are below)
+        self.offload_done = None  # event: the last offload copy finished reading the blocks
+        self.step_no = 0
+        self.steps = 0  # steps that had offloaded pages
+        self.pages_offloaded = self.bytes_offloaded = 0
+
+    def reset(self) -> None:
+        """In place, a new tier's state (the same device tensors, so a captured decode graph
+        that reads them stays valid: Engine keeps the tier with the KV cache)."""
+        if self.offload_done is not None:
+            self.offload_done.synchronize()
+        for t in (self.row_of_page, self.slot_page, self.slot_used):
+            t.fill_(-1)
+        for t in (self.range, self.step, self.counts, self.step_base):
+            t.zero_()
+        self._start_host_state()
 
     # -- sizes -----------------------------------------------------------------------------
     def summary_bytes(self) -> int:
@@ -135,6 +138,25 @@ class RetrievalTier:
         if self.store_k is None:
             return 0
         return 2 * self.store_k.numel() * self.store_k.element_size()
+
+    # -- counters ----------------------------------------------------------------------------
+    @property
+    def stats(self) -> RetrievalStats:
+        """The run's counters (reads the device's: one synchronisation)."""
+        picks, hits, misses = self.counts.tolist()
+        return RetrievalStats(pages_offloaded=self.pages_offloaded, steps=self.steps,
+                              pages_retrieved=picks, hits=hits, misses=misses,
+                              bytes_to_cache=misses * self._slot_page_bytes(),
+                              bytes_offloaded=self.bytes_offloaded)
+
+    def _slot_page_bytes(self) -> int:
+        """K and V bytes of one (layer, KV head) page: what one miss copies."""
+        return 2 * self.bs * self.D * self.cache.k.element_size()
+
+    def step_counts(self) -> tuple[int, int, int]:
+        """(picks, hits, bytes copied) of the current step (--trace; waits for the device)."""
+        picks, hits, misses = (self.counts - self.step_base).tolist()
+        return picks, hits, misses * self._slot_page_bytes()
 
     # -- offload -----------------------------------------------------------------------------
     def offload(self, physical: list[int], pages: list[int]) -> None:
@@ -154,25 +176,34 @@ class RetrievalTier:
             self.hi.index_copy_(2, pg, hi.to(self.hi.dtype))
         if self.in_place:
             rows = physical
+            self.row_of_page.index_copy_(0, pg, ids)
         else:
             rows = pages
+            self.row_of_page.index_copy_(0, pg, pg)
             self._copy_out(ids, pages)
-            self.stats.bytes_offloaded += len(pages) * self.page_bytes()
+            self.bytes_offloaded += len(pages) * self.page_bytes()
         for p, r in zip(pages, rows):
             self.row[p] = r
         if not self.offloaded:
             self.first_page = pages[0]
+            self.range[0].fill_(self.first_page)  # a scalar kernel argument: no copy, no wait
         self.offloaded += pages
-        self.stats.pages_offloaded += len(pages)
+        self.range[1].fill_(len(self.offloaded))
+        self.pages_offloaded += len(pages)
 
     def _copy_out(self, ids: torch.Tensor, pages: list[int]) -> None:
         cache, side = self.cache, self.side
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(cache.device))
             ids.record_stream(side)  # made on the main stream, read on the side stream
+        run = pages == list(range(pages[0], pages[0] + len(pages)))  # one copy for a run
         with torch.cuda.stream(side) if side is not None else _nullcontext():
             for src, dst in ((cache.k, self.store_k), (cache.v, self.store_v)):
                 blocks = src.index_select(1, ids).permute(0, 3, 1, 2, 4)  # [L, Hkv, n, bs, D]
+                if run:
+                    dst[:, :, pages[0]:pages[0] + len(pages)].copy_(
+                        blocks, non_blocking=side is not None)
+                    continue
                 for j, p in enumerate(pages):
                     dst[:, :, p].copy_(blocks[:, :, j], non_blocking=side is not None)
             if side is not None:
@@ -180,90 +211,59 @@ class RetrievalTier:
                 self.offload_done.record(side)
 
     def wait_offload(self) -> None:
-        """Order the current stream's next writes after the last offload copy (CUDA)."""
+        """Order the current stream's next work after the last offload copy (CUDA): writes into
+        the freed blocks, and the page-cache kernels' reads of the store."""
         if self.offload_done is not None:
             torch.cuda.current_stream(self.cache.device).wait_event(self.offload_done)
 
     # -- retrieval ---------------------------------------------------------------------------
     def begin_step(self) -> None:
         self.step_no += 1
-        self.step_picks = self.step_hits = self.step_bytes = 0
+        self.step.add_(1)
+        self.step_base.copy_(self.counts)
         if self.offloaded:
-            self.stats.steps += 1
+            self.steps += 1
 
-    def select(self, layer: int, q: torch.Tensor) -> list[list[int]]:
-        """The pages each KV head of `layer` attends this step ([Hkv] lists, ascending)."""
-        n = len(self.offloaded)
+    def select(self, layer: int, q: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """[Hkv, R] int64: the pages each KV head of `layer` attends this step, ascending, then
+        -1. static: scored over the whole summary table with the offloaded range read on the
+        device (the same shapes every step: a CUDA graph captures it)."""
+        scale = self.D ** -0.5
+        if static:
+            from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
+
+            scores = self.backend.page_scores_in_range(q, self.lo[layer], self.hi[layer],
+                                                       self.range, scale)
+            return top_valid_pages(scores, self.R)
+        n, lo = len(self.offloaded), self.first_page  # the contiguous range [lo, lo + n)
         if n <= self.R:  # the budget covers every offloaded page: no scoring
-            return [list(self.offloaded)] * self.H
-        lo = self.first_page  # offloaded pages are the contiguous range [lo, lo + n)
+            ids = self.pick_ids
+            return torch.where(ids < n, ids + lo, -1).expand(self.H, -1).contiguous()
         top = self.backend.score_top_pages(q, self.lo[layer, :, lo:lo + n],
-                                           self.hi[layer, :, lo:lo + n], self.R, self.D ** -0.5)
-        return (top + lo).tolist()
+                                           self.hi[layer, :, lo:lo + n], self.R, scale)
+        return (top + lo).contiguous()
 
-    def prepare(self, layer: int, q: torch.Tensor) -> None:
-        """Fill `layer`'s page-cache slots and their positions for the step's queries q."""
-        if not self.offloaded:
+    def prepare(self, layer: int, q: torch.Tensor, static: bool = False) -> None:
+        """Fill `layer`'s page-cache slots and their positions for the step's queries q, all
+        on the device (static: see `select`; it runs even before any page is offloaded)."""
+        if not static and not self.offloaded:
             return
         cache = self.cache
-        picks = self.select(layer, q)
-        maps = self.maps[layer]
-        base = [-1] * (self.H * self.S)
-        heads, slots, rows = [], [], []
-        for h in range(self.H):
-            got, misses = maps[h].place(picks[h], self.step_no)
-            for s, p in zip(got, picks[h]):
-                base[h * self.S + s] = p * self.bs
-            for s, p in misses:
-                heads.append(h)
-                slots.append(s)
-                rows.append(self.row[p])
-        n_pick = sum(len(p) for p in picks)
-        self.step_picks += n_pick
-        self.step_hits += n_pick - len(heads)
-        self.stats.pages_retrieved += n_pick
-        self.stats.misses += len(heads)
-        self.stats.hits += n_pick - len(heads)
-        if heads:
-            moved = len(heads) * 2 * self.bs * self.D * cache.k.element_size()
-            self.step_bytes += moved
-            self.stats.bytes_to_cache += moved
-            self._gather(layer, heads, slots, rows)
-        self._positions(layer, base)
+        picks = self.select(layer, q, static)
+        sp, su = self.slot_page[layer], self.slot_used[layer]
+        fill = self.backend.place_pages(picks, sp, su, self.step, self.row_of_page, self.counts)
+        if self.in_place:  # the layer's storage [cap, bs, Hkv, D] seen per head
+            src_k, src_v = (t[layer].permute(2, 0, 1, 3) for t in (cache.k, cache.v))
+        else:
+            src_k, src_v = self.store_k[layer], self.store_v[layer]
+        dst_k, dst_v = (self._slot_view(t[layer]) for t in (cache.sk, cache.sv))
+        self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill, sp, su, self.step,
+                                     cache.gpos[layer] if cache.G else None,
+                                     self.positions(layer))
 
     def _slot_view(self, seg: torch.Tensor) -> torch.Tensor:
         """The page-cache part of a layer's key segment [Hkv, G + S*bs, D] as [Hkv, S, bs, D]."""
         return seg[:, self.seg_base:].unflatten(1, (self.S, self.bs))
-
-    def _gather(self, layer: int, heads: list[int], slots: list[int], rows: list[int]) -> None:
-        cache, dev = self.cache, self.cache.device
-        dst_k, dst_v = (self._slot_view(t[layer]) for t in (cache.sk, cache.sv))
-        if self.in_place:  # the layer's storage [cap, bs, Hkv, D] seen per head
-            h, s, r = (int64_to_device(x, dev) for x in (heads, slots, rows))
-            for dst, src in ((dst_k, cache.k[layer]), (dst_v, cache.v[layer])):
-                self.backend.gather_pages(dst, src.permute(2, 0, 1, 3), h, s, r)
-            return
-        if self.offload_done is not None:  # the host reads the store: the copies must be done
-            self.offload_done.synchronize()
-        hh, rr = torch.tensor(heads), torch.tensor(rows)
-        h, s = (int64_to_device(x, dev) for x in (heads, slots))
-        for dst, store in ((dst_k, self.store_k), (dst_v, self.store_v)):
-            staged = store[layer][hh, rr]  # [m, bs, D] on the host
-            if dev.type == "cuda":
-                staged = staged.pin_memory().to(dev, non_blocking=True)
-            dst[h, s] = staged
-
-    def _positions(self, layer: int, base: list[int]) -> None:
-        """Slot positions: each picked page's real positions, -1 elsewhere and where a
-        position is also one of the head's globals."""
-        cache = self.cache
-        b = int64_to_device(base, cache.device).view(self.H, self.S, 1)
-        pos = torch.where(b >= 0, b + self.pos_offsets, -1).view(self.H, -1)  # [Hkv, S*bs]
-        if cache.G:
-            gpos = cache.gpos[layer]  # [Hkv, G]
-            dup = (pos[:, :, None] == gpos[:, None, :]).any(-1) & (pos >= 0)
-            pos = pos.masked_fill(dup, -1)
-        cache.spos[layer, :, self.seg_base:].copy_(pos)
 
     def positions(self, layer: int) -> torch.Tensor:
         """[Hkv, S*bs] positions the layer's page cache showed this step (-1 = not seen)."""
@@ -278,4 +278,4 @@ class _nullcontext:
         return False
 
 
-__all__ = ["RetrievalTier", "RetrievalStats", "PageCacheMap"]
+__all__ = ["RetrievalTier", "RetrievalStats"]

@@ -27,6 +27,8 @@ from hisparse_cli.model.config import ModelConfig
 class StepContext:
     """AttentionContext of one step: where the step's tokens go and which blocks it reads."""
 
+    static = False  # the retrieval tier's static-shape form (a CUDA-graph step: GraphStepContext)
+
     def __init__(self, run: "KVRun", q_start: int, n: int) -> None:
         self.run, self.q_start, self.n = run, q_start, n
         dev = run.device
@@ -66,7 +68,7 @@ class StepContext:
         k_l, v_l, gk, gv, gpos, gmass, gseen, score = cache.layer_views[layer]
         glob = cache.G + cache.P > 0
         if run.retrieval is not None:  # the page cache (the segment after the globals)
-            run.retrieval.prepare(layer, q)
+            run.retrieval.prepare(layer, q, static=self.static)
         # masses go straight into the layer's score / global_mass / global_seen
         out, _, _ = run.backend.sparse_attention(
             q, k_l, v_l, self.block_ids, self.block_starts, self.q_start,
@@ -86,7 +88,8 @@ class KVRun:
     tokens; required for dense attention, whose bound is the whole text).
 
     cache_source(spec) may return a kept PagedKVCache whose `spec` equals the one this run needs,
-    already reset (Engine's reuse across generate calls); None allocates a new one.
+    already reset (Engine's reuse across generate calls); None allocates a new one. Where it
+    did, tier_source(args) may likewise return that cache's kept RetrievalTier, reset.
 
     Retrieval tier (sparse.retrieval): offloaded pages stay in place on the CPU (the storage is
     then every block of the run) and are copied to pinned host memory on CUDA; copy_offload
@@ -96,7 +99,8 @@ class KVRun:
                  kv_dtype: torch.dtype, backend: KernelBackend, pool: BlockPool,
                  token_scorer=None, *, total_tokens: int | None = None,
                  chunk: int | None = None, copy_offload: bool = False,
-                 cache_source: Callable[[dict], PagedKVCache | None] | None = None) -> None:
+                 cache_source: Callable[[dict], PagedKVCache | None] | None = None,
+                 tier_source: Callable[[dict], "RetrievalTier | None"] | None = None) -> None:
         self.cfg, self.sparse, self.device, self.backend, self.pool = cfg, sparse, device, backend, pool
         self.seq = SparseSequence(sparse, pool, model_window=cfg.sliding_window,
                                   offload_in_place=device.type == "cpu" and not copy_offload)
@@ -140,12 +144,13 @@ class KVRun:
         if self.seq.retrieval:
             from hisparse_cli.engine.retrieval import RetrievalTier
 
-            self.retrieval = RetrievalTier(
-                self.cache, max_pages=capacity if self.seq.offload_in_place else
-                -(-(total_tokens or 0) // sparse.block_size),
-                retrieval_pages=sparse.retrieval_pages, cache_pages=sparse.page_cache_pages,
-                summary=sparse.retrieval_summary, in_place=self.seq.offload_in_place,
-                backend=backend)
+            args = dict(max_pages=capacity if self.seq.offload_in_place else
+                        -(-(total_tokens or 0) // sparse.block_size),
+                        retrieval_pages=sparse.retrieval_pages,
+                        cache_pages=sparse.page_cache_pages, summary=sparse.retrieval_summary,
+                        in_place=self.seq.offload_in_place, backend=backend)
+            kept = tier_source(args) if tier_source is not None and cache is not None else None
+            self.retrieval = kept if kept is not None else RetrievalTier(self.cache, **args)
         self.kv_bytes_peak = 0  # resident: working-set blocks, slots, page cache, summaries
         self.offload_bytes = 0  # pages in the offload store (host memory)
         self.trace = None  # callable(dict) receiving one record per step (--trace)
@@ -164,30 +169,41 @@ class KVRun:
         """input_ids: [T] on the device -> logits [T, V] or [1, V] (fp32)."""
         n = input_ids.shape[0]
         start = self.seq.num_tokens
-        tier = self.retrieval
-        if tier is not None:
-            tier.wait_offload()  # a reused block is written only after its copy to the host
-            tier.begin_step()
+        self.begin_step()
         new_blocks = self.seq.append(n)  # ids < cache.capacity (the pool is bound to it)
         self.cache.reset_scores(new_blocks)
         self.kv_bytes_peak = max(self.kv_bytes_peak, self.resident_bytes())
         ctx = StepContext(self, start, n)
         positions = torch.arange(start, start + n, device=self.device)
         logits = model(input_ids, positions, ctx, all_logits=all_logits)
+        evicted = self.end_step(start, n)
+        if self.trace is not None:
+            self.trace(self.step_record(start, n, ctx, evicted))
+        return logits
+
+    def begin_step(self) -> None:
+        """Before a step's forward (the retrieval tier: order after the last offload copy,
+        count the step)."""
+        if self.retrieval is not None:
+            self.retrieval.wait_offload()  # a reused block is written after its copy out
+            self.retrieval.begin_step()
+
+    def end_step(self, start: int, n: int) -> list:
+        """After a step's forward over [start, start + n): evict the blocks that left every
+        future window (best tokens to candidate slots; offloaded ones into the retrieval
+        tier's store), recalibrate the globals when due. Returns the evicted blocks."""
         evicted = self.seq.evict()
         if evicted:
             self.cache.evict_to_candidates([e.physical for e in evicted], [e.start for e in evicted])
             off = [e for e in evicted if e.offloaded]
             if off:
-                bs = self.sparse.block_size
+                tier, bs = self.retrieval, self.sparse.block_size
                 tier.offload([e.physical for e in off], [e.start // bs for e in off])
                 self.offload_bytes = len(tier.offloaded) * tier.page_bytes()
         if self.cache.G and self.seq.recalibration_due(start, start + n):
             self.cache.recalibrate()
             self.seq.recalibrations += 1
-        if self.trace is not None:
-            self.trace(self.step_record(start, n, ctx, evicted))
-        return logits
+        return evicted
 
     def resident_bytes(self) -> int:
         """Bytes of the working set now: resident blocks, the global / candidate / page-cache
@@ -204,8 +220,9 @@ class KVRun:
                "recalibrations": self.seq.recalibrations}
         tier = self.retrieval
         if tier is not None:
-            rec.update(offloaded_pages=len(tier.offloaded), retrieved=tier.step_picks,
-                       hits=tier.step_hits, bytes_to_cache=tier.step_bytes)
+            picks, hits, moved = tier.step_counts()
+            rec.update(offloaded_pages=len(tier.offloaded), retrieved=picks, hits=hits,
+                       bytes_to_cache=moved)
         return rec
 
     # -- introspection for tests and the eval harness ---------------------------------------

@@ -337,6 +337,8 @@ _RESIDENT = {
                                        "slots per layer/KV head: K, V + pos/mass/seen"),
     "kv.page_summaries": ("retrieval tier: one key summary per page (mean: one, minmax: two "
                           "[L, Hkv, pages, D]; fp16 for an fp32 cache)"),
+    "kv.page_cache_state": ("retrieval tier: which page each page-cache slot holds and when it "
+                            "was last picked [L, Hkv, slots], the page -> store row map, counters"),
     "logits": "fp32 logits [V] of the previous (and, after the forward, the current) step",
     "step_tensors": "slot mapping, block ids/starts, positions of the step",
     "cuda_graph": ("CUDA-graph decode's static inputs (position, slot, padded block list, "

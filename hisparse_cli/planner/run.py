@@ -149,8 +149,11 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
         for _ in range(n_summ):
             tr.alloc("kv.page_summaries", one)
         summ_bytes = n_summ * one
-        if not s.cuda:  # RetrievalTier.pos_offsets
-            tr.alloc("kv.page_summaries", bs * 8)
+        # RetrievalTier's device state: row_of_page, range, slot_page, slot_used, step,
+        # counts, step_base, pick_ids (int64)
+        slots = lh * sparse.page_cache_pages
+        for n in (max_pages, 2, slots, slots, 1, 3, 3, sparse.retrieval_pages):
+            tr.alloc("kv.page_cache_state", n * 8)
     store_host = 0 if seq.offload_in_place or not seq.retrieval else (
         2 * lh * max_pages * bs * s.d * s.kvb)
     bpb = 2 * s.layers * bs * s.hkv * s.d * s.kvb

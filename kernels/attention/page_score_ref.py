@@ -33,16 +33,58 @@ def page_summary(pages: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Te
     raise ValueError(f"unknown summary kind {kind!r}")
 
 
-def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+def page_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                 scale: float) -> torch.Tensor:
-    """[Hkv, n] fp32: each page's score (module doc) for the step's queries q [T, Hq, D]."""
+    """[Hkv, T * grp, n] fp32: scale * the bound of every query row against every page."""
     t, hq, d = q.shape
     hkv = lo.shape[0]
     grp = hq // hkv
     qf = q.float().reshape(t, hkv, grp, d).permute(1, 0, 2, 3).reshape(hkv, t * grp, d)
     s = torch.bmm(qf.clamp(min=0), hi.float().transpose(1, 2))  # [Hkv, T*grp, n]
     s += torch.bmm(qf.clamp(max=0), lo.float().transpose(1, 2))
-    return torch.softmax(s.mul_(scale), dim=-1).sum(dim=1)
+    return s.mul_(scale)
+
+
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """[Hkv, n] fp32: each page's score (module doc) for the step's queries q [T, Hq, D]."""
+    return torch.softmax(page_bounds(q, lo, hi, scale), dim=-1).sum(dim=1)
+
+
+def in_range(n_pages: int, rng: torch.Tensor) -> torch.Tensor:
+    """[n_pages] bool: the pages p with first <= p < first + n, rng = (first, n) an int64
+    device tensor (read on the device: no host synchronisation)."""
+    ar = torch.arange(n_pages, device=rng.device)
+    return (ar >= rng[0]) & (ar < rng[0] + rng[1])
+
+
+def scores_from_bounds(bounds: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """[Hkv, P] page scores from the bounds [Hkv, rows, P] of the pages `inside` [P] (the
+    softmax runs over those alone); every other page scores -1."""
+    b = bounds.masked_fill(~inside, float("-inf"))
+    s = torch.softmax(b, dim=-1).nan_to_num_(0.0).sum(dim=1)  # no page inside: NaN rows
+    return s.masked_fill_(~inside, -1.0)
+
+
+def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                         rng: torch.Tensor, scale: float) -> torch.Tensor:
+    """[Hkv, P] fp32 over whole summary tables lo, hi [Hkv, P, D]: the pages in the range
+    rng = (first, n) (an int64 device tensor) score as page_scores over that slice would score
+    them; every other page -1. Static shapes, no host read of the range (CUDA-graph decode)."""
+    return scores_from_bounds(page_bounds(q, lo, hi, scale), in_range(lo.shape[1], rng))
+
+
+def top_valid_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[Hkv, k] int64: the (up to) k best pages of scores [Hkv, P] whose score is >= 0, in
+    ascending page order, then -1 padding."""
+    hkv, p = scores.shape
+    kk = min(k, p)
+    vals, idx = torch.topk(scores, kk, dim=-1, sorted=False)
+    idx = torch.where(vals >= 0, idx, p).sort(dim=-1).values
+    idx = torch.where(idx == p, -1, idx)
+    if kk < k:
+        idx = torch.cat([idx, idx.new_full((hkv, k - kk), -1)], dim=1)
+    return idx
 
 
 def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -57,16 +99,5 @@ def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
     return top_pages(page_scores(q, lo, hi, scale), k)
 
 
-def gather_pages(dst: torch.Tensor, src: torch.Tensor, heads: torch.Tensor,
-                 slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """dst[heads[i], slots[i]] = src[heads[i], rows[i]] for every i: pages of the offload
-    store (src [Hkv, R, bs, D], any strides) copied into page-cache slots (dst [Hkv, S, bs, D],
-    any strides), bit for bit (the same dtype)."""
-    assert dst.dtype == src.dtype and dst.shape[0] == src.shape[0]
-    assert dst.shape[2:] == src.shape[2:], (dst.shape, src.shape)
-    assert heads.shape == slots.shape == rows.shape
-    if heads.numel():
-        dst[heads, slots] = src[heads, rows]
-
-
-__all__ = ["page_summary", "page_scores", "top_pages", "score_top_pages", "gather_pages"]
+__all__ = ["page_summary", "page_bounds", "page_scores", "in_range", "scores_from_bounds",
+           "page_scores_in_range", "top_pages", "top_valid_pages", "score_top_pages"]

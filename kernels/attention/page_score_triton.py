@@ -3,6 +3,8 @@ kernels/attention/page_score_ref.py; selected by kernels/dispatch.py on CUDA).
 
     page_scores(q [T, Hq, D], lo [Hkv, n, D], hi [Hkv, n, D], scale) -> [Hkv, n] fp32
     score_top_pages(q, lo, hi, k, scale) -> [Hkv, k] int64, ascending
+    page_scores_in_range(q, lo [Hkv, P, D], hi, rng, scale) -> [Hkv, P] fp32 (-1 outside
+        the device range rng = (first, n): the CUDA-graph decode step's static form)
 
 Version 1 (`_page_mass`): one program per (KV head, tile of BLOCK_M query rows; a row is a
 query x a query head of the KV head). Two passes over the pages: the first keeps each row's
@@ -11,6 +13,9 @@ each page's probability, summed over the tile's rows, into the output with an at
 No [rows, pages] tensor is materialised (the reference's two fp32 [Hkv, T * grp, n] tensors:
 268 MB at 128K tokens with chunks of 128 on an 8-KV-head model). Top-k: torch.topk on the
 scores (k is at most a few hundred pages; a Triton top-k is not written).
+`_page_bounds` (the ranged form, a decode step's few rows): one program per (KV head, tile of
+pages) writes the rows' bounds (pages outside the range -inf); the softmax over the pages in
+range runs in torch on that [Hkv, rows, P] tensor (4 rows x 8K pages x 8 heads: 1 MiB).
 Any strides on the last-but-one dims; the last dim must be contiguous (asserted).
 """
 
@@ -95,4 +100,55 @@ def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
     return top_pages(page_scores(q, lo, hi, scale), k)
 
 
-__all__ = ["page_scores", "score_top_pages"]
+@triton.jit
+def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale,
+                 s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh, s_or,
+                 GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """out[kvh, row, page] = scale * bound of every row (<= BLOCK_M) against a tile of pages;
+    -inf for a page outside [first, first + n) (rng_ptr, read here: no host read)."""
+    kvh = tl.program_id(0)
+    pg = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.load(rng_ptr)
+    ok = (pg >= first) & (pg < first + tl.load(rng_ptr + 1)) & (pg < n_pages)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    dd = tl.arange(0, D)
+    t, g = rows // GRP, rows % GRP
+    q = tl.load(q_ptr + t[:, None] * s_qt + (kvh * GRP + g)[:, None] * s_qh + dd[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    s = _tile_scores(tl.maximum(q, 0.0), tl.minimum(q, 0.0), lo_ptr + kvh * s_lh,
+                     hi_ptr + kvh * s_hh, pg, ok, dd, s_ln, s_hn, scale)
+    s = tl.where(ok[None, :], s, float("-inf"))
+    tl.store(out_ptr + kvh * s_oh + rows[:, None] * s_or + pg[None, :], s,
+             mask=row_ok[:, None] & (pg < n_pages)[None, :])
+
+
+MAX_RANGED_ROWS = 64  # page_scores_in_range's rows (T x grp) in one tile; more: the reference
+
+
+def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                         rng: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
+    """page_score_ref.page_scores_in_range: whole summary tables lo, hi [Hkv, P, D] and the
+    device range rng = (first, n); one program per (KV head, tile of pages) computes the
+    bounds of every row (a decode step's T x grp rows: a few), then the softmax over the
+    pages in range runs in torch. Static shapes: a CUDA graph captures it."""
+    from hisparse_cli.kernels.attention.page_score_ref import (in_range, page_scores_in_range
+                                                               as reference, scores_from_bounds)
+
+    t, hq, d = q.shape
+    hkv, n, _ = lo.shape
+    rows = t * (hq // hkv)
+    if rows > MAX_RANGED_ROWS or d < 16 or d & (d - 1):
+        return reference(q, lo, hi, rng, scale)
+    assert q.stride(-1) == 1 and lo.stride(-1) == 1 and hi.stride(-1) == 1 and lo.shape == hi.shape
+    bounds = torch.empty((hkv, rows, n), dtype=torch.float32, device=q.device)
+    block_m = max(16, triton.next_power_of_2(rows))
+    _page_bounds[(hkv, triton.cdiv(n, block_n))](
+        q, lo, hi, rng, bounds, rows, n, float(scale), q.stride(0), q.stride(1), lo.stride(0),
+        lo.stride(1), hi.stride(0), hi.stride(1), bounds.stride(0), bounds.stride(1),
+        GRP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n)
+    return scores_from_bounds(bounds, in_range(n, rng))
+
+
+__all__ = ["page_scores", "score_top_pages", "page_scores_in_range"]

@@ -253,6 +253,8 @@ def settings_unsupported(sparse, kv_dtype: torch.dtype) -> str | None:
         return f"{sparse.global_tokens} global tokens (a multiple of {PAGE})"
     if globals_on and sparse.importance == "probe":
         return "the learned importance probe"
+    if sparse.retrieval:
+        return "the retrieval tier (its page cache is filled per layer: layer-by-layer decode)"
     return None
 
 
@@ -287,6 +289,8 @@ def unsupported(model, run) -> str | None:
         return f"{run.cache.G} global tokens (a multiple of {PAGE})"
     if run.token_scorer is not None:
         return "the learned importance probe"
+    if run.retrieval is not None:
+        return "the retrieval tier (its page cache is filled per layer: layer-by-layer decode)"
     return None
 
 
