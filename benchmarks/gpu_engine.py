@@ -25,9 +25,12 @@ Prints compact tables; writes $OUT/gpu_engine.json (OUT env or --out, default ./
 --retrieval (issue 41; BENCHMARKS.md): the retrieval tier vs eviction-only at the same resident
 KV, alone: a Llama-3-8B-shaped AWQ INT4 model, embeddings in host RAM, the --profile
 (4060ti-6g) in a --budget-gib card emulated with set_per_process_memory_fraction (0: the whole
-card). For each context, in the same run, two settings over the profile's:
+card). For each context, in the same run, three settings over the profile's:
   eviction-only  the profile's window / globals, window widened by retrieval_tokens + the
                  page-cache and summary bytes (the same resident KV; printed side by side)
+  eviction-only, layers   the same, decoded layer by layer (HISPARSE_DECODE_KERNEL=layers:
+                 what the retrieval tier decodes with, since the persistent kernel does not
+                 fill the page cache), so the tier's own cost is read beside the total
   retrieval      the profile's settings + retrieval_tokens (page cache = retrieval_tokens)
 Per run: prefill and decode tok/s, their ratios (retrieval / eviction-only), host->device bytes
 per decoded token (RunStats.bytes_to_cache over the decode), the page-cache hit rate, pages
@@ -713,11 +716,14 @@ def phase_retrieval(a) -> list[dict]:
         for ctx in (int(c) for c in a.contexts.split(",")):
             ids = prompt(ctx, cfg.vocab_size)
             pair = {}
-            for name, sparse in (("eviction-only", same_resident_eviction(base, cfg, ctx)),
-                                 ("retrieval", base)):
+            evict = same_resident_eviction(base, cfg, ctx)
+            for name, sparse, kernel in (("eviction-only", evict, "auto"),
+                                         ("eviction-only, layers", evict, "layers"),
+                                         ("retrieval", base, "auto")):
                 # untimed first: an 8K prefix (long enough to evict and to retrieve) and a few
                 # tokens, so no Triton/NVRTC compilation or first capture lands in the row (a
                 # cold machine's first row paid ~25 s of it: BENCHMARKS.md)
+                os.environ["HISPARSE_DECODE_KERNEL"] = kernel  # read when an Engine is made
                 warm = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                               backend=backend)
                 warm.generate(ids[:min(ctx, 8192)], max_new_tokens=4, min_new_tokens=4)
@@ -725,6 +731,7 @@ def phase_retrieval(a) -> list[dict]:
                 del warm
                 eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                              backend=backend)
+                os.environ.pop("HISPARSE_DECODE_KERNEL")
                 plan = plan_for(cfg, sparse, ctx, a.decode_tokens, backend, dev, **kw)
                 free_all(dev)
                 pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
@@ -757,11 +764,13 @@ def phase_retrieval(a) -> list[dict]:
                 pair[name] = row
                 rows.append(row)
                 log(json.dumps(row, default=str))
-            ev, rt = pair["eviction-only"], pair["retrieval"]
-            rows.append({"setting": "ratio retrieval / eviction-only", "context": ctx,
-                         "decode": rt["decode_tok_s"] / ev["decode_tok_s"],
-                         "prefill": rt["prefill_tok_s"] / ev["prefill_tok_s"]})
-            log(json.dumps(rows[-1]))
+            rt = pair["retrieval"]
+            for peer in ("eviction-only", "eviction-only, layers"):
+                ev = pair[peer]
+                rows.append({"setting": f"ratio retrieval / {peer}", "context": ctx,
+                             "decode": rt["decode_tok_s"] / ev["decode_tok_s"],
+                             "prefill": rt["prefill_tok_s"] / ev["prefill_tok_s"]})
+                log(json.dumps(rows[-1]))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     return rows
