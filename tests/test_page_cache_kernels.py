@@ -105,8 +105,9 @@ def test_place_pages_equals_the_python_lru(impl, dev, heads, slots, picks, pages
         rows = []
         for _ in range(heads):  # between 0 and `picks` distinct pages, ascending, -1 after
             n = int(torch.randint(0, picks + 1, (1,), generator=g)) if step % 4 else picks
-            sel = sorted(torch.randperm(pages, generator=g)[:n].tolist())
-            rows.append(sel + [-1] * (picks - n))
+            sel = torch.randperm(pages, generator=g)[:n].tolist() + [-1] * (picks - n)
+            order = torch.randperm(picks, generator=g).tolist() if step % 2 else range(picks)
+            rows.append([sel[i] for i in order])  # any order, -1 anywhere
         got = place(torch.tensor(rows, **i64), slot_page, slot_used,
                     torch.tensor([step], **i64), row_of_page, counts).cpu()
         want_fill = torch.full((heads, slots), -1, dtype=torch.int64)

@@ -225,9 +225,9 @@ class RetrievalTier:
             self.steps += 1
 
     def select(self, layer: int, q: torch.Tensor, static: bool = False) -> torch.Tensor:
-        """[Hkv, R] int64: the pages each KV head of `layer` attends this step, ascending, then
-        -1. static: scored over the whole summary table with the offloaded range read on the
-        device (the same shapes every step: a CUDA graph captures it)."""
+        """[Hkv, R] int64: the pages each KV head of `layer` attends this step (distinct; -1 in
+        unused entries). static: scored over the whole summary table with the offloaded range
+        read on the device (the same shapes every step: a CUDA graph captures it)."""
         scale = self.D ** -0.5
         if static:
             from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages

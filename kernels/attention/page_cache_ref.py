@@ -6,8 +6,8 @@ Shared contract with page_cache_triton.py; the oracle of both is tests/test_page
 Per layer and KV head the page cache has S slots. Device state (engine/retrieval.py):
     slot_page  [Hkv, S] int64  the logical page a slot holds (-1: empty)
     slot_used  [Hkv, S] int64  the step that last picked the slot (-1: never)
-A step's picks are [Hkv, R] int64 (R <= S): the pages the step retrieves, ascending, then -1
-padding. `place_pages`:
+A step's picks are [Hkv, R] int64 (R <= S): the pages the step retrieves, distinct, in any
+order, -1 in unused entries. `place_pages`:
   * a pick already in a slot is a hit: the slot is reused;
   * the slots no pick holds are free, ordered least recently used first (slot_used ascending;
     between equal steps the higher slot first); the misses, in ascending page order, take
@@ -46,7 +46,8 @@ def place_pages(picks: torch.Tensor, slot_page: torch.Tensor, slot_used: torch.T
     key = key.masked_fill(needed, torch.iinfo(torch.int64).max)
     order = key.argsort(dim=1)  # free slots first, in the order misses take them
     miss = valid & ~hit
-    rank = (miss.cumsum(1) - 1).clamp(min=0)
+    # a miss's rank: the misses of smaller pages (page order, whatever the picks' order)
+    rank = (miss[:, None, :] & (picks[:, None, :] < picks[:, :, None])).sum(-1)
     miss_slot = order.gather(1, rank)
     hit_slot = (eq * sidx[None, :, None]).sum(1)
     slot = torch.where(hit, hit_slot, miss_slot)

@@ -4,8 +4,9 @@ Triton). Both read and write device tensors only, so a CUDA graph captures a dec
 them, and the host never learns which pages a step picked.
 
 `_place_pages`: one program per KV head. The slots [S] and the picks [R] meet in [S, R] tiles:
-  hit slots by equality, the free slots' LRU order by an [S, S] rank count (no sort), the k-th
-  miss (a cumulative sum over the picks) takes the free slot of rank k. Writes slot_page,
+  hit slots by equality, the free slots' LRU order by an [S, S] rank count (no sort), the
+  miss of the k-th smallest missing page (an [R, R] rank count: any pick order) takes the free
+  slot of rank k. Writes slot_page,
   slot_used and fill_row, and adds (picks, hits, misses) to counts with atomics.
 `_fill_page_slots`: one program per (KV head, slot). A slot with a fill row copies its page
   [bs, D] from the source (the pinned host store, read by the device at its mapped address
@@ -41,7 +42,8 @@ def _place_pages(picks_ptr, sp_ptr, su_ptr, step_ptr, row_ptr, fill_ptr, counts_
     earlier = free[None, :] & (key[None, :] < key[:, None])  # [S, S']: free s' goes before s
     frank = tl.sum(earlier.to(tl.int32), axis=1)
     miss = valid & (hit == 0)
-    rank = tl.cumsum(miss.to(tl.int32), 0) - 1
+    # a miss's rank: the misses of smaller pages ([R, R']: miss r' goes before r)
+    rank = tl.sum((miss[None, :] & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
     take = free[:, None] & (frank[:, None] == rank[None, :]) & miss[None, :]  # [S, R]
     picked = tl.max((eq | take).to(tl.int32), axis=1) > 0
     filled = tl.max(take.to(tl.int32), axis=1) > 0

@@ -60,10 +60,10 @@ def in_range(n_pages: int, rng: torch.Tensor) -> torch.Tensor:
 
 def scores_from_bounds(bounds: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
     """[Hkv, P] page scores from the bounds [Hkv, rows, P] of the pages `inside` [P] (the
-    softmax runs over those alone); every other page scores -1."""
+    softmax runs over those alone); every other page scores -1 (with no page inside, the
+    softmax's NaN rows are all overwritten so)."""
     b = bounds.masked_fill(~inside, float("-inf"))
-    s = torch.softmax(b, dim=-1).nan_to_num_(0.0).sum(dim=1)  # no page inside: NaN rows
-    return s.masked_fill_(~inside, -1.0)
+    return torch.softmax(b, dim=-1).sum(dim=1).masked_fill_(~inside, -1.0)
 
 
 def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -76,12 +76,12 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
 
 def top_valid_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[Hkv, k] int64: the (up to) k best pages of scores [Hkv, P] whose score is >= 0, in
-    ascending page order, then -1 padding."""
+    no particular order, -1 in the other entries (the page cache places picks in page order
+    whatever their order: page_cache_ref.place_pages)."""
     hkv, p = scores.shape
     kk = min(k, p)
     vals, idx = torch.topk(scores, kk, dim=-1, sorted=False)
-    idx = torch.where(vals >= 0, idx, p).sort(dim=-1).values
-    idx = torch.where(idx == p, -1, idx)
+    idx = torch.where(vals >= 0, idx, -1)
     if kk < k:
         idx = torch.cat([idx, idx.new_full((hkv, k - kk), -1)], dim=1)
     return idx

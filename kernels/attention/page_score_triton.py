@@ -14,8 +14,9 @@ No [rows, pages] tensor is materialised (the reference's two fp32 [Hkv, T * grp,
 268 MB at 128K tokens with chunks of 128 on an 8-KV-head model). Top-k: torch.topk on the
 scores (k is at most a few hundred pages; a Triton top-k is not written).
 `_page_bounds` (the ranged form, a decode step's few rows): one program per (KV head, tile of
-pages) writes the rows' bounds (pages outside the range -inf); the softmax over the pages in
-range runs in torch on that [Hkv, rows, P] tensor (4 rows x 8K pages x 8 heads: 1 MiB).
+pages) writes the rows' bounds (pages outside the range -inf) into an [Hkv, rows, P] tensor
+(4 rows x 8K pages x 8 heads: 1 MiB); `_bounds_mass`, one program per KV head, then sums the
+rows' softmax over the pages in range (-1 elsewhere).
 Any strides on the last-but-one dims; the last dim must be contiguous (asserted).
 """
 
@@ -124,6 +125,41 @@ def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale
              mask=row_ok[:, None] & (pg < n_pages)[None, :])
 
 
+@triton.jit
+def _bounds_mass(b_ptr, rng_ptr, out_ptr, n_rows, n_pages, s_bh, s_br, s_oh,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[kvh, page] = sum over rows of softmax over the pages in range of the bounds (pass 1:
+    each row's max and sum of exp, online; pass 2: the probabilities summed over the rows);
+    -1 outside [first, first + n). One program per KV head."""
+    kvh = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    first = tl.load(rng_ptr)
+    last = first + tl.load(rng_ptr + 1)
+    base = b_ptr + kvh * s_bh + rows[:, None] * s_br
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    for start in range(0, n_pages, BLOCK_N):
+        pg = start + tl.arange(0, BLOCK_N)
+        ok = row_ok[:, None] & ((pg >= first) & (pg < last))[None, :]
+        b = tl.load(base + pg[None, :], mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no page yet
+        l_i = l_i * tl.exp(m_i - safe) + tl.sum(tl.where(ok, tl.exp(b - safe[:, None]), 0.0),
+                                                axis=1)
+        m_i = m_new
+    inv = tl.where(row_ok & (l_i > 0), 1.0 / l_i, 0.0)
+    m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # (such a row adds nothing: inv is 0)
+    for start in range(0, n_pages, BLOCK_N):
+        pg = start + tl.arange(0, BLOCK_N)
+        inside = (pg >= first) & (pg < last)
+        ok = row_ok[:, None] & inside[None, :]
+        b = tl.load(base + pg[None, :], mask=ok, other=float("-inf"))
+        p = tl.where(ok, tl.exp(b - m_i[:, None]) * inv[:, None], 0.0)
+        tl.store(out_ptr + kvh * s_oh + pg, tl.where(inside, tl.sum(p, axis=0), -1.0),
+                 mask=pg < n_pages)
+
+
 MAX_RANGED_ROWS = 64  # page_scores_in_range's rows (T x grp) in one tile; more: the reference
 
 
@@ -131,10 +167,10 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                          rng: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
     """page_score_ref.page_scores_in_range: whole summary tables lo, hi [Hkv, P, D] and the
     device range rng = (first, n); one program per (KV head, tile of pages) computes the
-    bounds of every row (a decode step's T x grp rows: a few), then the softmax over the
-    pages in range runs in torch. Static shapes: a CUDA graph captures it."""
-    from hisparse_cli.kernels.attention.page_score_ref import (in_range, page_scores_in_range
-                                                               as reference, scores_from_bounds)
+    bounds of every row (a decode step's T x grp rows: a few), then one program per KV head
+    turns them into the pages' masses (`_bounds_mass`). Static shapes: a CUDA graph captures
+    it (two launches)."""
+    from hisparse_cli.kernels.attention.page_score_ref import page_scores_in_range as reference
 
     t, hq, d = q.shape
     hkv, n, _ = lo.shape
@@ -148,7 +184,11 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
         q, lo, hi, rng, bounds, rows, n, float(scale), q.stride(0), q.stride(1), lo.stride(0),
         lo.stride(1), hi.stride(0), hi.stride(1), bounds.stride(0), bounds.stride(1),
         GRP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n)
-    return scores_from_bounds(bounds, in_range(n, rng))
+    out = torch.empty((hkv, n), dtype=torch.float32, device=q.device)
+    _bounds_mass[(hkv,)](bounds, rng, out, rows, n, bounds.stride(0), bounds.stride(1),
+                         out.stride(0), BLOCK_R=max(2, triton.next_power_of_2(rows)),
+                         BLOCK_N=256)
+    return out
 
 
 __all__ = ["page_scores", "score_top_pages", "page_scores_in_range"]
