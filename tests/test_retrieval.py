@@ -183,15 +183,10 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype):
                 run.step(src, torch.zeros(min(8, n - s), dtype=torch.int64))
             tier = run.retrieval
             assert tier.offloaded == list(range(1, len(tier.offloaded) + 1))
+            assert (tier.store_k is None) == (not copy_offload)
             for p in tier.offloaded:
-                r = tier.row[p]
-                for store, ref in ((tier.store_k, src.k), (tier.store_v, src.v)):
-                    if copy_offload:
-                        got = store[0, :, r]  # [Hkv, bs, D]
-                    else:
-                        cache = run.cache.k if ref is src.k else run.cache.v
-                        got = cache[0, r].permute(1, 0, 2)
-                    want = ref[p * 8:(p + 1) * 8].transpose(0, 1)
+                for got, ref in zip(tier.stored_page(0, p), (src.k, src.v)):
+                    want = ref[p * 8:(p + 1) * 8].transpose(0, 1)  # [Hkv, bs, D]
                     assert torch.equal(got, want), (p, copy_offload)
                 keys = src.k[p * 8:(p + 1) * 8].transpose(0, 1)  # summaries of the same bits
                 sdt = tier.lo.dtype
@@ -305,7 +300,7 @@ def test_cuda_full_budget_equals_dense_and_store_round_trips(tiny_models, backen
         tier = run.retrieval
         assert not tier.in_place and tier.store_k.is_pinned() and tier.offloaded
         for p in tier.offloaded:  # [Hkv, bs, D] stored == [bs, Hkv, D] computed, bit for bit
-            assert torch.equal(tier.store_k[0, :, p].cuda(), k0[p].transpose(0, 1)), p
+            assert torch.equal(tier.stored_page(0, p)[0].cuda(), k0[p].transpose(0, 1)), p
     res = eng.generate(ids, max_new_tokens=8, min_new_tokens=8)
     assert res.stats.bytes_to_cache > 0 and res.stats.pages_offloaded > 0
     assert "cuda_graph" not in res.extra  # the eager decode

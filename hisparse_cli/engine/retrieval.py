@@ -6,8 +6,9 @@ A page is one KV block. When the host policy evicts a block that holds no sink
   * in place (the CPU: host and device are one memory): the block stays where it is in the
     paged storage, held by the store (never reused; `BlockPool.offload`), no copy;
   * copied (CUDA): its K/V are copied, on a side stream, into pinned host memory
-    [L, Hkv, pages, bs, D]; the block goes back to the pool (the next step waits for the copy
-    before writing into a reused block).
+    [pages, L, Hkv, bs, D] (page-major: a step's evicted pages, consecutive, are one
+    contiguous asynchronous copy); the block goes back to the pool (the next step waits for
+    the copy before writing into a reused block).
 Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D],
 float16 for a float32 cache: a ranking needs no more) is written to resident memory then.
 
@@ -86,8 +87,8 @@ class RetrievalTier:
         cuda = dev.type == "cuda"
         if in_place:
             self.store_k = self.store_v = None
-        else:  # [L, Hkv, pages, bs, D]: a (layer, head)'s pages are one matrix
-            host = (self.L, self.H, max_pages, self.bs, self.D)
+        else:  # [pages, L, Hkv, bs, D] (module doc)
+            host = (max_pages, self.L, self.H, self.bs, self.D)
             self.store_k = torch.zeros(host, dtype=dt, pin_memory=cuda)
             self.store_v = torch.zeros(host, dtype=dt, pin_memory=cuda)
         self.side = torch.cuda.Stream(dev) if cuda and not in_place else None
@@ -199,13 +200,14 @@ class RetrievalTier:
         run = pages == list(range(pages[0], pages[0] + len(pages)))  # one copy for a run
         with torch.cuda.stream(side) if side is not None else _nullcontext():
             for src, dst in ((cache.k, self.store_k), (cache.v, self.store_v)):
-                blocks = src.index_select(1, ids).permute(0, 3, 1, 2, 4)  # [L, Hkv, n, bs, D]
+                # [n, L, Hkv, bs, D], contiguous on the device (made on the side stream)
+                blocks = src.index_select(1, ids).permute(1, 0, 3, 2, 4).contiguous()
                 if run:
-                    dst[:, :, pages[0]:pages[0] + len(pages)].copy_(
-                        blocks, non_blocking=side is not None)
+                    dst[pages[0]:pages[0] + len(pages)].copy_(blocks,
+                                                              non_blocking=side is not None)
                     continue
                 for j, p in enumerate(pages):
-                    dst[:, :, p].copy_(blocks[:, :, j], non_blocking=side is not None)
+                    dst[p].copy_(blocks[j], non_blocking=side is not None)
             if side is not None:
                 self.offload_done = torch.cuda.Event()
                 self.offload_done.record(side)
@@ -254,12 +256,20 @@ class RetrievalTier:
         fill = self.backend.place_pages(picks, sp, su, self.step, self.row_of_page, self.counts)
         if self.in_place:  # the layer's storage [cap, bs, Hkv, D] seen per head
             src_k, src_v = (t[layer].permute(2, 0, 1, 3) for t in (cache.k, cache.v))
-        else:
-            src_k, src_v = self.store_k[layer], self.store_v[layer]
+        else:  # [pages, Hkv, bs, D] -> [Hkv, pages, bs, D] (strides)
+            src_k, src_v = (t[:, layer].transpose(0, 1) for t in (self.store_k, self.store_v))
         dst_k, dst_v = (self._slot_view(t[layer]) for t in (cache.sk, cache.sv))
         self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill, sp, su, self.step,
                                      cache.gpos[layer] if cache.G else None,
                                      self.positions(layer))
+
+    def stored_page(self, layer: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) [Hkv, bs, D] of an offloaded page of `layer` as the store holds it (in place:
+        its block in the paged storage)."""
+        r = self.row[page]
+        if self.in_place:
+            return tuple(t[layer, r].transpose(0, 1) for t in (self.cache.k, self.cache.v))
+        return self.store_k[r, layer], self.store_v[r, layer]
 
     def _slot_view(self, seg: torch.Tensor) -> torch.Tensor:
         """The page-cache part of a layer's key segment [Hkv, G + S*bs, D] as [Hkv, S, bs, D]."""
