@@ -112,7 +112,10 @@ def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch):
     eng.sparse = SparseConfig(**SPARSE, retrieval_tokens=32, page_cache_tokens=48)
     ids = torch.randint(3, 256, (130,), generator=torch.Generator().manual_seed(7))
     g = GenerationConfig(max_new_tokens=24, eos_token_ids=(), repetition_penalty=1.1)
+    traces: dict[str, list] = {"eager": [], "static": []}
+    eng.step_trace = traces["eager"].append  # --trace: one record a step, both loops
     eager = eng.generate(ids, gen=g)
+    eng.step_trace = traces["static"].append
     init = cuda_graph.GraphDecoder.__init__
     monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
                         lambda self, *a, **k: init(self, *a, **{**k, "capture": False}))
@@ -128,6 +131,9 @@ def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch):
                 "bytes_to_cache"):
         assert getattr(static.stats, key) == getattr(eager.stats, key), key
     assert static.stats.pages_offloaded > 2 and 0 < static.stats.cache_hit_rate < 1
+    decode = {k: [r for r in v if r["phase"] == "decode"] for k, v in traces.items()}
+    assert len(decode["static"]) == 23 and decode["static"] == decode["eager"]
+    assert any(r["retrieved"] > r["hits"] for r in decode["static"])
 
 
 def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):

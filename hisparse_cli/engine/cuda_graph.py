@@ -104,6 +104,7 @@ class GraphDecoder:
         self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._host_np = [h.numpy() for h in self.host]  # cheap scalar writes
         self._span: tuple[int, int] | None = None  # visible span the block list was built for
+        self._active = 0  # blocks in that list before its padding (--trace)
         self._blocks: torch.Tensor | None = None  # [2 * nb_max] padded ids + starts (host)
         self._version, self._buf_version = 0, [-1, -1]
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
@@ -204,6 +205,7 @@ class GraphDecoder:
         if span != self._span:
             self._span = span
             ids, starts = seq.visible_blocks(p, 1)
+            self._active = len(ids)
             pad = self.nb_max - len(ids)
             assert pad >= 0, (len(ids), self.nb_max)
             self._blocks = torch.tensor(ids + [ids[0]] * pad + starts + [PAD_START] * pad,
@@ -315,7 +317,11 @@ class GraphDecoder:
         return out
 
     def _after_step(self) -> None:
-        self.run.end_step(self.run.seq.num_tokens - 1, 1)
+        run = self.run
+        start = run.seq.num_tokens - 1
+        evicted = run.end_step(start, 1)
+        if run.trace is not None:  # (--trace: the record reads the step's counts back)
+            run.trace(run.step_record(start, 1, self._active, evicted))
 
     def _scores_snapshot(self):
         c = self.run.cache

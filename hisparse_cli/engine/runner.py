@@ -178,7 +178,7 @@ class KVRun:
         logits = model(input_ids, positions, ctx, all_logits=all_logits)
         evicted = self.end_step(start, n)
         if self.trace is not None:
-            self.trace(self.step_record(start, n, ctx, evicted))
+            self.trace(self.step_record(start, n, int(ctx.block_ids.numel()), evicted))
         return logits
 
     def begin_step(self) -> None:
@@ -212,10 +212,11 @@ class KVRun:
         return (self.seq.resident_blocks() * self.cache.bytes_per_block()
                 + self.cache.slot_bytes() + summ)
 
-    def step_record(self, start: int, n: int, ctx: StepContext, evicted: list) -> dict:
-        """One --trace line: what the step read, evicted and retrieved."""
+    def step_record(self, start: int, n: int, active_blocks: int, evicted: list) -> dict:
+        """One --trace line: what the step read, evicted and retrieved (the retrieval tier's
+        counts are read from the device: tracing waits for every step)."""
         rec = {"phase": "prefill" if n > 1 else "decode", "start": start, "tokens": n,
-               "active_blocks": int(ctx.block_ids.numel()), "evicted": len(evicted),
+               "active_blocks": active_blocks, "evicted": len(evicted),
                "resident_blocks": self.seq.resident_blocks(),
                "recalibrations": self.seq.recalibrations}
         tier = self.retrieval
