@@ -36,7 +36,8 @@ Per run: prefill and decode tok/s, their ratios (retrieval / eviction-only), hos
 per decoded token (RunStats.bytes_to_cache over the decode), the page-cache hit rate, pages
 retrieved per step, the planner's device peak vs torch.cuda.max_memory_allocated and its host
 offload store vs the pinned bytes allocated. Each timed run follows an untimed one of the same
-setting (an 8K prefix, 4 tokens), so compilation and first captures stay out of the rows.
+setting on the same Engine (compilation, the graph's capture and the pinned store's allocation
+stay out of the row; its decode replays the kept graph), whose decode rate is kept beside it.
 Writes $OUT/gpu_retrieval.json.
 Attention backend: Triton when kernels/attention/attention_triton.py imports and agrees with the torch
 reference on a smoke shape, else the torch reference (HISPARSE_BACKEND=torch), said loudly.
@@ -720,18 +721,16 @@ def phase_retrieval(a) -> list[dict]:
             for name, sparse, kernel in (("eviction-only", evict, "auto"),
                                          ("eviction-only, layers", evict, "layers"),
                                          ("retrieval", base, "auto")):
-                # untimed first: an 8K prefix (long enough to evict and to retrieve) and a few
-                # tokens, so no Triton/NVRTC compilation or first capture lands in the row (a
-                # cold machine's first row paid ~25 s of it: BENCHMARKS.md)
+                # the row is the second generate of one Engine: the first (untimed) compiles
+                # the kernels and captures the decode graph, which the second replays with the
+                # kept cache and retrieval tier (a cold machine's first run paid ~25 s of
+                # compilation, and a 32-layer graph capture costs more than 64 tokens' decode)
                 os.environ["HISPARSE_DECODE_KERNEL"] = kernel  # read when an Engine is made
-                warm = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
-                              backend=backend)
-                warm.generate(ids[:min(ctx, 8192)], max_new_tokens=4, min_new_tokens=4)
-                warm.release_cached_state()
-                del warm
                 eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                              backend=backend)
                 os.environ.pop("HISPARSE_DECODE_KERNEL")
+                first = eng.generate(ids, max_new_tokens=a.decode_tokens,
+                                     min_new_tokens=a.decode_tokens)
                 plan = plan_for(cfg, sparse, ctx, a.decode_tokens, backend, dev, **kw)
                 free_all(dev)
                 pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
@@ -756,6 +755,11 @@ def phase_retrieval(a) -> list[dict]:
                        "pages_retrieved_per_step": s.pages_retrieved_per_step,
                        "bytes_to_cache": s.bytes_to_cache,
                        "h2d_bytes_per_token": s.bytes_to_cache / (ctx + s.new_tokens),
+                       "decode_cache_hit_rate": s.decode_cache_hit_rate,
+                       "decode_h2d_bytes_per_token": s.decode_bytes_to_cache / max(
+                           1, s.new_tokens - 1),
+                       "first_run_decode_tok_s": (first.stats.new_tokens - 1)
+                       / first.stats.decode_seconds,
                        "cuda_graph": (res.extra or {}).get("cuda_graph"),
                        "decode_kernel": (res.extra or {}).get("decode_kernel")}
                 eng.release_cached_state()

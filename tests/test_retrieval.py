@@ -303,4 +303,5 @@ def test_cuda_full_budget_equals_dense_and_store_round_trips(tiny_models, backen
             assert torch.equal(tier.stored_page(0, p)[0].cuda(), k0[p].transpose(0, 1)), p
     res = eng.generate(ids, max_new_tokens=8, min_new_tokens=8)
     assert res.stats.bytes_to_cache > 0 and res.stats.pages_offloaded > 0
-    assert "cuda_graph" not in res.extra  # the eager decode
+    # Triton attention decodes in the CUDA graph (the page cache filled inside it), torch eagerly
+    assert ("cuda_graph" in res.extra) == (backend == "triton"), res.extra

@@ -61,6 +61,8 @@ class RunStats:
     pages_retrieved_per_step: float = 0.0
     cache_hit_rate: float = 0.0
     bytes_to_cache: int = 0
+    decode_cache_hit_rate: float = 0.0  # the same two over the decode steps alone
+    decode_bytes_to_cache: int = 0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -312,6 +314,8 @@ class Engine:
             stats.pages_offloaded, stats.offload_bytes = r.pages_offloaded, run.offload_bytes
             stats.pages_retrieved_per_step = r.pages_retrieved / r.steps if r.steps else 0.0
             stats.cache_hit_rate, stats.bytes_to_cache = r.hit_rate, r.bytes_to_cache
+            d = run.retrieval.decode_stats()
+            stats.decode_cache_hit_rate, stats.decode_bytes_to_cache = d.hit_rate, d.bytes_to_cache
         stats.peak_memory_bytes, stats.peak_memory_kind = _peak_memory(self.device)
         if self.governor is not None:
             stats.threads = self.governor.report()
@@ -329,6 +333,8 @@ class Engine:
                 progress("prefill", min(s + chunk, ids.numel()), ids.numel())
         self._sync()
         stats.prefill_seconds = time.perf_counter() - t0
+        if run.retrieval is not None:  # the counters where decode starts (a device copy)
+            run.retrieval.mark_decode()
         t0 = time.perf_counter()
         self._phase("decode")
         extra = {}

@@ -113,6 +113,7 @@ class RetrievalTier:
         self.step_no = 0
         self.steps = 0  # steps that had offloaded pages
         self.pages_offloaded = self.bytes_offloaded = 0
+        self.decode_base = None  # counts when decode started (mark_decode)
 
     def reset(self) -> None:
         """In place, a new tier's state (the same device tensors, so a captured decode graph
@@ -149,6 +150,18 @@ class RetrievalTier:
                               pages_retrieved=picks, hits=hits, misses=misses,
                               bytes_to_cache=misses * self._slot_page_bytes(),
                               bytes_offloaded=self.bytes_offloaded)
+
+    def mark_decode(self) -> None:
+        """Remember the counters where decode starts (`decode_stats`; a device copy)."""
+        self.decode_base = self.counts.clone()
+
+    def decode_stats(self) -> RetrievalStats:
+        """Picks, hits, misses and bytes copied since `mark_decode` (zeros without it)."""
+        if self.decode_base is None:
+            return RetrievalStats()
+        picks, hits, misses = (self.counts - self.decode_base).tolist()
+        return RetrievalStats(pages_retrieved=picks, hits=hits, misses=misses,
+                              bytes_to_cache=misses * self._slot_page_bytes())
 
     def _slot_page_bytes(self) -> int:
         """K and V bytes of one (layer, KV head) page: what one miss copies."""

@@ -17,6 +17,9 @@ scores (k is at most a few hundred pages; a Triton top-k is not written).
 pages) writes the rows' bounds (pages outside the range -inf) into an [Hkv, rows, P] tensor
 (4 rows x 8K pages x 8 heads: 1 MiB); `_bounds_mass`, one program per KV head, then sums the
 rows' softmax over the pages in range (-1 elsewhere).
+Dots: fp16 (bf16) queries against summaries of the same type run on the tensor cores in that
+type (16-bit products are exact in the fp32 accumulator); fp32 queries (an fp32 cache's fp16
+summaries) in fp32 IEEE dots. Prefill (many rows) takes 64-row tiles.
 Any strides on the last-but-one dims; the last dim must be contiguous (asserted).
 """
 
@@ -28,38 +31,49 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_scores(qp, qn, lo_ptr, hi_ptr, pg, ok, dd, s_ln, s_hn, scale):
+def _tile_scores(qp, qn, lo_ptr, hi_ptr, pg, ok, dd, s_ln, s_hn, scale, LOW: tl.constexpr):
     """scale * (q+ . hi + q- . lo) of a tile of query rows against the pages `pg` of one KV
-    head (the upper bound of q . k over a page's keys); pages past the end load as zeros."""
-    lo = tl.load(lo_ptr + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None],
-                 other=0.0).to(tl.float32)
-    hi = tl.load(hi_ptr + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None],
-                 other=0.0).to(tl.float32)
-    return (tl.dot(qp, tl.trans(hi), input_precision="ieee")
-            + tl.dot(qn, tl.trans(lo), input_precision="ieee")) * scale
+    head (the upper bound of q . k over a page's keys); pages past the end load as zeros.
+    LOW: q and the summaries are one 16-bit type, the dots run on the tensor cores in it
+    (the products are exact in the fp32 accumulator); else fp32 IEEE dots."""
+    lo = tl.load(lo_ptr + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None], other=0.0)
+    hi = tl.load(hi_ptr + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None], other=0.0)
+    if LOW:
+        s = tl.dot(qp, tl.trans(hi)) + tl.dot(qn, tl.trans(lo))
+    else:
+        s = (tl.dot(qp, tl.trans(hi.to(tl.float32)), input_precision="ieee")
+             + tl.dot(qn, tl.trans(lo.to(tl.float32)), input_precision="ieee"))
+    return s * scale
+
+
+@triton.jit
+def _signed_parts(q, LOW: tl.constexpr):
+    """(q+, q-) of loaded query rows: in q's 16-bit type (exact) with LOW, else fp32."""
+    if not LOW:
+        q = q.to(tl.float32)
+    return tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype)
 
 
 @triton.jit
 def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
                s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
                GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               BLOCK_N: tl.constexpr, LOW: tl.constexpr):
     kvh = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     dd = tl.arange(0, D)
     t, g = rows // GRP, rows % GRP
     q = tl.load(q_ptr + t[:, None] * s_qt + (kvh * GRP + g)[:, None] * s_qh + dd[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qp = tl.maximum(q, 0.0)
-    qn = tl.minimum(q, 0.0)
+                mask=row_ok[:, None], other=0.0)
+    qp, qn = _signed_parts(q, LOW)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, n_pages, BLOCK_N):  # pass 1: each row's max and sum of exp
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
         s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln,
-                         s_hn, scale)
+                         s_hn, scale, LOW)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
@@ -69,14 +83,19 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
         s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln,
-                         s_hn, scale)
+                         s_hn, scale, LOW)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & ok[None, :], p, 0.0)
         tl.atomic_add(out_ptr + kvh * s_oh + pg, tl.sum(p, axis=0), mask=ok)
 
 
+def _low(q: torch.Tensor, lo: torch.Tensor) -> bool:
+    """The dots run in a 16-bit type: q and the summaries are both fp16 or both bf16."""
+    return q.dtype == lo.dtype and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
-                block_m: int = 16, block_n: int = 64) -> torch.Tensor:
+                block_m: int | None = None, block_n: int = 64) -> torch.Tensor:
     t, hq, d = q.shape
     hkv, n, _ = lo.shape
     assert hq % hkv == 0 and lo.shape == hi.shape and lo.shape[-1] == d
@@ -87,10 +106,11 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: floa
     if n == 0 or t == 0:
         return out
     rows = t * grp
+    block_m = block_m or (64 if rows >= 256 else 16)
     grid = (hkv, triton.cdiv(rows, block_m))
     _page_mass[grid](q, lo, hi, out, rows, n, float(scale), q.stride(0), q.stride(1),
                      lo.stride(0), lo.stride(1), hi.stride(0), hi.stride(1), out.stride(0),
-                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n)
+                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q, lo))
     return out
 
 
@@ -105,7 +125,7 @@ def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
 def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale,
                  s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh, s_or,
                  GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, LOW: tl.constexpr):
     """out[kvh, row, page] = scale * bound of every row (<= BLOCK_M) against a tile of pages;
     -inf for a page outside [first, first + n) (rng_ptr, read here: no host read)."""
     kvh = tl.program_id(0)
@@ -117,9 +137,10 @@ def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale
     dd = tl.arange(0, D)
     t, g = rows // GRP, rows % GRP
     q = tl.load(q_ptr + t[:, None] * s_qt + (kvh * GRP + g)[:, None] * s_qh + dd[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    s = _tile_scores(tl.maximum(q, 0.0), tl.minimum(q, 0.0), lo_ptr + kvh * s_lh,
-                     hi_ptr + kvh * s_hh, pg, ok, dd, s_ln, s_hn, scale)
+                mask=row_ok[:, None], other=0.0)
+    qp, qn = _signed_parts(q, LOW)
+    s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln, s_hn,
+                     scale, LOW)
     s = tl.where(ok[None, :], s, float("-inf"))
     tl.store(out_ptr + kvh * s_oh + rows[:, None] * s_or + pg[None, :], s,
              mask=row_ok[:, None] & (pg < n_pages)[None, :])
@@ -183,7 +204,7 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     _page_bounds[(hkv, triton.cdiv(n, block_n))](
         q, lo, hi, rng, bounds, rows, n, float(scale), q.stride(0), q.stride(1), lo.stride(0),
         lo.stride(1), hi.stride(0), hi.stride(1), bounds.stride(0), bounds.stride(1),
-        GRP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n)
+        GRP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q, lo))
     out = torch.empty((hkv, n), dtype=torch.float32, device=q.device)
     _bounds_mass[(hkv,)](bounds, rng, out, rows, n, bounds.stride(0), bounds.stride(1),
                          out.stride(0), BLOCK_R=max(2, triton.next_power_of_2(rows)),
