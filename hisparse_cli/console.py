@@ -208,6 +208,7 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
           if stats.get("pages_offloaded") else []),
         ("peak memory", f"{human_bytes(stats['peak_memory_bytes'])} ({stats['peak_memory_kind']})"),
         ("device", f"{stats['device']} / {stats['backend']}"),
+        *_compile_rows(stats),
         *_summary_rows(result),
         ("time", f"{result['timings']['total_seconds']:.1f} s"),
     ]
@@ -222,6 +223,19 @@ def stats_table(result: dict, document: dict | None = None) -> Table:
     for name, value in (result.get("rouge") or {}).items():
         table.add_row(name, f"{value:.4f}")
     return table
+
+
+def _compile_rows(stats: dict) -> list[tuple[str, str]]:
+    """GPU kernels the run compiled (0 after `hisparse warmup`) and loaded from the disk
+    cache, with their time; no row on the CPU, where nothing is compiled."""
+    compiled, loaded = stats.get("kernel_compiles", 0), stats.get("kernel_loads", 0)
+    if not (compiled or loaded or str(stats.get("device", "")).startswith("cuda")):
+        return []
+    text = f"{compiled:,} ({stats.get('kernel_compile_seconds', 0.0):.1f} s)"
+    if loaded:
+        seconds = stats.get("kernel_load_seconds", 0.0)
+        text += f", {loaded:,} loaded from the cache ({seconds:.1f} s)"
+    return [("kernel compiles", text)]
 
 
 def _summary_rows(result: dict) -> list[tuple[str, str]]:

@@ -17,10 +17,18 @@ from functools import lru_cache
 
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
+    """Whether Triton imports (once a process). Before the import, its cache is pointed at
+    hisparse's toolchain-keyed folder; after it, its compiles are counted
+    (kernels/compile_cache.py, kernels/compile_log.py)."""
+    from hisparse_cli.kernels.compile_cache import use_triton_cache
+    from hisparse_cli.kernels.compile_log import watch_triton
+
+    use_triton_cache()
     try:
         import triton  # noqa: F401
     except Exception:
         return False
+    watch_triton()
     return True
 
 

@@ -105,6 +105,10 @@ def test_summarize_stdout_is_only_the_summary(tiny, doc, tmp_path):
     for key in ("prefill_tok_s", "decode_tok_s", "kv_blocks_peak", "kv_bytes_peak",
                 "recalibrations", "peak_memory_bytes"):
         assert key in record["stats"]
+    # nothing is compiled on the CPU (kernels/compile_log.py counts Triton and NVRTC only)
+    assert (record["stats"]["kernel_compiles"], record["stats"]["kernel_loads"]) == (0, 0)
+    assert record["timings"]["kernel_compile_seconds"] == 0.0
+    assert "kernel compiles" not in plain.stderr  # no table row on the CPU
 
 
 def test_summarize_out_file_is_written_and_stdout_stays_empty(tiny, doc, tmp_path):

@@ -182,7 +182,8 @@ def test_cache_key_covers_everything_the_cubin_depends_on():
     changed = [("src2", {}), ("src", {"arch": (8, 0)}), ("src", {"arch": (9, 1)}),
                ("src", {"nvrtc_version": (12, 9)}), ("src", {"options": ()}),
                ("src", {"options": ("-O3", "--use_fast_math")}),
-               ("src", {"name_expressions": ("k<2>",)})]
+               ("src", {"name_expressions": ("k<2>",)}),
+               ("src", {"driver": "580.65.06"})]  # a driver update compiles afresh
     keys = {rt.cache_key(src, **{**base, **over}) for src, over in changed}
     assert len(keys) == len(changed) and key not in keys
 
@@ -220,6 +221,34 @@ def test_cache_round_trip(fake_nvrtc, monkeypatch):
     assert len(fake_nvrtc) == 1 and again == first and again is not first
     _compile("__global__ void other() {}")
     assert len(fake_nvrtc) == 2
+
+
+def test_compiles_and_disk_reads_are_counted(fake_nvrtc, monkeypatch):
+    """compile_log's NVRTC counts: a compile, then (a new process) a cubin read from disk;
+    a memo hit is neither."""
+    from hisparse_cli.kernels import compile_log
+
+    monkeypatch.setattr(compile_log, "_TALLY", compile_log._Tally())
+    _compile()
+    _compile()  # the memo
+    monkeypatch.setattr(rt, "_MEMO", {})
+    _compile()  # from disk
+    counts = compile_log.compile_counts()
+    assert (counts.compiled, counts.loaded) == (1, 1) and len(fake_nvrtc) == 1
+    assert counts.compile_seconds >= 0.0 and counts.load_seconds >= 0.0
+    assert [n for n, _ in counts.by_kernel][0].startswith("nvrtc:sm_90:")
+
+
+def test_a_driver_update_compiles_again(fake_nvrtc, monkeypatch):
+    """The same source on another driver: a new cache entry (compile_cache.driver_version is
+    part of the key), not the cubin the old driver's process wrote."""
+    monkeypatch.setattr(rt, "driver_version", lambda: "550.54.15")
+    old = _compile()
+    monkeypatch.setattr(rt, "_MEMO", {})
+    monkeypatch.setattr(rt, "driver_version", lambda: "580.65.06")
+    new = _compile()
+    assert new.key != old.key and len(fake_nvrtc) == 2
+    assert len(list(rt.kernel_cache_dir().glob("*.cubin"))) == 2
 
 
 @pytest.mark.parametrize("suffix,content", [

@@ -1,5 +1,5 @@
-"""The environment: every `HISPARSE_*` variable (and Triton's TRITON_INTERPRET) is read here and
-nowhere else.
+"""The environment: every `HISPARSE_*` variable (and Triton's TRITON_INTERPRET and
+TRITON_CACHE_DIR) is read here and nowhere else.
 
 Each function reads `os.environ` when it is called (tests and benchmarks set variables between
 runs); what a run decides from them is fixed once, in its `ExecutionPlan`
@@ -16,6 +16,7 @@ runs); what a run decides from them is fixed once, in its `ExecutionPlan`
 | HISPARSE_PDL | `pdl_allowed` | 0: no programmatic dependent launch |
 | HISPARSE_NVRTC | `nvrtc_override` | the libnvrtc to load |
 | TRITON_INTERPRET | `triton_interpret` | Triton's CPU interpreter (tests) |
+| TRITON_CACHE_DIR | `triton_cache_setting` | the user's Triton cache (else hisparse's: kernels/compile_cache.py) |
 | HISPARSE_THREADS, OMP_NUM_THREADS | `threads_setting` (`Environment.threads`) | CPU threads in every phase (config/threads.py) |
 | OMP_WAIT_POLICY, GOMP_SPINCOUNT | `openmp_wait_setting`, `bound_openmp_spin` | OpenMP's wait; the spin is bounded before torch loads |
 | CC | `c_compiler_setting` | the C compiler of the native CPU kernels (kernels/cpu/) |
@@ -35,6 +36,7 @@ from hisparse_cli.errors import ConfigError
 BACKENDS = ("auto", "torch", "triton")
 DECODE_KERNELS = ("auto", "persistent", "layers")
 NVRTC_ENV = "HISPARSE_NVRTC"
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 THREADS_ENV = "HISPARSE_THREADS"
 SPIN_ENV, SPIN_COUNT = "GOMP_SPINCOUNT", "10000"
 
@@ -160,6 +162,12 @@ def nvrtc_override() -> str:
     return os.environ.get(NVRTC_ENV, "").strip()
 
 
+def triton_cache_setting() -> str:
+    """TRITON_CACHE_DIR as the user set it ("" when unset): kept instead of hisparse's own
+    toolchain-keyed folder (kernels/compile_cache.py)."""
+    return os.environ.get(TRITON_CACHE_ENV, "").strip()
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run in its CPU interpreter (Triton reads it at import;
     the kernels read it to choose their CPU paths)."""
@@ -168,6 +176,7 @@ def triton_interpret() -> bool:
 
 __all__ = ["Environment", "read_environment", "backend_setting", "decode_kernel_setting",
            "hisparse_home", "debug_enabled", "pdl_allowed", "nvrtc_override",
-           "triton_interpret", "threads_setting", "openmp_wait_setting", "bound_openmp_spin",
-           "c_compiler_setting", "BACKENDS", "DECODE_KERNELS", "NVRTC_ENV", "THREADS_ENV",
-           "SPIN_ENV", "SPIN_COUNT"]
+           "triton_interpret", "triton_cache_setting", "threads_setting",
+           "openmp_wait_setting", "bound_openmp_spin", "c_compiler_setting", "BACKENDS",
+           "DECODE_KERNELS", "NVRTC_ENV", "TRITON_CACHE_ENV", "THREADS_ENV", "SPIN_ENV",
+           "SPIN_COUNT"]

@@ -26,6 +26,7 @@ from hisparse_cli.config.settings import GenerationConfig, SparseConfig, check_p
 from hisparse_cli.engine.kv_cache import int64_to_device
 from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.engine.sampling.host import Sampler
+from hisparse_cli.kernels.compile_log import compile_counts
 from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.model.llama import CausalLM, fuse_projections
 from hisparse_cli.model.loader import load_model
@@ -63,6 +64,13 @@ class RunStats:
     bytes_to_cache: int = 0
     decode_cache_hit_rate: float = 0.0  # the same two over the decode steps alone
     decode_bytes_to_cache: int = 0
+    # GPU kernels this call compiled / loaded from the disk cache, and the seconds they took
+    # (kernels/compile_log.py; the first call of an engine also counts its model's load):
+    # 0 on the CPU, and on a GPU once `hisparse warmup` has run the compiles are 0
+    kernel_compiles: int = 0
+    kernel_compile_seconds: float = 0.0
+    kernel_loads: int = 0
+    kernel_load_seconds: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -116,6 +124,7 @@ class Engine:
         self._tokenizer = None
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
         self.step_trace = None  # callable(dict): one record per prefill chunk / decode step
+        self.compile_mark = compile_counts()  # the next generate reports compiles since it
 
     def _resolve_execution(self) -> ExecutionPlan:
         return resolve_execution(
@@ -186,13 +195,16 @@ class Engine:
         """threads: a CPU run's ThreadPolicy, a thread count (an override, as --threads), or
         None (HISPARSE_THREADS / OMP_NUM_THREADS, else automatic; config/threads.py)."""
         device = torch.device(device)
+        mark = compile_counts()  # the first generate reports the load's compiles too
         model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host,
                                 decode_layout=True, fuse=True)
         if kv_dtype is None:
             kv_dtype = torch.float16 if device.type == "cuda" and dtype == torch.float16 else dtype
-        return cls(model, cfg, sparse=sparse or SparseConfig(), device=device, kv_dtype=kv_dtype,
-                   path=Path(path), pool_cap_blocks=pool_cap_blocks, backend=backend, probe=probe,
-                   threads=threads)
+        engine = cls(model, cfg, sparse=sparse or SparseConfig(), device=device,
+                     kv_dtype=kv_dtype, path=Path(path), pool_cap_blocks=pool_cap_blocks,
+                     backend=backend, probe=probe, threads=threads)
+        engine.compile_mark = mark
+        return engine
 
     @property
     def tokenizer(self):
@@ -319,6 +331,10 @@ class Engine:
         stats.peak_memory_bytes, stats.peak_memory_kind = _peak_memory(self.device)
         if self.governor is not None:
             stats.threads = self.governor.report()
+        now = compile_counts()
+        for key, value in (now - self.compile_mark).to_dict().items():
+            setattr(stats, key, value)
+        self.compile_mark = now
         return GenerationResult(token_ids=out, stats=stats, finish_reason=reason,
                                 extra=extra)
 

@@ -263,7 +263,9 @@ class Job:
             result.timings["rouge_seconds"] = time.perf_counter() - started
         out = result.to_dict()
         out["stats"].update(cpu_run_stats(out.get("runs", [])))
-        out["timings"] = {"ingest_seconds": ingest_seconds, **out["timings"]}
+        out["timings"] = {"ingest_seconds": ingest_seconds, **out["timings"],
+                          "kernel_compile_seconds": out["stats"]["kernel_compile_seconds"],
+                          "kernel_load_seconds": out["stats"]["kernel_load_seconds"]}
         out["settings"] = {**self.settings_dict(), "attention": choice.to_dict(),
                            **out["settings"]}
         out["settings"]["sparse"] = asdict(choice.sparse)  # the policy the run used

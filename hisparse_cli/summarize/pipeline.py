@@ -120,7 +120,8 @@ def aggregate_stats(runs: list[dict]) -> dict:
     stats = [r["stats"] for r in runs]
     out = {key: sum(s.get(key, 0) for s in stats) for key in (
         "prompt_tokens", "new_tokens", "prefill_seconds", "decode_seconds", "recalibrations",
-        "blocks_allocated", "blocks_freed", "pages_offloaded", "bytes_to_cache")}
+        "blocks_allocated", "blocks_freed", "pages_offloaded", "bytes_to_cache",
+        "kernel_compiles", "kernel_compile_seconds", "kernel_loads", "kernel_load_seconds")}
     for key in ("kv_blocks_peak", "kv_bytes_peak", "peak_memory_bytes", "offload_bytes"):
         out[key] = max((s.get(key, 0) for s in stats), default=0)
     out["prefill_tok_s"] = (out["prompt_tokens"] / out["prefill_seconds"]

@@ -11,8 +11,11 @@ when asked through `options`. Kernel sources are self-contained (no CUDA header:
 half helpers in inline PTX), so there are no include paths. Templates are instantiated by
 name expression; `Compiled.lowered` maps each one to its mangled name. Cubins are kept in
 `$HISPARSE_HOME/kernels/` (file name: the sha256 of source, options, name expressions, arch,
-NVRTC version and FORMAT) and memoized in the process; an entry that cannot be read or does
-not check out is rebuilt, a folder that cannot be written is skipped silently.
+NVRTC version, the driver's version and FORMAT: keyed like Triton's cache,
+kernels/compile_cache.py, so a driver or toolkit update compiles afresh) and memoized in the
+process; an entry that cannot be read or does not check out is rebuilt, a folder that cannot
+be written is skipped silently. Each compile and each cubin read from disk is counted
+(kernels/compile_log.py).
 
 Launch: kernels/cuda/cuda_launch.py (the driver API: modules, launches, TMA tensor maps).
 
@@ -39,6 +42,7 @@ import os
 import site
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_void_p
 from dataclasses import dataclass, field
@@ -49,6 +53,8 @@ import torch
 
 from hisparse_cli.errors import HisparseError
 from hisparse_cli.config.env import NVRTC_ENV, hisparse_home, nvrtc_override
+from hisparse_cli.kernels.compile_cache import driver_version
+from hisparse_cli.kernels.compile_log import record_nvrtc
 
 __all__ = [
     "CudaRtError", "KernelCompileError", "Compiled", "nvrtc_available",
@@ -208,10 +214,12 @@ class Compiled:
 
 
 def cache_key(source: str, *, arch: tuple[int, int], nvrtc_version: tuple[int, int],
-              name_expressions: Sequence[str] = (), options: Sequence[str] = ()) -> str:
-    """sha256 (hex) of everything the cubin and its lowered names depend on."""
+              name_expressions: Sequence[str] = (), options: Sequence[str] = (),
+              driver: str = "") -> str:
+    """sha256 (hex) of everything the cubin and its lowered names depend on, and of the
+    driver that is to load it (compile_cache.driver_version())."""
     blob = json.dumps([FORMAT, source, list(options), list(name_expressions), list(arch),
-                       list(nvrtc_version)])
+                       list(nvrtc_version), driver])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -231,15 +239,18 @@ def compile_cubin(source: str, *, arch: tuple[int, int], name_expressions: Seque
     exprs, opts = tuple(name_expressions), tuple(options)
     version = nvrtc_version()
     key = cache_key(source, arch=arch, nvrtc_version=version, name_expressions=exprs,
-                    options=opts)
+                    options=opts, driver=driver_version())
     compiled = _MEMO.get(key)
     if compiled is None:
         folder = kernel_cache_dir()
+        started = time.perf_counter()
         compiled = _read_entry(folder, key, arch, version)
-        if compiled is None:
+        built = compiled is None
+        if built:
             cubin, lowered, log = _nvrtc_compile(source, arch, exprs, opts)
             compiled = Compiled(key, cubin, lowered, arch, version, log)
             _write_entry(folder, compiled)
+        record_nvrtc(f"sm_{arch[0]}{arch[1]}:{key[:12]}", built, time.perf_counter() - started)
         _MEMO[key] = compiled
     return compiled
 
