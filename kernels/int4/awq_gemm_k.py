@@ -120,14 +120,17 @@ def _dequant_words_k(words, s2, sz, dt: tl.constexpr, BLOCK_N: tl.constexpr,
     return tl.reshape(v, (BLOCK_N, BLOCK_KW * 8))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _awq_gemm_k_kernel(x_ptr, qt_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, W8,
                        stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, HAS_BIAS: tl.constexpr,
                        IEEE: tl.constexpr, TILED: tl.constexpr = False, T: tl.constexpr = 16,
                        PACKED: tl.constexpr = False, ASM: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[k, n] (+ b[n]) for one [BLOCK_M tokens, BLOCK_N columns]
-    tile; BLOCK_KW words (8 BLOCK_KW K rows, inside one group) per loop step."""
+    tile; BLOCK_KW words (8 BLOCK_KW K rows, inside one group) per loop step. M (the step's
+    tokens: a ragged last prefill chunk takes any value) is not specialized: it only masks
+    the token tiles and sets their count, while every address is a token times stride_xm
+    (specialized, fixed per model); N, KW, W8 and the strides keep their 16-divisibility."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % grid_m  # token tiles of one column tile run together (weights from L2)

@@ -59,7 +59,9 @@ def _store_half(w_ptr, words, zb, s_ptr, j, rows0, rt, g, stride_wn, PR: tl.cons
     tl.store(w_ptr + rows[:, None] * stride_wn + (j * 128 + tl.arange(0, 128))[None, :], v)
 
 
-@triton.jit
+# tile0 (the chunk's first row tile) varies chunk by chunk: an item's address is a multiple
+# of ITEM words whatever it is, so its divisibility gains nothing; one variant for all chunks
+@triton.jit(do_not_specialize=["tile0"])
 def _dequant_items_kernel(it_ptr, s_ptr, z_ptr, w_ptr, G, tile0, stride_wn,
                           ITEM: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
                           BLOCK_RT: tl.constexpr):

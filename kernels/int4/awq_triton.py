@@ -108,7 +108,8 @@ def _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, offs_k, offs_n, mask_n, N, W,
     return ((q - z[None, :]).to(tl.float32) * s[None, :]).to(OUT_DTYPE)
 
 
-@triton.jit
+# M (tokens) only masks rows and counts tiles: one variant for every token count
+@triton.jit(do_not_specialize=["M"])
 def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, y_ptr, M, N, K, W,
                      stride_xm, stride_ym, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -29,7 +29,7 @@ from hisparse_cli.kernels.pdl import chain_args
 from hisparse_cli.kernels.pdl import enter as pdl_enter
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rms_norm(x_ptr, y_ptr, w_ptr, out_ptr, sum_ptr, R, B, sxa, sxb, sya, syb, eps,
               H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
               HAS_RES: tl.constexpr, PDL_WAIT: tl.constexpr = False,
@@ -37,7 +37,10 @@ def _rms_norm(x_ptr, y_ptr, w_ptr, out_ptr, sum_ptr, R, B, sxa, sxb, sya, syb, e
     """Rows r = a * B + b of x (offset a * sxa + b * sxb, unit stride along H); HAS_RES: the
     row is x + y (stored to sum_ptr, contiguous) before the norm; out is contiguous.
     PDL_WAIT / PDL_TRIGGER: kernels/pdl.py (the next kernel, often a decode GEMV, may be
-    scheduled now)."""
+    scheduled now). R (the rows: a step's tokens, 1 in decode, the chunk or a ragged last
+    chunk in prefill) is not specialized: it only bounds the row mask, and Triton's value
+    classes (== 1, divisible by 16) would compile up to three variants per call site; B and
+    the strides are fixed per model and stay specialized (16-byte row addresses)."""
     pdl_enter(PDL_WAIT, PDL_TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)

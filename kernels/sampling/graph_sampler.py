@@ -23,6 +23,9 @@ Kernels (CUDA, or the Triton interpreter):
     best (value, first index, first NaN);
   _pick2: one program: the winner -> the step's input token, the history, seen; count + 1.
 The CPU runs the same state through torch (engine/sampling/graph.py).
+The run's history capacity (`cap`, the prompt + new tokens of a generate) and min_new (the
+guard's retries change it) are not specialized: they are compared with a count, and
+specializing them would compile variants per document length for no gain.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from hisparse_cli.kernels.sampling.argmax_triton import (BLOCK, MAX_SUPPRESS, bl
 BAN_BLOCK = 256  # n-gram windows a loop turn
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap"])
 def _ban(toks_ptr, count_ptr, ban_ptr, cap, N: tl.constexpr, BAN_BLOCK: tl.constexpr):
     # the history holds the first `cap` tokens: a graph replayed past the run's capacity (a
     # benchmark's replays) bans from those, and never reads past the buffer
@@ -54,7 +57,7 @@ def _ban(toks_ptr, count_ptr, ban_ptr, cap, N: tl.constexpr, BAN_BLOCK: tl.const
         tl.store(ban_ptr + nxt, 1, mask=match)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["min_new"])
 def _pick1(x_ptr, n, seen_ptr, ban_ptr, count_ptr, sup_ptr, vals_ptr, idx_ptr, nan_ptr,
            penalty, inv_penalty, min_new, PEN: tl.constexpr, NG: tl.constexpr,
            S: tl.constexpr, BLOCK: tl.constexpr):
@@ -78,7 +81,7 @@ def _pick1(x_ptr, n, seen_ptr, ban_ptr, count_ptr, sup_ptr, vals_ptr, idx_ptr, n
     store_block_best(x, offs, inside, n, pid, vals_ptr, idx_ptr, nan_ptr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap"])
 def _pick2(vals_ptr, idx_ptr, nan_ptr, nb, n, out_ptr, toks_ptr, cap, seen_ptr, count_ptr,
            PEN: tl.constexpr, NB: tl.constexpr):
     tok = blocks_winner(vals_ptr, idx_ptr, nan_ptr, nb, n, NB)
