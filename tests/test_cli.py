@@ -401,6 +401,13 @@ def test_models_commands_without_network(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "pull_model", lambda name, **kw: tmp_path / name)
     pulled = run("models", "pull", "smollm2")
     assert pulled.exit_code == 0 and pulled.stdout == f"{tmp_path / 'smollm2'}\n", show(pulled)
+    assert "hisparse warmup" not in pulled.stderr  # no CUDA here: nothing to compile ahead
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pulled = run("models", "pull", "smollm2")
+    assert pulled.exit_code == 0 and "hisparse warmup --model smollm2" in pulled.stderr, \
+        show(pulled)
 
 
 def test_quantize_then_summarize_with_the_int4_model(tiny, doc, tmp_path):

@@ -3,7 +3,8 @@
 Commands live in cli_*.py modules (thin: parse flags, call library functions, render):
     summarize, batch            cli_summarize.py, cli_batch.py (shared flags: cli_options.py)
     score, profiles, models     cli_misc.py
-    plan, quantize, eval        optional modules, registered when present (EXTRA_COMMANDS)
+    plan, quantize, eval,       optional modules, registered when present (EXTRA_COMMANDS)
+    warmup
 
 Error handling, in one place (`HisparseGroup`): a `HisparseError` prints `Error: …` and
 `Hint: …` on stderr and exits with its code (errors.py); Ctrl-C exits 130; a torch or host
@@ -34,7 +35,8 @@ except ImportError:  # pragma: no cover - older Typer runs on the click package
 from hisparse_cli import __version__
 from hisparse_cli.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, HisparseError, ResourceError
 
-EXTRA_COMMANDS = ("hisparse_cli.cli.plan", "hisparse_cli.cli.quantize", "hisparse_cli.cli.eval")
+EXTRA_COMMANDS = ("hisparse_cli.cli.plan", "hisparse_cli.cli.quantize", "hisparse_cli.cli.eval",
+                  "hisparse_cli.cli.warmup")
 
 
 def as_resource_error(exc: BaseException) -> ResourceError | None:

