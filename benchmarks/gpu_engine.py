@@ -15,7 +15,9 @@ One run, one H200, random weights built on the device (no download, no files):
       mode reduce-overhead), same weights (HF's tensors are shared with ours), same prompt.
   (c) the bandwidth-bound decode limit: device copy bandwidth / bytes read per decode token
       (weights + KV actually read), and each system's fraction of it.
-  (d) a 6 GiB card emulated with set_per_process_memory_fraction (hisparse_cli.planner.vram): the
+  (d) a 6 GiB card driving a display emulated with set_per_process_memory_fraction
+      (hisparse_cli.planner.vram: the allocator may reserve card - DISPLAY_BYTES - the CUDA
+      context measured here; each row records the reserved peak beside the allocated one): the
       4060ti-6g profile, 32K and 128K prompts, an 8B-shaped random AWQ INT4 model with host
       embeddings and a Llama-3.2-1B-shaped fp16 model, each run only if the planner says it fits.
   (e) --awq-vs-fp16: the same 8B shape with fp16 and with AWQ INT4 (g128) weights, same sparse
@@ -65,7 +67,7 @@ from torch import nn  # noqa: E402
 
 from hisparse_cli.config.settings import SparseConfig  # noqa: E402
 from hisparse_cli.model.config import ModelConfig  # noqa: E402
-from hisparse_cli.planner.memory import GIB, plan_memory  # noqa: E402
+from hisparse_cli.planner.memory import CUDA_CONTEXT_BYTES, GIB, plan_memory  # noqa: E402
 from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
 from hisparse_cli.config.profiles import load_profile  # noqa: E402
 
@@ -609,19 +611,22 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
 
 
 def phase_budget(a, dev, backend, calib) -> list[dict]:
-    """A 6 GiB card emulated on this GPU: the allocator may reserve card - CUDA context."""
-    from hisparse_cli.planner.vram import allocator_cap_bytes, budget_fraction, oom_guard
+    """A 6 GiB card emulated on this GPU: the allocator may reserve what such a card driving
+    a display leaves, card - planner.vram.DISPLAY_BYTES - the CUDA context measured here."""
+    from hisparse_cli.planner.vram import (DISPLAY_BYTES, allocator_cap_bytes, budget_fraction,
+                                           oom_guard)
     from hisparse_cli.errors import ResourceError
 
     prof = load_profile("4060ti-6g")
     sparse = prof.sparse_config()
-    context = calib.get("non_allocator_bytes_after_cublas") or 500 * MIB
+    context = calib.get("non_allocator_bytes_after_cublas") or CUDA_CONTEXT_BYTES
     total = torch.cuda.get_device_properties(dev).total_memory
     cap = allocator_cap_bytes(int(a.budget_gib * GIB), card=True, context_bytes=context)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), index)
-    log(f"budget: a {a.budget_gib:g} GiB card: allocator cap {gib(cap)} GiB (context "
-        f"{gib(context)} GiB); planner budget = profile 4060ti-6g {prof.vram_budget_gib} GiB")
+    log(f"budget: a {a.budget_gib:g} GiB card: allocator cap {gib(cap)} GiB (display "
+        f"{gib(DISPLAY_BYTES)} GiB, context {gib(context)} GiB); planner budget = profile "
+        f"4060ti-6g {prof.vram_budget_gib} GiB")
     rows = []
     models = [("llama-3-8b AWQ-int4, host embeddings", SHAPES["llama-3-8b"], True),
               ("llama-3.2-1b-shaped fp16, host embeddings", LLAMA_1B, False)]
@@ -705,7 +710,7 @@ def phase_retrieval(a) -> list[dict]:
         from hisparse_cli.planner.vram import allocator_cap_bytes, budget_fraction
 
         total = torch.cuda.get_device_properties(dev).total_memory
-        ctx_b = calib.get("non_allocator_bytes_after_cublas") or 500 * MIB
+        ctx_b = calib.get("non_allocator_bytes_after_cublas") or CUDA_CONTEXT_BYTES
         cap = allocator_cap_bytes(int(a.budget_gib * GIB), card=True, context_bytes=ctx_b)
         torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), index)
     kw = dict(weight_format="awq-int4", embeddings_on_host=True,

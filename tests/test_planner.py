@@ -518,8 +518,15 @@ def test_check_plan_fits_and_oom_guard():
     with pytest.raises(ValueError):
         with oom_guard():
             raise ValueError("not an OOM")
-    assert allocator_cap_bytes(int(5.5 * (1 << 30))) == 6 << 30  # profile: + 0.5 GiB margin
-    assert allocator_cap_bytes(6 << 30, card=True, context_bytes=1 << 29) == 11 << 29
+    mib = 1 << 20
+    assert allocator_cap_bytes(4992 * mib) == 5248 * mib  # a profile's budget: + the margin
+    # a card: - its display - the CUDA context; headless: - the context only
+    assert allocator_cap_bytes(6 << 30, card=True, context_bytes=1 << 29,
+                               display_bytes=300 * mib) == 6144 * mib - 812 * mib
+    assert allocator_cap_bytes(6 << 30, card=True, context_bytes=1 << 29,
+                               display_bytes=0) == 11 << 29
+    with pytest.raises(ConfigError, match="leaves nothing"):
+        allocator_cap_bytes(512 * mib, card=True)
 
 
 def test_a_refused_host_allocation_is_a_resource_error():

@@ -13,10 +13,11 @@ every step (planner/trace.py, planner/step.py). `peak_allocated_bytes` predicts
 start). Counted line items sum to it exactly: the weights, cuBLAS's workspace, and what was
 live at the peak moment (ids, paged KV storage, slots, logits, that step's temporaries).
 
-Constants measured on the H200 by benchmarks/gpu_engine.py (it prints the values to put here):
+Constants measured by benchmarks/gpu_engine.py (it prints the values to put here):
 CUDA_CONTEXT_BYTES is what the driver holds outside torch's allocator (not in
-max_memory_allocated, so reported separately); CUBLAS_WORKSPACE_BYTES is torch's cuBLAS
-workspace, allocated through the caching allocator on the first matmul.
+max_memory_allocated, so reported separately; H100, after cuBLAS init);
+CUBLAS_WORKSPACE_BYTES is torch's cuBLAS workspace, allocated through the caching allocator
+on the first matmul (H200).
 
 A budget (a profile's `vram_budget_gib`) covers allocations only: the profiles subtract the
 context and a fragmentation margin when they set it. `fits` = peak_allocated <= budget.
@@ -38,7 +39,9 @@ from hisparse_cli.planner.weights import check_awq_shapes, weight_items
 
 MIB = 1 << 20
 GIB = 1 << 30
-CUDA_CONTEXT_BYTES = 500 * MIB  # driver context + kernel images; calibrate: gpu_engine.py
+# the driver's context outside torch's allocator, measured after cuBLAS init on an H100
+# (torch 2.11, CUDA 13: 595 MiB; gpu_engine.py calibrate's non_allocator_bytes_after_cublas)
+CUDA_CONTEXT_BYTES = 595 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # torch default on sm90 (4096 KiB x 8); calibrate likewise
 DEFAULT_NUM_SMS = 132  # H200 / H100 SXM: Triton split choices depend on it
 WEIGHT_FORMATS = ("fp16", "bf16", "fp32", "awq-int4")

@@ -3,13 +3,17 @@ out-of-memory errors into `ResourceError` (exit code 5).
 
 Budget conventions (the profiles' TOML comments state the same arithmetic):
   * a profile's `vram_budget_gib` is what the run may *allocate* (torch's allocated bytes, the
-    planner's `peak_allocated_bytes`); the card's CUDA context and a fragmentation margin were
-    subtracted when the profile was written (4060ti-6g: 6 GiB usable - 0.5 GiB margin = 5.5).
+    planner's `peak_allocated_bytes`); what the card gives to a display, the CUDA context and
+    a fragmentation margin were subtracted when the profile was written: `card_budget_bytes`
+    (4060ti-6g: a 6 GiB card - 300 MiB display - 595 MiB context - 256 MiB margin = 4993 MiB,
+    the profile's 4.875 GiB).
   * `apply_budget(budget)` emulates that card on a bigger GPU: the caching allocator may then
     reserve at most budget + FRAGMENTATION_MARGIN_BYTES (the card's usable memory; the context
     of this process is outside the allocator on every card, so it is not subtracted again).
-  * `apply_budget(card_bytes, card=True)` emulates a card of that physical size instead: the
-    allocator may reserve card_bytes - the CUDA context.
+  * `apply_budget(card_bytes, card=True)` emulates a consumer card of that physical size
+    driving a display: the allocator may reserve card_bytes - DISPLAY_BYTES - the CUDA
+    context, what such a card really leaves (benchmarks/gpu_engine.py's emulation caps there).
+    For a profile written with `card_budget_bytes`, both caps are the same.
 Nothing here imports torch at module import time.
 """
 
@@ -23,7 +27,13 @@ from dataclasses import asdict, dataclass
 from hisparse_cli.errors import ConfigError, ResourceError
 from hisparse_cli.planner.memory import CUDA_CONTEXT_BYTES, GIB, MemoryPlan
 
-FRAGMENTATION_MARGIN_BYTES = GIB // 2  # the profiles' "allocator fragmentation" margin
+MIB = 1 << 20
+# reserved - allocated at a run's peak: the planner's error (measured -0.6 %, ~31 MiB on the
+# 8B AWQ run at 5 GiB, BENCHMARKS.md) plus the caching allocator's rounding and partly used
+# segments. Not measured alone yet: gpu_engine.py --only-budget records the reserved peak.
+FRAGMENTATION_MARGIN_BYTES = 256 * MIB
+# what a consumer card gives to the display it drives (desktop, compositor): a few hundred MiB
+DISPLAY_BYTES = 300 * MIB
 
 
 @dataclass(frozen=True)
@@ -39,15 +49,28 @@ class BudgetCap:
 
 def allocator_cap_bytes(budget_bytes: int, *, card: bool = False,
                         context_bytes: int = CUDA_CONTEXT_BYTES,
-                        margin_bytes: int = FRAGMENTATION_MARGIN_BYTES) -> int:
-    """Bytes torch's allocator may reserve for a budget (see the module docstring)."""
+                        margin_bytes: int = FRAGMENTATION_MARGIN_BYTES,
+                        display_bytes: int = DISPLAY_BYTES) -> int:
+    """Bytes torch's allocator may reserve for a budget, or (card=True) on a card of
+    `budget_bytes` driving a display (display_bytes=0: a headless card). Module docstring."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ConfigError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
-    cap = budget_bytes - context_bytes if card else budget_bytes + margin_bytes
+    cap = budget_bytes - display_bytes - context_bytes if card else budget_bytes + margin_bytes
     if cap <= 0:
         raise ConfigError(f"a {budget_bytes / GIB:.2f} GiB card leaves nothing after the "
+                          f"{display_bytes / GIB:.2f} GiB display and the "
                           f"{context_bytes / GIB:.2f} GiB CUDA context")
     return cap
+
+
+def card_budget_bytes(card_bytes: int, *, display_bytes: int = DISPLAY_BYTES,
+                      context_bytes: int = CUDA_CONTEXT_BYTES,
+                      margin_bytes: int = FRAGMENTATION_MARGIN_BYTES) -> int:
+    """The allocation budget a card of `card_bytes` leaves a run: what the allocator may
+    reserve there (allocator_cap_bytes(card=True)) less the fragmentation margin. A profile's
+    vram_budget_gib must not exceed it for the card it is written for."""
+    return allocator_cap_bytes(card_bytes, card=True, context_bytes=context_bytes,
+                               display_bytes=display_bytes) - margin_bytes
 
 
 def budget_fraction(cap_bytes: int, device_total_bytes: int) -> float:
@@ -165,6 +188,7 @@ def oom_guard(what: str = "the run", hint: str | None = None):
         raise err
 
 
-__all__ = ["BudgetCap", "FRAGMENTATION_MARGIN_BYTES", "allocator_cap_bytes", "budget_fraction",
+__all__ = ["BudgetCap", "FRAGMENTATION_MARGIN_BYTES", "DISPLAY_BYTES", "allocator_cap_bytes",
+           "card_budget_bytes", "budget_fraction",
            "apply_budget", "check_plan_fits", "oom_guard", "oom_error", "is_oom",
            "release_cached_memory"]
