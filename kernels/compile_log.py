@@ -16,14 +16,15 @@ codegen, LLVM, ptxas and a C launcher, seconds). This module counts both kinds:
 two to get what happened in between (the engine reports that per generate call). Nothing
 here imports triton or torch.
 
-How Triton is observed (Triton >= 3.3's knobs; older Triton: nothing is counted, and
-`watching()` says so): `knobs.runtime.jit_cache_hook` runs before a specialization is
-built and `jit_post_compile_hook` after it (their time apart is the JIT compile or disk
-load), `knobs.compilation.listener` says whether the disk cache had it (`cache_hit`), and
-`knobs.runtime.kernel_load_end_hook` ends the first launch's setup (the launcher build and
-module load, which come after the post-compile hook), whose time is added to the same
-specialization. Hooks someone else installed keep running (ours call them first; a cache
-hook that returns true still skips the compile, as it would without us).
+How Triton is observed (its knobs, Triton >= 3.4; older Triton: nothing is counted, and
+`watching()` says so): `knobs.compilation.listener` is called at the end of every compile()
+with `cache_hit` and the compile's own timing (`times.total`: from compile()'s start, the
+disk-cache lookup included), and `knobs.runtime.kernel_load_end_hook` at the end of that
+specialization's first launch setup (its C launcher, built or loaded, and the module load),
+whose time is added to it. A Triton with JIT hooks but no listener: `jit_cache_hook` /
+`jit_post_compile_hook` time each specialization instead, and every one counts as compiled
+(a hit cannot be told apart). Hooks someone else installed keep running (ours are called
+after theirs; a cache hook of theirs that returns true still skips the compile).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class _Tally:
     def __init__(self) -> None:
         self.counts = CompileCounts()
         self.kernels: Counter = Counter()
-        self.pending: list[list] = []  # [name, start, cache_hit] of compiles in progress
+        self.pending: list[list] = []  # [name, start] of compiles in progress (JIT hooks)
         self.loading: list | None = None  # [bucket, start of the load after a compile]
 
     def add(self, name: str, compiled: bool, seconds: float) -> None:
@@ -121,28 +122,40 @@ def _chain(previous, ours):
     return both
 
 
+def _name_of(src) -> str:
+    """"module.kernel" of a compile's source (an ASTSource; its JITFunction's module)."""
+    fn = getattr(src, "fn", None)
+    module = getattr(fn, "module", "") or ""
+    name = getattr(src, "name", None) or getattr(fn, "__name__", None) or str(src)
+    return f"{module.rsplit('.', 1)[-1]}.{name}" if module else str(name)
+
+
+def _listener(*, src=None, times=None, cache_hit: bool = False, result=None, **_) -> None:
+    """Triton's compilation listener: one compile() ended (a disk-cache hit or a build)."""
+    seconds = (getattr(times, "total", 0) or 0) / 1e6  # CompileTimes are in microseconds
+    compiled = not cache_hit
+    _TALLY.add(_name_of(src), compiled, seconds)
+    _TALLY.loading = [compiled, time.perf_counter()]
+
+
 def _before(*, fn=None, result=None, **_) -> None:
+    """(Triton without a listener) a specialization is about to be built."""
     if not result:  # a cache hook's true result skips the compile (nothing to time)
-        _TALLY.pending.append([_kernel_name(fn), time.perf_counter(), None])
-
-
-def _listener(*, cache_hit: bool = False, result=None, **_) -> None:
-    if _TALLY.pending:
-        _TALLY.pending[-1][2] = bool(cache_hit)
+        _TALLY.pending.append([_kernel_name(fn), time.perf_counter()])
 
 
 def _after(*, fn=None, result=None, **_) -> None:
+    """(Triton without a listener) the specialization is built: counted as compiled."""
     if not _TALLY.pending:
         return
-    name, start, hit = _TALLY.pending.pop()
+    name, start = _TALLY.pending.pop()
     now = time.perf_counter()
-    compiled = hit is not True  # no listener (unknown): counted as compiled
-    _TALLY.add(name, compiled, now - start)
-    _TALLY.loading = [compiled, now]
+    _TALLY.add(name, True, now - start)
+    _TALLY.loading = [True, now]
 
 
 def _loaded(*args, **kwargs) -> None:
-    """The first launch's setup of the specialization just built has ended."""
+    """The first launch's setup of the specialization just compiled or loaded has ended."""
     if _TALLY.loading is not None:
         compiled, start = _TALLY.loading
         _TALLY.loading = None
@@ -151,23 +164,24 @@ def _loaded(*args, **kwargs) -> None:
 
 def watch_triton(knobs=None) -> bool:
     """Install the hooks (module doc) into Triton's `knobs` (default: triton.knobs) once a
-    process; False where this Triton has no such hooks (nothing is counted then)."""
+    process; False where this Triton has none of them (nothing is counted then)."""
     if _WATCHING:
         return _WATCHING[0]
     if knobs is None:
         try:
             from triton import knobs
-        except ImportError:  # Triton before 3.3: no knobs module
+        except ImportError:  # Triton before 3.4: no knobs module
             _WATCHING.append(False)
             return False
     runtime, compilation = getattr(knobs, "runtime", None), getattr(knobs, "compilation", None)
-    if not all(hasattr(runtime, h) for h in ("jit_cache_hook", "jit_post_compile_hook")):
-        _WATCHING.append(False)
-        return False
-    runtime.jit_cache_hook = _chain(runtime.jit_cache_hook, _before)
-    runtime.jit_post_compile_hook = _chain(runtime.jit_post_compile_hook, _after)
     if compilation is not None and hasattr(compilation, "listener"):
         compilation.listener = _chain(compilation.listener, _listener)
+    elif all(hasattr(runtime, h) for h in ("jit_cache_hook", "jit_post_compile_hook")):
+        runtime.jit_cache_hook = _chain(runtime.jit_cache_hook, _before)
+        runtime.jit_post_compile_hook = _chain(runtime.jit_post_compile_hook, _after)
+    else:
+        _WATCHING.append(False)
+        return False
     load_end = getattr(runtime, "kernel_load_end_hook", None)
     if load_end is not None and hasattr(load_end, "add"):
         load_end.add(_loaded)

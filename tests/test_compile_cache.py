@@ -6,7 +6,8 @@ gives another folder); the driver's version with /proc files written here in the
 the NVIDIA kernel modules print; Triton's own knobs object in a fresh process (the cache
 folder it will compile into); the counts with a fake Triton calling the hooks in the order
 Triton 3.6's JIT does (runtime/jit.py: cache hook, compile() with its listener, post-compile
-hook, then the first launch's kernel_load_end_hook) on a fake clock.
+hook, then the first launch's kernel_load_end_hook) on a fake clock, and with Triton's real
+compiler (sm_90, no GPU): a build, then the same kernel from the disk cache.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -101,11 +103,13 @@ class _Chain:
             fn(*args)
 
 
-def _knobs(cache_hook=None):
+def _knobs(listener=True, cache_hook=None):
+    """Triton's knobs as 3.6 has them (listener=False: a Triton with JIT hooks only)."""
+    compilation = SimpleNamespace(listener=None) if listener else SimpleNamespace()
     return SimpleNamespace(
         runtime=SimpleNamespace(jit_cache_hook=cache_hook, jit_post_compile_hook=None,
                                 kernel_load_end_hook=_Chain()),
-        compilation=SimpleNamespace(listener=None))
+        compilation=compilation)
 
 
 @pytest.fixture
@@ -118,19 +122,25 @@ def clock(monkeypatch):
     return now
 
 
-def _specialize(knobs, clock, name: str, hit: bool | None, jit_s: float, load_s: float):
-    """What Triton 3.6's JITFunction.run does for a new specialization, hooks in its order."""
-    fn = SimpleNamespace(module="hisparse_cli.kernels.family.some_triton", name=name,
-                         jit_function=None)
+def _specialize(knobs, clock, name: str, hit: bool, compile_s: float, load_s: float):
+    """What Triton 3.6 does for a new specialization, hooks in its order (runtime/jit.py
+    run -> _do_compile: cache hook, compile() ending in the listener with its own timing
+    (CompileTimes, microseconds), post-compile hook; then the first launch's
+    _init_handles: launcher and module load, kernel_load_end_hook)."""
+    module = "hisparse_cli.kernels.family.some_triton"
+    fn = SimpleNamespace(module=module, name=name, jit_function=None)
     hook_kw = dict(key="k", repr=name, fn=fn, compile={}, is_manual_warmup=False,
                    already_compiled=False)
-    if knobs.runtime.jit_cache_hook(**hook_kw):
+    if knobs.runtime.jit_cache_hook is not None and knobs.runtime.jit_cache_hook(**hook_kw):
         return  # someone's cache hook skipped the compile
-    clock[0] += jit_s
-    if hit is not None:
-        knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None,
-                                   cache_hit=hit)
-    knobs.runtime.jit_post_compile_hook(**hook_kw)
+    clock[0] += compile_s
+    listener = getattr(knobs.compilation, "listener", None)
+    if listener is not None:
+        src = SimpleNamespace(name=name, fn=SimpleNamespace(module=module, __name__=name))
+        times = SimpleNamespace(total=int(compile_s * 1e6))
+        listener(src=src, metadata={}, metadata_group={}, times=times, cache_hit=hit)
+    if knobs.runtime.jit_post_compile_hook is not None:
+        knobs.runtime.jit_post_compile_hook(**hook_kw)
     clock[0] += load_s
     knobs.runtime.kernel_load_end_hook(None, None, name, {}, "hash")
 
@@ -138,10 +148,11 @@ def _specialize(knobs, clock, name: str, hit: bool | None, jit_s: float, load_s:
 def test_cache_misses_count_as_compiles_and_hits_as_loads(clock):
     knobs = _knobs()
     assert compile_log.watch_triton(knobs) and compile_log.watching()
+    assert knobs.runtime.jit_cache_hook is None  # the listener suffices: JIT hooks untouched
     start = compile_log.compile_counts()
-    _specialize(knobs, clock, "_attn_fwd", hit=False, jit_s=6.0, load_s=0.5)
-    _specialize(knobs, clock, "_attn_fwd", hit=True, jit_s=0.25, load_s=0.125)
-    _specialize(knobs, clock, "_rms_norm", hit=True, jit_s=0.5, load_s=0.0)
+    _specialize(knobs, clock, "_attn_fwd", hit=False, compile_s=6.0, load_s=0.5)
+    _specialize(knobs, clock, "_attn_fwd", hit=True, compile_s=0.25, load_s=0.125)
+    _specialize(knobs, clock, "_rms_norm", hit=True, compile_s=0.5, load_s=0.0)
     got = compile_log.compile_counts() - start
     assert (got.compiled, got.compile_seconds) == (1, 6.5)
     assert (got.loaded, got.load_seconds) == (2, 0.875)
@@ -149,32 +160,33 @@ def test_cache_misses_count_as_compiles_and_hits_as_loads(clock):
     assert got.to_dict() == {"kernel_compiles": 1, "kernel_compile_seconds": 6.5,
                              "kernel_loads": 2, "kernel_load_seconds": 0.875}
     later = compile_log.compile_counts()
-    _specialize(knobs, clock, "_rope", hit=False, jit_s=1.0, load_s=0.0)
+    _specialize(knobs, clock, "_rope", hit=False, compile_s=1.0, load_s=0.0)
     assert (compile_log.compile_counts() - later).compiled == 1
 
 
-def test_someone_elses_hooks_keep_running_and_a_skip_is_not_counted(clock):
+def test_someone_elses_listener_keeps_running(clock):
+    heard = []
+    knobs = _knobs()
+    knobs.compilation.listener = lambda **kw: heard.append(kw["cache_hit"])
+    compile_log.watch_triton(knobs)
+    _specialize(knobs, clock, "k", hit=True, compile_s=0.5, load_s=0.0)
+    assert heard == [True] and compile_log.compile_counts().loaded == 1
+
+
+def test_without_a_listener_the_jit_hooks_count_every_specialization_as_compiled(clock):
     seen = []
 
     def theirs(**kw):
         seen.append(kw["repr"])
         return kw["repr"] == "skip_me"  # true: Triton skips that compile
 
-    knobs = _knobs(cache_hook=theirs)
-    compile_log.watch_triton(knobs)
-    _specialize(knobs, clock, "skip_me", hit=False, jit_s=1.0, load_s=0.0)
-    _specialize(knobs, clock, "built", hit=False, jit_s=2.0, load_s=0.0)
+    knobs = _knobs(listener=False, cache_hook=theirs)
+    assert compile_log.watch_triton(knobs)
+    _specialize(knobs, clock, "skip_me", hit=False, compile_s=1.0, load_s=0.0)
+    _specialize(knobs, clock, "built", hit=True, compile_s=2.0, load_s=0.25)
     assert seen == ["skip_me", "built"]
     counts = compile_log.compile_counts()
-    assert (counts.compiled, counts.compile_seconds, counts.loaded) == (1, 2.0, 0)
-
-
-def test_without_the_cache_listener_every_specialization_counts_as_compiled(clock):
-    knobs = _knobs()
-    del knobs.compilation.listener
-    compile_log.watch_triton(knobs)
-    _specialize(knobs, clock, "k", hit=None, jit_s=0.5, load_s=0.0)
-    assert compile_log.compile_counts().compiled == 1
+    assert (counts.compiled, counts.compile_seconds, counts.loaded) == (1, 2.25, 0)
 
 
 def test_a_triton_without_hooks_counts_nothing(clock):
@@ -187,6 +199,41 @@ def test_a_triton_without_hooks_counts_nothing(clock):
 def test_hooks_are_installed_once(clock):
     knobs = _knobs()
     assert compile_log.watch_triton(knobs)
-    hook = knobs.runtime.jit_cache_hook
-    assert compile_log.watch_triton(knobs) and knobs.runtime.jit_cache_hook is hook
+    listener = knobs.compilation.listener
+    assert compile_log.watch_triton(knobs) and knobs.compilation.listener is listener
     assert len(knobs.runtime.kernel_load_end_hook.calls) == 1
+
+
+_REAL_COMPILE = """
+import json, sys
+sys.path.insert(0, 'benchmarks')
+import sm90_compile as c
+from hisparse_cli.kernels import compile_log
+from hisparse_cli.kernels.norm_rope import norm_rope_triton as nr
+assert compile_log.watch_triton()
+sig = dict(x_ptr='*fp32', y_ptr='*fp32', w_ptr='*fp32', out_ptr='*fp32', sum_ptr='*fp32',
+           R='i32', B='i32', sxa='i32', sxb='i32', sya='i32', syb='i32', eps='fp32')
+consts = dict(H=64, BLOCK_H=64, ROWS=16, HAS_RES=False)
+runs = []
+for _ in range(2):  # the same kernel twice: built, then found in the disk cache
+    c.compile_one(nr._rms_norm, sig, consts, 4, ())
+    n = compile_log.compile_counts()
+    runs.append([n.compiled, n.loaded, n.compile_seconds, dict(n.by_kernel)])
+print(json.dumps(runs))
+"""
+
+
+def test_triton_compiles_and_cache_hits_are_told_apart(tmp_path):
+    """Triton's real compiler (for sm_90, no GPU needed) in a fresh process: a new cache folder
+    compiles the kernel (counted as compiled, with its time), the same compile again is a
+    disk-cache hit (counted as loaded)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real JIT
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    r = subprocess.run([sys.executable, "-c", _REAL_COMPILE], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (c1, l1, s1, k1), (c2, l2, s2, k2) = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (c1, l1) == (1, 0) and s1 > 0 and k1 == {"norm_rope_triton._rms_norm": 1}
+    assert (c2, l2) == (1, 1) and s2 == s1 and k2 == {"norm_rope_triton._rms_norm": 2}
