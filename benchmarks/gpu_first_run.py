@@ -263,7 +263,8 @@ def run_inproc(a) -> dict:
         dev = torch.device("cuda")
         torch.cuda.synchronize(dev)
         free, total = torch.cuda.mem_get_info(dev)
-        outside, gpu = total - free - torch.cuda.memory_reserved(dev), torch.cuda.get_device_name(dev)
+        outside = total - free - torch.cuda.memory_reserved(dev)
+        gpu = torch.cuda.get_device_name(dev)
     from hisparse_cli.planner.memory import CUDA_CONTEXT_BYTES
 
     by_hook, by_triton = dict(first.by_kernel), _triton_cache_entries()

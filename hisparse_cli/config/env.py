@@ -16,7 +16,7 @@ runs); what a run decides from them is fixed once, in its `ExecutionPlan`
 | HISPARSE_PDL | `pdl_allowed` | 0: no programmatic dependent launch |
 | HISPARSE_NVRTC | `nvrtc_override` | the libnvrtc to load |
 | TRITON_INTERPRET | `triton_interpret` | Triton's CPU interpreter (tests) |
-| TRITON_CACHE_DIR | `triton_cache_setting` | the user's Triton cache (else hisparse's: kernels/compile_cache.py) |
+| TRITON_CACHE_DIR | `triton_cache_setting` | the user's Triton cache (else kernels/compile_cache.py's) |
 | HISPARSE_THREADS, OMP_NUM_THREADS | `threads_setting` (`Environment.threads`) | CPU threads in every phase (config/threads.py) |
 | OMP_WAIT_POLICY, GOMP_SPINCOUNT | `openmp_wait_setting`, `bound_openmp_spin` | OpenMP's wait; the spin is bounded before torch loads |
 | CC | `c_compiler_setting` | the C compiler of the native CPU kernels (kernels/cpu/) |
