@@ -55,6 +55,17 @@ def test_rms_norm_rows(rec):
     assert len(rec.keys["norm_rope_triton._rms_norm"]) == 2  # HAS_RES False / True
 
 
+def test_page_scoring_rows_and_pages(rec):
+    """The retrieval tier's prefill scoring: a chunk's rows (ragged last chunk) and the pages
+    offloaded so far (one more every block) add no variant."""
+    from hisparse_cli.kernels.attention.page_score_triton import page_scores
+
+    for t, n in ((4, 1), (4, 16), (4, 17), (3, 33)):  # 16 rows (BLOCK_M 16), then 12
+        page_scores(torch.randn(t, 4, 16), torch.randn(2, n, 16), torch.randn(2, n, 16), 0.25)
+    _no_int_classes(rec, "page_score_triton._page_mass", "n_rows", "n_pages", "s_oh")
+    assert len(rec.keys["page_score_triton._page_mass"]) == 1
+
+
 def test_fused_int4_gemm_tokens(rec):
     """The prefill GEMM's token counts of one tile size (5..16 tokens: BLOCK_M 16) and of the
     next (17..32): one variant each, whatever the count."""

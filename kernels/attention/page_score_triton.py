@@ -54,7 +54,7 @@ def _signed_parts(q, LOW: tl.constexpr):
     return tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_pages", "s_oh"])  # rows, pages, out stride
 def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
                s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
                GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
