@@ -168,11 +168,6 @@ class Engine:
             from hisparse_cli.kernels.cuda.cuda_step import use_item_layout
 
             use_item_layout(self.model)
-        else:  # a model an earlier plan put in the item layout (a shared model, replan())
-            layout = self.execution.int4_layout.value
-            for mod in self.model.modules():
-                if getattr(mod, "layout", None) == "items" and hasattr(mod, "set_layout"):
-                    mod.set_layout(layout)
 
     def replan(self) -> ExecutionPlan:
         """Resolve the execution plan again from the environment as it is now (benchmarks and
