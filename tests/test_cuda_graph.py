@@ -310,7 +310,9 @@ def test_graph_with_retrieval_equals_eager(tmp_path, monkeypatch, prompt):
     assert graph.token_ids == eager.token_ids
     for key in ("pages_offloaded", "cache_hit_rate", "bytes_to_cache"):
         assert getattr(graph.stats, key) == getattr(eager.stats, key), key
+    first = eng.generate(ids, **gen)  # (the eager generate freed the kept state)
     again = eng.generate(ids, **gen)
+    assert first.extra.get("cuda_graph") == "new"
     assert again.extra.get("cuda_graph") == "reused" and again.token_ids == graph.token_ids
     assert again.stats.cache_hit_rate == graph.stats.cache_hit_rate
 
