@@ -47,11 +47,18 @@ def _tile_scores(qp, qn, lo_ptr, hi_ptr, pg, ok, dd, s_ln, s_hn, scale, LOW: tl.
 
 
 @triton.jit
-def _signed_parts(q, LOW: tl.constexpr):
-    """(q+, q-) of loaded query rows: in q's 16-bit type (exact) with LOW, else fp32."""
+def _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP: tl.constexpr, D: tl.constexpr,
+                LOW: tl.constexpr):
+    """(q+, q-, row_ok, dd) of query rows `rows` of KV head kvh (a row is a query x a query
+    head of the KV head): in q's 16-bit type (exact) with LOW, else fp32."""
+    row_ok = rows < n_rows
+    dd = tl.arange(0, D)
+    t, g = rows // GRP, rows % GRP
+    q = tl.load(q_ptr + t[:, None] * s_qt + (kvh * GRP + g)[:, None] * s_qh + dd[None, :],
+                mask=row_ok[:, None], other=0.0)
     if not LOW:
         q = q.to(tl.float32)
-    return tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype)
+    return tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype), row_ok, dd
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_pages", "s_oh"])  # rows, pages, out stride
@@ -61,12 +68,7 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
                BLOCK_N: tl.constexpr, LOW: tl.constexpr):
     kvh = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    dd = tl.arange(0, D)
-    t, g = rows // GRP, rows % GRP
-    q = tl.load(q_ptr + t[:, None] * s_qt + (kvh * GRP + g)[:, None] * s_qh + dd[None, :],
-                mask=row_ok[:, None], other=0.0)
-    qp, qn = _signed_parts(q, LOW)
+    qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, n_pages, BLOCK_N):  # pass 1: each row's max and sum of exp
@@ -133,12 +135,7 @@ def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale
     first = tl.load(rng_ptr)
     ok = (pg >= first) & (pg < first + tl.load(rng_ptr + 1)) & (pg < n_pages)
     rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    dd = tl.arange(0, D)
-    t, g = rows // GRP, rows % GRP
-    q = tl.load(q_ptr + t[:, None] * s_qt + (kvh * GRP + g)[:, None] * s_qh + dd[None, :],
-                mask=row_ok[:, None], other=0.0)
-    qp, qn = _signed_parts(q, LOW)
+    qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW)
     s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln, s_hn,
                      scale, LOW)
     s = tl.where(ok[None, :], s, float("-inf"))
