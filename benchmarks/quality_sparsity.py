@@ -9,6 +9,7 @@ with bootstrap intervals over documents. One subcommand a study:
         --docs-dir .gpu_docs --out "$OUT" --time-budget 420          # on the GPU machine
     python benchmarks/quality_sparsity.py retrieval --docs @FILE --max-tokens 7168 --out DIR
     python benchmarks/quality_sparsity.py ceiling --docs @FILE --max-tokens 7168 --out DIR
+    python benchmarks/quality_sparsity.py hits --docs ../shared/eval_dev --limit 8 --out DIR
     python benchmarks/quality_sparsity.py gguf-check M.gguf CONVERTED_FOLDER
 
 sweep, policies, rouge: CPU studies on a fixed eval_dev subset (the first --docs of SUBSET),
@@ -696,6 +697,57 @@ def ceiling(a) -> None:
     (a.out / "pooled.json").write_text(json.dumps(table, indent=1))
 
 
+def hits(a) -> None:
+    """The page cache's hit rate with a real model's queries (the GPU benchmark's random weights
+    give random queries): one greedy generate a document and page-cache size, prefill and
+    decode rates apart, 95 % bootstrap over documents."""
+    import torch
+
+    from hisparse_cli.config.settings import SparseConfig
+    from hisparse_cli.engine import Engine
+    from hisparse_cli.hub import resolve_model
+    from hisparse_cli.quality.dataset import load_eval_documents
+    from hisparse_cli.scoring import bootstrap_ci
+
+    paths = ([Path(x) for x in Path(a.docs[1:]).read_text().split() if x] if a.docs.startswith("@")
+             else sorted(p for p in Path(a.docs).rglob("*.txt") if not p.name.endswith(".ref.txt")))
+    torch.set_num_threads(a.threads)
+    eng = Engine.from_pretrained(Path(resolve_model("default")))
+    base = dict(sink_tokens=4, window_size=a.window, global_tokens=32, block_size=16,
+                prefill_chunk=128, retrieval_tokens=a.retrieval_tokens)
+    by_genre: dict[str, list] = {}
+    for doc in load_eval_documents(paths):  # round robin over the genres (first id part)
+        by_genre.setdefault(doc.id.split("/")[0], []).append(doc)
+    docs = [g[i] for i in range(max(map(len, by_genre.values()), default=0))
+            for g in by_genre.values() if i < len(g)]
+    rows = []
+    for doc in docs:
+        ids = eng.tokenizer(doc.text, verbose=False)["input_ids"][:a.max_tokens]
+        if len(ids) < a.min_tokens:
+            continue
+        for mult in (1, 2):
+            eng.sparse = SparseConfig(**base, page_cache_tokens=mult * a.retrieval_tokens)
+            s = eng.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens).stats
+            rows.append({"doc": doc.id, "tokens": len(ids), "page_cache": mult,
+                         "hit_rate": s.cache_hit_rate, "decode_hit_rate": s.decode_cache_hit_rate})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if len({r["doc"] for r in rows}) >= a.limit:
+            break
+    print(f"{len({r['doc'] for r in rows})} documents of {a.min_tokens}-{a.max_tokens} tokens; "
+          f"window {a.window}, {a.retrieval_tokens} retrieval tokens, {a.new_tokens} new tokens")
+    print("| page cache | hit rate, whole run | hit rate, decode |\n|---|---|---|")
+    table = []
+    for mult in (1, 2):
+        got = [r for r in rows if r["page_cache"] == mult]
+        cells = [bootstrap_ci([r[k] for r in got], n_resamples=2000)
+                 for k in ("hit_rate", "decode_hit_rate")]
+        table.append({"page_cache": mult, "hit_rate": cells[0], "decode_hit_rate": cells[1]})
+        print(f"| {mult}x retrieval tokens | " + " | ".join(
+            f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in cells) + " |")
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "hits.json").write_text(json.dumps({"rows": rows, "table": table}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -764,6 +816,18 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16, help="page (KV block) size in tokens")
     p.add_argument("--sinks", type=int, default=4)
     p.set_defaults(run=ceiling)
+    p = sub.add_parser("hits", help="the page cache's hit rate with the real model's queries "
+                       "(prefill and decode; page cache 1x and 2x the retrieval tokens)")
+    p.add_argument("--docs", required=True, help="@FILE (one path a line) or a folder")
+    p.add_argument("--max-tokens", type=int, default=6000)
+    p.add_argument("--min-tokens", type=int, default=4096)
+    p.add_argument("--limit", type=int, default=8, help="documents to measure")
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--retrieval-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(run=hits)
     p = sub.add_parser("gguf-check", help="gpu's plan-B converter against hisparse's output")
     p.add_argument("gguf", help="the GGUF file")
     p.add_argument("converted", help="a folder hisparse's converter wrote from it")
