@@ -143,6 +143,39 @@ def test_engine_keeps_the_layout_where_the_kernel_cannot_run(monkeypatch, kernel
     assert eng.model.model.layers[0].mlp.down_proj.layout != "items"
 
 
+def test_engine_puts_item_layout_linears_back():
+    """A model an earlier (persistent) plan left in the item layout, given to an engine whose
+    plan is not persistent (a shared model, replan()): its INT4 linears return to a layout the
+    plan decodes with, and the logits are the model's before the conversion."""
+    from hisparse_cli.config.settings import SparseConfig
+    from hisparse_cli.engine.engine import Engine
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.model.llama import CausalLM
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 256, "hidden_size": 128,
+                                 "intermediate_size": 256, "num_hidden_layers": 1,
+                                 "num_attention_heads": 1, "num_key_value_heads": 1,
+                                 "max_position_embeddings": 512})
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    lin = model.model.layers[0].mlp.down_proj = _awq(128, 256)
+    model.init_rope(torch.device("cpu"))
+    kw = dict(sparse=SparseConfig(), device=torch.device("cpu"), kv_dtype=torch.float32)
+    ids = list(range(3, 40))
+    want = Engine(model, cfg, **kw).logits(ids)
+    assert lin.set_layout("items") and lin.layout == "items"
+    eng = Engine(model, cfg, **kw)
+    assert lin.layout in ("awq", "kmajor", "tiled") and lin.qzeros is not None
+    assert torch.allclose(eng.logits(ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_set_layout_refuses_unknown_layouts():
+    lin = _awq(128, 256)
+    assert lin.set_layout("items")
+    for name in ("none", "int4pack", "bogus"):  # (plan values that are not a layout)
+        assert not lin.set_layout(name) and lin.layout == "items"
+
+
 def _awq(out_f: int, in_f: int, seed: int = 0) -> AWQLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g)

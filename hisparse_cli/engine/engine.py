@@ -168,6 +168,14 @@ class Engine:
             from hisparse_cli.kernels.cuda.cuda_step import use_item_layout
 
             use_item_layout(self.model)
+        else:  # linears an earlier plan put in the item layout (a shared model, replan()):
+            # back to this plan's layout, else the checkpoint's (each decode product would
+            # otherwise go through the items' dequantize)
+            layout = self.execution.int4_layout.value
+            layout = layout if layout in ("tiled", "kmajor", "awq") else "awq"
+            for mod in self.model.modules():
+                if getattr(mod, "layout", None) == "items" and hasattr(mod, "set_layout"):
+                    mod.set_layout(layout)
 
     def replan(self) -> ExecutionPlan:
         """Resolve the execution plan again from the environment as it is now (benchmarks and

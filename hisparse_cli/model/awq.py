@@ -236,11 +236,15 @@ class AWQLinear(nn.Module):
         size 128, in and out features multiples of 128), which packs the scales and zero
         points into the items, so qweight becomes the items [T * G, 2128] and qzeros / scales
         are dropped; any other layout is reached through the AutoAWQ tensors. True when the
-        layout is then the one asked for. One linear's conversion at a time (chunked)."""
+        layout is then the one asked for. One linear's conversion at a time (chunked).
+        Layouts: "items", "awq" (the checkpoint's), "kmajor", "tiled"; any other name is
+        refused (False, nothing changed)."""
         from hisparse_cli.kernels.int4 import awq_items
 
         if layout == self.layout:
             return True
+        if layout not in ("items", "awq", "kmajor", "tiled"):
+            return False
         if layout == "items":
             if self.group_size != 128 or self.in_features % 128 or self.out_features % 128:
                 return False
