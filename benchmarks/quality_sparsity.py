@@ -569,21 +569,38 @@ def gguf_check(a) -> None:
     print(f"{len(ref)} tensors, {len(bad)} differ: {bad[:5]}")
 
 
+# -- document lists of the retrieval, ceiling and hits studies ----------------------------------
+def _doc_paths(spec: str) -> list[Path]:
+    """--docs: @FILE (one path a line) or a folder (every *.txt below but the references)."""
+    if spec.startswith("@"):
+        return [Path(x) for x in Path(spec[1:]).read_text().split() if x]
+    return sorted(p for p in Path(spec).rglob("*.txt") if not p.name.endswith(".ref.txt"))
+
+
+def _round_robin(items: list, genre) -> list:
+    """items in turn over their genres (genre(item)): a --limit run mixes them."""
+    by_genre: dict[str, list] = {}
+    for x in items:
+        by_genre.setdefault(genre(x), []).append(x)
+    return [g[i] for i in range(max(map(len, by_genre.values()), default=0))
+            for g in by_genre.values() if i < len(g)]
+
+
+def _doc_args(p, max_tokens: int) -> None:
+    p.add_argument("--docs", required=True, help="@FILE (one path a line) or a folder")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--min-tokens", type=int, default=4096,
+                   help="only documents at least this long (tokens after truncation)")
+    p.add_argument("--out", type=Path, required=True)
+
+
 # -- retrieval: the retrieval tier vs eviction-only at the same resident KV --------------------
 RETRIEVAL = "window=192,globals=16,chunk=64,retrieval_tokens=256"
 EVICTION = "window=512,globals=32,chunk=64"
 
 
 def retrieval(a) -> None:
-    if a.docs.startswith("@"):
-        docs = [Path(x) for x in Path(a.docs[1:]).read_text().split() if x]
-    else:
-        docs = sorted(p for p in Path(a.docs).rglob("*.txt") if not p.name.endswith(".ref.txt"))
-    by_genre: dict[str, list[Path]] = {}
-    for d in docs:  # round robin over the genres (folders): a --limit run mixes them
-        by_genre.setdefault(d.parent.name, []).append(d)
-    docs = [g[i] for i in range(max(map(len, by_genre.values()), default=0))
-            for g in by_genre.values() if i < len(g)]
+    docs = _round_robin(_doc_paths(a.docs), lambda d: d.parent.name)
     if a.limit:
         docs = docs[:a.limit]
     rows, meta = [], None
@@ -628,8 +645,7 @@ def ceiling(a) -> None:
     from hisparse_cli.quality.metrics import attention_probs, kept_mask, recall_ceiling
     from hisparse_cli.scoring import bootstrap_ci
 
-    paths = ([Path(x) for x in Path(a.docs[1:]).read_text().split() if x] if a.docs.startswith("@")
-             else sorted(p for p in Path(a.docs).rglob("*.txt") if not p.name.endswith(".ref.txt")))
+    paths = _doc_paths(a.docs)
     a.out.mkdir(parents=True, exist_ok=True)
     fractions = [float(x) for x in a.fractions.split(",")]
     windows = [int(x) for x in a.windows.split(",")]
@@ -709,17 +725,11 @@ def hits(a) -> None:
     from hisparse_cli.quality.dataset import load_eval_documents
     from hisparse_cli.scoring import bootstrap_ci
 
-    paths = ([Path(x) for x in Path(a.docs[1:]).read_text().split() if x] if a.docs.startswith("@")
-             else sorted(p for p in Path(a.docs).rglob("*.txt") if not p.name.endswith(".ref.txt")))
     torch.set_num_threads(a.threads)
     eng = Engine.from_pretrained(Path(resolve_model("default")))
     base = dict(sink_tokens=4, window_size=a.window, global_tokens=32, block_size=16,
                 prefill_chunk=128, retrieval_tokens=a.retrieval_tokens)
-    by_genre: dict[str, list] = {}
-    for doc in load_eval_documents(paths):  # round robin over the genres (first id part)
-        by_genre.setdefault(doc.id.split("/")[0], []).append(doc)
-    docs = [g[i] for i in range(max(map(len, by_genre.values()), default=0))
-            for g in by_genre.values() if i < len(g)]
+    docs = _round_robin(load_eval_documents(_doc_paths(a.docs)), lambda d: d.id.split("/")[0])
     rows = []
     for doc in docs:
         ids = eng.tokenizer(doc.text, verbose=False)["input_ids"][:a.max_tokens]
@@ -792,22 +802,14 @@ def main() -> None:
     p.set_defaults(run=gpu)
     p = sub.add_parser("retrieval", help="the retrieval tier vs eviction-only at the same "
                        "resident KV (CPU, one hisparse eval a document)")
-    p.add_argument("--docs", required=True, help="@FILE (one path a line) or a folder")
-    p.add_argument("--max-tokens", type=int, default=7168)
-    p.add_argument("--out", type=Path, required=True)
+    _doc_args(p, 7168)
     p.add_argument("--no-rouge", action="store_true")
     p.add_argument("--limit", type=int, default=0, help="first N documents only")
-    p.add_argument("--min-tokens", type=int, default=4096,
-                   help="pool only documents at least this long (tokens after truncation): "
-                        "a 700-token document has no eviction to speak of")
     p.add_argument("--settings", nargs="*", default=[EVICTION, RETRIEVAL])
     p.set_defaults(run=retrieval)
     p = sub.add_parser("ceiling", help="the best recall any selection reaches at a resident "
                        "budget: window-only, token and page oracles (CPU)")
-    p.add_argument("--docs", required=True, help="@FILE (one path a line) or a folder")
-    p.add_argument("--max-tokens", type=int, default=7168)
-    p.add_argument("--min-tokens", type=int, default=4096)
-    p.add_argument("--out", type=Path, required=True)
+    _doc_args(p, 7168)
     p.add_argument("--model", default="default")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fractions", default="0.05,0.08,0.10,0.15,0.25",
@@ -818,15 +820,12 @@ def main() -> None:
     p.set_defaults(run=ceiling)
     p = sub.add_parser("hits", help="the page cache's hit rate with the real model's queries "
                        "(prefill and decode; page cache 1x and 2x the retrieval tokens)")
-    p.add_argument("--docs", required=True, help="@FILE (one path a line) or a folder")
-    p.add_argument("--max-tokens", type=int, default=6000)
-    p.add_argument("--min-tokens", type=int, default=4096)
+    _doc_args(p, 6000)
     p.add_argument("--limit", type=int, default=8, help="documents to measure")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--retrieval-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, required=True)
     p.set_defaults(run=hits)
     p = sub.add_parser("gguf-check", help="gpu's plan-B converter against hisparse's output")
     p.add_argument("gguf", help="the GGUF file")
