@@ -232,10 +232,13 @@ class RetrievalTier:
             torch.cuda.current_stream(self.cache.device).wait_event(self.offload_done)
 
     # -- retrieval ---------------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, traced: bool = False) -> None:
+        """A new step: its number on the device; traced (--trace): the counters it starts
+        from, for `step_counts`."""
         self.step_no += 1
         self.step.add_(1)
-        self.step_base.copy_(self.counts)
+        if traced:
+            self.step_base.copy_(self.counts)
         if self.offloaded:
             self.steps += 1
 

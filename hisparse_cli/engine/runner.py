@@ -186,7 +186,7 @@ class KVRun:
         count the step)."""
         if self.retrieval is not None:
             self.retrieval.wait_offload()  # a reused block is written after its copy out
-            self.retrieval.begin_step()
+            self.retrieval.begin_step(traced=self.trace is not None)
 
     def end_step(self, start: int, n: int) -> list:
         """After a step's forward over [start, start + n): evict the blocks that left every
