@@ -29,7 +29,9 @@ group size). Calibration: the first 75% of every samples/ document; held out: th
 awq) and loaded back through our loader, so the numbers include packing, export and the INT4
 linear. --head adds the output head's rows: AWQ with `quantize_lm_head` (the activation-aware
 head of `hisparse quantize --quantize-lm-head`), and the AWQ body with its head rounded to
-nearest (awq_pack.fake_quantize, at the group size and at 32) in place of the fp head.
+nearest (awq_pack.fake_quantize, at the group size and at 32) in place of the fp head, and
+the INT8 head (model/int8_linear.py, the small-card profiles' `lm_head_format = "int8"`) on
+the fp32 and the AWQ bodies, with its teacher-forced KL against the fp head of each.
 Default model: the embedded SmolLM2-135M (resolve_model(None)), falling back to /tmp/smollm2.
 """
 
@@ -203,6 +205,28 @@ def default_model() -> Path:
         return Path("/tmp/smollm2")
 
 
+def swap_int8_head(model, windows) -> dict:
+    """Replace model.lm_head by its INT8 copy (hisparse_cli/model/int8_linear.py), in place;
+    the teacher-forced KL(fp head || INT8 head) and top-1 agreement over the windows."""
+    import torch
+
+    from hisparse_cli.model.int8_linear import Int8Linear
+    from hisparse_cli.model.llama import forward_full
+
+    fp_head = model.lm_head
+    int8_head = Int8Linear.from_float(fp_head.weight)
+    kl, agree, n = 0.0, 0, 0
+    for ids in windows:
+        model.lm_head = fp_head
+        p = torch.log_softmax(forward_full(model, ids).float(), -1)
+        model.lm_head = int8_head
+        q = torch.log_softmax(forward_full(model, ids).float(), -1)
+        kl += float((p.exp() * (p - q)).sum())
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        n += ids.numel()
+    return {"kl": kl / n, "top1": agree / n, "tokens": n}
+
+
 def perplexity_rows(model_dir: Path, group_size: int, seq_len: int, samples: int, work: Path,
         head: bool = False) -> dict:
     import torch
@@ -220,6 +244,10 @@ def perplexity_rows(model_dir: Path, group_size: int, seq_len: int, samples: int
     rows = {}
     fp, _ = load_model(model_dir, "cpu", torch.float32)
     rows["fp32"] = perplexity(fp, windows)
+    head_fidelity = {}
+    if head:  # the INT8 head (profiles' lm_head_format = "int8") on the fp32 body
+        head_fidelity["fp32+int8-head vs fp32"] = swap_int8_head(fp, windows)
+        rows["fp32+int8-head"] = perplexity(fp, windows)
     del fp
     reports = {}
     runs = [("rtn", "rtn", False), ("awq", "awq", False)]
@@ -241,6 +269,9 @@ def perplexity_rows(model_dir: Path, group_size: int, seq_len: int, samples: int
             from hisparse_cli.kernels.int4.awq_pack import fake_quantize
 
             w = q.lm_head.weight.detach().clone()
+            head_fidelity["int4-awq+int8-head vs int4-awq"] = swap_int8_head(q, windows)
+            rows["int4-awq+int8-head"] = perplexity(q, windows)
+            q.lm_head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             for g in sorted({group_size, 32}, reverse=True):
                 q.lm_head.weight = torch.nn.Parameter(fake_quantize(w, g), requires_grad=False)
                 rows[f"int4-awq+rtn-head-g{g}"] = perplexity(q, windows)
@@ -251,6 +282,7 @@ def perplexity_rows(model_dir: Path, group_size: int, seq_len: int, samples: int
         "heldout_tokens": rows["fp32"][1],
         "perplexity": {k: v[0] for k, v in rows.items()},
         "increase_over_fp_pct": {k: 100 * (v[0] / base - 1) for k, v in rows.items()},
+        "head_fidelity": head_fidelity,
         "awq_calib_loss_ratio": reports["awq"].loss_ratio,
         "size_bytes": {m: r.size_bytes for m, r in reports.items()},
         "quantize_seconds": {m: r.seconds for m, r in reports.items()},
@@ -269,6 +301,9 @@ def perplexity(args) -> None:
     print(f"{'weights':<22} {'perplexity':>10} {'vs fp32':>9}")
     for k, v in res["perplexity"].items():
         print(f"{k:<22} {v:>10.3f} {res['increase_over_fp_pct'][k]:>+8.2f}%")
+    for k, v in res["head_fidelity"].items():
+        print(f"{k}: KL {v['kl']:.6f} nats/token, top-1 agreement {100 * v['top1']:.2f} % "
+              f"({v['tokens']} tokens)")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 

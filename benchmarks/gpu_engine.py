@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_engine.py [--out DIR] [--time-budget 540] [--budget-gib 6] [--smoke]
     python benchmarks/gpu_engine.py --retrieval [--out DIR] [--contexts 32768,131056]
-        [--budget-gib 6] [--decode-tokens 64] [--retrieval-tokens 1024]
+        [--budget-gib 6] [--decode-tokens 64] [--retrieval-tokens 1024] [--window N]
+        [--lm-head-format checkpoint|int8]
 
 One run, one H200, random weights built on the device (no download, no files):
   (a) planner vs measured: `plan_memory(...).peak_allocated_bytes` against the
@@ -233,10 +234,12 @@ def ours_sharing(hf, cfg: ModelConfig, dev: torch.device):
 
 
 def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, seed: int = 0,
-               awq_lm_head: bool = False):
+               awq_lm_head: bool = False, int8_lm_head: bool = False):
     """Our CausalLM with random weights: fp16, or AWQ INT4 (random codes, zeros and scales)
     for every decoder linear (and the head too with awq_lm_head, as `hisparse quantize
-    --quantize-lm-head` writes it); the embedding table in host RAM when host_emb."""
+    --quantize-lm-head` writes it); the embedding table in host RAM when host_emb; with
+    int8_lm_head the head is an Int8Linear quantized from a random fp16 head made on the
+    host, as the loader does for `lm_head_format = "int8"` (the fp16 head never on the device)."""
     from hisparse_cli.model.awq import AWQLinear
     from hisparse_cli.model.llama import FUSIONS, CausalLM
 
@@ -257,7 +260,14 @@ def build_ours(cfg: ModelConfig, dev: torch.device, awq: bool, host_emb: bool, s
         from hisparse_cli.kernels.cuda.host_rows import map_table
 
         map_table(model.model.embed_tokens.weight)  # as the loader does (kernels/cuda/host_rows.py)
-        model.lm_head.weight = rnd(cfg.vocab_size, cfg.hidden_size)  # loader: a device copy
+        if int8_lm_head:
+            from hisparse_cli.model.int8_linear import Int8Linear
+
+            head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=fp16,
+                               generator=torch.Generator().manual_seed(seed + 1))
+            model.lm_head = Int8Linear.from_float(head * cfg.hidden_size ** -0.5, dev)
+        else:
+            model.lm_head.weight = rnd(cfg.vocab_size, cfg.hidden_size)  # loader: a device copy
     else:
         model.model.embed_tokens.weight = rnd(cfg.vocab_size, cfg.hidden_size)
         model.lm_head.weight = (model.model.embed_tokens.weight if cfg.tie_word_embeddings
@@ -703,7 +713,9 @@ def phase_retrieval(a) -> list[dict]:
     log(f"backend {backend}: {why}")
     calib = calibrate(dev)
     prof = load_profile(a.profile)
-    base = prof.sparse_config(retrieval_tokens=a.retrieval_tokens)
+    base = prof.sparse_config(retrieval_tokens=a.retrieval_tokens, window_size=a.window)
+    int8_head = a.lm_head_format == "int8" or (a.lm_head_format is None
+                                                and prof.lm_head_format == "int8")
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if a.budget_gib:
@@ -713,14 +725,16 @@ def phase_retrieval(a) -> list[dict]:
         ctx_b = calib.get("non_allocator_bytes_after_cublas") or CUDA_CONTEXT_BYTES
         cap = allocator_cap_bytes(int(a.budget_gib * GIB), card=True, context_bytes=ctx_b)
         torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), index)
-    kw = dict(weight_format="awq-int4", embeddings_on_host=True,
+    kw = dict(weight_format="awq-int4", embeddings_on_host=True, lm_head_int8=int8_head,
               budget_bytes=prof.vram_budget_bytes if a.budget_gib else None)
-    model = build_ours(cfg, dev, awq=True, host_emb=True)
+    model = build_ours(cfg, dev, awq=True, host_emb=True, int8_lm_head=int8_head)
+    log(f"lm_head: {'INT8' if int8_head else 'fp16'}; retrieval settings {base}")
     run_ours(model, cfg, base, prompt(1024, cfg.vocab_size), 2, backend, dev, **kw)
     # the rows that decode layer by layer get a model no persistent engine has converted to the
     # item layout (a shared one decodes every product through the items' dequantize); on an
     # emulated card there is room for one model only, and they share it (said in the row)
-    layers_model = model if a.budget_gib else build_ours(cfg, dev, awq=True, host_emb=True)
+    layers_model = model if a.budget_gib else build_ours(cfg, dev, awq=True, host_emb=True,
+                                                         int8_lm_head=int8_head)
 
     def device_bytes(m) -> int:  # parameters and buffers the model holds on the device
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -758,6 +772,7 @@ def phase_retrieval(a) -> list[dict]:
                     layers_model if own is model else model)
                 row = {"setting": name, "context": ctx, "device": torch.cuda.get_device_name(dev),
                        "window": sparse.window_size, "retrieval_tokens": sparse.retrieval_tokens,
+                       "lm_head": "int8" if int8_head else "fp16",
                        "prefill_tok_s": s.prefill_tok_s,
                        "decode_tok_s": (s.new_tokens - 1) / s.decode_seconds,
                        "peak_bytes": s.peak_memory_bytes,
@@ -863,6 +878,10 @@ def main() -> None:
     ap.add_argument("--profile", default="4060ti-6g", help="--retrieval: the sparse settings")
     ap.add_argument("--retrieval-tokens", type=int, default=1024,
                     help="--retrieval: the retrieval tier's tokens (and page cache)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="--retrieval: the retrieval row's window (default: the profile's)")
+    ap.add_argument("--lm-head-format", choices=("checkpoint", "int8"), default=None,
+                    help="--retrieval: the output head (default: the profile's)")
     a = ap.parse_args()
     if a.contexts is None:
         a.contexts = "32768,131056" if a.retrieval else "8192,32768,131072"

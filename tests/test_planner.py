@@ -26,6 +26,7 @@ from hisparse_cli.model.config import ModelConfig
 from hisparse_cli.planner.memory import GIB, plan_memory
 from hisparse_cli.planner.run import visible_count
 from hisparse_cli.planner.shapes import shape_config
+from hisparse_cli.planner.trace import cuda_block_bytes
 from hisparse_cli.planner.weights import awq_linear_bytes
 
 
@@ -124,6 +125,47 @@ def test_weights_equal_the_loaded_model(tiny, arch):
     copy = {i.name: i.bytes for i in plan.items}.get("weights.cpu_decode_copy", 0)
     assert copy == (native.nbytes if native is not None else 0)
     assert plan.weights_bytes == loaded + copy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an own head, and a tied one
+def test_int8_head_bytes_equal_the_loaded_model(tiny, arch):
+    """lm_head_format int8: the plan's head is the loaded Int8Linear's bytes (codes + scales),
+    for an untied head and for a tied table (the head becomes its own tensor)."""
+    from hisparse_cli.model.int8_linear import Int8Linear
+    from hisparse_cli.model.loader import load_model
+
+    model, _ = load_model(tiny[arch], "cpu", torch.float32, lm_head_int8=True)
+    assert isinstance(model.lm_head, Int8Linear)
+    head = model.lm_head.weight_q.nbytes + model.lm_head.scale.nbytes
+    loaded = sum({t.data_ptr(): t.nbytes for t in list(model.parameters())
+                  + list(model.buffers())}.values()) + model.rope.inv_freq.nbytes
+    plan = cpu_plan(tiny[arch], SparseConfig(), 64, 1, lm_head_int8=True)
+    items = {i.name: i.bytes for i in plan.items}
+    assert items["weights.lm_head"] == head
+    assert plan.weights_bytes - items.get("weights.cpu_decode_copy", 0) == loaded
+
+
+def test_int8_head_plan_on_cuda_by_hand():
+    """Llama-3-8B's head: 128,256 x 4,096 int8 + 128,256 fp32 scales (allocator-rounded) in
+    place of 1,002 MiB of fp16; a profile with lm_head_format int8 plans it."""
+    from hisparse_cli.config.profiles import load_profile
+    from hisparse_cli.planner.profile import plan_for_profile
+
+    cfg = shape_config("llama-3-8b-awq")
+    kw = dict(weight_format="awq-int4", sparse=SparseConfig(), context_tokens=64,
+              max_new_tokens=1, kv_dtype="float16", compute_dtype="float16",
+              device_kind="cuda", backend="triton", embeddings_on_host=True)
+    fp = {i.name: i.bytes for i in plan_memory(cfg, **kw).items}["weights.lm_head"]
+    i8 = {i.name: i.bytes for i in plan_memory(cfg, lm_head_int8=True, **kw).items}
+    assert fp == 128256 * 4096 * 2
+    assert i8["weights.lm_head"] == cuda_block_bytes(128256 * 4096) + cuda_block_bytes(128256 * 4)
+    assert cuda_block_bytes(128256 * 4096) == 251 * (1 << 21)  # the allocator's 2 MiB rounding
+    prof = load_profile("4060ti-6g")
+    for fmt, want in ((None, prof.lm_head_format == "int8"), ("int8", True),
+                      ("checkpoint", False)):
+        p = plan_for_profile(cfg, prof, context_tokens=4096, lm_head_format=fmt)
+        assert p.request["lm_head_int8"] is want
+        assert p.settings["lm_head_int8"] is want
 
 
 # -- KV: the engine's numbers and the engine's bound -------------------------------------------
@@ -752,10 +794,12 @@ def test_gpu_peak_within_5_percent(tmp_path, backend):
 @pytest.mark.skipif(not (torch.cuda.is_available()
                          and torch.cuda.get_device_capability() >= (9, 0)),
                     reason="needs an sm_90 GPU (the persistent decode step)")
-def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
+@pytest.mark.parametrize("head", ["checkpoint", "int8"])
+def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch, head):
     """HISPARSE_DECODE_KERNEL=persistent: an AWQ INT4 model (group 128, 128-dim heads, so the
     kernel applies) held in the item layout, its decode through the kernel; the plan (with
-    workspace.persistent_decode) against the measured peak, as above."""
+    workspace.persistent_decode) against the measured peak, as above. head int8: the fp16
+    head quantized at load runs after the kernel (its final-norm output), still persistent."""
     import subprocess
     import sys
 
@@ -775,7 +819,7 @@ def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
         "from hisparse_cli.engine import Engine, SparseConfig\n"
         f"sp = SparseConfig(**{sparse.__dict__!r})\n"
         f"eng = Engine.from_pretrained({str(path)!r}, device='cuda', dtype=torch.float16, "
-        f"sparse=sp, kv_dtype=torch.float16, backend='triton')\n"
+        f"sparse=sp, kv_dtype=torch.float16, backend='triton', lm_head_format={head!r})\n"
         "res = eng.generate(list(range(1, 4097)), max_new_tokens=32, min_new_tokens=32)\n"
         "print(json.dumps([res.stats.peak_memory_bytes, res.extra.get('decode_kernel'),\n"
         "                  res.extra.get('decode_kernel_note')]))\n")
@@ -786,6 +830,7 @@ def test_gpu_peak_within_5_percent_persistent(tmp_path, monkeypatch):
     plan = plan_memory(ModelConfig.from_folder(path), weight_format="awq-int4", sparse=sparse,
                        context_tokens=4096, max_new_tokens=32, kv_dtype="float16",
                        compute_dtype="float16", device_kind="cuda", backend="triton",
+                       lm_head_int8=head == "int8",
                        num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     assert "workspace.persistent_decode" in {i.name for i in plan.items}
     assert abs(plan.peak_allocated_bytes - measured) <= 0.05 * measured, (

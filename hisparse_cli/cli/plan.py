@@ -42,6 +42,11 @@ class WeightFormat(str, Enum):
     awq = "awq-int4"
 
 
+class LMHeadFormat(str, Enum):
+    checkpoint = "checkpoint"
+    int8 = "int8"
+
+
 class KVDtype(str, Enum):
     float16 = "float16"
     bfloat16 = "bfloat16"
@@ -119,6 +124,10 @@ def plan(
     embeddings_on_host: Annotated[Optional[bool], _opt(
         "--embeddings-on-host/--embeddings-on-device", panel=P_MEM, help=(
             "Keep the embedding table in host RAM.  [default: the profile's]"))] = None,
+    lm_head_format: Annotated[Optional[LMHeadFormat], _opt("--lm-head-format", panel=P_MEM,
+        case_sensitive=False, help=("The output head as the checkpoint has it, or INT8 "
+                                    "(quantized at load; half the bytes).  [default: the "
+                                    "profile's]"))] = None,
     kv_dtype: Annotated[Optional[KVDtype], _opt("--kv-dtype", panel=P_MEM)] = None,
     device: Annotated[Optional[Device], _opt("--device", panel=P_MEM, help=(
         "Plan for this device.  [default: the profile's]"))] = None,
@@ -195,7 +204,8 @@ def plan(
             backend=backend.value if backend else None,
             weight_format=weight_format.value if weight_format else None,
             kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
-            awq_lm_head=awq_head, budget_bytes=int(budget_gib * GIB) if budget_gib else None,
+            awq_lm_head=awq_head, lm_head_format=lm_head_format.value if lm_head_format else None,
+            budget_bytes=int(budget_gib * GIB) if budget_gib else None,
             model_name=name)
 
     kind = device.value if device else ("cpu" if prof.vram_budget_gib is None else "cuda")

@@ -30,6 +30,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 KV_DTYPES = ("float16", "bfloat16", "float32")
 ATTENTION_MODES = ("auto", "dense", "sparse")  # planner/attention_choice.py re-exports it
 WEIGHT_FORMATS = ("fp16", "awq-int4")
+LM_HEAD_FORMATS = ("checkpoint", "int8")
 GIB = 1 << 30
 
 
@@ -55,6 +56,9 @@ class HardwareProfile:
     kv_dtype:            dtype of the paged K/V cache
     weight_format:       "fp16" weights or "awq-int4" quantized linear layers
     embeddings_on_host:  keep the token-embedding table in host RAM (saves VRAM)
+    lm_head_format:      "checkpoint" (the output head as the checkpoint has it) or "int8"
+                         (an fp head quantized at load, per-row symmetric: half the bytes,
+                         model/int8_linear.py; a head already INT4 stays INT4)
     max_new_tokens:      default cap of the summary's tokens
     attention:           auto | dense | sparse (planner/attention_choice.py; auto: dense when
                          it fits)
@@ -67,6 +71,7 @@ class HardwareProfile:
     kv_dtype: str = "float16"
     weight_format: str = "fp16"
     embeddings_on_host: bool = False
+    lm_head_format: str = "checkpoint"
     max_new_tokens: int = GenerationConfig().max_new_tokens
     attention: str = "auto"
 
@@ -88,6 +93,7 @@ class HardwareProfile:
         _int_field("max_new_tokens", self.max_new_tokens, 1)
         _choice_field("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice_field("weight_format", self.weight_format, WEIGHT_FORMATS)
+        _choice_field("lm_head_format", self.lm_head_format, LM_HEAD_FORMATS)
         _choice_field("attention", self.attention, ATTENTION_MODES)
         if not isinstance(self.embeddings_on_host, bool):
             raise ConfigError(f"embeddings_on_host must be true or false, "

@@ -199,13 +199,15 @@ class Engine:
                         dtype: torch.dtype = torch.float32, sparse: SparseConfig | None = None,
                         kv_dtype: torch.dtype | None = None, pool_cap_blocks: int | None = None,
                         embeddings_on_host: bool = False, backend: str | None = None,
-                        probe=None, threads=None) -> "Engine":
-        """threads: a CPU run's ThreadPolicy, a thread count (an override, as --threads), or
+                        probe=None, threads=None, lm_head_format: str = "checkpoint") -> "Engine":
+        """lm_head_format: "int8" quantizes an fp output head at load (model/int8_linear.py).
+        threads: a CPU run's ThreadPolicy, a thread count (an override, as --threads), or
         None (HISPARSE_THREADS / OMP_NUM_THREADS, else automatic; config/threads.py)."""
         device = torch.device(device)
         mark = compile_counts()  # the first generate reports the load's compiles too
         model, cfg = load_model(path, device, dtype, embeddings_on_host=embeddings_on_host,
-                                decode_layout=True, fuse=True)
+                                decode_layout=True, fuse=True,
+                                lm_head_int8=lm_head_format == "int8")
         if kv_dtype is None:
             kv_dtype = torch.float16 if device.type == "cuda" and dtype == torch.float16 else dtype
         engine = cls(model, cfg, sparse=sparse or SparseConfig(), device=device,

@@ -214,8 +214,11 @@ def _map_host_table(emb: nn.Embedding) -> None:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, embeddings_on_host: bool = False,
-               decode_layout: bool = False, fuse: bool = False) -> tuple[CausalLM, ModelConfig]:
-    """decode_layout: on a CPU in float32, store the wide linear weights input-major
+               decode_layout: bool = False, fuse: bool = False,
+               lm_head_int8: bool = False) -> tuple[CausalLM, ModelConfig]:
+    """lm_head_int8: an fp output head (its own or the tied table) becomes an Int8Linear,
+    quantized where the checkpoint's tensor lies (host memory) before it moves, so the fp
+    head is never resident on the device; an INT4 head stays INT4. decode_layout: on a CPU in float32, store the wide linear weights input-major
     (`converted`, `decode_input_major`) for faster decode. fuse: load q|k|v and gate|up as one linear each (`_load_fused`): fewer,
     larger matmuls. The engine asks for both; tools that write weights back (quantize) and
     read the checkpoint's module names do not."""
@@ -262,7 +265,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                 _set_param(getattr(layer.self_attn, norm), "weight",
                            tensors.get(f"{pre}.self_attn.{norm}.weight").to(device=device, dtype=dtype))
     _set_param(model.model.norm, "weight", tensors.get("model.norm.weight").to(device=device, dtype=dtype))
-    if "lm_head.weight" in tensors or "lm_head.qweight" in tensors:
+    if lm_head_int8 and "lm_head.qweight" not in tensors:
+        from hisparse_cli.model.int8_linear import Int8Linear
+
+        fp = tensors.get("lm_head.weight") if "lm_head.weight" in tensors else (
+            model.model.embed_tokens.weight if cfg.tie_word_embeddings else None)
+        if fp is None:
+            raise ModelError("checkpoint has no lm_head.weight and does not tie embeddings")
+        model.lm_head = Int8Linear.from_float(fp, device)
+    elif "lm_head.weight" in tensors or "lm_head.qweight" in tensors:
         _load_linear(model, "lm_head", "lm_head", tensors, awq_cfg, device, dtype, input_major)
     elif cfg.tie_word_embeddings:
         head = model.model.embed_tokens.weight

@@ -106,6 +106,11 @@ def suggestions(plan: MemoryPlan, replan: Callable) -> list[Suggestion]:
         add(_first_fit(plan, replan, [True], lambda e: (
             "embeddings in host RAM (profile field embeddings_on_host = true)",
             {"embeddings_on_host": e})))
+    if cuda and not req["lm_head_int8"] and not req["awq_lm_head"]:
+        formats["lm_head_int8"] = True
+        add(_first_fit(plan, replan, [True], lambda e: (
+            "an INT8 output head (profile field lm_head_format = \"int8\")",
+            {"lm_head_int8": e})))
     if req["kv_dtype"] == "float32":
         formats["kv_dtype"] = "float16"
         add(_first_fit(plan, replan, ["float16"],
@@ -135,7 +140,8 @@ def _combined(plan: MemoryPlan, replan: Callable, formats: dict) -> Suggestion:
             break
         cur = nxt
         p = _replan(plan, replan, **over, sparse=cur)
-    flags = [f"{k}={v}" for k, v in formats.items()]
+    flags = ["lm_head_format=int8" if k == "lm_head_int8" else f"{k}={v}"
+             for k, v in formats.items()]
     for name, flag in (("prefill_chunk", "--prefill-chunk"), ("window_size", "--window"),
                        ("global_tokens", "--global-tokens")):
         if getattr(cur, name) != getattr(sp, name):

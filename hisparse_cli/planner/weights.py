@@ -6,8 +6,10 @@ linears (AutoAWQ GEMM layout, model/awq.py) hold per linear in -> out with group
     qzeros  int32 [in/g, out/8] = (in/g)*(out/8)*4 bytes
     scales  fp16  [in/g, out]   = (in/g)*out*2 bytes
 plus a bias [out] in the compute dtype where the architecture has one. Norms, embeddings and
-(unless `awq_lm_head`) the LM head stay in the compute dtype. With `embeddings_on_host` the
-embedding table stays in host RAM; a tied LM head then gets its own device copy.
+(unless `awq_lm_head`) the LM head stay in the compute dtype; `lm_head_int8` (the profile's
+lm_head_format = "int8") makes an fp head INT8 [V, H] with fp32 row scales (its own tensor,
+tied or not). With `embeddings_on_host` the embedding table stays in host RAM; a tied LM
+head then gets its own device copy.
 On CUDA every tensor is sized as the caching allocator counts it (planner_trace.cuda_block_bytes).
 """
 
@@ -88,7 +90,7 @@ def cpu_decode_item(cfg: ModelConfig, esize: int) -> WeightItem:
 
 
 def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_head: bool,
-                 embeddings_on_host: bool, cuda: bool,
+                 embeddings_on_host: bool, cuda: bool, lm_head_int8: bool = False,
                  cpu_int4: bool = False, cpu_decode: int = 0) -> list[WeightItem]:
     """cpu_decode: the element size of the native CPU decode copy (0: none)."""
     def a(n: int) -> int:
@@ -121,12 +123,15 @@ def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_hea
     qk = f" + 2 x [{D}] (q/k norm)" if cfg.qk_norm else ""
     items.append(WeightItem("weights.norms", L * norm + a(H * cb),
                             f"{L} layers x (2 x [{H}]{qk}) + final [{H}], x {dt}"))
-    if cfg.tie_word_embeddings and not embeddings_on_host:
-        items.append(WeightItem("weights.lm_head", 0, "tied to the embeddings (shared tensor)"))
-    elif awq and awq_lm_head:
+    if awq and awq_lm_head:
         qw, qz, sc = awq_linear_bytes(H, V, group)
         items.append(WeightItem("weights.lm_head", a(qw) + a(qz) + a(sc),
                                 f"INT4 {H}x{V}: {qw} + {qz} + {sc}"))
+    elif lm_head_int8:  # model/int8_linear.py: int8 [V, H] + fp32 scale [V]
+        items.append(WeightItem("weights.lm_head", a(V * H) + a(V * 4),
+                                f"INT8 [{V}, {H}] x 1 B + fp32 row scales [{V}] x 4 B"))
+    elif cfg.tie_word_embeddings and not embeddings_on_host:
+        items.append(WeightItem("weights.lm_head", 0, "tied to the embeddings (shared tensor)"))
     else:
         why = " (device copy of the host-resident tied table)" if cfg.tie_word_embeddings else ""
         items.append(WeightItem("weights.lm_head", a(V * H * cb), f"[{V}, {H}] x {dt}{why}"))

@@ -29,6 +29,7 @@ class DevicePlan:
     dtype: str  # weights/activations: "float32" | "float16"
     kv_dtype: str
     embeddings_on_host: bool
+    lm_head_format: str = "checkpoint"  # "int8": an fp head quantized at load (profiles.py)
     warning: str | None = None
     threads: dict | None = None  # the CPU thread policy (config/threads.py: ThreadPolicy.to_dict())
 
@@ -44,7 +45,8 @@ def plan_device(profile: HardwareProfile, cuda_available: bool) -> DevicePlan:
         return DevicePlan("cpu", "float32", "float32", False, warning=(
             f"profile {profile.name!r} is for a CUDA GPU, but none is available; running on "
             "the CPU in float32 (slow). Use --profile cpu to silence this."))
-    return DevicePlan("cuda", "float16", profile.kv_dtype, profile.embeddings_on_host)
+    return DevicePlan("cuda", "float16", profile.kv_dtype, profile.embeddings_on_host,
+                      profile.lm_head_format)
 
 
 def sparse_settings(profile: HardwareProfile, *, dense: bool = False,
@@ -156,7 +158,7 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
     engine = Engine.from_pretrained(
         model_path, device=plan.device, dtype=getattr(torch, plan.dtype), sparse=sparse,
         kv_dtype=getattr(torch, plan.kv_dtype), embeddings_on_host=plan.embeddings_on_host,
-        probe=load_probe_for(model_path, sparse, probe_path), threads=policy)
+        lm_head_format=plan.lm_head_format, probe=load_probe_for(model_path, sparse, probe_path), threads=policy)
     return engine, replace(plan, threads=policy.to_dict() if plan.device == "cpu" else None)
 
 

@@ -6,7 +6,7 @@ when it applies, how its launch is laid out, and the launch itself.
 position, slot, padded block ids and starts; the token), the same effects on the run's state
 (the current K/V in the paged cache, the importance mass in score / global mass / global seen)
 and the same output (logits [1, V] fp32 for the sampler). Everything is one memset of the
-step's workspace plus one kernel launch (plus the fp16 head's matmul when the head is not
+step's workspace plus one kernel launch (plus the fp16 or INT8 head's product when the head is not
 INT4), all on the current stream, so the graph captures it like the Triton step.
 
 `unsupported(model, run)` says why a model/run cannot take it (None when it can): sm_90 with
@@ -230,9 +230,12 @@ def model_unsupported(model, device: torch.device, convert: bool = False) -> str
             if lin.bias is not None:
                 return f"layer {i} {name} has a bias"
     head = model.lm_head
-    if not _readable(head, convert) and not (isinstance(head, torch.nn.Linear)
+    from hisparse_cli.model.int8_linear import Int8Linear
+
+    if not _readable(head, convert) and not (isinstance(head, (torch.nn.Linear, Int8Linear))
                                              and head.bias is None):
-        return "the lm_head is neither INT4 (group size 128) nor an fp16 linear without bias"
+        return ("the lm_head is neither INT4 (group size 128) nor an fp16 or INT8 linear "
+                "without bias")
     table = model.model.embed_tokens.weight
     if table.device.type == "cpu":
         from hisparse_cli.kernels.cuda.host_rows import is_mapped
@@ -494,4 +497,4 @@ class CudaDecodeStep:
                              [self.params, *self.maps])
         if self.normed is None:
             return self.ws[self.off_logits:].view(1, -1)
-        return torch.nn.functional.linear(self.normed, self.model.lm_head.weight).float()
+        return self.model.lm_head(self.normed).float()  # fp16 or INT8 head, after the kernel
