@@ -230,9 +230,8 @@ def model_unsupported(model, device: torch.device, convert: bool = False) -> str
             if lin.bias is not None:
                 return f"layer {i} {name} has a bias"
     head = model.lm_head
-    from hisparse_cli.model.int8_linear import Int8Linear
-
-    if not _readable(head, convert) and not (isinstance(head, (torch.nn.Linear, Int8Linear))
+    int8_head = getattr(head, "weight_q", None) is not None and head.weight_q.dtype == torch.int8
+    if not _readable(head, convert) and not ((isinstance(head, torch.nn.Linear) or int8_head)
                                              and head.bias is None):
         return ("the lm_head is neither INT4 (group size 128) nor an fp16 or INT8 linear "
                 "without bias")
