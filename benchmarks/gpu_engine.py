@@ -643,8 +643,9 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
     try:
         for label, shape, awq in models:
             cfg = ModelConfig.from_dict(shape)
+            int8_head = prof.lm_head_format == "int8"  # as the loader makes it
             kw = dict(weight_format="awq-int4" if awq else "fp16", embeddings_on_host=True,
-                      budget_bytes=prof.vram_budget_bytes)
+                      budget_bytes=prof.vram_budget_bytes, lm_head_int8=int8_head)
             ctxs = [32768, 131072 - 16]
             plans = [plan_for(cfg, sparse, c, 16, backend, dev, **dict(kw)) for c in ctxs]
             if not all(p.fits for p in plans):
@@ -658,7 +659,7 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
             free_all(dev)
             try:
                 with oom_guard(f"building {label}"):
-                    model = build_ours(cfg, dev, awq=awq, host_emb=True)
+                    model = build_ours(cfg, dev, awq=awq, host_emb=True, int8_lm_head=int8_head)
                     run_ours(model, cfg, sparse, prompt(1024, cfg.vocab_size), 2, backend, dev,
                              **dict(kw))  # compile the kernels this model uses
             except ResourceError as exc:
