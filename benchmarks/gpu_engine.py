@@ -3,7 +3,7 @@
     python benchmarks/gpu_engine.py [--out DIR] [--time-budget 540] [--budget-gib 6] [--smoke]
     python benchmarks/gpu_engine.py --retrieval [--out DIR] [--contexts 32768,131056]
         [--budget-gib 6] [--decode-tokens 64] [--retrieval-tokens 1024] [--window N]
-        [--lm-head-format checkpoint|int8]
+        [--lm-head-format checkpoint|int8] [--every 1,4,8]
 
 One run, one H200, random weights built on the device (no download, no files):
   (a) planner vs measured: `plan_memory(...).peak_allocated_bytes` against the
@@ -34,7 +34,8 @@ card). For each context, in the same run, three settings over the profile's:
   eviction-only, layers   the same, decoded layer by layer (HISPARSE_DECODE_KERNEL=layers:
                  what the retrieval tier decodes with, since the persistent kernel does not
                  fill the page cache), so the tier's own cost is read beside the total
-  retrieval      the profile's settings + retrieval_tokens (page cache = retrieval_tokens)
+  retrieval      the profile's settings + retrieval_tokens (page cache = retrieval_tokens);
+                 with --every 1,4,8 one row per retrieval_every (decode steps a choice serves)
 Per run: prefill and decode tok/s, their ratios (retrieval / eviction-only), host->device bytes
 per decoded token (RunStats.bytes_to_cache over the decode), the page-cache hit rate, pages
 retrieved per step, the planner's device peak vs torch.cuda.max_memory_allocated and its host
@@ -748,9 +749,10 @@ def phase_retrieval(a) -> list[dict]:
             ids = prompt(ctx, cfg.vocab_size)
             pair = {}
             evict = same_resident_eviction(base, cfg, ctx)
-            for name, sparse, kernel in (("eviction-only", evict, "auto"),
-                                         ("eviction-only, layers", evict, "layers"),
-                                         ("retrieval", base, "auto")):
+            settings = [("eviction-only", evict, "auto"), ("eviction-only, layers", evict, "layers")]
+            settings += [("retrieval" if e == 1 else f"retrieval every {e}",
+                          replace(base, retrieval_every=e), "auto") for e in a.every]
+            for name, sparse, kernel in settings:
                 # the row is the second generate of one Engine: the first (untimed) compiles
                 # the kernels and captures the decode graph, which the second replays with the
                 # kept cache and retrieval tier (a cold machine's first run paid ~25 s of
@@ -773,6 +775,7 @@ def phase_retrieval(a) -> list[dict]:
                     layers_model if own is model else model)
                 row = {"setting": name, "context": ctx, "device": torch.cuda.get_device_name(dev),
                        "window": sparse.window_size, "retrieval_tokens": sparse.retrieval_tokens,
+                       "retrieval_every": sparse.retrieval_every,
                        "lm_head": "int8" if int8_head else "fp16",
                        "prefill_tok_s": s.prefill_tok_s,
                        "decode_tok_s": (s.new_tokens - 1) / s.decode_seconds,
@@ -806,13 +809,14 @@ def phase_retrieval(a) -> list[dict]:
                 pair[name] = row
                 rows.append(row)
                 log(json.dumps(row, default=str))
-            rt = pair["retrieval"]
-            for peer in ("eviction-only", "eviction-only, layers"):
-                ev = pair[peer]
-                rows.append({"setting": f"ratio retrieval / {peer}", "context": ctx,
-                             "decode": rt["decode_tok_s"] / ev["decode_tok_s"],
-                             "prefill": rt["prefill_tok_s"] / ev["prefill_tok_s"]})
-                log(json.dumps(rows[-1]))
+            for name in (n for n, _, _ in settings if n.startswith("retrieval")):
+                rt = pair[name]
+                for peer in ("eviction-only", "eviction-only, layers"):
+                    ev = pair[peer]
+                    rows.append({"setting": f"ratio {name} / {peer}", "context": ctx,
+                                 "decode": rt["decode_tok_s"] / ev["decode_tok_s"],
+                                 "prefill": rt["prefill_tok_s"] / ev["prefill_tok_s"]})
+                    log(json.dumps(rows[-1]))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     return rows
@@ -879,6 +883,8 @@ def main() -> None:
     ap.add_argument("--profile", default="4060ti-6g", help="--retrieval: the sparse settings")
     ap.add_argument("--retrieval-tokens", type=int, default=1024,
                     help="--retrieval: the retrieval tier's tokens (and page cache)")
+    ap.add_argument("--every", default="1", type=lambda s: [int(x) for x in s.split(",")],
+                    help="--retrieval: retrieval_every values, a retrieval row each (e.g. 1,4,8)")
     ap.add_argument("--window", type=int, default=None,
                     help="--retrieval: the retrieval row's window (default: the profile's)")
     ap.add_argument("--lm-head-format", choices=("checkpoint", "int8"), default=None,

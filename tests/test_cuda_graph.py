@@ -99,17 +99,20 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
     assert static.stats.recalibrations == eager.stats.recalibrations > 0
 
 
-def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("every", [1, 4])
+def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch, every):
     """The retrieval tier in the decoder's step (its static form: pages scored over the whole
     summary table with the offloaded range read from a device tensor, slots placed and filled
     by the page-cache kernels, under the interpreter), uncaptured: the same tokens, offloads
-    and page-cache counters as the eager loop, which scores the host-known slice."""
+    and page-cache counters as the eager loop, which scores the host-known slice. every 4:
+    the kept steps skip on the device flag in the static form, on the host in the eager loop."""
     from hisparse_cli.engine import GenerationConfig, SparseConfig
     from hisparse_cli.engine import cuda_graph
 
     monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "0")
     eng = _cpu_engine(tmp_path)
-    eng.sparse = SparseConfig(**SPARSE, retrieval_tokens=32, page_cache_tokens=48)
+    eng.sparse = SparseConfig(**SPARSE, retrieval_tokens=32, page_cache_tokens=48,
+                              retrieval_every=every)
     ids = torch.randint(3, 256, (130,), generator=torch.Generator().manual_seed(7))
     g = GenerationConfig(max_new_tokens=24, eos_token_ids=(), repetition_penalty=1.1)
     traces: dict[str, list] = {"eager": [], "static": []}
@@ -134,6 +137,8 @@ def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch):
     decode = {k: [r for r in v if r["phase"] == "decode"] for k, v in traces.items()}
     assert len(decode["static"]) == 23 and decode["static"] == decode["eager"]
     assert any(r["retrieved"] > r["hits"] for r in decode["static"])
+    if every > 1:  # some steps kept the last choice: no picks counted there
+        assert any(r["retrieved"] == 0 for r in decode["static"])
 
 
 def test_graph_sampler_in_the_step_equals_eager_on_cpu(tmp_path, monkeypatch):
@@ -293,8 +298,8 @@ def test_graph_greedy_equals_eager(tmp_path, monkeypatch, prompt, sampler):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prompt", [300, 700])
-def test_graph_with_retrieval_equals_eager(tmp_path, monkeypatch, prompt):
+@pytest.mark.parametrize("prompt,every", [(300, 1), (700, 1), (700, 4)])
+def test_graph_with_retrieval_equals_eager(tmp_path, monkeypatch, prompt, every):
     """The retrieval tier inside the captured decode graph (pages read from the pinned store by
     the page-cache kernel, over PCIe): the same greedy tokens and page-cache counters as the
     eager loop; a second generate of the same shape replays the kept graph and tier."""
@@ -302,7 +307,8 @@ def test_graph_with_retrieval_equals_eager(tmp_path, monkeypatch, prompt):
 
     monkeypatch.setenv("HISPARSE_GRAPH_SAMPLER", "1")
     eng = _engine(tmp_path, torch.float32)
-    eng.sparse = SparseConfig(**SPARSE, retrieval_tokens=64, page_cache_tokens=96)
+    eng.sparse = SparseConfig(**SPARSE, retrieval_tokens=64, page_cache_tokens=96,
+                              retrieval_every=every)
     ids = torch.randint(3, 256, (prompt,), generator=torch.Generator().manual_seed(prompt))
     gen = dict(max_new_tokens=120, eos_token_ids=(), repetition_penalty=1.1)
     graph, eager = _both(eng, ids, monkeypatch, **gen)

@@ -24,6 +24,7 @@ class Recording(RandomQKV):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.seen: dict[int, tuple] = {}  # step start -> (gpos, retrieved pos, window, n)
+        self.chose: dict[int, bool] = {}  # step start -> the tier chose its pages this step
 
     def __call__(self, input_ids, positions, ctx, all_logits=False):
         p = positions.tolist()
@@ -33,6 +34,8 @@ class Recording(RandomQKV):
             tier = run.retrieval
             rpos = tier.positions(layer).clone() if tier is not None and tier.offloaded else None
             self.seen[p[0]] = (run.global_positions(layer), rpos, ctx.window, len(p))
+            if tier is not None:
+                self.chose[p[0]] = tier.choose
         return torch.zeros(len(p), 8)
 
 
@@ -45,6 +48,8 @@ def drive(cfg: SparseConfig, n: int, src: RandomQKV, decode_from: int | None = N
     with run:
         pos = 0
         while pos < n:
+            if pos == decode_from and run.retrieval is not None:
+                run.retrieval.mark_decode()  # as Engine.generate does where decode starts
             step = 1 if decode_from is not None and pos >= decode_from else cfg.prefill_chunk
             step = min(step, n - pos)
             run.step(src, torch.zeros(step, dtype=torch.int64))
@@ -101,14 +106,16 @@ CASES = [  # sinks, window, globals, block, chunk, n, retrieval_tokens, cache to
 
 
 @pytest.mark.parametrize("sinks,window,globs,block,chunk,n,rt,ct,kind", CASES)
-@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("decode,every", [(False, 1), (True, 1), (True, 3)])
 @pytest.mark.parametrize("copy_offload", [False, True])
 def test_retrieval_matches_brute_force(sinks, window, globs, block, chunk, n, rt, ct, kind,
-                                       decode, copy_offload):
+                                       decode, every, copy_offload):
+    """every 3: decode steps that keep the last choice attend to exactly its pages (their
+    recorded positions), never to a key a global or the window also holds."""
     cfg = SparseConfig(sink_tokens=sinks, window_size=window, global_tokens=globs,
                        block_size=block, recalibrate_every=8, recalibrate_topk=globs,
                        prefill_chunk=chunk, score_stride=1, retrieval_tokens=rt,
-                       page_cache_tokens=ct, retrieval_summary=kind)
+                       page_cache_tokens=ct, retrieval_summary=kind, retrieval_every=every)
     src = Recording(n, seed=n + block)
     run, stats = drive(cfg, n, src, decode_from=n // 2 if decode else None,
                        copy_offload=copy_offload)
@@ -119,17 +126,65 @@ def test_retrieval_matches_brute_force(sinks, window, globs, block, chunk, n, rt
     assert all(int((r >= 0).sum()) <= HKV * rt for r in picked)  # within the budget
 
 
-@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("decode,every", [(False, 1), (True, 1), (True, 4)])
 @pytest.mark.parametrize("copy_offload", [False, True])
-def test_budget_covering_every_page_is_dense(decode, copy_offload):
+def test_budget_covering_every_page_is_dense(decode, every, copy_offload):
+    """every 4: a kept choice is dense too, because a page offloaded since the last choice
+    makes the next step choose (else it would be missing until then)."""
     n = 150
     cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=4, block_size=8,
                        recalibrate_every=8, recalibrate_topk=4, prefill_chunk=12,
-                       retrieval_tokens=n)
+                       retrieval_tokens=n, retrieval_every=every)
     src = Recording(n, seed=5)
     drive(cfg, n, src, decode_from=n // 2 if decode else None, copy_offload=copy_offload)
     for q in range(n):
         assert torch.allclose(src.out[q], dense(src, q), atol=1e-5), q
+
+
+@pytest.mark.parametrize("every", [2, 5])
+def test_decode_keeps_a_choice_for_every_steps(every):
+    """The rule (engine/retrieval.py): prefill steps choose; decode steps choose on the first
+    one, `every` steps after the last choice, and at once after an offload or a recalibration;
+    the others show the last choice's positions unchanged and count no picks."""
+    n, start = 200, 96
+    cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=4, block_size=8,
+                       recalibrate_every=32, recalibrate_topk=4, prefill_chunk=16,
+                       score_stride=1, retrieval_tokens=16, page_cache_tokens=24,
+                       retrieval_every=every)
+    src = Recording(n, seed=11)
+    offloaded, recal, picks = {}, {}, {}
+    step = KVRun.step
+
+    def spy(self, model, ids):  # what the tier had before each step, and the picks it made
+        p0 = self.seq.num_tokens
+        offloaded[p0] = len(self.retrieval.offloaded)
+        recal[p0] = self.seq.recalibrations
+        before = int(self.retrieval.counts[0])
+        out = step(self, model, ids)
+        picks[p0] = int(self.retrieval.counts[0]) - before
+        return out
+
+    KVRun.step = spy
+    try:
+        run, _ = drive(cfg, n, src, decode_from=start)
+    finally:
+        KVRun.step = step
+    assert all(src.chose[p] for p in src.chose if p < start)  # prefill always chooses
+    last, kept_steps = None, 0
+    for p in range(start, n):
+        if p not in src.chose:  # (no page offloaded yet: nothing to retrieve)
+            continue
+        want = (last is None or p - last >= every or offloaded[p] != offloaded[last]
+                or recal[p] != recal[last])
+        assert src.chose[p] == want, p
+        if want:
+            last = p
+            assert picks[p] > 0
+        else:
+            kept_steps += 1
+            assert picks[p] == 0
+            assert torch.equal(src.seen[p][1], src.seen[last][1])  # the same positions shown
+    assert kept_steps > 0
 
 
 def _planted_run(retrieval_tokens: int):

@@ -26,6 +26,15 @@ globals masked too (the same key never counts twice in a softmax). The attended 
 is then sinks ∪ the step's window blocks ∪ globals ∪ the retrieved pages; with a budget
 covering every page it is every key: dense attention.
 
+Decode steps may keep the last choice (`retrieval_every` = k > 1, LServe's reusable page
+selector): the pages are chosen anew on every prefill chunk, on the first decode step, k decode
+steps after the last choice, and at once after a page was offloaded or the globals were
+recalibrated (so a page leaving the window is reachable on the next step, and no retrieved key
+duplicates a new global); between those the slots keep their pages and positions, nothing is
+scored or copied. The choice is one host decision per step, written to a one-element device
+flag (`active`) only when it changes; the kernels read it, so the captured decode graph skips
+them on the device.
+
 Device-resident: picks, slot choice (kernels/attention/page_cache_*.py), the copy and the
 counters stay on the device; the host only knows which pages are offloaded (it evicted them)
 and mirrors that range into a device tensor. A step therefore never waits for the device, and
@@ -70,12 +79,13 @@ class RetrievalTier:
     """Offload store + page summaries + page cache of one run (module doc)."""
 
     def __init__(self, cache: PagedKVCache, *, max_pages: int, retrieval_pages: int,
-                 cache_pages: int, summary: str, in_place: bool, backend) -> None:
+                 cache_pages: int, summary: str, in_place: bool, backend, every: int = 1) -> None:
         assert cache_pages >= retrieval_pages > 0, (cache_pages, retrieval_pages)
         self.cache, self.backend, self.kind = cache, backend, summary
         self.args = dict(max_pages=max_pages, retrieval_pages=retrieval_pages,
                          cache_pages=cache_pages, summary=summary, in_place=in_place,
-                         backend=backend)  # what a kept tier must match to serve a new run
+                         backend=backend, every=every)  # what a kept tier must match
+        self.every = every
         self.L, self.H, self.D, self.bs = cache.L, cache.H, cache.D, cache.bs
         self.R, self.S = retrieval_pages, cache_pages
         self.max_pages, self.in_place = max_pages, in_place
@@ -99,6 +109,7 @@ class RetrievalTier:
         self.slot_page = torch.full((self.L, self.H, self.S), -1, **i64)
         self.slot_used = torch.full((self.L, self.H, self.S), -1, **i64)
         self.step = torch.zeros(1, **i64)  # the step number slot_used compares with
+        self.active = torch.ones(1, **i64)  # 1: this step chooses its pages (module doc)
         self.counts = torch.zeros(3, **i64)  # picks, hits, misses over the run
         self.step_base = torch.zeros(3, **i64)  # counts when the current step began (trace)
         self.pick_ids = torch.arange(self.R, **i64)
@@ -112,6 +123,11 @@ class RetrievalTier:
         self.offload_done = None  # event: the last offload copy finished reading the blocks
         self.step_no = 0
         self.steps = 0  # steps that had offloaded pages
+        self.decoding = False  # mark_decode: steps from now may keep the last choice
+        self.choose = True  # this step chooses its pages (host copy of `active`)
+        self.kept_for = 0  # decode steps served by the last choice
+        self.offloaded_at_choice = 0  # len(offloaded) when the pages were last chosen
+        self.globals_changed = False  # a recalibration since the last choice
         self.pages_offloaded = self.bytes_offloaded = 0
         self.decode_base = None  # counts when decode started (mark_decode)
 
@@ -124,6 +140,7 @@ class RetrievalTier:
             t.fill_(-1)
         for t in (self.range, self.step, self.counts, self.step_base):
             t.zero_()
+        self.active.fill_(1)
         self._start_host_state()
 
     # -- sizes -----------------------------------------------------------------------------
@@ -152,8 +169,10 @@ class RetrievalTier:
                               bytes_offloaded=self.bytes_offloaded)
 
     def mark_decode(self) -> None:
-        """Remember the counters where decode starts (`decode_stats`; a device copy)."""
+        """Remember the counters where decode starts (`decode_stats`; a device copy); the
+        steps from here may keep the last choice (`every`); the first one chooses."""
         self.decode_base = self.counts.clone()
+        self.decoding, self.kept_for = True, self.every
 
     def decode_stats(self) -> RetrievalStats:
         """Picks, hits, misses and bytes copied since `mark_decode` (zeros without it)."""
@@ -241,6 +260,15 @@ class RetrievalTier:
             self.step_base.copy_(self.counts)
         if self.offloaded:
             self.steps += 1
+        choose = (not self.decoding or self.kept_for >= self.every or self.globals_changed
+                  or len(self.offloaded) != self.offloaded_at_choice)
+        if choose:
+            self.kept_for, self.globals_changed = 0, False
+            self.offloaded_at_choice = len(self.offloaded)
+        self.kept_for += 1
+        if choose != self.choose:  # one tiny device write when the decision flips
+            self.active.fill_(int(choose))
+            self.choose = choose
 
     def select(self, layer: int, q: torch.Tensor, static: bool = False) -> torch.Tensor:
         """[Hkv, R] int64: the pages each KV head of `layer` attends this step (distinct; -1 in
@@ -251,7 +279,7 @@ class RetrievalTier:
             from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
 
             scores = self.backend.page_scores_in_range(q, self.lo[layer], self.hi[layer],
-                                                       self.range, scale)
+                                                       self.range, scale, self.active)
             return top_valid_pages(scores, self.R)
         n, lo = len(self.offloaded), self.first_page  # the contiguous range [lo, lo + n)
         if n <= self.R:  # the budget covers every offloaded page: no scoring
@@ -264,12 +292,14 @@ class RetrievalTier:
     def prepare(self, layer: int, q: torch.Tensor, static: bool = False) -> None:
         """Fill `layer`'s page-cache slots and their positions for the step's queries q, all
         on the device (static: see `select`; it runs even before any page is offloaded)."""
-        if not static and not self.offloaded:
-            return
+        if not static and not (self.offloaded and self.choose):
+            return  # (static: the kernels read `active` on the device)
         cache = self.cache
+        act = self.active if static else None
         picks = self.select(layer, q, static)
         sp, su = self.slot_page[layer], self.slot_used[layer]
-        fill = self.backend.place_pages(picks, sp, su, self.step, self.row_of_page, self.counts)
+        fill = self.backend.place_pages(picks, sp, su, self.step, self.row_of_page, self.counts,
+                                        act)
         if self.in_place:  # the layer's storage [cap, bs, Hkv, D] seen per head
             src_k, src_v = (t[layer].permute(2, 0, 1, 3) for t in (cache.k, cache.v))
         else:  # [pages, Hkv, bs, D] -> [Hkv, pages, bs, D] (strides)
@@ -277,7 +307,7 @@ class RetrievalTier:
         dst_k, dst_v = (self._slot_view(t[layer]) for t in (cache.sk, cache.sv))
         self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill, sp, su, self.step,
                                      cache.gpos[layer] if cache.G else None,
-                                     self.positions(layer))
+                                     self.positions(layer), act)
 
     def stored_page(self, layer: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) [Hkv, bs, D] of an offloaded page of `layer` as the store holds it (in place:

@@ -148,7 +148,8 @@ class KVRun:
                         -(-(total_tokens or 0) // sparse.block_size),
                         retrieval_pages=sparse.retrieval_pages,
                         cache_pages=sparse.page_cache_pages, summary=sparse.retrieval_summary,
-                        in_place=self.seq.offload_in_place, backend=backend)
+                        in_place=self.seq.offload_in_place, backend=backend,
+                        every=sparse.retrieval_every)
             kept = tier_source(args) if tier_source is not None and cache is not None else None
             self.retrieval = kept if kept is not None else RetrievalTier(self.cache, **args)
         self.kv_bytes_peak = 0  # resident: working-set blocks, slots, page cache, summaries
@@ -203,6 +204,8 @@ class KVRun:
         if self.cache.G and self.seq.recalibration_due(start, start + n):
             self.cache.recalibrate()
             self.seq.recalibrations += 1
+            if self.retrieval is not None:  # no retrieved key may duplicate a new global
+                self.retrieval.globals_changed = True
         return evicted
 
     def resident_bytes(self) -> int:

@@ -124,12 +124,16 @@ def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
 
 
 @triton.jit
-def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale,
+def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, act_ptr, n_rows, n_pages, scale,
                  s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh, s_or,
                  GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, LOW: tl.constexpr):
+                 BLOCK_N: tl.constexpr, LOW: tl.constexpr, HAS_ACT: tl.constexpr):
     """out[kvh, row, page] = scale * bound of every row (<= BLOCK_M) against a tile of pages;
-    -inf for a page outside [first, first + n) (rng_ptr, read here: no host read)."""
+    -inf for a page outside [first, first + n) (rng_ptr, read here: no host read). With
+    HAS_ACT, nothing when act_ptr holds 0 (a step that keeps the last choice)."""
+    if HAS_ACT:
+        if tl.load(act_ptr) == 0:
+            return
     kvh = tl.program_id(0)
     pg = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     first = tl.load(rng_ptr)
@@ -144,11 +148,14 @@ def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale
 
 
 @triton.jit
-def _bounds_mass(b_ptr, rng_ptr, out_ptr, n_rows, n_pages, s_bh, s_br, s_oh,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bounds_mass(b_ptr, rng_ptr, out_ptr, act_ptr, n_rows, n_pages, s_bh, s_br, s_oh,
+                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ACT: tl.constexpr):
     """out[kvh, page] = sum over rows of softmax over the pages in range of the bounds (pass 1:
     each row's max and sum of exp, online; pass 2: the probabilities summed over the rows);
-    -1 outside [first, first + n). One program per KV head."""
+    -1 outside [first, first + n). One program per KV head. HAS_ACT: as _page_bounds."""
+    if HAS_ACT:
+        if tl.load(act_ptr) == 0:
+            return
     kvh = tl.program_id(0)
     rows = tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
@@ -182,12 +189,14 @@ MAX_RANGED_ROWS = 64  # page_scores_in_range's rows (T x grp) in one tile; more:
 
 
 def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                         rng: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
+                         rng: torch.Tensor, scale: float, block_n: int = 64,
+                         active: torch.Tensor | None = None) -> torch.Tensor:
     """page_score_ref.page_scores_in_range: whole summary tables lo, hi [Hkv, P, D] and the
     device range rng = (first, n); one program per (KV head, tile of pages) computes the
     bounds of every row (a decode step's T x grp rows: a few), then one program per KV head
     turns them into the pages' masses (`_bounds_mass`). Static shapes: a CUDA graph captures
-    it (two launches)."""
+    it (two launches). active (int64 [1] on the device): where it holds 0 neither kernel
+    runs and the returned scores are undefined (the caller's page placement skips too)."""
     from hisparse_cli.kernels.attention.page_score_ref import page_scores_in_range as reference
 
     t, hq, d = q.shape
@@ -198,14 +207,16 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     assert q.stride(-1) == 1 and lo.stride(-1) == 1 and hi.stride(-1) == 1 and lo.shape == hi.shape
     bounds = torch.empty((hkv, rows, n), dtype=torch.float32, device=q.device)
     block_m = max(16, triton.next_power_of_2(rows))
+    act = rng if active is None else active
     _page_bounds[(hkv, triton.cdiv(n, block_n))](
-        q, lo, hi, rng, bounds, rows, n, float(scale), q.stride(0), q.stride(1), lo.stride(0),
+        q, lo, hi, rng, bounds, act, rows, n, float(scale), q.stride(0), q.stride(1), lo.stride(0),
         lo.stride(1), hi.stride(0), hi.stride(1), bounds.stride(0), bounds.stride(1),
-        GRP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q, lo))
+        GRP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q, lo),
+        HAS_ACT=active is not None)
     out = torch.empty((hkv, n), dtype=torch.float32, device=q.device)
-    _bounds_mass[(hkv,)](bounds, rng, out, rows, n, bounds.stride(0), bounds.stride(1),
+    _bounds_mass[(hkv,)](bounds, rng, out, act, rows, n, bounds.stride(0), bounds.stride(1),
                          out.stride(0), BLOCK_R=max(2, triton.next_power_of_2(rows)),
-                         BLOCK_N=256)
+                         BLOCK_N=256, HAS_ACT=active is not None)
     return out
 
 
