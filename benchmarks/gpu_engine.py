@@ -757,6 +757,14 @@ def phase_retrieval(a) -> list[dict]:
                 # the kernels and captures the decode graph, which the second replays with the
                 # kept cache and retrieval tier (a cold machine's first run paid ~25 s of
                 # compilation, and a 32-layer graph capture costs more than 64 tokens' decode)
+                plan = plan_for(cfg, sparse, ctx, a.decode_tokens, backend, dev, **kw)
+                if a.budget_gib and not plan.fits:  # (the widened eviction-only window, say)
+                    row = {"setting": name, "context": ctx, "window": sparse.window_size,
+                           "predicted_peak_bytes": plan.peak_allocated_bytes,
+                           "result": "not run: the planner says it does not fit the budget"}
+                    rows.append(row)
+                    log(json.dumps(row))
+                    continue
                 os.environ["HISPARSE_DECODE_KERNEL"] = kernel  # read when an Engine is made
                 own = model if kernel == "auto" and name == "eviction-only" else layers_model
                 eng = Engine(own, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
@@ -764,7 +772,6 @@ def phase_retrieval(a) -> list[dict]:
                 os.environ.pop("HISPARSE_DECODE_KERNEL")
                 first = eng.generate(ids, max_new_tokens=a.decode_tokens,
                                      min_new_tokens=a.decode_tokens)
-                plan = plan_for(cfg, sparse, ctx, a.decode_tokens, backend, dev, **kw)
                 free_all(dev)
                 pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
                     if hasattr(torch.cuda, "host_memory_stats") else None
@@ -809,9 +816,9 @@ def phase_retrieval(a) -> list[dict]:
                 pair[name] = row
                 rows.append(row)
                 log(json.dumps(row, default=str))
-            for name in (n for n, _, _ in settings if n.startswith("retrieval")):
+            for name in (n for n, _, _ in settings if n.startswith("retrieval") and n in pair):
                 rt = pair[name]
-                for peer in ("eviction-only", "eviction-only, layers"):
+                for peer in (p for p in ("eviction-only", "eviction-only, layers") if p in pair):
                     ev = pair[peer]
                     rows.append({"setting": f"ratio {name} / {peer}", "context": ctx,
                                  "decode": rt["decode_tok_s"] / ev["decode_tok_s"],

@@ -165,6 +165,7 @@ def test_engine_puts_item_layout_linears_back():
     want = Engine(model, cfg, **kw).logits(ids)
     assert lin.set_layout("items") and lin.layout == "items"
     eng = Engine(model, cfg, **kw)
+    assert eng.execution.int4_layout.value != "none"  # built in code: no quantization_config
     assert lin.layout in ("awq", "kmajor", "tiled") and lin.qzeros is not None
     assert torch.allclose(eng.logits(ids), want, rtol=1e-5, atol=1e-5)
 

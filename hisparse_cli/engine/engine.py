@@ -103,6 +103,14 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss"
 
 
+
+def _has_int4(model) -> bool:
+    """Whether the model holds AWQ INT4 linears (one built in code has no quantization_config:
+    its plan must still say which INT4 layout it runs, e.g. to restore one after the items)."""
+    from hisparse_cli.model.awq import AWQLinear
+
+    return any(isinstance(m, AWQLinear) for m in model.modules())
+
 class Engine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, sparse: SparseConfig,
                  device: torch.device, kv_dtype: torch.dtype, path: Path | None = None,
@@ -131,7 +139,7 @@ class Engine:
             device=self.device.type, model_cfg=self.cfg, sparse=self.sparse,
             compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
-            weight_awq=self.cfg.quantization_config is not None,
+            weight_awq=self.cfg.quantization_config is not None or _has_int4(self.model),
             backend=self._backend_preference, loaded_model=self.model, threads=self._threads)
 
     @property
