@@ -109,7 +109,7 @@ class SparseConfig:
                                      help="Retrieval tier: resident page-cache slots per layer "
                                           "and KV head (0 = as many as --retrieval-tokens); more "
                                           "keep recently used pages resident.")
-    retrieval_every: int = setting(1, flag="--retrieval-every", aliases=("every",), minimum=1,
+    retrieval_every: int = setting(1, flag="--retrieval-every", minimum=1,
                                    help="Retrieval tier: decode steps one page choice serves "
                                         "(1 = chosen anew every step; a page newly offloaded "
                                         "or a global recalibration chooses anew at once; "
