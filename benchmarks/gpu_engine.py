@@ -749,9 +749,12 @@ def phase_retrieval(a) -> list[dict]:
             ids = prompt(ctx, cfg.vocab_size)
             pair = {}
             evict = same_resident_eviction(base, cfg, ctx)
-            settings = [("eviction-only", evict, "auto"), ("eviction-only, layers", evict, "layers")]
-            settings += [("retrieval" if e == 1 else f"retrieval every {e}",
-                          replace(base, retrieval_every=e), "auto") for e in a.every]
+            settings = [("retrieval" if e == 1 else f"retrieval every {e}",
+                         replace(base, retrieval_every=e), "auto") for e in a.every]
+            peers = [("eviction-only", evict, "auto"), ("eviction-only, layers", evict, "layers")]
+            # on an emulated card the retrieval rows first: an out-of-memory peer (its widened
+            # window, the allocator's fragmentation after the rows before it) cannot hide them
+            settings = settings + peers if a.budget_gib else peers + settings
             for name, sparse, kernel in settings:
                 # the row is the second generate of one Engine: the first (untimed) compiles
                 # the kernels and captures the decode graph, which the second replays with the
@@ -765,57 +768,69 @@ def phase_retrieval(a) -> list[dict]:
                     rows.append(row)
                     log(json.dumps(row))
                     continue
-                os.environ["HISPARSE_DECODE_KERNEL"] = kernel  # read when an Engine is made
-                own = model if kernel == "auto" and name == "eviction-only" else layers_model
-                eng = Engine(own, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
-                             backend=backend)
-                os.environ.pop("HISPARSE_DECODE_KERNEL")
-                first = eng.generate(ids, max_new_tokens=a.decode_tokens,
-                                     min_new_tokens=a.decode_tokens)
-                free_all(dev)
-                pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
-                    if hasattr(torch.cuda, "host_memory_stats") else None
-                res = eng.generate(ids, max_new_tokens=a.decode_tokens,
-                                   min_new_tokens=a.decode_tokens)
-                s = res.stats
-                other = 0 if layers_model is model else device_bytes(
-                    layers_model if own is model else model)
-                row = {"setting": name, "context": ctx, "device": torch.cuda.get_device_name(dev),
-                       "window": sparse.window_size, "retrieval_tokens": sparse.retrieval_tokens,
-                       "retrieval_every": sparse.retrieval_every,
-                       "lm_head": "int8" if int8_head else "fp16",
-                       "prefill_tok_s": s.prefill_tok_s,
-                       "decode_tok_s": (s.new_tokens - 1) / s.decode_seconds,
-                       "peak_bytes": s.peak_memory_bytes,
-                       # the other model's bytes, where two are loaded (not this run's)
-                       "other_model_bytes": other,
-                       "predicted_peak_bytes": plan.peak_allocated_bytes,
-                       "device_error_pct": 100.0 * (plan.peak_allocated_bytes + other
-                                                    - s.peak_memory_bytes) / (
-                           s.peak_memory_bytes - other),
-                       "kv_bytes_peak": s.kv_bytes_peak,
-                       "planned_kv_bytes_peak": plan.kv.kv_bytes_peak,
-                       "planned_host_offload_bytes": plan.offload_store_bytes,
-                       "pinned_bytes_before_run": pinned0,
-                       "pages_offloaded": s.pages_offloaded, "offload_bytes": s.offload_bytes,
-                       "cache_hit_rate": s.cache_hit_rate,
-                       "pages_retrieved_per_step": s.pages_retrieved_per_step,
-                       "bytes_to_cache": s.bytes_to_cache,
-                       "h2d_bytes_per_token": s.bytes_to_cache / (ctx + s.new_tokens),
-                       "decode_cache_hit_rate": s.decode_cache_hit_rate,
-                       "decode_h2d_bytes_per_token": s.decode_bytes_to_cache / max(
-                           1, s.new_tokens - 1),
-                       "first_run_decode_tok_s": (first.stats.new_tokens - 1)
-                       / first.stats.decode_seconds,
-                       "cuda_graph": (res.extra or {}).get("cuda_graph"),
-                       "decode_kernel": (res.extra or {}).get("decode_kernel"),
-                       "shared_model": own is model}
-                eng.release_cached_state()
-                del eng
-                free_all(dev)
-                pair[name] = row
-                rows.append(row)
-                log(json.dumps(row, default=str))
+                try:
+                    os.environ["HISPARSE_DECODE_KERNEL"] = kernel  # read when an Engine is made
+                    own = model if kernel == "auto" and name == "eviction-only" else layers_model
+                    eng = Engine(own, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                                 backend=backend)
+                    os.environ.pop("HISPARSE_DECODE_KERNEL")
+                    first = eng.generate(ids, max_new_tokens=a.decode_tokens,
+                                         min_new_tokens=a.decode_tokens)
+                    free_all(dev)
+                    pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
+                        if hasattr(torch.cuda, "host_memory_stats") else None
+                    res = eng.generate(ids, max_new_tokens=a.decode_tokens,
+                                       min_new_tokens=a.decode_tokens)
+                    s = res.stats
+                    other = 0 if layers_model is model else device_bytes(
+                        layers_model if own is model else model)
+                    row = {"setting": name, "context": ctx,
+                           "device": torch.cuda.get_device_name(dev),
+                           "window": sparse.window_size,
+                           "retrieval_tokens": sparse.retrieval_tokens,
+                           "retrieval_every": sparse.retrieval_every,
+                           "lm_head": "int8" if int8_head else "fp16",
+                           "prefill_tok_s": s.prefill_tok_s,
+                           "decode_tok_s": (s.new_tokens - 1) / s.decode_seconds,
+                           "peak_bytes": s.peak_memory_bytes,
+                           # the other model's bytes, where two are loaded (not this run's)
+                           "other_model_bytes": other,
+                           "predicted_peak_bytes": plan.peak_allocated_bytes,
+                           "device_error_pct": 100.0 * (plan.peak_allocated_bytes + other
+                                                        - s.peak_memory_bytes) / (
+                               s.peak_memory_bytes - other),
+                           "kv_bytes_peak": s.kv_bytes_peak,
+                           "planned_kv_bytes_peak": plan.kv.kv_bytes_peak,
+                           "planned_host_offload_bytes": plan.offload_store_bytes,
+                           "pinned_bytes_before_run": pinned0,
+                           "pages_offloaded": s.pages_offloaded, "offload_bytes": s.offload_bytes,
+                           "cache_hit_rate": s.cache_hit_rate,
+                           "pages_retrieved_per_step": s.pages_retrieved_per_step,
+                           "bytes_to_cache": s.bytes_to_cache,
+                           "h2d_bytes_per_token": s.bytes_to_cache / (ctx + s.new_tokens),
+                           "decode_cache_hit_rate": s.decode_cache_hit_rate,
+                           "decode_h2d_bytes_per_token": s.decode_bytes_to_cache / max(
+                               1, s.new_tokens - 1),
+                           "first_run_decode_tok_s": (first.stats.new_tokens - 1)
+                           / first.stats.decode_seconds,
+                           "cuda_graph": (res.extra or {}).get("cuda_graph"),
+                           "decode_kernel": (res.extra or {}).get("decode_kernel"),
+                           "shared_model": own is model}
+                    eng.release_cached_state()
+                    del eng
+                    free_all(dev)
+                    pair[name] = row
+                    rows.append(row)
+                    log(json.dumps(row, default=str))
+                except torch.OutOfMemoryError as exc:  # the emulated card: the row says so
+                    os.environ.pop("HISPARSE_DECODE_KERNEL", None)
+                    eng = None
+                    free_all(dev)
+                    row = {"setting": name, "context": ctx, "window": sparse.window_size,
+                           "predicted_peak_bytes": plan.peak_allocated_bytes,
+                           "result": "out of memory: " + str(exc).split(".")[0]}
+                    rows.append(row)
+                    log(json.dumps(row))
             for name in (n for n, _, _ in settings if n.startswith("retrieval") and n in pair):
                 rt = pair[name]
                 for peer in (p for p in ("eviction-only", "eviction-only, layers") if p in pair):

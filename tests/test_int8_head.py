@@ -112,4 +112,5 @@ def test_triton_gemv_equals_the_reference():
     assert torch.allclose(y.float(), ref.float(), rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
     xs = torch.randn(40, 4096, device="cuda", dtype=torch.float16)  # the chunked path
     ref = int8_ref.int8_linear_ref(xs, head.weight_q, head.scale)
-    assert torch.allclose(head(xs).float(), ref.float(), rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+    assert torch.allclose(head(xs).float(), ref.float(), rtol=1e-2,
+                          atol=1e-2 * float(ref.abs().max()))

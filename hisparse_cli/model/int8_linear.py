@@ -23,7 +23,8 @@ from hisparse_cli.kernels.int8 import int8_ref
 class Int8Linear(nn.Module):
     def __init__(self, weight_q: torch.Tensor, scale: torch.Tensor):
         super().__init__()
-        if weight_q.dtype != torch.int8 or weight_q.dim() != 2 or scale.shape != (weight_q.shape[0],):
+        if (weight_q.dtype != torch.int8 or weight_q.dim() != 2
+                or scale.shape != (weight_q.shape[0],)):
             raise ValueError(f"Int8Linear: weight_q int8 [out, in] and scale [out], got "
                              f"{weight_q.dtype} {tuple(weight_q.shape)} and {tuple(scale.shape)}")
         self.out_features, self.in_features = weight_q.shape
@@ -32,7 +33,8 @@ class Int8Linear(nn.Module):
         self.bias = None
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, device: torch.device | str | None = None) -> "Int8Linear":
+    def from_float(cls, weight: torch.Tensor,
+                   device: torch.device | str | None = None) -> "Int8Linear":
         """Quantize an fp weight [out, in] where it lies, then move the INT8 copy to device."""
         q, s = int8_ref.quantize_rows(weight.detach())
         device = weight.device if device is None else torch.device(device)

@@ -52,7 +52,8 @@ def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor
     return (x.float() @ w.t()).to(x.dtype)
 
 
-def int8_linear_chunked(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_linear_chunked(x: torch.Tensor, weight_q: torch.Tensor,
+                        scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T for any number of rows and any device: W dequantized to x's dtype
     DEQUANT_CHUNK_ROWS output rows at a time, each chunk one matmul (cuBLAS / the CPU's)."""
     out = weight_q.shape[0]
