@@ -99,8 +99,8 @@ class RetrievalTier:
             self.store_k = self.store_v = None
         else:  # [pages, L, Hkv, bs, D] (module doc)
             host = (max_pages, self.L, self.H, self.bs, self.D)
-            self.store_k = torch.zeros(host, dtype=dt, pin_memory=cuda)
-            self.store_v = torch.zeros(host, dtype=dt, pin_memory=cuda)
+            self.store_k = _host_store(host, dt, cuda)
+            self.store_v = _host_store(host, dt, cuda)
         self.side = torch.cuda.Stream(dev) if cuda and not in_place else None
         # device state (kernels/attention/page_cache_ref.py has the layouts)
         i64 = dict(dtype=torch.int64, device=dev)
@@ -324,6 +324,25 @@ class RetrievalTier:
     def positions(self, layer: int) -> torch.Tensor:
         """[Hkv, S*bs] positions the layer's page cache showed this step (-1 = not seen)."""
         return self.cache.spos[layer, :, self.seg_base:]
+
+
+def _host_store(shape: tuple, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
+    """A zeroed offload store in host memory; for a CUDA run page-locked at exactly its size:
+    ordinary memory registered and mapped for the device (kernels/cuda/host_rows.py, as the
+    host embedding table is; the page-cache kernel reads it at its host address), not torch's
+    pinned allocator, which rounds every block up to a power of two (a 2.0 GiB K store held
+    4 GiB of pinned memory on the H100, 2026-12-07: twice what the planner counts). The pinned
+    allocator only where the driver refuses the registration."""
+    t = torch.zeros(shape, dtype=dtype)
+    if not cuda:
+        return t
+    try:
+        from hisparse_cli.kernels.cuda.host_rows import map_table
+    except ImportError:  # no Triton: the registration helper is not importable
+        map_table = None
+    if map_table is not None and map_table(t):
+        return t
+    return torch.zeros(shape, dtype=dtype, pin_memory=True)
 
 
 class _nullcontext:
