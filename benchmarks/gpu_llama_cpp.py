@@ -16,10 +16,11 @@ Subcommands:
           `--check` configures the trimmed tree (CPU; `--check-cuda` for CUDA too: nvcc and
           cuBLAS headers, no GPU); `--cpu-build` builds the CPU llama-bench from it (~7 min on
           2 cores); `--cuda-build --cublas-dir DIR` compiles the CUDA one here (nvcc 13.0,
-          sm_90, ~40 min on 2 cores) into `.llamacpp/llama-bench-sm90`, which the device then
-          only runs (DIR: a folder with a real libcublas.so.13 and ../include, e.g. unzipped
-          from the `nvidia-cublas` wheel).
-  build   (device) `.llamacpp/llama-bench-sm90` if carried and it sees the GPU
+          sm_90, ~55 min on 2 busy cores) into `.llamacpp/llama-bench-sm90.xz` (66 MiB
+          stripped, 39 MiB as xz), which the device then only runs (DIR: a folder with a real
+          libcublas.so.13 and ../include, e.g. unzipped from the `nvidia-cublas` wheel; it
+          needs libcudart.so.13, libcublas.so.13, libcuda.so.1 and glibc >= 2.34 there).
+  build   (device) `.llamacpp/llama-bench-sm90.xz` if carried and it sees the GPU
           (`--list-devices`); else extract to /tmp/llamacpp-build, configure (CUDA, sm_90
           only, Release, static libs, Ninja; FlashAttention vector kernels for the f16, q8_0
           and q4_0 KV only) and build `llama-bench` with -j$(nproc) (~5-7 min on 16 cores,
@@ -86,7 +87,7 @@ PACK = ROOT / ".llamacpp" / "llama.cpp-src.tar.gz"
 WORK = Path(os.environ.get("LLAMACPP_WORK", "/tmp/llamacpp-build"))
 MODEL = Path("/tmp/llama3-8b-shape-q4_0.gguf")
 TARGETS = ("llama-bench",)
-PREBUILT = ROOT / ".llamacpp" / "llama-bench-sm90"  # `pack --cuda-build`'s binary, if any
+PREBUILT = ROOT / ".llamacpp" / "llama-bench-sm90.xz"  # `pack --cuda-build`'s, if any
 CAP_MIB = 6 * 1024 - 300  # a 6 GiB card less what its display takes (the engine's 4060ti-6g)
 
 # -- pack ----------------------------------------------------------------------------------
@@ -186,6 +187,15 @@ def cmd_pack(a) -> int:
     return 0
 
 
+def xz(src: Path, dst: Path) -> None:
+    import lzma
+
+    with open(src, "rb") as fi, lzma.open(dst.with_name(dst.name + ".part"), "wb",
+                                          preset=6) as fo:
+        shutil.copyfileobj(fi, fo, 1 << 20)
+    dst.with_name(dst.name + ".part").rename(dst)
+
+
 def cuda_build_here(a, src: Path, work: Path, version: str) -> None:
     """`pack --cuda-build`: the CUDA llama-bench compiled on this machine (nvcc, no GPU), so
     the device only runs it. cuBLAS from --cublas-dir (a real libcublas.so.13, e.g. from the
@@ -214,9 +224,12 @@ def cuda_build_here(a, src: Path, work: Path, version: str) -> None:
                     str(stub_dir / "stub.c")], check=True)
     subprocess.run(nice + list(TARGETS), check=True, env=env)
     out = Path(a.out).parent / PREBUILT.name
-    shutil.copy2(build / "bin" / "llama-bench", out)
-    subprocess.run(["strip", str(out)], check=True)
-    (out.parent / (out.name + ".json")).write_text(json.dumps({
+    raw = out.with_suffix("")
+    shutil.copy2(build / "bin" / "llama-bench", raw)
+    subprocess.run(["strip", str(raw)], check=True)
+    xz(raw, out)  # 66 MiB stripped, 39 MiB as xz: the travel limit is 64 MiB in all
+    raw.unlink()
+    (out.parent / (raw.name + ".json")).write_text(json.dumps({
         "llama_cpp_python": version, "built": time.strftime("%Y-%m-%d %H:%M"),
         "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True,
                                text=True).stdout.strip().splitlines()[-1],
@@ -453,9 +466,13 @@ class Build:
         pre = Path(self.a.prebuilt) if self.a.prebuilt else None
         if pre is None or not pre.is_file():
             return False
+        import lzma
+
         dst = self.bins["llama-bench"]
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(pre, dst)
+        with (lzma.open(pre) if pre.suffix == ".xz" else open(pre, "rb")) as fi, \
+                open(dst, "wb") as fo:
+            shutil.copyfileobj(fi, fo, 1 << 20)
         dst.chmod(0o755)
         r = subprocess.run([str(dst), "--list-devices"], capture_output=True, text=True,
                            env=run_env(self.work), timeout=120)
@@ -822,13 +839,15 @@ class Bench:
         model, kv, compute = gpu("model"), gpu("kv"), gpu("compute")
         bufsum = model + kv + compute
         proc = run.get("smi_process_peak_mib")
-        need = proc if proc else bufsum
+        # the process's peak, never below its buffers (a 200 ms sample can miss the peak)
+        need = max(proc or 0, bufsum)
         other = (proc - bufsum) if proc else None  # CUDA context, cuBLAS, the ggml pool
         kv_tok = kv / n_ctx if kv else None
         fixed = need - kv
         m = {"kv_type": run["kv_type"], "n_ctx": n_ctx, "model_gpu_mib": round(model, 1),
              "kv_gpu_mib": round(kv, 1), "compute_gpu_mib": round(compute, 1),
              "buffers_gpu_mib": round(bufsum, 1), "process_peak_mib": proc,
+             "need_mib": round(need, 1),
              "other_mib": round(other, 1) if other is not None else None,
              "host_buffers_mib": {k: v for k, v in b.items() if "Host" in k or "CPU" in k},
              "cap_mib": CAP_MIB, "fits_cap": need <= CAP_MIB,

@@ -117,3 +117,19 @@ def test_8b_shape_sizes():
     per = {"q4_0": 18 / 32, "q6_k": 210 / 256, "ones": 4}
     size = sum(int(np.prod(s[1])) * per[s[2]] for s in specs)
     assert size / 2**30 == pytest.approx(4.33, abs=0.01)
+
+
+def test_pack_keeps_what_the_cuda_build_needs():
+    keep = glc.keep
+    for rel in ("CMakeLists.txt", "ggml/src/ggml.c", "ggml/src/ggml-cuda/fattn.cu",
+                "ggml/src/ggml-cuda/template-instances/mmq-instance-q4_0.cu",
+                "ggml/src/ggml-cpu/ggml-cpu.c", "src/llama.cpp", "common/common.cpp",
+                "vendor/nlohmann/json.hpp", "tools/CMakeLists.txt",
+                "tools/llama-bench/llama-bench.cpp", "cmake/build-info.cmake"):
+        assert keep(rel), rel
+    for rel in ("docs/build.md", "models/ggml-vocab-llama-bpe.gguf", "tests/test-backend-ops.cpp",
+                "ggml/src/ggml-vulkan/ggml-vulkan.cpp", "ggml/src/ggml-metal/ggml-metal.m",
+                "tools/server/server.cpp", "tools/mtmd/clip.cpp", "gguf-py/gguf/gguf.py",
+                "examples/simple/simple.cpp", ".github/workflows/build.yml",
+                "vendor/miniaudio/miniaudio.h"):
+        assert not keep(rel), rel
