@@ -142,7 +142,7 @@ def test_budget_covering_every_page_is_dense(decode, every, copy_offload):
 
 
 @pytest.mark.parametrize("every", [2, 5])
-def test_decode_keeps_a_choice_for_every_steps(every):
+def test_decode_keeps_a_choice_for_every_steps(every, monkeypatch):
     """The rule (engine/retrieval.py): prefill steps choose; decode steps choose on the first
     one, `every` steps after the last choice, and at once after an offload or a recalibration;
     the others show the last choice's positions unchanged and count no picks."""
@@ -164,11 +164,8 @@ def test_decode_keeps_a_choice_for_every_steps(every):
         picks[p0] = int(self.retrieval.counts[0]) - before
         return out
 
-    KVRun.step = spy
-    try:
-        run, _ = drive(cfg, n, src, decode_from=start)
-    finally:
-        KVRun.step = step
+    monkeypatch.setattr(KVRun, "step", spy)
+    drive(cfg, n, src, decode_from=start)
     assert all(src.chose[p] for p in src.chose if p < start)  # prefill always chooses
     last, kept_steps = None, 0
     for p in range(start, n):

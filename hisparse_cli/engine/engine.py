@@ -103,13 +103,13 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss"
 
 
-
 def _has_int4(model) -> bool:
     """Whether the model holds AWQ INT4 linears (one built in code has no quantization_config:
     its plan must still say which INT4 layout it runs, e.g. to restore one after the items)."""
     from hisparse_cli.model.awq import AWQLinear
 
     return any(isinstance(m, AWQLinear) for m in model.modules())
+
 
 class Engine:
     def __init__(self, model: CausalLM, cfg: ModelConfig, *, sparse: SparseConfig,

@@ -14,6 +14,8 @@ reference: kernels/int8/int8_ref.py.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import nn
 
@@ -55,7 +57,10 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row"
 
 
+@lru_cache(maxsize=1)
 def _gemv_max_rows() -> int:
+    """Rows of x the Triton GEMV takes (0 without Triton); once a process (decode calls it
+    every step)."""
     from hisparse_cli.kernels.dispatch import triton_available
 
     if not triton_available():

@@ -218,7 +218,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                lm_head_int8: bool = False) -> tuple[CausalLM, ModelConfig]:
     """lm_head_int8: an fp output head (its own or the tied table) becomes an Int8Linear,
     quantized where the checkpoint's tensor lies (host memory) before it moves, so the fp
-    head is never resident on the device; an INT4 head stays INT4. decode_layout: on a CPU in float32, store the wide linear weights input-major
+    head is never resident on the device; an INT4 head stays INT4. decode_layout: on a CPU in
+    float32, store the wide linear weights input-major
     (`converted`, `decode_input_major`) for faster decode. fuse: load q|k|v and gate|up as one linear each (`_load_fused`): fewer,
     larger matmuls. The engine asks for both; tools that write weights back (quantize) and
     read the checkpoint's module names do not."""

@@ -162,14 +162,16 @@ def _cpu_decode_bytes(execution: ExecutionPlan, model_cfg: ModelConfig) -> int:
 
 def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int = 128,
                 awq_lm_head: bool = False, embeddings_on_host: bool = False,
-                lm_head_int8: bool = False, sparse: SparseConfig, context_tokens: int, max_new_tokens: int, kv_dtype,
+                lm_head_int8: bool = False, sparse: SparseConfig, context_tokens: int,
+                max_new_tokens: int, kv_dtype,
                 compute_dtype, device_kind: str, backend: str, budget_bytes: int | None = None,
                 num_sms: int = DEFAULT_NUM_SMS, model_name: str = "",
                 suggest: bool = True, execution: ExecutionPlan | None = None) -> MemoryPlan:
     """Predict the device memory of one generate run (see the module docstring).
     lm_head_int8: an fp output head quantized to INT8 at load (model/int8_linear.py; an INT4
-    head, awq_lm_head, stays INT4). execution: how the run executes (an Engine's plan); default: resolved for the planned
-    device and backend, as an Engine there would (config/execution.py)."""
+    head, awq_lm_head, stays INT4). execution: how the run executes (an Engine's plan);
+    default: resolved for the planned device and backend, as an Engine there would
+    (config/execution.py)."""
     _validate(weight_format, device_kind, backend, group_size, context_tokens, max_new_tokens,
               budget_bytes)
     check_positions(model_cfg.max_position_embeddings, sparse=sparse,
@@ -182,7 +184,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
             raise ConfigError(f"weight_format awq-int4: {bad}")
     request = dict(model_cfg=model_cfg, weight_format=weight_format, group_size=group_size,
                    awq_lm_head=awq_lm_head, embeddings_on_host=embeddings_on_host,
-                   lm_head_int8=lm_head_int8, sparse=sparse, context_tokens=context_tokens, max_new_tokens=max_new_tokens,
+                   lm_head_int8=lm_head_int8, sparse=sparse, context_tokens=context_tokens,
+                   max_new_tokens=max_new_tokens,
                    kv_dtype=kv_name, compute_dtype=c_name, device_kind=device_kind,
                    backend=backend, budget_bytes=budget_bytes, num_sms=num_sms,
                    model_name=model_name)
@@ -293,7 +296,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                   "reads each token instead",)
     settings = dict(weight_format=weight_format, group_size=group_size if awq else None,
                     awq_lm_head=awq_lm_head, embeddings_on_host=embeddings_on_host,
-                    lm_head_int8=lm_head_int8, context_tokens=context_tokens, max_new_tokens=max_new_tokens,
+                    lm_head_int8=lm_head_int8, context_tokens=context_tokens,
+                    max_new_tokens=max_new_tokens,
                     kv_dtype=kv_name, compute_dtype=c_name, device_kind=device_kind,
                     backend=backend, num_sms=num_sms, sparse=asdict(sparse))
     plan = MemoryPlan(model=model_name or model_cfg.model_type, settings=settings,

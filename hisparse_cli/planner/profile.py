@@ -42,7 +42,8 @@ def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_toke
                      device_kind: str | None = None, backend: str | None = None,
                      weight_format: str | None = None, kv_dtype: str | None = None,
                      embeddings_on_host: bool | None = None, awq_lm_head: bool = False,
-                     lm_head_format: str | None = None, budget_bytes: int | None = None, model_name: str = "",
+                     lm_head_format: str | None = None, budget_bytes: int | None = None,
+                     model_name: str = "",
                      num_sms: int = DEFAULT_NUM_SMS) -> MemoryPlan:
     """plan_memory for `cfg` run under `profile`; every keyword overrides the profile."""
     device_kind = device_kind or ("cpu" if profile.vram_budget_gib is None else "cuda")
@@ -68,7 +69,8 @@ def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_toke
         cfg, weight_format=weight_format, group_size=group, awq_lm_head=awq_lm_head,
         embeddings_on_host=(profile.embeddings_on_host if embeddings_on_host is None
                             else embeddings_on_host) and cuda,
-        lm_head_int8=cuda and not awq_lm_head and (lm_head_format or profile.lm_head_format) == "int8",
+        lm_head_int8=(cuda and not awq_lm_head
+                      and (lm_head_format or profile.lm_head_format) == "int8"),
         sparse=sparse or profile.sparse_config(), context_tokens=context_tokens,
         max_new_tokens=profile.max_new_tokens if max_new_tokens is None else max_new_tokens,
         kv_dtype=kv_dtype or (profile.kv_dtype if cuda else "float32"), compute_dtype=compute,

@@ -158,7 +158,8 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
     engine = Engine.from_pretrained(
         model_path, device=plan.device, dtype=getattr(torch, plan.dtype), sparse=sparse,
         kv_dtype=getattr(torch, plan.kv_dtype), embeddings_on_host=plan.embeddings_on_host,
-        lm_head_format=plan.lm_head_format, probe=load_probe_for(model_path, sparse, probe_path), threads=policy)
+        lm_head_format=plan.lm_head_format, probe=load_probe_for(model_path, sparse, probe_path),
+        threads=policy)
     return engine, replace(plan, threads=policy.to_dict() if plan.device == "cpu" else None)
 
 
