@@ -706,6 +706,14 @@ def same_resident_eviction(sparse, cfg: ModelConfig, context: int):
     return replace(sparse, retrieval_tokens=0, window_size=sparse.window_size + extra)
 
 
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def phase_retrieval(a) -> list[dict]:
     """--retrieval: eviction-only and retrieval rows per context, and their ratios."""
     from hisparse_cli.engine.engine import Engine
@@ -769,6 +777,7 @@ def phase_retrieval(a) -> list[dict]:
                     log(json.dumps(row))
                     continue
                 try:
+                    rss0 = rss_bytes()
                     os.environ["HISPARSE_DECODE_KERNEL"] = kernel  # read when an Engine is made
                     own = model if kernel == "auto" and name == "eviction-only" else layers_model
                     eng = Engine(own, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
@@ -782,6 +791,10 @@ def phase_retrieval(a) -> list[dict]:
                     res = eng.generate(ids, max_new_tokens=a.decode_tokens,
                                        min_new_tokens=a.decode_tokens)
                     s = res.stats
+                    state = getattr(eng, "_decode_state", None)
+                    tier = getattr(state, "tier", None)
+                    pinned1 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
+                        if hasattr(torch.cuda, "host_memory_stats") else None
                     other = 0 if layers_model is model else device_bytes(
                         layers_model if own is model else model)
                     row = {"setting": name, "context": ctx,
@@ -803,6 +816,11 @@ def phase_retrieval(a) -> list[dict]:
                            "planned_kv_bytes_peak": plan.kv.kv_bytes_peak,
                            "planned_host_offload_bytes": plan.offload_store_bytes,
                            "pinned_bytes_before_run": pinned0,
+                           "pinned_bytes_after_run": pinned1,
+                           # the host side measured: the store's allocation and the process's
+                           # resident memory grown since before the Engine (the planner's peer)
+                           "host_store_bytes": tier.host_bytes() if tier is not None else None,
+                           "host_rss_growth_bytes": rss_bytes() - rss0,
                            "pages_offloaded": s.pages_offloaded, "offload_bytes": s.offload_bytes,
                            "cache_hit_rate": s.cache_hit_rate,
                            "pages_retrieved_per_step": s.pages_retrieved_per_step,
