@@ -39,6 +39,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from hisparse_cli.kernels.fp8 import act_quant_triton as aq  # noqa: E402
 from hisparse_cli.kernels.int4 import awq_gemm_k as agk  # noqa: E402
 from hisparse_cli.kernels.int4 import awq_gemv as ag  # noqa: E402
 from hisparse_cli.kernels.int4 import awq_items_triton as ait  # noqa: E402
@@ -197,22 +198,31 @@ def awq(a) -> int:
         k = compile_gemv(c, m, partial, group, dt)
         report(f"gemv {dt[1:]} g{group} m{m} bn{c.block_n} bkw{c.block_kw} w{c.num_warps} "
                f"st{c.num_stages} pf{c.prefetch} sm{c.stream} p{int(partial)}", k, a.sass_dir)
-    for dt in ("*fp16", "*bf16"):
+    for dt in ("*fp16", "*bf16", "*fp8e4nv"):  # fp8: the W4A8 codes (CODES)
+        codes = dt == "*fp8e4nv"
+        sc = "*fp32" if codes else dt
         for bn, bkw, warps in ((16, 16, 1), (64, 16, 4), (128, 16, 8), (64, 8, 4), (64, 4, 4)):
             k = compile_one(at._awq_dequant_k_kernel,
                             dict(qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", w_ptr=dt, N="i32",
-                                 KW="i32", W8="i32", n0="i32", n1="i32", stride_wn="i32"),
-                            dict(GROUP=128, BLOCK_N=bn, BLOCK_KW=bkw), warps,
+                                 KW="i32", W8="i32", n0="i32", n1="i32", stride_wn="i32",
+                                 sc_ptr=sc, stride_sc="i32"),
+                            dict(GROUP=128, BLOCK_N=bn, BLOCK_KW=bkw, CODES=codes), warps,
                             ("qt_ptr", "qz_ptr", "s_ptr", "w_ptr", "N", "KW", "W8", "n0",
-                             "stride_wn"))
+                             "stride_wn", "sc_ptr", "stride_sc"))
             report(f"dequant {dt[1:]} bn{bn} bkw{bkw} w{warps}", k, a.sass_dir)
         for brt, warps in ((8, 8), (8, 4), (4, 4), (2, 2)):  # the item layout's dequantize
             k = compile_one(ait._dequant_items_kernel,
                             dict(it_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", w_ptr=dt, G="i32",
-                                 tile0="i32", stride_wn="i32"),
-                            dict(ITEM=2128, SCALES=2048, ZEROS=2112, BLOCK_RT=brt), warps,
-                            ("it_ptr", "s_ptr", "z_ptr", "w_ptr", "stride_wn"), stages=1)
+                                 tile0="i32", stride_wn="i32", sc_ptr=sc, stride_sc="i32"),
+                            dict(ITEM=2128, SCALES=2048, ZEROS=2112, BLOCK_RT=brt, CODES=codes),
+                            warps, ("it_ptr", "s_ptr", "z_ptr", "w_ptr", "stride_wn", "sc_ptr",
+                                    "stride_sc"), stages=1)
             report(f"dequant items {dt[1:]} brt{brt} w{warps}", k, a.sass_dir)
+    k = compile_one(aq._act_quant_kernel,  # the W4A8 activation quantizer
+                    dict(x_ptr="*fp16", x8_ptr="*fp8e4nv", sa_ptr="*fp32", M="i32", K="i32",
+                         stride_xm="i32"), dict(BLOCK_M=aq.BLOCK_M, BLOCK_K=128), 4,
+                    ("x_ptr", "x8_ptr", "sa_ptr", "K", "stride_xm"))
+    report("fp8 act quant", k, a.sass_dir)
     gemm_sig = dict(x_ptr="*fp16", qt_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16",
                     y_ptr="*fp16", M="i32", N="i32", KW="i32", W8="i32", stride_xm="i32",
                     stride_ym="i32")

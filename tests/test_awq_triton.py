@@ -548,7 +548,8 @@ def test_planner_mirrors_awq_linear_k_allocations(m, dtype, max_fused, monkeypat
     with rec:
         y = awq_triton.awq_linear_k(x, qt, qz, s, None, 32)
     tr = Trace()
-    shape = SimpleNamespace(cb=x.element_size(), group=32, num_sms=awq_gemv._sm_count(x.device))
+    shape = SimpleNamespace(cb=x.element_size(), group=32, num_sms=awq_gemv._sm_count(x.device),
+                            fp8_prefill=False)
     _awq_triton(tr, shape, "lin", m, k, n)
     assert rec.peak == tr.peak and rec.cur == tr.cur == y.numel() * y.element_size()
 

@@ -10,6 +10,7 @@ each choice.
 | decode kernel | persistent / layers | HISPARSE_DECODE_KERNEL and what the persistent kernel serves (kernels/cuda/cuda_step.py: device, model, settings) |
 | sampler | graph / device / host | graph decode, HISPARSE_GRAPH_SAMPLER, a host embedding table the device cannot read |
 | INT4 layout | tiled / items / int4pack / awq / none | the weights, device, INT4 kernels and decode kernel (the loader's rule: model/awq.py) |
+| INT4 prefill | w4a8 / w4a16 / none | the weights' group, the GPU and CUDA version (kernels/fp8/w4a8_linear.py), HISPARSE_PREFILL_FP8 |
 | CPU decode | native / torch / none | CPU, float32 unquantized weights the C kernels take, a C compiler, HISPARSE_BACKEND (model/cpu_decode.py) |
 | threads | a `ThreadPolicy` (CPU runs) | affinity, cgroup quota, --threads > HISPARSE_THREADS > OMP_NUM_THREADS > auto (config/threads.py) |
 
@@ -31,6 +32,7 @@ from hisparse_cli.kernels.dispatch import KernelBackend, select_backend, triton_
 
 SAMPLERS = ("graph", "device", "host")
 INT4_LAYOUTS = ("tiled", "items", "int4pack", "awq", "none")
+INT4_PREFILLS = ("w4a8", "w4a16", "none")
 CPU_DECODES = ("native", "torch", "none")
 
 
@@ -52,6 +54,7 @@ class ExecutionPlan:
     graph_sampler: Choice  # value: bool, greedy graph decodes sample inside the graph
     int4_layout: Choice  # value: one of INT4_LAYOUTS
     decode_kernel_asked: str = "auto"  # HISPARSE_DECODE_KERNEL
+    int4_prefill: Choice = Choice("none", "unquantized weights")  # one of INT4_PREFILLS
     cpu_decode: Choice = Choice("none", "not a CPU run")  # value: one of CPU_DECODES
     threads: Choice | None = None  # CPU runs: value a ThreadPolicy (config/threads.py)
 
@@ -80,7 +83,12 @@ class ExecutionPlan:
                 ("decode kernel", str(self.decode_kernel.value), self.decode_kernel.reason),
                 ("sampler", str(self.sampler.value), self.sampler.reason),
                 ("INT4 layout", str(self.int4_layout.value), self.int4_layout.reason),
-                *self._cpu_rows()]
+                *self._int4_prefill_rows(), *self._cpu_rows()]
+
+    def _int4_prefill_rows(self) -> list[tuple[str, str, str]]:
+        if self.int4_prefill.value == "none":
+            return []
+        return [("INT4 prefill", str(self.int4_prefill.value), self.int4_prefill.reason)]
 
     def _cpu_rows(self) -> list[tuple[str, str, str]]:
         if self.device != "cpu":
@@ -182,6 +190,37 @@ def _decode_kernel(asked: str, graph: Choice, device: str, *, awq: bool, model_c
                                                          else ""))
 
 
+def _int4_prefill(awq: bool, device: str, int4_kernels: str, group_size: int,
+                  compute_dtype: str, env: Environment, planned: bool) -> Choice:
+    """How prefill-sized INT4 products run on CUDA: W4A8 (e4m3 activations in 1x128 blocks,
+    the exact INT4 codes, cuBLAS's block-scaled FP8 GEMM; kernels/fp8/w4a8_linear.py) where
+    the group is 128 and this machine's GPU runs it, else W4A16 (dequantize to fp16, cuBLAS).
+    planned: a plan for a device that need not be this machine's (its GPU is not checked)."""
+    if not awq:
+        return Choice("none", "unquantized weights")
+    if device != "cuda" or int4_kernels != "triton":
+        return Choice("w4a16", "the INT4 kernels of this device dequantize to the activations' "
+                               "dtype")
+    if not env.prefill_fp8:
+        return Choice("w4a16", "HISPARSE_PREFILL_FP8=0")
+    if group_size != 128:
+        return Choice("w4a16", f"group size {group_size}: the FP8 GEMM's weight blocks are "
+                               "128 inputs")
+    if compute_dtype not in ("float16", "bfloat16"):
+        return Choice("w4a16", f"{compute_dtype} activations")
+    if not planned:
+        from hisparse_cli.kernels.fp8.w4a8_linear import device_support
+
+        import torch
+
+        why = device_support(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if why is not None:
+            return Choice("w4a16", why)
+    return Choice("w4a8", "e4m3 activations in 1x128 blocks x the exact INT4 codes, cuBLAS's "
+                          "block-scaled FP8 GEMM (sm_90, CUDA >= 12.9)"
+                  + (" where the device runs it" if planned else ""))
+
+
 def _int4_layout(awq: bool, device: str, int4_kernels: str, decode_kernel: Choice) -> Choice:
     """What AWQ INT4 weights are laid out as on `device` whose INT4 linears run `int4_kernels`
     (the loader's rule, linear by linear: model/awq.py's AWQLinear.repacks_on / packs_on)."""
@@ -247,6 +286,7 @@ def resolve_execution(*, device: str, model_cfg, sparse: SparseConfig, compute_d
     the decode kernel and the sampler (a host table the device cannot read); threads: a CPU
     run's ThreadPolicy or thread count (--threads; default: from the environment)."""
     env = env or read_environment()
+    planned = kernels is not None
     if kernels is not None:
         why = f"planned for {device} with the {kernels.attention} kernels"
         layout_kernels = kernels.int4_linear
@@ -276,6 +316,9 @@ def resolve_execution(*, device: str, model_cfg, sparse: SparseConfig, compute_d
                          graph_sampler=_graph_sampler(env, host_read),
                          int4_layout=_int4_layout(weight_awq, device, layout_kernels, kernel),
                          decode_kernel_asked=env.decode_kernel,
+                         int4_prefill=_int4_prefill(weight_awq, device, layout_kernels,
+                                                    group_size, compute_dtype, env,
+                                                    planned=planned),
                          cpu_decode=_cpu_decode(device, backend, env, awq=weight_awq,
                                                 model_cfg=model_cfg, compute_dtype=compute_dtype,
                                                 loaded_model=loaded_model),
@@ -289,4 +332,4 @@ def with_graph_decode(plan: ExecutionPlan, on: bool, reason: str) -> ExecutionPl
 
 
 __all__ = ["Choice", "ExecutionPlan", "resolve_execution", "with_graph_decode", "SAMPLERS",
-           "INT4_LAYOUTS", "CPU_DECODES"]
+           "INT4_LAYOUTS", "INT4_PREFILLS", "CPU_DECODES"]

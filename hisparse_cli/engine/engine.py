@@ -106,9 +106,16 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
 def _has_int4(model) -> bool:
     """Whether the model holds AWQ INT4 linears (one built in code has no quantization_config:
     its plan must still say which INT4 layout it runs, e.g. to restore one after the items)."""
+    return _int4_group(model) is not None
+
+
+def _int4_group(model) -> int | None:
+    """The group size of the model's AWQ INT4 linears (the smallest, where they differ;
+    None: no INT4 linear)."""
     from hisparse_cli.model.awq import AWQLinear
 
-    return any(isinstance(m, AWQLinear) for m in model.modules())
+    groups = {m.group_size for m in model.modules() if isinstance(m, AWQLinear)}
+    return min(groups) if groups else None
 
 
 class Engine:
@@ -135,12 +142,14 @@ class Engine:
         self.compile_mark = compile_counts()  # the next generate reports compiles since it
 
     def _resolve_execution(self) -> ExecutionPlan:
+        group = _int4_group(self.model)
         return resolve_execution(
             device=self.device.type, model_cfg=self.cfg, sparse=self.sparse,
             compute_dtype=str(self.model.compute_dtype).removeprefix("torch."),
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
-            weight_awq=self.cfg.quantization_config is not None or _has_int4(self.model),
-            backend=self._backend_preference, loaded_model=self.model, threads=self._threads)
+            weight_awq=self.cfg.quantization_config is not None or group is not None,
+            group_size=group or 128, backend=self._backend_preference,
+            loaded_model=self.model, threads=self._threads)
 
     @property
     def decode_path(self) -> str:
@@ -162,6 +171,7 @@ class Engine:
         cannot take keeps its layout)."""
         self.backend = self.execution.kernels
         self.model.backend = self.backend  # its norms/RoPE follow the engine's backend
+        self._apply_int4_prefill()
         if self.device.type == "cpu":
             self.governor = ThreadGovernor(self.execution.thread_policy
                                            or resolve_thread_policy(self._threads))
@@ -184,6 +194,15 @@ class Engine:
             for mod in self.model.modules():
                 if getattr(mod, "layout", None) == "items" and hasattr(mod, "set_layout"):
                     mod.set_layout(layout)
+
+    def _apply_int4_prefill(self) -> None:
+        """The plan's INT4 prefill products for this process's INT4 linears (W4A8 or W4A16:
+        kernels/fp8/w4a8_linear.py); set again by every generate (engines may share a
+        process with different plans)."""
+        if self.execution.int4_prefill.value != "none":
+            from hisparse_cli.kernels.fp8 import w4a8_linear
+
+            w4a8_linear.set_enabled(self.execution.int4_prefill.value == "w4a8")
 
     def replan(self) -> ExecutionPlan:
         """Resolve the execution plan again from the environment as it is now (benchmarks and
@@ -323,6 +342,7 @@ class Engine:
         if self.governor is not None:
             self.governor.used = {}
         graph = self._use_graph(gen)
+        self._apply_int4_prefill()
         run, pool = self.new_run(ids.numel() + gen.max_new_tokens, reuse=graph)
         chunk = self.sparse.prefill_chunk
         try:

@@ -217,6 +217,7 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         track_scores=track, score_tensor=track or (use_globals and imp == "probe"),
         score_stride=sparse.score_stride, min_distance=min_distance, importance=imp,
         num_sms=num_sms, cpu_int4=cpu_int4,
+        fp8_prefill=execution.int4_prefill.value == "w4a8",
         residual_chain=cuda and execution.kernels.elementwise == "triton")
     graph = bool(execution.graph_decode.value)  # Engine._use_graph
     in_graph = graph and bool(execution.graph_sampler.value)

@@ -140,6 +140,7 @@ class StepShape:
     importance: str
     num_sms: int
     cpu_int4: bool = False  # CPU AWQ linears keep the packed decode copy (kernels/int4/awq_cpu.py)
+    fp8_prefill: bool = False  # prefill INT4 products in W4A8 (kernels/fp8/w4a8_linear.py)
     # CausalLM.forward_hidden's residual chain (model/llama.py; Triton elementwise kernels)
     residual_chain: bool = False
 
@@ -213,6 +214,8 @@ def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> i
     if prefill_path(m, n, cb) == "fused":  # awq_gemm_k: dequantizes in registers, y only
         return tr.alloc(name, m * n * cb)
     chunk = dequant_chunk(k, n, DEQUANT_CHUNK_ELEMS)  # awq_dequant_matmul_k: W^T row chunks
+    if s.fp8_prefill and s.group == 128 and k % 128 == 0:
+        return _w4a8(tr, name, m, k, n, cb, chunk)
     if chunk >= n:
         w = tr.alloc(name + ".dequant_w", k * n * cb)
         y = tr.alloc(name, m * n * cb)
@@ -220,6 +223,24 @@ def _awq_triton(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int) -> i
         return y
     y = tr.alloc(name, m * n * cb)
     tr.free(tr.alloc(name + ".dequant_buf", k * chunk * cb))
+    return y
+
+
+def _w4a8(tr: Trace, name: str, m: int, k: int, n: int, cb: int, chunk: int) -> int:
+    """w4a8_linear.w4a8_matmul: e4m3 x and its scales, then per W^T row chunk a workspace of
+    codes and fp32 scales and cuBLAS's output (copied into y's columns when chunked)."""
+    g = k // 128
+    xq = (tr.alloc(name + ".fp8_x", m * k), tr.alloc(name + ".fp8_x_scales", 4 * g * m))
+    if chunk >= n:
+        ws = tr.alloc(name + ".fp8_w", n * k + 4 * g * n)
+        y = tr.alloc(name, m * n * cb)
+        tr.free(ws)
+    else:
+        y = tr.alloc(name, m * n * cb)
+        ws = tr.alloc(name + ".fp8_w", chunk * k + 4 * g * chunk)
+        tr.free(tr.alloc(name + ".fp8_part", m * chunk * cb))
+        tr.free(ws)
+    tr.free(*xq)
     return y
 
 

@@ -22,9 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse_cli.kernels.fp8 import w4a8_linear
 from hisparse_cli.kernels.int4.awq_items import (GROUP, ITEM_WORDS, SCALES_WORD, TILE, ZEROS_WORD,
                                            check_items)
-from hisparse_cli.kernels.int4.awq_layout import DEQUANT_CHUNK_ELEMS, dequant_chunk
+from hisparse_cli.kernels.int4.awq_layout import (DEQUANT_CHUNK_ELEMS, GEMV_MAX_TOKENS,
+                                                 dequant_chunk)
 from hisparse_cli.kernels.int4.awq_triton import GraphedDequant, _dequant_matmul
 
 # Row tiles per program (8: the whole item) and warps: for sm_90 (benchmarks/sm90_compile.py)
@@ -41,12 +43,17 @@ def _nibble(words, SHIFT: tl.constexpr, z, s, dt: tl.constexpr):
 
 
 @triton.jit
-def _store_half(w_ptr, words, zb, s_ptr, j, rows0, rt, g, stride_wn, PR: tl.constexpr,
-                R: tl.constexpr):
-    """Rows 16 rt + 8 PR + g (out row rows0 + that) of the item: nibbles 4 (2 pk + PR) + 16 h."""
+def _store_half(w_ptr, words, zb, s_ptr, j, rows0, rt, g, stride_wn, sc_ptr, stride_sc,
+                PR: tl.constexpr, R: tl.constexpr, CODES: tl.constexpr):
+    """Rows 16 rt + 8 PR + g (out row rows0 + that) of the item: nibbles 4 (2 pk + PR) + 16 h.
+    CODES: the codes q - z, and the scales into sc[j, row] in fp32."""
     dt: tl.constexpr = w_ptr.dtype.element_ty
     z = ((zb >> (4 * PR)) & 0xF).to(tl.float32)[:, None]  # [R, 1]
     s = tl.load(s_ptr + g * 16 + rt * 2 + PR).to(tl.float32)[:, None]
+    if CODES:
+        srow = (rows0 + rt * 16 + PR * 8 + g).to(tl.int64)
+        tl.store(sc_ptr + j * stride_sc + srow[:, None], s)
+        s = tl.full((R, 1), 1.0, tl.float32)
     v00 = _nibble(words, 4 * PR, z, s, dt)  # (pk 0, h 0)
     v10 = _nibble(words, 8 + 4 * PR, z, s, dt)  # (pk 1, h 0)
     v01 = _nibble(words, 16 + 4 * PR, z, s, dt)  # (pk 0, h 1)
@@ -62,9 +69,9 @@ def _store_half(w_ptr, words, zb, s_ptr, j, rows0, rt, g, stride_wn, PR: tl.cons
 # tile0 (the chunk's first row tile) varies chunk by chunk: an item's address is a multiple
 # of ITEM words whatever it is, so its divisibility gains nothing; one variant for all chunks
 @triton.jit(do_not_specialize=["tile0"])
-def _dequant_items_kernel(it_ptr, s_ptr, z_ptr, w_ptr, G, tile0, stride_wn,
+def _dequant_items_kernel(it_ptr, s_ptr, z_ptr, w_ptr, G, tile0, stride_wn, sc_ptr, stride_sc,
                           ITEM: tl.constexpr, SCALES: tl.constexpr, ZEROS: tl.constexpr,
-                          BLOCK_RT: tl.constexpr):
+                          BLOCK_RT: tl.constexpr, CODES: tl.constexpr = False):
     j = tl.program_id(0)  # input group
     tile = tile0 + tl.program_id(1)
     R: tl.constexpr = BLOCK_RT * 8
@@ -78,21 +85,26 @@ def _dequant_items_kernel(it_ptr, s_ptr, z_ptr, w_ptr, G, tile0, stride_wn,
     zb = tl.load(z_ptr + item * (4 * ITEM) + 4 * ZEROS + g * 8 + rt).to(tl.int32)  # [R] byte
     s_item = s_ptr + item * (2 * ITEM) + 2 * SCALES
     rows0 = tl.program_id(1) * 128
-    _store_half(w_ptr, words, zb, s_item, j, rows0, rt, g, stride_wn, 0, R)
-    _store_half(w_ptr, words, zb, s_item, j, rows0, rt, g, stride_wn, 1, R)
+    _store_half(w_ptr, words, zb, s_item, j, rows0, rt, g, stride_wn, sc_ptr, stride_sc, 0, R,
+                CODES)
+    _store_half(w_ptr, words, zb, s_item, j, rows0, rt, g, stride_wn, sc_ptr, stride_sc, 1, R,
+                CODES)
 
 
 def dequant_items_launch(items: torch.Tensor, groups: int, t0: int, t1: int,
                          out: torch.Tensor, block_rt: int = BLOCK_RT,
-                         num_warps: int = NUM_WARPS) -> None:
+                         num_warps: int = NUM_WARPS, codes_scales: torch.Tensor | None = None
+                         ) -> None:
     """W^T rows of tiles [t0, t1) into out [128 (t1 - t0), 128 groups] (unit stride in K);
-    items int32 [T * groups, 2128] contiguous (checked by the caller)."""
+    items int32 [T * groups, 2128] contiguous (checked by the caller). codes_scales: fp32
+    [groups, >= 128 (t1 - t0)]: out (e4m3) gets the codes q - z and it the scales (W4A8)."""
     assert 8 % block_rt == 0 and out.stride(1) == 1 and items.is_contiguous()
     grid = (groups, t1 - t0, 8 // block_rt)
+    sc = codes_scales if codes_scales is not None else out
     _dequant_items_kernel[grid](items, items.view(torch.float16), items.view(torch.uint8), out,
-                                groups, t0, out.stride(0), ITEM=ITEM_WORDS,
+                                groups, t0, out.stride(0), sc, sc.stride(0), ITEM=ITEM_WORDS,
                                 SCALES=SCALES_WORD, ZEROS=ZEROS_WORD, BLOCK_RT=block_rt,
-                                num_warps=num_warps)
+                                CODES=codes_scales is not None, num_warps=num_warps)
 
 
 class PreparedItemsLinear(GraphedDequant):
@@ -105,7 +117,7 @@ class PreparedItemsLinear(GraphedDequant):
     dequantized W^T, the same cuBLAS product). AWQLinear makes one per items buffer on CUDA;
     on the CPU (tests, TRITON_INTERPRET=1) the launches are eager."""
 
-    __slots__ = ("items", "k", "n", "bias", "chunk", "device")
+    __slots__ = ("items", "k", "n", "bias", "chunk", "device", "fp8")
 
     def __init__(self, items: torch.Tensor, in_features: int, out_features: int,
                  bias: torch.Tensor | None) -> None:
@@ -117,9 +129,14 @@ class PreparedItemsLinear(GraphedDequant):
                                                      DEQUANT_CHUNK_ELEMS))
         self.graphs: dict | None = {} if items.is_cuda else None  # (CPU: the interpreter)
         self.device = items.device
+        self.fp8 = w4a8_linear.usable(GROUP, in_features)  # W4A8 prefill where active
 
     def _dequant(self, w, n0, n1) -> None:
-        dequant_items_launch(self.items, self.k // GROUP, n0 // TILE, n1 // TILE, w)
+        sc = None
+        if w.dtype == torch.uint8:  # a W4A8 workspace (kernels/fp8/w4a8_linear.py): codes
+            w, sc = w4a8_linear.split_workspace(w, n1 - n0, self.k)
+        dequant_items_launch(self.items, self.k // GROUP, n0 // TILE, n1 // TILE, w,
+                             codes_scales=sc)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k, n = self.k, self.n
@@ -129,6 +146,10 @@ class PreparedItemsLinear(GraphedDequant):
         x2 = x.reshape(-1, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
+        if self.fp8 and x2.shape[0] > GEMV_MAX_TOKENS and w4a8_linear.active(self.device):
+            y = w4a8_linear.w4a8_matmul(x2, n, k, self.chunk, self._dequant if self.graphs
+                                        is None else self._launch, self.bias)
+            return y.view(*x.shape[:-1], n)
         y = _dequant_matmul(x2, None, None, None, self.bias, None, n, k, self.chunk,
                             self._dequant if self.graphs is None else self._launch)
         return y.view(*x.shape[:-1], n)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse_cli.kernels.fp8 import w4a8_linear
 from hisparse_cli.kernels.int4 import awq_layout
 from hisparse_cli.kernels.int4.awq_gemm_k import _dequant_words_k, awq_gemm_k
 from hisparse_cli.kernels.int4.awq_gemv import (_row_bases, _sm_count, _word_ptrs, awq_gemv_k,
@@ -277,10 +278,14 @@ def awq_linear(x, qweight, qzeros, scales, bias, group_size):
 
 @triton.jit
 def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, stride_wn,
+                          sc_ptr, stride_sc,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                          TILED: tl.constexpr = False, T: tl.constexpr = 16):
+                          TILED: tl.constexpr = False, T: tl.constexpr = 16,
+                          CODES: tl.constexpr = False):
     """W^T rows [n0 + ...] of the K-major weight: w[n - n0, k] = (q[k, n] - z) * s, written as
-    contiguous runs of 8 * BLOCK_KW values per row (16-byte stores). One group per tile."""
+    contiguous runs of 8 * BLOCK_KW values per row (16-byte stores). One group per tile.
+    CODES (the W4A8 path, kernels/fp8/w4a8_ref.py): w gets the codes q - z (exact in e4m3)
+    and sc[g, n - n0] the group's scale in fp32 (stride_sc: sc's row stride)."""
     pid_w = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of w_ptr's chunk
@@ -295,8 +300,14 @@ def _awq_dequant_k_kernel(qt_ptr, qz_ptr, s_ptr, w_ptr, N, KW, W8, n0, n1, strid
     zshift = (4 * (jn % 2) + jn // 2) * 4
     z = ((tl.load(qz_ptr + g * W8 + rows // 8) >> zshift) & 0xF).to(tl.float32)  # [BN]
     s = tl.load(s_ptr + g * N + rows).to(tl.float32)
-    s2 = s[:, None]
-    sz = (s * z)[:, None]  # (q - z) s = q s - z s, exact in fp32 (both exact products)
+    if CODES:
+        s2 = tl.full((BLOCK_N, 1), 1.0, tl.float32)
+        sz = z[:, None]  # q - z: an integer in [-15, 15]
+        if (w0 * 8) % GROUP == 0:  # the group's first program writes its scales
+            tl.store(sc_ptr + g * stride_sc + offs_out, s, mask=mask_n)
+    else:
+        s2 = s[:, None]
+        sz = (s * z)[:, None]  # (q - z) s = q s - z s, exact in fp32 (both exact products)
     v = _dequant_words_k(words, s2, sz, w_ptr.dtype.element_ty, BLOCK_N, BLOCK_KW)
     cols = w0 * 8 + tl.arange(0, BLOCK_KW * 8)
     tl.store(w_ptr + offs_out.to(tl.int64)[:, None] * stride_wn + cols[None, :], v,
@@ -323,16 +334,19 @@ def awq_dequantize_k(qweight_k, qzeros, scales, group_size, dtype, *, n0=0, n1=N
 
 
 def _dequant_k_launch(qweight_k, qzeros, scales, group_size, w, n0, n1, block_n=16,
-                      block_kw=None, num_warps=1, tiled: bool = False):
+                      block_kw=None, num_warps=1, tiled: bool = False, codes_scales=None):
     """The launch of awq_dequantize_k without its checks (the prefill path's arguments are
-    checked once per call of awq_dequant_matmul_k, or once per module)."""
+    checked once per call of awq_dequant_matmul_k, or once per module). codes_scales: an fp32
+    [G, >= n1 - n0] tensor: w (e4m3) gets the codes and it the scales (the kernel's CODES)."""
     n, kw = qweight_k.shape
     block_kw = block_kw or min(group_size // 8, 16)
     grid = (kw // block_kw, triton.cdiv(n1 - n0, block_n))
+    sc = codes_scales if codes_scales is not None else scales
     _awq_dequant_k_kernel[grid](qweight_k, qzeros, scales, w, n, kw, n // 8, n0, n1, w.stride(0),
+                                sc, sc.stride(0),
                                 GROUP=group_size, BLOCK_N=block_n, BLOCK_KW=block_kw,
                                 TILED=tiled, T=awq_layout.tile_words(group_size),
-                                num_warps=num_warps)
+                                CODES=codes_scales is not None, num_warps=num_warps)
 
 
 def awq_dequant_matmul_k(x2, qweight_k, qzeros, scales, bias, group_size, *,
@@ -433,7 +447,7 @@ class PreparedLinearK(GraphedDequant):
     from a CUDA graph (GraphedDequant)."""
 
     __slots__ = ("qweight_k", "qzeros", "scales", "bias", "group_size", "n", "k", "chunk",
-                 "device", "tiled")
+                 "device", "tiled", "fp8")
 
     def __init__(self, qweight_k, qzeros, scales, bias, group_size, tiled: bool = False):
         n, kw = qweight_k.shape
@@ -444,11 +458,17 @@ class PreparedLinearK(GraphedDequant):
         self.chunk = awq_layout.dequant_chunk(self.k, n, DEQUANT_CHUNK_ELEMS_K)
         self.graphs: dict | None = {} if self.device.type == "cuda" else None
         self.tiled = tiled  # the words in awq_layout.tile_kmajor's order (AWQLinear "tiled")
+        self.fp8 = w4a8_linear.usable(group_size, self.k)  # W4A8 prefill where active
         assert not tiled or n % awq_layout.TILE_ROWS == 0, f"{n} rows: not in 64-row tiles"
 
     def _dequant(self, w, n0, n1) -> None:
+        sc = None
+        if w.dtype == torch.uint8:  # a W4A8 workspace (kernels/fp8/w4a8_linear.py): codes
+            from hisparse_cli.kernels.fp8.w4a8_linear import split_workspace
+
+            w, sc = split_workspace(w, n1 - n0, self.k)
         _dequant_k_launch(self.qweight_k, self.qzeros, self.scales, self.group_size, w, n0, n1,
-                          tiled=self.tiled)
+                          tiled=self.tiled, codes_scales=sc)
 
     def __call__(self, x):
         k, n = self.k, self.n
@@ -462,6 +482,10 @@ class PreparedLinearK(GraphedDequant):
         else:
             assert x2.shape[1] == k and x2.device == self.device, \
                 f"x must be [M, {k}] on {self.device}"
+            if self.fp8 and w4a8_linear.active(self.device):
+                y = w4a8_linear.w4a8_matmul(x2, n, k, self.chunk, self._dequant if self.graphs
+                                            is None else self._launch, self.bias)
+                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
             y = _dequant_matmul(x2, self.qweight_k, self.qzeros, self.scales, self.bias,
                                 self.group_size, n, k, self.chunk,
                                 None if self.graphs is None else self._launch, tiled=self.tiled)

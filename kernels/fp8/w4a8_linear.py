@@ -1,0 +1,95 @@
+"""The W4A8 prefill product on CUDA: an INT4 linear's W^T rows dequantized to their e4m3 codes
+(q - z, exact) with the group scales beside them, the activations quantized in 1x128 blocks
+(act_quant_triton.py), and cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm` with 1x128
+scales on both sides: CUDA >= 12.9, compute capability 9.x). Contract: w4a8_ref.py.
+
+Where it runs: `fp8_prefill()` says whether this process uses it on a device and why (the
+execution plan prints the same answer); a linear uses it for prefill-sized calls (more than
+GEMV_MAX_TOKENS rows) when its group is 128. The fp16 path (dequantize to fp16, cuBLAS) stays
+for the rest: other GPUs, other groups, decode. HISPARSE_PREFILL_FP8=0 keeps fp16 activations
+everywhere (read when a run's execution plan is resolved).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hisparse_cli.kernels.fp8.w4a8_ref import BLOCK, E4M3
+
+_STATE = {"on": None}  # None: not decided by a run yet (then the device's capability decides)
+
+
+@functools.lru_cache(maxsize=None)
+def device_support(index: int) -> str | None:
+    """None where CUDA device `index` runs the block-scaled FP8 GEMM, else why not."""
+    if not torch.cuda.is_available():
+        return "not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        return f"compute capability {major}.{minor}: cuBLAS's 1x128 FP8 scaling is sm_90 only"
+    ver = torch.version.cuda or "0.0"
+    if tuple(int(p) for p in ver.split(".")[:2]) < (12, 9):
+        return f"CUDA {ver}: cuBLAS's 1x128 FP8 scaling needs 12.9"
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no _scaled_mm"
+    return None
+
+
+def set_enabled(on: bool | None) -> None:
+    """The run's choice (Engine, from its execution plan); None: the device decides."""
+    _STATE["on"] = on
+
+
+def active(device: torch.device) -> bool:
+    """Whether prefill-sized INT4 products on `device` take the W4A8 path now."""
+    if device.type != "cuda" or _STATE["on"] is False:
+        return False
+    return device_support(device.index if device.index is not None
+                          else torch.cuda.current_device()) is None
+
+
+def usable(group_size: int, in_features: int) -> bool:
+    """A linear whose scales are the GEMM's 1x128 weight blocks."""
+    return group_size == BLOCK and in_features % BLOCK == 0
+
+
+def workspace(rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """One uint8 buffer for `rows` W^T rows of codes and their [G, rows] fp32 scales (one
+    address: the dequantize's CUDA graph is keyed by it)."""
+    return torch.empty(rows * k + 4 * (k // BLOCK) * rows, dtype=torch.uint8, device=device)
+
+
+def split_workspace(ws: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [rows, K] e4m3, scales [G, rows] fp32) views of a workspace."""
+    codes = ws[: rows * k].view(E4M3).view(rows, k)
+    scales = ws[rows * k: rows * k + 4 * (k // BLOCK) * rows].view(torch.float32)
+    return codes, scales.view(k // BLOCK, rows)
+
+
+def w4a8_matmul(x2: torch.Tensor, n: int, k: int, chunk: int, launch, bias=None) -> torch.Tensor:
+    """y [M, n] = x2 [M, k] @ W (+ bias) in x2's dtype, W^T's codes made `chunk` rows at a
+    time by launch(ws, n0, n1) into a workspace (see workspace())."""
+    from hisparse_cli.kernels.fp8.act_quant_triton import quantize_act
+
+    x8, sa = quantize_act(x2)
+    sa_t = sa.t()  # [M, G], strides (1, M): cuBLAS's 1x128 layout
+    if chunk >= n:
+        ws = workspace(n, k, x2.device)
+        launch(ws, 0, n)
+        codes, sc = split_workspace(ws, n, k)
+        y = torch._scaled_mm(x8, codes.t(), scale_a=sa_t, scale_b=sc.t(), out_dtype=x2.dtype)
+    else:
+        y = torch.empty((x2.shape[0], n), device=x2.device, dtype=x2.dtype)
+        for n0 in range(0, n, chunk):
+            n1 = min(n, n0 + chunk)
+            ws = workspace(n1 - n0, k, x2.device)
+            launch(ws, n0, n1)
+            codes, sc = split_workspace(ws, n1 - n0, k)
+            y[:, n0:n1] = torch._scaled_mm(x8, codes.t(), scale_a=sa_t, scale_b=sc.t(),
+                                           out_dtype=x2.dtype)
+            del ws, codes, sc  # freed before the next chunk's workspace (the planner's trace)
+    if bias is not None:
+        y += bias.to(y.dtype)
+    return y
