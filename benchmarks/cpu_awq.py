@@ -7,6 +7,9 @@ to the exact reference (`fidelity`), and quantization quality by perplexity (`pe
         [--json OUT.json]
     python benchmarks/cpu_awq.py perplexity [--model DIR] [--group-size 64] [--head]
         [--json OUT.json]
+    python benchmarks/cpu_awq.py w4a8 [--block 128] [--json OUT.json]
+    python benchmarks/cpu_awq.py w4a8-cli --variant w4a8|w4a16 -- batch @DOCS --model AWQ_DIR
+        --out RESULTS.jsonl
 
 decode: an AWQ INT4 model through the engine with the packed int4 decode path
 (kernels/int4/awq_cpu.py, the CPU default) against the exact fp32 reference path
@@ -308,6 +311,140 @@ def perplexity(args) -> None:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 
 
+def w4a8(args) -> None:
+    """`w4a8`: the W4A8 prefill product's activation rounding (kernels/fp8/w4a8_ref.py), emulated
+    in fp32 on the CPU: every AWQ linear of the INT4 model computes x @ W with x in fp16 (the
+    W4A16 peer), or with x rounded to e4m3 in blocks of --block inputs per token (W4A8; the
+    weight's INT4 values exact), or per token (one block of K), or with the weight also rounded
+    to e4m3 per output column (the lossy alternative). Teacher-forced over windows of real
+    documents: KL(W4A16 || variant) in nats/token, top-1 agreement, perplexity of each."""
+    import glob
+    import math
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from hisparse_cli.kernels.fp8.w4a8_ref import E4M3, w4a8_linear_ref
+    from hisparse_cli.kernels.int4.awq_layout import kmajor_to_awq
+    from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
+    from hisparse_cli.model.awq import AWQLinear
+    from hisparse_cli.model.llama import forward_full
+    from hisparse_cli.model.loader import load_model
+    from hisparse_cli.quantize.api import quantize_model
+    from hisparse_cli.quantize.calibration import default_calibration_texts
+    from hisparse_cli.quantize.evaluate import split_texts
+
+    torch.manual_seed(0)
+    model_dir = args.model or default_model()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    docs = sorted(p for p in glob.glob(str(Path(args.docs) / "*" / "*.txt"))
+                  if not p.endswith(".ref.txt"))
+    windows = []
+    for path in docs[::args.doc_stride]:  # a window from inside each document
+        ids = tok(Path(path).read_text()[:40000])["input_ids"]
+        if len(ids) >= args.skip + args.seq_len:
+            windows.append(torch.tensor(ids[args.skip:args.skip + args.seq_len]))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "awq"
+        calib, _ = split_texts(default_calibration_texts())
+        quantize_model(model_dir, work, calib_texts=calib, group_size=args.group_size,
+                       n_samples=128, seq_len=512, method="awq")
+        q, _ = load_model(work, "cpu", torch.float32)
+    lins = [m for m in q.modules() if isinstance(m, AWQLinear)]
+    weights = [dequantize_weight(m.qweight if m.layout == "awq" else kmajor_to_awq(m.qweight),
+                                 m.qzeros, m.scales, m.group_size) for m in lins]
+
+    def w8_columns(w):  # e4m3 weight, one scale per output column (lossy)
+        sc = w.abs().amax(0, keepdim=True).clamp_min(1e-12) / 448.0
+        return (w / sc).to(E4M3).float() * sc
+
+    variants = {
+        "w4a16": lambda x, w: x.half().float() @ w.half().float(),
+        f"w4a8 (1x{args.block} blocks)": lambda x, w: w4a8_linear_ref(
+            x.half(), w.half().float(), block=args.block).float(),
+        "w4a8 (per token)": lambda x, w: w4a8_linear_ref(
+            x.half(), w.half().float(), block=x.shape[-1]).float(),
+        "w8a8 (per token, e4m3 weight per column)": lambda x, w: w4a8_linear_ref(
+            x.half(), w8_columns(w.half().float()), block=x.shape[-1]).float(),
+    }
+
+    def run(fn):
+        for m, w in zip(lins, weights):
+            def fwd(x, w=w, b=m.bias):
+                y = fn(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+                return (y + b.float() if b is not None else y).to(x.dtype)
+            m.forward = fwd
+        with torch.inference_mode():
+            return [torch.log_softmax(forward_full(q, ids).float(), -1) for ids in windows]
+
+    base = run(variants["w4a16"])
+    tokens = sum(ids.numel() for ids in windows)
+
+    def ppl(outs):
+        nll = sum(float(-o[:-1].gather(1, ids[1:, None]).sum()) for o, ids in zip(outs, windows))
+        return math.exp(nll / sum(ids.numel() - 1 for ids in windows))
+
+    res = {"model": str(model_dir), "group_size": args.group_size, "block": args.block,
+           "windows": len(windows), "tokens": tokens, "seq_len": args.seq_len,
+           "rows": {"w4a16": {"perplexity": ppl(base)}}}
+    for name, fn in list(variants.items())[1:]:
+        outs = run(fn)
+        kls = [float((p.exp() * (p - r)).sum(-1).mean()) for p, r in zip(base, outs)]
+        res["rows"][name] = {
+            "kl_vs_w4a16": sum(float((p.exp() * (p - r)).sum()) for p, r in zip(base, outs))
+            / tokens,
+            "kl_per_window": kls,
+            "top1_vs_w4a16": sum(int((p.argmax(-1) == r.argmax(-1)).sum())
+                                 for p, r in zip(base, outs)) / tokens,
+            "perplexity": ppl(outs)}
+    print(f"model {res['model']}  group {args.group_size}  {len(windows)} windows x "
+          f"{args.seq_len} tokens ({tokens} tokens)")
+    print(f"{'activations':<42} {'KL vs W4A16':>12} {'top-1':>7} {'perplexity':>10}")
+    for name, r in res["rows"].items():
+        print(f"{name:<42} {r.get('kl_vs_w4a16', 0.0):>12.5f} "
+              f"{100 * r.get('top1_vs_w4a16', 1.0):>6.2f}% {r['perplexity']:>10.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+
+
+def w4a8_cli(args) -> None:
+    """`w4a8-cli`: run the hisparse CLI in this process with every AWQ linear of the loaded
+    model computing through the W4A8 emulation (--variant w4a8: prefill-sized calls round
+    their activations to e4m3 in 1x--block blocks; decode-sized calls, as on the GPU, keep
+    fp16 activations) or through the W4A16 one (--variant w4a16: fp16 activations throughout),
+    the weight's INT4 values exact in both. The peer for ROUGE: the same command with the
+    other variant, scored by quality_pipeline.py --no-run --extra NAME=FILE."""
+    import torch
+
+    from hisparse_cli.cli.app import main as cli_main
+    from hisparse_cli.kernels.fp8.w4a8_ref import w4a8_linear_ref
+    from hisparse_cli.kernels.int4.awq_layout import GEMV_MAX_TOKENS, kmajor_to_awq
+    from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
+    from hisparse_cli.model.awq import AWQLinear
+
+    cache: dict = {}
+
+    def forward(self, x):
+        w = cache.get(id(self))
+        if w is None:
+            qw = self.qweight if self.layout == "awq" else kmajor_to_awq(self.qweight)
+            w = cache[id(self)] = dequantize_weight(qw, self.qzeros, self.scales,
+                                                    self.group_size).half().float()
+        x2 = x.reshape(-1, x.shape[-1]).half()
+        if args.variant == "w4a8" and x2.shape[0] > GEMV_MAX_TOKENS:
+            y = w4a8_linear_ref(x2, w, block=args.block).float()
+        else:
+            y = x2.float() @ w
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[1])
+
+    AWQLinear.forward = forward
+    torch.manual_seed(0)
+    sys.argv = ["hisparse", *args.cli]
+    cli_main()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -339,7 +476,26 @@ def main() -> None:
     p.add_argument("--head", action="store_true", help="also the INT4 output head rows")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(run=perplexity)
+    p = sub.add_parser("w4a8", help="FP8 activations (W4A8) against W4A16, teacher-forced")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--docs", default=str(ROOT.parent / "shared" / "eval_dev"),
+                   help="a folder of <kind>/<name>.txt documents (.ref.txt skipped)")
+    p.add_argument("--doc-stride", type=int, default=2, help="every Nth document")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--block", type=int, default=128,
+                   help="activation inputs per scale (a K not a multiple ends in a shorter one)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--skip", type=int, default=1000, help="tokens skipped at each start")
+    p.add_argument("--json", type=Path, default=None)
+    p.set_defaults(run=w4a8)
+    p = sub.add_parser("w4a8-cli", help="the CLI with the W4A8 or W4A16 emulation (ROUGE)")
+    p.add_argument("--variant", choices=("w4a8", "w4a16"), required=True)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("cli", nargs=argparse.REMAINDER, help="hisparse's arguments (after --)")
+    p.set_defaults(run=w4a8_cli)
     a = ap.parse_args()
+    if getattr(a, "cli", None) and a.cli[0] == "--":
+        a.cli = a.cli[1:]
     a.run(a)
 
 
