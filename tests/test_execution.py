@@ -43,6 +43,9 @@ def test_a_planned_cuda_run_and_each_variable_that_changes_it(monkeypatch):
     from hisparse_cli.kernels.cuda import cuda_step
 
     monkeypatch.setattr(cuda_step, "device_unsupported", lambda device=None: None)  # an sm_90
+    from hisparse_cli.kernels.fp8 import w4a8_linear
+
+    monkeypatch.setattr(w4a8_linear, "device_support", lambda index: None)  # with CUDA 13
     p = _plan(env=Environment())
     assert p.graph_decode.value and p.persistent and p.sampler.value == "graph"
     assert p.int4_layout.value == "items"  # the persistent kernel's layout

@@ -204,6 +204,10 @@ def test_execution_plan_choice(monkeypatch):
     kw = dict(model_cfg=cfg, sparse=SparseConfig(), compute_dtype="float16",
               kv_dtype="float16", weight_awq=True)
     triton_k = planned_kernels("cuda", "triton")  # a plan for a GPU (not this machine's)
+    none = resolve_execution(device="cuda", kernels=triton_k, env=Environment(), **kw)
+    if CPU:  # this machine's GPU decides, as the decode kernel's auto: none here
+        assert none.int4_prefill.value == "w4a16" and "this machine" in none.int4_prefill.reason
+    monkeypatch.setattr(w4a8_linear, "device_support", lambda index: None)  # an sm_90
     plan = resolve_execution(device="cuda", kernels=triton_k, env=Environment(), **kw)
     assert plan.int4_prefill.value == "w4a8"
     assert ("INT4 prefill", "w4a8", plan.int4_prefill.reason) in plan.rows()

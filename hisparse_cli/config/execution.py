@@ -195,7 +195,7 @@ def _int4_prefill(awq: bool, device: str, int4_kernels: str, group_size: int,
     """How prefill-sized INT4 products run on CUDA: W4A8 (e4m3 activations in 1x128 blocks,
     the exact INT4 codes, cuBLAS's block-scaled FP8 GEMM; kernels/fp8/w4a8_linear.py) where
     the group is 128 and this machine's GPU runs it, else W4A16 (dequantize to fp16, cuBLAS).
-    planned: a plan for a device that need not be this machine's (its GPU is not checked)."""
+    planned: a plan for a device that need not be this machine's (said in the reason)."""
     if not awq:
         return Choice("none", "unquantized weights")
     if device != "cuda" or int4_kernels != "triton":
@@ -208,17 +208,17 @@ def _int4_prefill(awq: bool, device: str, int4_kernels: str, group_size: int,
                                "128 inputs")
     if compute_dtype not in ("float16", "bfloat16"):
         return Choice("w4a16", f"{compute_dtype} activations")
-    if not planned:
-        from hisparse_cli.kernels.fp8.w4a8_linear import device_support
+    import torch
 
-        import torch
+    from hisparse_cli.kernels.fp8.w4a8_linear import device_support
 
-        why = device_support(torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        if why is not None:
-            return Choice("w4a16", why)
+    # this machine's GPU decides, planned or not (as the decode kernel's "auto" does): a plan
+    # made without one keeps W4A16, whose workspace is the larger (fp16 W^T rows)
+    why = device_support(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if why is not None:
+        return Choice("w4a16", why + (" (this machine)" if planned else ""))
     return Choice("w4a8", "e4m3 activations in 1x128 blocks x the exact INT4 codes, cuBLAS's "
-                          "block-scaled FP8 GEMM (sm_90, CUDA >= 12.9)"
-                  + (" where the device runs it" if planned else ""))
+                          "block-scaled FP8 GEMM (sm_90, CUDA >= 12.9)")
 
 
 def _int4_layout(awq: bool, device: str, int4_kernels: str, decode_kernel: Choice) -> Choice:
