@@ -187,6 +187,24 @@ def test_prepared_linears_run_w4a8_where_active(chunked, layout, monkeypatch):
     assert calls == []
 
 
+def test_capability_probe_says_why_not(monkeypatch):
+    """device_support's probe: a cuBLAS that refuses the recipe, or computes something else,
+    keeps W4A16 with the reason; one that agrees with the reference passes."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm(calls), raising=False)
+    assert w4a8_linear._probe(torch.device("cpu")) is None and calls == [(32, 64, 256)]
+
+    def refuses(*a, **k):
+        raise RuntimeError("Only bf16 high precision output types are supported\nmore")
+    monkeypatch.setattr(torch, "_scaled_mm", refuses)
+    assert "refused: Only bf16" in w4a8_linear._probe(torch.device("cpu"))
+
+    def wrong(a, b, *, scale_a, scale_b, out_dtype):  # the scales ignored
+        return (a.float() @ b.float()).to(out_dtype)
+    monkeypatch.setattr(torch, "_scaled_mm", wrong)
+    assert "disagrees" in w4a8_linear._probe(torch.device("cpu"))
+
+
 def test_linear_not_of_group_128_keeps_w4a16(monkeypatch):
     qw, qz, s, _ = random_awq(256, 64, 64, seed=9, bias=False)
     lin = awq_triton.PreparedLinearK(repack_kmajor(qw), qz, s, None, 64)

@@ -34,6 +34,31 @@ def device_support(index: int) -> str | None:
         return f"CUDA {ver}: cuBLAS's 1x128 FP8 scaling needs 12.9"
     if not hasattr(torch, "_scaled_mm"):
         return "this torch has no _scaled_mm"
+    return _probe(torch.device("cuda", index))
+
+
+def _probe(device: torch.device) -> str | None:
+    """One small block-scaled product on the device against the reference (w4a8_ref): None
+    where cuBLAS runs it and agrees, else why not (a cuBLAS or torch build that refuses the
+    1x128 recipe or fp16 output keeps W4A16 instead of failing in a prefill)."""
+    from hisparse_cli.kernels.fp8.w4a8_ref import quantize_act_ref, w4a8_matmul_ref
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 256, generator=g).half()
+    codes = torch.randint(-15, 16, (64, 256), generator=g).float().to(E4M3)
+    s = torch.rand(2, 64, generator=g) / 64 + 1e-3
+    x8, sa = quantize_act_ref(x)
+    ref = w4a8_matmul_ref(x8, sa, codes, s, torch.float32)
+    try:
+        y = torch._scaled_mm(x8.to(device), codes.to(device).t(), scale_a=sa.to(device).t(),
+                             scale_b=s.to(device).t(), out_dtype=torch.float16)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - any refusal means: not here
+        return f"cuBLAS's 1x128 FP8 GEMM refused: {str(exc).splitlines()[0][:120]}"
+    err = float((y.float().cpu() - ref).abs().max() / ref.abs().max())
+    if not err < 4e-3:
+        return f"cuBLAS's 1x128 FP8 GEMM disagrees with the reference (relative error {err:.1e})"
     return None
 
 
