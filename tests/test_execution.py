@@ -51,7 +51,8 @@ def test_a_planned_cuda_run_and_each_variable_that_changes_it(monkeypatch):
     assert p.int4_layout.value == "items"  # the persistent kernel's layout
     assert [r[0] for r in p.rows()] == ["backend", "graph decode", "decode kernel", "sampler",
                                         "INT4 layout", "INT4 prefill"]
-    assert p.int4_prefill.value == "w4a8"  # group 128 on a planned sm_90 (kernels/fp8)
+    assert p.int4_prefill.value == "w4a16"  # W4A8 is opt-in (HISPARSE_PREFILL_FP8=1)
+    assert _plan(env=Environment(prefill_fp8=True)).int4_prefill.value == "w4a8"
     assert all(reason for _, _, reason in p.rows())
     off = _plan(env=Environment(cuda_graph=False))
     assert not off.graph_decode.value and "HISPARSE_CUDA_GRAPH=0" in off.graph_decode.reason

@@ -222,22 +222,21 @@ def test_execution_plan_choice(monkeypatch):
     kw = dict(model_cfg=cfg, sparse=SparseConfig(), compute_dtype="float16",
               kv_dtype="float16", weight_awq=True)
     triton_k = planned_kernels("cuda", "triton")  # a plan for a GPU (not this machine's)
-    none = resolve_execution(device="cuda", kernels=triton_k, env=Environment(), **kw)
+    on = Environment(prefill_fp8=True)
+    none = resolve_execution(device="cuda", kernels=triton_k, env=on, **kw)
     if CPU:  # this machine's GPU decides, as the decode kernel's auto: none here
         assert none.int4_prefill.value == "w4a16" and "this machine" in none.int4_prefill.reason
     monkeypatch.setattr(w4a8_linear, "device_support", lambda index: None)  # an sm_90
-    plan = resolve_execution(device="cuda", kernels=triton_k, env=Environment(), **kw)
+    plan = resolve_execution(device="cuda", kernels=triton_k, env=on, **kw)
     assert plan.int4_prefill.value == "w4a8"
     assert ("INT4 prefill", "w4a8", plan.int4_prefill.reason) in plan.rows()
-    off = resolve_execution(device="cuda", kernels=triton_k,
-                            env=Environment(prefill_fp8=False), **kw)
-    assert off.int4_prefill.value == "w4a16" and "HISPARSE_PREFILL_FP8=0" in off.int4_prefill.reason
-    g64 = resolve_execution(device="cuda", kernels=triton_k, env=Environment(),
-                            **kw | {"group_size": 64})
+    off = resolve_execution(device="cuda", kernels=triton_k, env=Environment(), **kw)
+    assert off.int4_prefill.value == "w4a16" and "HISPARSE_PREFILL_FP8=1" in off.int4_prefill.reason
+    g64 = resolve_execution(device="cuda", kernels=triton_k, env=on, **kw | {"group_size": 64})
     assert g64.int4_prefill.value == "w4a16"
-    cpu = resolve_execution(device="cpu", env=Environment(), **kw)
+    cpu = resolve_execution(device="cpu", env=on, **kw)
     assert cpu.int4_prefill.value == "w4a16"
-    fp = resolve_execution(device="cuda", kernels=triton_k, env=Environment(),
+    fp = resolve_execution(device="cuda", kernels=triton_k, env=on,
                            **kw | {"weight_awq": False})
     assert fp.int4_prefill.value == "none" and all(r[0] != "INT4 prefill" for r in fp.rows())
 
@@ -245,8 +244,9 @@ def test_execution_plan_choice(monkeypatch):
 def test_environment_reads_prefill_fp8():
     from hisparse_cli.config.env import read_environment
 
-    assert read_environment({}).prefill_fp8
+    assert not read_environment({}).prefill_fp8  # opt-in
     assert not read_environment({"HISPARSE_PREFILL_FP8": "0"}).prefill_fp8
+    assert read_environment({"HISPARSE_PREFILL_FP8": "1"}).prefill_fp8
 
 
 def test_planner_trace_counts_the_w4a8_buffers():

@@ -13,7 +13,7 @@ runs); what a run decides from them is fixed once, in its `ExecutionPlan`
 | HISPARSE_CUDA_GRAPH | `Environment.cuda_graph` | 0: decode without CUDA graphs |
 | HISPARSE_GRAPH_SAMPLER | `Environment.graph_sampler` | 0: greedy graph decodes sample between replays |
 | HISPARSE_DECODE_KERNEL | `Environment.decode_kernel` | auto / persistent / layers |
-| HISPARSE_PREFILL_FP8 | `Environment.prefill_fp8` | 0: INT4 prefill keeps fp16 activations (no W4A8) |
+| HISPARSE_PREFILL_FP8 | `Environment.prefill_fp8` | 1: INT4 prefill in W4A8 where the GPU runs it (opt-in: costs quality, QUALITY.md) |
 | HISPARSE_PDL | `pdl_allowed` | 0: no programmatic dependent launch |
 | HISPARSE_NVRTC | `nvrtc_override` | the libnvrtc to load |
 | TRITON_INTERPRET | `triton_interpret` | Triton's CPU interpreter (tests) |
@@ -50,7 +50,7 @@ class Environment:
     cuda_graph: bool = True  # HISPARSE_CUDA_GRAPH != "0"
     graph_sampler: bool = True  # HISPARSE_GRAPH_SAMPLER != "0"
     decode_kernel: str = "auto"  # HISPARSE_DECODE_KERNEL
-    prefill_fp8: bool = True  # HISPARSE_PREFILL_FP8 != "0"
+    prefill_fp8: bool = False  # HISPARSE_PREFILL_FP8 == "1"
     threads: int | None = None  # HISPARSE_THREADS, else OMP_NUM_THREADS (None: auto)
     threads_source: str = "auto"  # the variable `threads` came from
     openmp_wait: str = "OpenMP default"  # OMP_WAIT_POLICY / GOMP_SPINCOUNT as set
@@ -139,7 +139,7 @@ def read_environment(environ=None) -> Environment:
                        cuda_graph=env.get("HISPARSE_CUDA_GRAPH") != "0",
                        graph_sampler=env.get("HISPARSE_GRAPH_SAMPLER", "").strip() != "0",
                        decode_kernel=decode_kernel_setting(env),
-                       prefill_fp8=env.get("HISPARSE_PREFILL_FP8", "").strip() != "0",
+                       prefill_fp8=env.get("HISPARSE_PREFILL_FP8", "").strip() == "1",
                        threads=threads,
                        threads_source=source, openmp_wait=openmp_wait_setting(env))
 

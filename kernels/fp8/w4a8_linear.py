@@ -6,8 +6,8 @@ scales on both sides: CUDA >= 12.9, compute capability 9.x). Contract: w4a8_ref.
 Where it runs: `fp8_prefill()` says whether this process uses it on a device and why (the
 execution plan prints the same answer); a linear uses it for prefill-sized calls (more than
 GEMV_MAX_TOKENS rows) when its group is 128. The fp16 path (dequantize to fp16, cuBLAS) stays
-for the rest: other GPUs, other groups, decode. HISPARSE_PREFILL_FP8=0 keeps fp16 activations
-everywhere (read when a run's execution plan is resolved).
+for the rest: other GPUs, other groups, decode. Opt-in, HISPARSE_PREFILL_FP8=1 (read when a
+run's execution plan is resolved): the activations' rounding costs quality (QUALITY.md).
 """
 
 from __future__ import annotations
