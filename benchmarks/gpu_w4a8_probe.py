@@ -97,7 +97,21 @@ def main() -> None:
                     break
                 except Exception as exc:  # noqa: BLE001
                     row[f"fp8_1x128_error_{out_dtype}"] = str(exc).splitlines()[0][:200]
-            for key in ("fp8_row_us", "fp8_1x128_us"):
+            # the same through torch's v2 API, the recipe named (torch.nn.functional.scaled_mm)
+            F = torch.nn.functional
+            if hasattr(F, "scaled_mm"):
+                blk = F.ScalingType.BlockWise1x128
+                for out_dtype in (torch.float16, torch.bfloat16):
+                    try:
+                        f = lambda: F.scaled_mm(x8blk, w8.t(), sa_blk_cm, blk,  # noqa: E731
+                                                sb_blk, blk, output_dtype=out_dtype)
+                        y = f()
+                        row["fp8_1x128_v2_us"], row["fp8_1x128_v2_out"] = timed(f), str(out_dtype)
+                        row["fp8_1x128_v2_rel_err"] = err(y)
+                        break
+                    except Exception as exc:  # noqa: BLE001
+                        row[f"fp8_1x128_v2_error_{out_dtype}"] = str(exc).splitlines()[0][:200]
+            for key in ("fp8_row_us", "fp8_1x128_us", "fp8_1x128_v2_us"):
                 if key in row:
                     row[key.replace("_us", "_speedup")] = row["fp16_us"] / row[key]
             rows.append(row)

@@ -143,7 +143,7 @@ def fake_scaled_mm(calls):
     """torch._scaled_mm for 1x128 x 1x128 block scaling, with cuBLAS's layout rules enforced
     (torch's checks: scale_a [M, K/128] strides (1, M); scale_b [N, K/128] strides (1, N);
     mat_b column-major), computed by the reference."""
-    def mm(a, b, *, scale_a, scale_b, out_dtype):
+    def mm(a, b, scale_a, scale_b, out_dtype):
         m, k = a.shape
         n = b.shape[1]
         assert a.dtype == b.dtype == E4M3 and a.stride(1) == 1 and b.stride(0) == 1
@@ -164,7 +164,7 @@ def test_prepared_linears_run_w4a8_where_active(chunked, layout, monkeypatch):
     from hisparse_cli.kernels.int4.awq_items_triton import PreparedItemsLinear
 
     calls = []
-    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm(calls), raising=False)
+    monkeypatch.setattr(w4a8_linear, "scaled_mm_1x128", fake_scaled_mm(calls))
     monkeypatch.setattr(w4a8_linear, "active", lambda device: True)
     qw, qz, s, b = random_awq(256, 256, 128, seed=7)
     b = b.half()
@@ -191,17 +191,17 @@ def test_capability_probe_says_why_not(monkeypatch):
     """device_support's probe: a cuBLAS that refuses the recipe, or computes something else,
     keeps W4A16 with the reason; one that agrees with the reference passes."""
     calls = []
-    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm(calls), raising=False)
+    monkeypatch.setattr(w4a8_linear, "scaled_mm_1x128", fake_scaled_mm(calls))
     assert w4a8_linear._probe(torch.device("cpu")) is None and calls == [(32, 64, 256)]
 
     def refuses(*a, **k):
         raise RuntimeError("Only bf16 high precision output types are supported\nmore")
-    monkeypatch.setattr(torch, "_scaled_mm", refuses)
+    monkeypatch.setattr(w4a8_linear, "scaled_mm_1x128", refuses)
     assert "refused: Only bf16" in w4a8_linear._probe(torch.device("cpu"))
 
-    def wrong(a, b, *, scale_a, scale_b, out_dtype):  # the scales ignored
+    def wrong(a, b, scale_a, scale_b, out_dtype):  # the scales ignored
         return (a.float() @ b.float()).to(out_dtype)
-    monkeypatch.setattr(torch, "_scaled_mm", wrong)
+    monkeypatch.setattr(w4a8_linear, "scaled_mm_1x128", wrong)
     assert "disagrees" in w4a8_linear._probe(torch.device("cpu"))
 
 
@@ -318,10 +318,10 @@ def test_planner_mirrors_w4a8_allocations(chunked, monkeypatch):
 
     from hisparse_cli.planner.trace import Trace, _w4a8
 
-    def mm(a, b, *, scale_a, scale_b, out_dtype):
+    def mm(a, b, scale_a, scale_b, out_dtype):
         return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
-    monkeypatch.setattr(torch, "_scaled_mm", mm, raising=False)
+    monkeypatch.setattr(w4a8_linear, "scaled_mm_1x128", mm)
     monkeypatch.setattr(w4a8_linear, "active", lambda device: True)
     qw, qz, s, _ = random_awq(256, 256, 128, seed=10, bias=False)
     lin = awq_triton.PreparedLinearK(repack_kmajor(qw), qz, s, None, 128)

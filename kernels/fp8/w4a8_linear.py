@@ -1,6 +1,6 @@
 """The W4A8 prefill product on CUDA: an INT4 linear's W^T rows dequantized to their e4m3 codes
 (q - z, exact) with the group scales beside them, the activations quantized in 1x128 blocks
-(act_quant_triton.py), and cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm` with 1x128
+(act_quant_triton.py), and cuBLAS's block-scaled FP8 GEMM (`scaled_mm_1x128`: torch.nn.functional.scaled_mm with 1x128
 scales on both sides: CUDA >= 12.9, compute capability 9.x). Contract: w4a8_ref.py.
 
 Where it runs: `fp8_prefill()` says whether this process uses it on a device and why (the
@@ -32,8 +32,6 @@ def device_support(index: int) -> str | None:
     ver = torch.version.cuda or "0.0"
     if tuple(int(p) for p in ver.split(".")[:2]) < (12, 9):
         return f"CUDA {ver}: cuBLAS's 1x128 FP8 scaling needs 12.9"
-    if not hasattr(torch, "_scaled_mm"):
-        return "this torch has no _scaled_mm"
     return _probe(torch.device("cuda", index))
 
 
@@ -50,8 +48,8 @@ def _probe(device: torch.device) -> str | None:
     x8, sa = quantize_act_ref(x)
     ref = w4a8_matmul_ref(x8, sa, codes, s, torch.float32)
     try:
-        y = torch._scaled_mm(x8.to(device), codes.to(device).t(), scale_a=sa.to(device).t(),
-                             scale_b=s.to(device).t(), out_dtype=torch.float16)
+        y = scaled_mm_1x128(x8.to(device), codes.to(device).t(), sa.to(device).t(),
+                            s.to(device).t(), torch.float16)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any refusal means: not here
@@ -60,6 +58,20 @@ def _probe(device: torch.device) -> str | None:
     if not err < 4e-3:
         return f"cuBLAS's 1x128 FP8 GEMM disagrees with the reference (relative error {err:.1e})"
     return None
+
+
+def scaled_mm_1x128(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                    scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS's FP8 GEMM with 1x128 block scales on both sides: a [M, K] e4m3 row-major, b
+    [K, N] e4m3 column-major, scale_a [M, K/128] strides (1, M), scale_b [N, K/128] strides
+    (1, N). Through torch's v2 API, which names the recipe (torch.nn.functional.scaled_mm;
+    torch 2.11's `_scaled_mm` refuses the 1x128 x 1x128 form: "Invalid scaling
+    configuration", H100, 2026-12-07), else the v1 one."""
+    F = torch.nn.functional
+    if hasattr(F, "scaled_mm"):
+        blk = F.ScalingType.BlockWise1x128
+        return F.scaled_mm(a, b, scale_a, blk, scale_b, blk, output_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
 def set_enabled(on: bool | None) -> None:
@@ -104,7 +116,7 @@ def w4a8_matmul(x2: torch.Tensor, n: int, k: int, chunk: int, launch, bias=None)
         ws = workspace(n, k, x2.device)
         launch(ws, 0, n)
         codes, sc = split_workspace(ws, n, k)
-        y = torch._scaled_mm(x8, codes.t(), scale_a=sa_t, scale_b=sc.t(), out_dtype=x2.dtype)
+        y = scaled_mm_1x128(x8, codes.t(), sa_t, sc.t(), x2.dtype)
     else:
         y = torch.empty((x2.shape[0], n), device=x2.device, dtype=x2.dtype)
         for n0 in range(0, n, chunk):
@@ -112,8 +124,7 @@ def w4a8_matmul(x2: torch.Tensor, n: int, k: int, chunk: int, launch, bias=None)
             ws = workspace(n1 - n0, k, x2.device)
             launch(ws, n0, n1)
             codes, sc = split_workspace(ws, n1 - n0, k)
-            y[:, n0:n1] = torch._scaled_mm(x8, codes.t(), scale_a=sa_t, scale_b=sc.t(),
-                                           out_dtype=x2.dtype)
+            y[:, n0:n1] = scaled_mm_1x128(x8, codes.t(), sa_t, sc.t(), x2.dtype)
             del ws, codes, sc  # freed before the next chunk's workspace (the planner's trace)
     if bias is not None:
         y += bias.to(y.dtype)
