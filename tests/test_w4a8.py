@@ -293,7 +293,9 @@ def test_cuda_w4a8_against_reference_and_w4a16(m, layout):
         y2 = lin(x)  # the dequantize's graph replay
         x8, sa = quantize_act(x)
         r8, rsa = quantize_act_ref(x.cpu())
-        assert torch.equal(x8.cpu().view(torch.uint8), r8.view(torch.uint8))
+        # values equal (the GPU writes +0 for some tiny negatives the reference rounds to -0:
+        # the same number in every product)
+        assert torch.equal(x8.cpu().float(), r8.float())
         assert torch.equal(sa.cpu(), rsa)
         codes, sc = codes_ref(qw, qz, s, 128)
         ref = w4a8_matmul_ref(r8, rsa, codes, sc, torch.float32)

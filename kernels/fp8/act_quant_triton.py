@@ -7,7 +7,9 @@ sa = max / 448 (1 for an all-zero block), and x / sa is rounded to e4m3 in fp32 
 before the conversion, which then is exact. (The Triton interpreter's own fp32 -> e4m3
 conversion mis-rounds values that round up across a power of two; rounded first, every
 backend stores the same bits as torch's RNE conversion in the reference.)
-M (the chunk's tokens) is not specialized; x's row stride is.
+On the GPU a negative value that rounds to zero may come out as +0 where torch writes -0
+(H100, 2026-12-07: 410 of 262,144 values of a hard test input): equal numbers, the products
+unchanged. M (the chunk's tokens) is not specialized; x's row stride is.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def _act_quant_kernel(x_ptr, x8_ptr, sa_ptr, M, K, stride_xm, BLOCK_M: tl.conste
     x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :], mask=mask[:, None],
                 other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
-    sa = tl.where(amax > 0, amax / 448.0, 1.0)
-    v = _round_e4m3(x / sa[:, None])
+    # IEEE divisions (div.rn: the reference's bits; Triton's `/` on fp32 may be approximate)
+    sa = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    v = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(sa[:, None], x.shape)))
     tl.store(x8_ptr + r64[:, None] * K + cols[None, :], v.to(x8_ptr.dtype.element_ty),
              mask=mask[:, None])
     tl.store(sa_ptr + b.to(tl.int64) * M + rows, sa, mask=mask)
