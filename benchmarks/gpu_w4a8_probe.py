@@ -42,6 +42,19 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def variant(row: dict, name: str, err, run) -> None:
+    """Time run(out_dtype) into row[name + "_us"] with fp16 output, else bf16; a refusal is
+    recorded per dtype (the first line of its message)."""
+    for out_dtype in (torch.float16, torch.bfloat16):
+        try:
+            y = run(out_dtype)
+            row[f"{name}_us"] = timed(lambda: run(out_dtype))
+            row[f"{name}_out"], row[f"{name}_rel_err"] = str(out_dtype), err(y)
+            return
+        except Exception as exc:  # noqa: BLE001
+            row[f"{name}_error_{out_dtype}"] = str(exc).splitlines()[0][:200]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="512,1024,2048")
@@ -71,46 +84,21 @@ def main() -> None:
             # row-wise: per-token activation scale
             sa_row = x.float().abs().amax(1, keepdim=True) / 448.0
             x8row = (x.float() / sa_row).to(F8)
-            for out_dtype in (torch.float16, torch.bfloat16):
-                try:
-                    f = lambda: torch._scaled_mm(x8row, w8row.t(), scale_a=sa_row,  # noqa: E731
-                                                 scale_b=wmax.t().contiguous(),
-                                                 out_dtype=out_dtype)
-                    y = f()
-                    row["fp8_row_us"], row["fp8_row_out"] = timed(f), str(out_dtype)
-                    row["fp8_row_rel_err"] = err(y)
-                    break
-                except Exception as exc:  # noqa: BLE001
-                    row[f"fp8_row_error_{out_dtype}"] = str(exc).splitlines()[0][:200]
+            variant(row, "fp8_row", err, lambda dt: torch._scaled_mm(
+                x8row, w8row.t(), scale_a=sa_row, scale_b=wmax.t().contiguous(), out_dtype=dt))
             # 1x128 blocks: per token per 128 inputs
             xb = x.float().view(m, k // 128, 128)
             sa_blk = (xb.abs().amax(-1) / 448.0).clamp_min(1e-12)  # [M, K/128]
             x8blk = (xb / sa_blk[:, :, None]).view(m, k).to(F8)
             sa_blk_cm = sa_blk.t().contiguous().t()  # strides (1, M)
-            for out_dtype in (torch.float16, torch.bfloat16):
-                try:
-                    f = lambda: torch._scaled_mm(x8blk, w8.t(), scale_a=sa_blk_cm,  # noqa: E731
-                                                 scale_b=sb_blk, out_dtype=out_dtype)
-                    y = f()
-                    row["fp8_1x128_us"], row["fp8_1x128_out"] = timed(f), str(out_dtype)
-                    row["fp8_1x128_rel_err"] = err(y)
-                    break
-                except Exception as exc:  # noqa: BLE001
-                    row[f"fp8_1x128_error_{out_dtype}"] = str(exc).splitlines()[0][:200]
+            variant(row, "fp8_1x128", err, lambda dt: torch._scaled_mm(
+                x8blk, w8.t(), scale_a=sa_blk_cm, scale_b=sb_blk, out_dtype=dt))
             # the same through torch's v2 API, the recipe named (torch.nn.functional.scaled_mm)
             F = torch.nn.functional
             if hasattr(F, "scaled_mm"):
                 blk = F.ScalingType.BlockWise1x128
-                for out_dtype in (torch.float16, torch.bfloat16):
-                    try:
-                        f = lambda: F.scaled_mm(x8blk, w8.t(), sa_blk_cm, blk,  # noqa: E731
-                                                sb_blk, blk, output_dtype=out_dtype)
-                        y = f()
-                        row["fp8_1x128_v2_us"], row["fp8_1x128_v2_out"] = timed(f), str(out_dtype)
-                        row["fp8_1x128_v2_rel_err"] = err(y)
-                        break
-                    except Exception as exc:  # noqa: BLE001
-                        row[f"fp8_1x128_v2_error_{out_dtype}"] = str(exc).splitlines()[0][:200]
+                variant(row, "fp8_1x128_v2", err, lambda dt: F.scaled_mm(
+                    x8blk, w8.t(), sa_blk_cm, blk, sb_blk, blk, output_dtype=dt))
             for key in ("fp8_row_us", "fp8_1x128_us", "fp8_1x128_v2_us"):
                 if key in row:
                     row[key.replace("_us", "_speedup")] = row["fp16_us"] / row[key]
