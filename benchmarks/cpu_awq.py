@@ -350,7 +350,10 @@ def w4a8(args) -> None:
         quantize_model(model_dir, work, calib_texts=calib, group_size=args.group_size,
                        n_samples=128, seq_len=512, method="awq")
         q, _ = load_model(work, "cpu", torch.float32)
-    lins = [m for m in q.modules() if isinstance(m, AWQLinear)]
+    named = [(n, m) for n, m in q.named_modules() if isinstance(m, AWQLinear)]
+    lins = [m for _, m in named]
+    keep = {i for i, (n, _) in enumerate(named)  # --keep: these stay W4A16 in every row
+            if any(n.endswith(k) for k in args.keep)}
     weights = [dequantize_weight(m.qweight if m.layout == "awq" else kmajor_to_awq(m.qweight),
                                  m.qzeros, m.scales, m.group_size) for m in lins]
 
@@ -369,9 +372,11 @@ def w4a8(args) -> None:
     }
 
     def run(fn):
-        for m, w in zip(lins, weights):
-            def fwd(x, w=w, b=m.bias):
-                y = fn(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+        for i, (m, w) in enumerate(zip(lins, weights)):
+            f = variants["w4a16"] if i in keep else fn
+
+            def fwd(x, w=w, b=m.bias, f=f):
+                y = f(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
                 return (y + b.float() if b is not None else y).to(x.dtype)
             m.forward = fwd
         with torch.inference_mode():
@@ -385,6 +390,7 @@ def w4a8(args) -> None:
         return math.exp(nll / sum(ids.numel() - 1 for ids in windows))
 
     res = {"model": str(model_dir), "group_size": args.group_size, "block": args.block,
+           "kept_w4a16": list(args.keep),
            "windows": len(windows), "tokens": tokens, "seq_len": args.seq_len,
            "rows": {"w4a16": {"perplexity": ppl(base)}}}
     for name, fn in list(variants.items())[1:]:
@@ -486,6 +492,8 @@ def main() -> None:
                    help="activation inputs per scale (a K not a multiple ends in a shorter one)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--skip", type=int, default=1000, help="tokens skipped at each start")
+    p.add_argument("--keep", nargs="*", default=[],
+                   help="linears (name suffixes, e.g. down_proj) that keep fp16 activations")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(run=w4a8)
     p = sub.add_parser("w4a8-cli", help="the CLI with the W4A8 or W4A16 emulation (ROUGE)")

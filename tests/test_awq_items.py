@@ -292,7 +292,8 @@ import sm90_compile as c
 from hisparse_cli.kernels.int4 import awq_items_triton as t
 for dt in ('*fp16', '*bf16'):
     k = c.compile_one(t._dequant_items_kernel, dict(it_ptr='*i32', s_ptr='*fp16', z_ptr='*u8',
-                      w_ptr=dt, G='i32', tile0='i32', stride_wn='i32'),
+                      w_ptr=dt, G='i32', tile0='i32', stride_wn='i32', sc_ptr=dt,
+                      stride_sc='i32'),
                       dict(ITEM=2128, SCALES=2048, ZEROS=2112, BLOCK_RT=t.BLOCK_RT),
                       t.NUM_WARPS, ('it_ptr', 's_ptr', 'z_ptr', 'w_ptr', 'stride_wn'), stages=1)
     c.report(dt, k, None)
