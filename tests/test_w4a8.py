@@ -307,7 +307,7 @@ def test_cuda_w4a8_against_reference_and_w4a16(m, layout):
         rel = float((y.float() - y16.float()).norm() / y16.float().norm())
         assert 1e-4 < rel < 0.06, rel  # FP8 activations: a few percent, not nothing
     finally:
-        w4a8_linear.set_enabled(None)
+        w4a8_linear.set_enabled(False)
 
 
 @interp
@@ -336,3 +336,16 @@ def test_planner_mirrors_w4a8_allocations(chunked, monkeypatch):
     tr = Trace()
     _w4a8(tr, "lin", 40, 256, 256, 2, lin.chunk)
     assert rec.peak == tr.peak and rec.cur == tr.cur == y.numel() * y.element_size()
+
+
+def test_off_unless_a_run_turns_it_on(monkeypatch):
+    """Opt-in: a capable device alone does not take W4A8; the Engine's plan turns it on."""
+    monkeypatch.setattr(w4a8_linear, "device_support", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setitem(w4a8_linear._STATE, "on", False)
+    cuda = torch.device("cuda", 0)
+    assert not w4a8_linear.active(cuda)
+    w4a8_linear.set_enabled(True)
+    assert w4a8_linear.active(cuda) and not w4a8_linear.active(torch.device("cpu"))
+    w4a8_linear.set_enabled(False)
+    assert not w4a8_linear.active(cuda)

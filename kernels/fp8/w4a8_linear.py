@@ -1,13 +1,14 @@
 """The W4A8 prefill product on CUDA: an INT4 linear's W^T rows dequantized to their e4m3 codes
 (q - z, exact) with the group scales beside them, the activations quantized in 1x128 blocks
-(act_quant_triton.py), and cuBLAS's block-scaled FP8 GEMM (`scaled_mm_1x128`: torch.nn.functional.scaled_mm with 1x128
-scales on both sides: CUDA >= 12.9, compute capability 9.x). Contract: w4a8_ref.py.
+(act_quant_triton.py), and cuBLAS's block-scaled FP8 GEMM (`scaled_mm_1x128`, 1x128 scales on
+both sides: CUDA >= 12.9, compute capability 9.x). Contract: w4a8_ref.py.
 
-Where it runs: `fp8_prefill()` says whether this process uses it on a device and why (the
-execution plan prints the same answer); a linear uses it for prefill-sized calls (more than
+Where it runs: `device_support()` says whether a GPU runs it and why not (the execution plan
+prints the same answer); the Engine turns it on for its runs (`set_enabled`) where its plan
+says w4a8, which needs HISPARSE_PREFILL_FP8=1 (opt-in: the activations' rounding costs
+quality, QUALITY.md); then a linear uses it for prefill-sized calls (more than
 GEMV_MAX_TOKENS rows) when its group is 128. The fp16 path (dequantize to fp16, cuBLAS) stays
-for the rest: other GPUs, other groups, decode. Opt-in, HISPARSE_PREFILL_FP8=1 (read when a
-run's execution plan is resolved): the activations' rounding costs quality (QUALITY.md).
+for the rest: other GPUs, other groups, decode, and every caller that did not turn it on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from hisparse_cli.kernels.fp8.w4a8_ref import BLOCK, E4M3
 
-_STATE = {"on": None}  # None: not decided by a run yet (then the device's capability decides)
+_STATE = {"on": False}  # the last set_enabled (an Engine's plan, every generate)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,14 +75,14 @@ def scaled_mm_1x128(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
-def set_enabled(on: bool | None) -> None:
-    """The run's choice (Engine, from its execution plan); None: the device decides."""
-    _STATE["on"] = on
+def set_enabled(on: bool) -> None:
+    """The run's choice (Engine, from its execution plan: w4a8 or not)."""
+    _STATE["on"] = bool(on)
 
 
 def active(device: torch.device) -> bool:
     """Whether prefill-sized INT4 products on `device` take the W4A8 path now."""
-    if device.type != "cuda" or _STATE["on"] is False:
+    if device.type != "cuda" or not _STATE["on"]:
         return False
     return device_support(device.index if device.index is not None
                           else torch.cuda.current_device()) is None
