@@ -78,9 +78,8 @@ def w4a8_linear_ref(x: torch.Tensor, weight: torch.Tensor, group_scales: torch.T
     for lo, hi in ((0, main), (main, k)):
         if hi > lo:
             width = block if lo == 0 else hi - lo
-            xb = x2[:, lo:hi].reshape(x2.shape[0], -1, width)
-            amax = xb.abs().amax(-1, keepdim=True)
-            sa = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-            parts.append(((xb / sa).to(E4M3).float() * sa).reshape(x2.shape[0], hi - lo))
+            x8, sa = quantize_act_ref(x2[:, lo:hi], block=width)
+            parts.append((x8.float().view(x2.shape[0], -1, width) * sa.t()[:, :, None])
+                         .reshape(x2.shape[0], hi - lo))
     y = torch.cat(parts, -1) @ weight.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[1])
