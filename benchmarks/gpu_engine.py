@@ -23,6 +23,10 @@ One run, one H200, random weights built on the device (no download, no files):
       embeddings and a Llama-3.2-1B-shaped fp16 model, each run only if the planner says it fits.
   (e) --awq-vs-fp16: the same 8B shape with fp16 and with AWQ INT4 (g128) weights, same sparse
       settings, same prompts: prefill and decode tok/s and the INT4/fp16 ratios.
+  (f) --profile-prefill [--sweep K=V,...] [--breakdown]: 4060ti-6g as the CLI runs it (AWQ 8B,
+      host embeddings, INT8 head, --attention auto's working set) in the emulated --budget-gib
+      card, each --sweep override a row, against h200-141g (AWQ 8B on the whole card) at the
+      last of --contexts; with --breakdown a torch.profiler kernel table of a 16K prefill each.
 Prints compact tables; writes $OUT/gpu_engine.json (OUT env or --out, default ./out).
 
 --retrieval (issue 41; BENCHMARKS.md): the retrieval tier vs eviction-only at the same resident
@@ -695,6 +699,128 @@ def phase_budget(a, dev, backend, calib) -> list[dict]:
     return rows
 
 
+def auto_sparse(cfg, prof, context: int, new: int, backend, dev, **kw) -> SparseConfig:
+    """The working set `--attention auto` picks for this profile and context (the CLI's
+    default: the configured one, widened while the plan still fits the profile's budget)."""
+    from hisparse_cli.planner.attention_choice import choose_attention
+
+    return choose_attention("auto", sparse=prof.sparse_config(), context_tokens=context + new,
+                            plan=lambda sp: plan_for(cfg, sp, context, new, backend, dev,
+                                                     budget_bytes=prof.vram_budget_bytes,
+                                                     **dict(kw))).sparse
+
+
+def kernel_breakdown(fn, top: int = 18) -> list[dict]:
+    """fn() under torch.profiler: the CUDA kernels by total device time (name, ms, calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            rows.append({"kernel": e.key[:90], "ms": t / 1e3, "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    for r in rows[:top]:
+        log(f"  {r['ms']:9.1f} ms {100 * r['ms'] / total:5.1f} % x{r['calls']:<6} {r['kernel']}")
+    log(f"  total device time {total:,.1f} ms")
+    return rows[:top] + [{"kernel": "(total)", "ms": total, "calls": 0}]
+
+
+def phase_profile_prefill(a, dev, backend, calib) -> dict:
+    """(f) issue 42 item 2: the 4060ti-6g profile as the CLI runs it (AWQ INT4 8B, host
+    embeddings, INT8 head, `--attention auto`'s working set) in the emulated --budget-gib card,
+    with each --sweep override, against the h200-141g profile (AWQ INT4, embeddings and head
+    on the device, its sparse settings) on the whole card, one context (--contexts' last)."""
+    from hisparse_cli.planner.vram import allocator_cap_bytes, budget_fraction
+
+    ctx = [int(c) for c in a.contexts.split(",")][-1]
+    new = a.decode_tokens
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
+    prof = load_profile("4060ti-6g")
+    kw = dict(weight_format="awq-int4", embeddings_on_host=True,
+              lm_head_int8=prof.lm_head_format == "int8")
+    base = auto_sparse(cfg, prof, ctx, new, backend, dev, **kw)
+    log(f"(f) 4060ti-6g auto at {ctx}: window {base.window_size}, globals {base.global_tokens}, "
+        f"chunk {base.prefill_chunk}, stride {base.score_stride}")
+    sweeps = [dict()] + [{k: int(v) for k, v in (i.split("=") for i in s.split(":"))}
+                         for s in (a.sweep.split(",") if a.sweep else [])]
+    out: dict = {"context": ctx, "auto_sparse": str(base), "rows": []}
+    context = calib.get("non_allocator_bytes_after_cublas") or CUDA_CONTEXT_BYTES
+    total = torch.cuda.get_device_properties(dev).total_memory
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    cap = allocator_cap_bytes(int(a.budget_gib * GIB), card=True, context_bytes=context)
+    torch.cuda.set_per_process_memory_fraction(budget_fraction(cap, total), index)
+    try:
+        model = build_ours(cfg, dev, awq=True, host_emb=True, int8_lm_head=kw["lm_head_int8"])
+        for ov in sweeps:
+            sparse = base.with_overrides(**ov) if ov else base
+            plan = plan_for(cfg, sparse, ctx, new, backend, dev, budget_bytes=prof.vram_budget_bytes,
+                            **dict(kw))
+            row = {"profile": "4060ti-6g", "overrides": ov, "sparse": str(sparse),
+                   "fits": plan.fits, "predicted_peak_bytes": plan.peak_allocated_bytes}
+            if plan.fits is False:
+                row["result"] = "the planner says it does not fit"
+            else:
+                try:
+                    from hisparse_cli.engine.engine import Engine
+
+                    eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
+                                 backend=backend)
+                    run_ours(model, cfg, sparse, prompt(4096, cfg.vocab_size), 4, backend, dev,
+                             engine=eng, **dict(kw))  # compile and capture outside the row
+                    r = run_ours(model, cfg, sparse, prompt(ctx, cfg.vocab_size), new, backend,
+                                 dev, engine=eng, **dict(kw))
+                    r.pop("plan")
+                    row.update(result="ok", **{k: r[k] for k in (
+                        "prefill_tok_s", "decode_tok_s", "peak_bytes", "error_pct")})
+                    if a.breakdown and not ov:
+                        log("(f) kernel breakdown: 4060ti-6g, a 16K prefill")
+                        row["breakdown"] = kernel_breakdown(lambda: eng.generate(
+                            prompt(16384, cfg.vocab_size), max_new_tokens=1))
+                    del eng
+                except torch.OutOfMemoryError as exc:
+                    row["result"] = f"out of memory: {str(exc).splitlines()[0][:120]}"
+            out["rows"].append(row)
+            log(f"(f) 4060ti-6g {ov or 'auto'}: {row.get('result')} prefill "
+                f"{row.get('prefill_tok_s', 0):,.0f} tok/s, decode {row.get('decode_tok_s') or 0:.1f}"
+                f", peak {gib(row.get('peak_bytes') or 0)} (plan {gib(plan.peak_allocated_bytes)})")
+            free_all(dev)
+        del model
+        free_all(dev)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+    big = load_profile("h200-141g").sparse_config()
+    model = build_ours(cfg, dev, awq=True, host_emb=False)
+    from hisparse_cli.engine.engine import Engine
+
+    eng = Engine(model, cfg, sparse=big, device=dev, kv_dtype=torch.float16, backend=backend)
+    run_ours(model, cfg, big, prompt(4096, cfg.vocab_size), 4, backend, dev, engine=eng,
+             weight_format="awq-int4")
+    r = run_ours(model, cfg, big, prompt(ctx, cfg.vocab_size), new, backend, dev, engine=eng,
+                 weight_format="awq-int4")
+    r.pop("plan")
+    peer = {"profile": "h200-141g", "sparse": str(big), "result": "ok",
+            **{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "peak_bytes", "error_pct")}}
+    if a.breakdown:
+        log("(f) kernel breakdown: h200-141g, a 16K prefill")
+        peer["breakdown"] = kernel_breakdown(lambda: eng.generate(
+            prompt(16384, cfg.vocab_size), max_new_tokens=1))
+    out["peer"] = peer
+    log(f"(f) h200-141g: prefill {peer['prefill_tok_s']:,.0f} tok/s, decode "
+        f"{peer['decode_tok_s']:.1f}")
+    for row in out["rows"]:
+        if row.get("result") == "ok":
+            row["prefill_vs_h200_141g"] = row["prefill_tok_s"] / peer["prefill_tok_s"]
+            log(f"(f) 4060ti-6g {row['overrides'] or 'auto'}: prefill "
+                f"{row['prefill_vs_h200_141g']:.2f}x h200-141g's")
+    del eng, model
+    free_all(dev)
+    return out
+
+
 def same_resident_eviction(sparse, cfg: ModelConfig, context: int):
     """The eviction-only setting whose resident KV matches the retrieval one's: the window
     widened by the page cache plus the page summaries' bytes, in tokens."""
@@ -917,6 +1043,14 @@ def main() -> None:
     ap.add_argument("--cli-sampling", action="store_true",
                     help="decode with the CLI's default sampler settings (repetition penalty "
                     "1.1, no-repeat n-gram 8) instead of plain greedy")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="run only (f): 4060ti-6g (CLI's auto working set, emulated "
+                    "--budget-gib card) vs h200-141g prefill, AWQ 8B, --contexts' last")
+    ap.add_argument("--sweep", default=None, metavar="K=V[:K=V],...",
+                    help="(f): extra 4060ti-6g rows, SparseConfig overrides each, e.g. "
+                    "prefill_chunk=1024,score_stride=16")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="(f): also a torch.profiler kernel breakdown of a 16K prefill each")
     ap.add_argument("--retrieval", action="store_true",
                     help="run only the retrieval tier vs eviction-only at the same resident KV "
                     "(writes gpu_retrieval.json)")
@@ -982,6 +1116,11 @@ def main() -> None:
     if a.awq_vs_fp16 and dev.type == "cuda":
         res["awq_vs_fp16"] = phase_awq_vs_fp16(a, dev, backend)
         (out_dir / "gpu_engine_awq.json").write_text(json.dumps(res, indent=2, default=str))
+        return
+    if a.profile_prefill and dev.type == "cuda":
+        res["profile_prefill"] = phase_profile_prefill(a, dev, backend, res["calibration"])
+        (out_dir / "gpu_profile_prefill.json").write_text(json.dumps(res, indent=2,
+                                                                     default=str))
         return
     if a.only_budget and dev.type == "cuda":
         res["budget"] = phase_budget(a, dev, backend, res["calibration"])

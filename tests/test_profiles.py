@@ -21,7 +21,7 @@ REQUIRED = ["cpu", "4060ti-6g", "3090-24g", "a10-24g", "4090-24g", "a100-80g", "
 # (window, globals, block, chunk, kv_dtype, weights, embeddings_on_host) from the issue
 SPEC = {
     "cpu": (1024, 64, 16, 256, "float32", "fp16", False),
-    "4060ti-6g": (1536, 128, 16, 512, "float16", "awq-int4", True),
+    "4060ti-6g": (1536, 128, 16, 1024, "float16", "awq-int4", True),  # chunk: measured
     "3090-24g": (4096, 256, 16, 1024, "float16", "fp16", False),
     "a10-24g": (4096, 256, 16, 1024, "float16", "fp16", False),
     "4090-24g": (4096, 256, 16, 1024, "float16", "fp16", False),
