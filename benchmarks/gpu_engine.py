@@ -553,9 +553,19 @@ def phase_awq_vs_fp16(a, dev, backend) -> list[dict]:
     systems = [("fp16", False, False), ("awq-int4", True, False)]
     if a.awq_lm_head:
         systems.append(("awq-int4+int4-lm_head", True, True))
+    if a.prefill_cache:
+        systems.append(("awq-int4+prefill-cache", True, False))
     for label, awq, head in systems:
         model = build_ours(cfg, dev, awq=awq, host_emb=False, awq_lm_head=head)
         kw = dict(weight_format="awq-int4" if awq else "fp16", awq_lm_head=head)
+        if label.endswith("+prefill-cache"):  # every layer's W^T kept (Engine.keep_prefill_
+            # weights; what summarize keeps where the budget has room), planned so
+            from hisparse_cli.engine.engine import Engine
+
+            held = Engine(model, cfg, sparse=base, device=dev, kv_dtype=torch.float16,
+                          backend=backend).keep_prefill_weights(cfg.num_hidden_layers)
+            kw["prefill_cache_layers"] = cfg.num_hidden_layers
+            log(f"(e) {label}: {gib(held)} GiB of W^T kept for prefill")
         run_ours(model, cfg, base, prompt(4096, cfg.vocab_size), 4, backend, dev, **kw)
         for chunk in chunks:  # --awq-chunks: the same rows at other prefill chunks
             sparse = base.with_overrides(prefill_chunk=chunk)
@@ -1029,6 +1039,9 @@ def main() -> None:
     ap.add_argument("--reuse-engine", action="store_true",
                     help="(e): one Engine per model and context for the --repeat runs (the "
                          "repeats after the first replay the kept decode graph, as in a batch)")
+    ap.add_argument("--prefill-cache", action="store_true",
+                    help="(e): also an INT4 row whose layers keep W^T for prefill (the prefill "
+                    "weight cache summarize keeps where the budget has room)")
     ap.add_argument("--awq-vs-fp16", action="store_true",
                     help="run only (e): 8B-shaped AWQ INT4 vs fp16, h200-141g settings, "
                          "embeddings on the device (CUDA-graph decode for both)")

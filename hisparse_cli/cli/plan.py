@@ -197,7 +197,7 @@ def plan(
                                    instructions=instructions)
         ctx, new = report.peak_generation
 
-    def plan_with(policy):
+    def plan_with(policy, cache_layers: int | None = 0):
         return plan_for_profile(
             cfg, prof, context_tokens=ctx, max_new_tokens=new, sparse=policy,
             device_kind=device.value if device else None,
@@ -206,14 +206,16 @@ def plan(
             kv_dtype=kv_dtype.value if kv_dtype else None, embeddings_on_host=embeddings_on_host,
             awq_lm_head=awq_head, lm_head_format=lm_head_format.value if lm_head_format else None,
             budget_bytes=int(budget_gib * GIB) if budget_gib else None,
-            model_name=name)
+            model_name=name, prefill_cache_layers=cache_layers)
 
     kind = device.value if device else ("cpu" if prof.vram_budget_gib is None else "cuda")
     choice = choose_attention(mode, sparse=sparse, plan=plan_with, context_tokens=ctx + new,
                               explicit_sparse=opts.explicit_sparse(),
                               budget_name="the given budget" if budget_gib else (
                                   "host RAM" if kind == "cpu" else "VRAM budget"))
-    result = plan_with(choice.sparse)
+    from hisparse_cli.planner.memory import with_prefill_cache_info
+
+    result = with_prefill_cache_info(plan_with(choice.sparse), plan_with(choice.sparse, None))
     result = replace(result, settings={**result.settings, "attention": choice.to_dict()})
     if report is not None:
         from hisparse_cli.cli.plan_document import attention_choice, document_json, document_table

@@ -140,6 +140,7 @@ class Engine:
         self._decode_state = None  # DecodeState kept between generate calls (graph decode)
         self.step_trace = None  # callable(dict): one record per prefill chunk / decode step
         self.compile_mark = compile_counts()  # the next generate reports compiles since it
+        self.prefill_cache_layers = 0  # keep_prefill_weights: decoder layers with W^T kept
 
     def _resolve_execution(self) -> ExecutionPlan:
         group = _int4_group(self.model)
@@ -203,6 +204,26 @@ class Engine:
             from hisparse_cli.kernels.fp8 import w4a8_linear
 
             w4a8_linear.set_enabled(self.execution.int4_prefill.value == "w4a8")
+
+    def keep_prefill_weights(self, layers: int) -> int:
+        """The prefill weight cache (the memory plan's `weights.prefill_cache`, planner/
+        weights.py): the INT4 linears of the first `layers` decoder layers keep W^T dequantized
+        in the compute dtype, so a prefill chunk multiplies by it (one cuBLAS call) instead of
+        dequantizing it again; every other layer drops its copy (first, so memory goes down
+        before it goes up). Decode keeps the INT4 kernels. Returns the bytes held; 0 for a
+        model without INT4 linears."""
+        from hisparse_cli.model.awq import AWQLinear
+
+        blocks = list(self.model.model.layers)
+        layers = max(0, min(int(layers), len(blocks)))
+        mods = [[m for m in b.modules() if isinstance(m, AWQLinear)] for b in blocks]
+        for group in mods[layers:]:
+            for m in group:
+                m.keep_prefill_weight(False)
+        dtype = self.model.compute_dtype
+        held = sum(m.keep_prefill_weight(True, dtype) for group in mods[:layers] for m in group)
+        self.prefill_cache_layers = layers if held else 0
+        return held
 
     def replan(self) -> ExecutionPlan:
         """Resolve the execution plan again from the environment as it is now (benchmarks and

@@ -20,7 +20,7 @@ from torch import nn
 
 from hisparse_cli.errors import ModelError
 from hisparse_cli.kernels.int4 import awq_layout
-from hisparse_cli.kernels.int4.awq_layout import kmajor_to_awq, repack_kmajor
+from hisparse_cli.kernels.int4.awq_layout import GEMV_MAX_TOKENS, kmajor_to_awq, repack_kmajor
 from hisparse_cli.kernels.dispatch import select_backend
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -131,6 +131,9 @@ class AWQLinear(nn.Module):
         # the shape allows; not part of the checkpoint (non-persistent)
         self.register_buffer("int4pack", None, persistent=False)
         self.register_buffer("int4pack_sz", None, persistent=False)
+        # the prefill weight cache (keep_prefill_weight): W^T [out, in] dequantized once, which
+        # prefill-sized products multiply by instead of dequantizing every call (non-persistent)
+        self.register_buffer("prefill_weight", None, persistent=False)
 
     @classmethod
     def from_checkpoint(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -282,6 +285,47 @@ class AWQLinear(nn.Module):
         self._prepared = self._prepared_key = None
         return True
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W^T [out, in] in dtype: (q - z) s exact, rounded once to dtype, as every prefill path
+        of this layout dequantizes it (CUDA: the layout's Triton dequantize; else the fp32
+        reference)."""
+        k, n = self.in_features, self.out_features
+        if self.layout == "items":
+            if self.qweight.is_cuda:
+                from hisparse_cli.kernels.int4.awq_items_linear import dequantize_items
+
+                return dequantize_items(self.qweight, k, n,
+                                        out=torch.empty((n, k), dtype=dtype,
+                                                        device=self.qweight.device))
+            from hisparse_cli.kernels.int4.awq_items import dequantize_items_ref
+
+            return dequantize_items_ref(self.qweight, k, n, 0, n).to(dtype)
+        if self.layout in ("kmajor", "tiled") and self.qweight.is_cuda:
+            from hisparse_cli.kernels.int4.awq_triton import awq_dequantize_k
+
+            return awq_dequantize_k(self.qweight, self.qzeros, self.scales, self.group_size,
+                                    dtype, tiled=self.layout == "tiled")
+        from hisparse_cli.kernels.int4.awq_ref import dequantize_weight
+
+        return dequantize_weight(self.checkpoint_qweight(), self.qzeros, self.scales,
+                                 self.group_size).t().to(dtype).contiguous()
+
+    def keep_prefill_weight(self, on: bool, dtype: torch.dtype | None = None) -> int:
+        """Keep (on) or drop the prefill weight cache: W^T dequantized once in dtype (default:
+        the bias's or fp16), which a product of more than GEMV_MAX_TOKENS tokens then
+        multiplies by directly (F.linear: one cuBLAS call, no dequantize pass); decode-sized
+        products keep the INT4 kernels. Returns the bytes it holds (the memory plan's
+        `weights.prefill_cache`; Engine.keep_prefill_weights decides which linears)."""
+        if not on:
+            self.prefill_weight = None
+            return 0
+        dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float16)
+        pw = self.prefill_weight
+        if pw is None or pw.dtype != dtype:
+            self.prefill_weight = None  # (an old copy goes before the new one is made)
+            self.prefill_weight = self.dequantized(dtype)
+        return self.prefill_weight.numel() * self.prefill_weight.element_size()
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                    dtype: torch.dtype | None = None) -> "AWQLinear":
@@ -294,6 +338,10 @@ class AWQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
+        pw = self._buffers["prefill_weight"]
+        if pw is not None and x.numel() > GEMV_MAX_TOKENS * self.in_features:
+            return nn.functional.linear(x, pw if pw.dtype == x.dtype else pw.to(x.dtype),
+                                        None if self.bias is None else self.bias.to(x.dtype))
         if self.layout == "items":  # dequantize column chunks, then matmul (any T)
             if x.is_cuda:  # checks once, dequantize launches from CUDA graphs
                 b, key = self._buffers, self._prepared_key

@@ -337,6 +337,7 @@ def _stack_linears(lins: list[nn.Module]) -> nn.Module | None:
         fused.register_buffer("bias", bias)
         fused.register_buffer("int4pack", None, persistent=False)
         fused.register_buffer("int4pack_sz", None, persistent=False)
+        fused.register_buffer("prefill_weight", None, persistent=False)  # (kept per layer)
         fused._pack_for_cpu()  # its own CPU decode copy (the pieces' go with them)
         return fused
     if type(lins[0]) is not nn.Linear:

@@ -166,12 +166,23 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                 max_new_tokens: int, kv_dtype,
                 compute_dtype, device_kind: str, backend: str, budget_bytes: int | None = None,
                 num_sms: int = DEFAULT_NUM_SMS, model_name: str = "",
-                suggest: bool = True, execution: ExecutionPlan | None = None) -> MemoryPlan:
+                suggest: bool = True, execution: ExecutionPlan | None = None,
+                prefill_cache_layers: int | None = 0) -> MemoryPlan:
     """Predict the device memory of one generate run (see the module docstring).
     lm_head_int8: an fp output head quantized to INT8 at load (model/int8_linear.py; an INT4
     head, awq_lm_head, stays INT4). execution: how the run executes (an Engine's plan);
     default: resolved for the planned device and backend, as an Engine there would
-    (config/execution.py)."""
+    (config/execution.py). prefill_cache_layers: decoder layers whose INT4 linears keep W^T
+    for prefill (Engine.keep_prefill_weights); None: as many as the budget has room for after
+    the run (CUDA, AWQ INT4 weights on the Triton kernels, a budget; else 0)."""
+    if prefill_cache_layers is None:
+        return _with_prefill_cache(dict(
+            model_cfg=model_cfg, weight_format=weight_format, group_size=group_size,
+            awq_lm_head=awq_lm_head, embeddings_on_host=embeddings_on_host,
+            lm_head_int8=lm_head_int8, sparse=sparse, context_tokens=context_tokens,
+            max_new_tokens=max_new_tokens, kv_dtype=kv_dtype, compute_dtype=compute_dtype,
+            device_kind=device_kind, backend=backend, budget_bytes=budget_bytes,
+            num_sms=num_sms, model_name=model_name, suggest=suggest, execution=execution))
     _validate(weight_format, device_kind, backend, group_size, context_tokens, max_new_tokens,
               budget_bytes)
     check_positions(model_cfg.max_position_embeddings, sparse=sparse,
@@ -218,6 +229,7 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
         score_stride=sparse.score_stride, min_distance=min_distance, importance=imp,
         num_sms=num_sms, cpu_int4=cpu_int4,
         fp8_prefill=execution.int4_prefill.value == "w4a8",
+        prefill_cached=awq and prefill_cache_layers >= model_cfg.num_hidden_layers,
         residual_chain=cuda and execution.kernels.elementwise == "triton")
     graph = bool(execution.graph_decode.value)  # Engine._use_graph
     in_graph = graph and bool(execution.graph_sampler.value)
@@ -230,7 +242,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
     witems = weight_items(model_cfg, cb=cb, awq=awq, group=group_size, awq_lm_head=awq_lm_head,
                           lm_head_int8=lm_head_int8,
                           embeddings_on_host=host_emb, cuda=cuda, cpu_int4=cpu_int4,
-                          cpu_decode=_cpu_decode_bytes(execution, model_cfg))
+                          cpu_decode=_cpu_decode_bytes(execution, model_cfg),
+                          prefill_cache_layers=prefill_cache_layers if awq else 0)
     items = [LineItem(w.name if w.on_device else w.name + " (host RAM)", w.bytes, w.formula,
                       counted=w.on_device) for w in witems]
     weights = sum(w.bytes for w in witems if w.on_device)
@@ -300,7 +313,8 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
                     lm_head_int8=lm_head_int8, context_tokens=context_tokens,
                     max_new_tokens=max_new_tokens,
                     kv_dtype=kv_name, compute_dtype=c_name, device_kind=device_kind,
-                    backend=backend, num_sms=num_sms, sparse=asdict(sparse))
+                    backend=backend, num_sms=num_sms, sparse=asdict(sparse),
+                    prefill_cache_layers=prefill_cache_layers if awq else 0)
     plan = MemoryPlan(model=model_name or model_cfg.model_type, settings=settings,
                       items=tuple(items), weights_bytes=weights, peak_allocated_bytes=peak,
                       resident_bytes=resident, cuda_context_bytes=context,
@@ -314,6 +328,53 @@ def plan_memory(model_cfg: ModelConfig, *, weight_format: str, group_size: int =
 
         plan = replace(plan, suggestions=tuple(suggestions(plan, plan_memory)))
     return plan
+
+
+def prefill_cache_applies(weight_format: str, device_kind: str, backend: str) -> bool:
+    """Where the prefill weight cache runs: INT4 weights on CUDA's Triton kernels (elsewhere a
+    prefill product has no per-chunk dequantize pass worth keeping)."""
+    return weight_format == "awq-int4" and device_kind == "cuda" and backend == "triton"
+
+
+def _with_prefill_cache(req: dict) -> MemoryPlan:
+    """plan_memory with prefill_cache_layers=None: the run planned without the cache, then
+    with as many decoder layers' W^T as the budget has room for beside its peak (the cache is
+    held for the whole run, so it adds to the peak at every point)."""
+    base = plan_memory(**req, prefill_cache_layers=0)
+    if (base.budget_bytes is None or not base.fits
+            or not prefill_cache_applies(req["weight_format"], req["device_kind"],
+                                         req["backend"])):
+        return base
+    from hisparse_cli.planner.weights import prefill_cache_layer_bytes
+
+    cfg = req["model_cfg"]
+    per = prefill_cache_layer_bytes(cfg, _DTYPE_BYTES[dtype_name(req["compute_dtype"],
+                                                                 "compute_dtype")], True)
+    layers = min(cfg.num_hidden_layers, (base.budget_bytes - base.peak_allocated_bytes) // per)
+    while layers > 0:  # all layers cached also drops the dequantize workspace: re-planned
+        plan = plan_memory(**req, prefill_cache_layers=layers)
+        if plan.fits:
+            return plan
+        layers -= 1
+    return base
+
+
+def with_prefill_cache_info(plan: MemoryPlan, cached: MemoryPlan) -> MemoryPlan:
+    """`plan` (the run's requirement) with what `cached` (the same run planned with
+    prefill_cache_layers=None) keeps for prefill shown beside it, not counted: the cache is
+    elastic, made of the budget's room after the run, so it never makes a run not fit, and
+    `hisparse plan` reports what the run needs (summarize plans the cache in, exactly)."""
+    from dataclasses import replace
+
+    layers = int(cached.settings.get("prefill_cache_layers") or 0)
+    item = next((i for i in cached.items if i.name == "weights.prefill_cache"), None)
+    if not layers or item is None:
+        return plan
+    info = LineItem(item.name + " (elastic)", item.bytes,
+                    item.formula + f"; summarize keeps it: peak then {cached.peak_allocated_bytes:,} B",
+                    counted=False)
+    return replace(plan, items=plan.items + (info,),
+                   settings={**plan.settings, "prefill_cache_layers": layers})
 
 
 def host_ram_bytes() -> int | None:

@@ -44,8 +44,11 @@ def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_toke
                      embeddings_on_host: bool | None = None, awq_lm_head: bool = False,
                      lm_head_format: str | None = None, budget_bytes: int | None = None,
                      model_name: str = "",
-                     num_sms: int = DEFAULT_NUM_SMS) -> MemoryPlan:
-    """plan_memory for `cfg` run under `profile`; every keyword overrides the profile."""
+                     num_sms: int = DEFAULT_NUM_SMS,
+                     prefill_cache_layers: int | None = 0) -> MemoryPlan:
+    """plan_memory for `cfg` run under `profile`; every keyword overrides the profile.
+    prefill_cache_layers None: as many layers' prefill weight cache as the budget has room for
+    (what `summarize` keeps: planner/memory.py)."""
     device_kind = device_kind or ("cpu" if profile.vram_budget_gib is None else "cuda")
     cuda = device_kind == "cuda"
     compute = "float16" if cuda else "float32"
@@ -75,7 +78,8 @@ def plan_for_profile(cfg: ModelConfig, profile: HardwareProfile, *, context_toke
         max_new_tokens=profile.max_new_tokens if max_new_tokens is None else max_new_tokens,
         kv_dtype=kv_dtype or (profile.kv_dtype if cuda else "float32"), compute_dtype=compute,
         device_kind=device_kind, backend=backend or ("triton" if cuda else "torch"),
-        budget_bytes=budget_bytes, num_sms=num_sms, model_name=model_name)
+        budget_bytes=budget_bytes, num_sms=num_sms, model_name=model_name,
+        prefill_cache_layers=prefill_cache_layers)
     from dataclasses import replace
 
     return replace(plan, notes=plan.notes + tuple(notes),

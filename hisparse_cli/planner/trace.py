@@ -141,6 +141,9 @@ class StepShape:
     num_sms: int
     cpu_int4: bool = False  # CPU AWQ linears keep the packed decode copy (kernels/int4/awq_cpu.py)
     fp8_prefill: bool = False  # prefill INT4 products in W4A8 (kernels/fp8/w4a8_linear.py)
+    # every decoder layer keeps W^T for prefill (AWQLinear.keep_prefill_weight): prefill-sized
+    # products are one F.linear, without a dequantize workspace
+    prefill_cached: bool = False
     # CausalLM.forward_hidden's residual chain (model/llama.py; Triton elementwise kernels)
     residual_chain: bool = False
 
@@ -162,6 +165,10 @@ def linear(tr: Trace, s: StepShape, name: str, m: int, k: int, n: int, quant: bo
     if not quant:  # F.linear: one addmm/mm output
         return tr.alloc(name, m * n * cb)
     if s.backend == "triton":  # K-major kernels for every dtype (kernels/int4/awq_layout.py)
+        from hisparse_cli.kernels.int4.awq_layout import GEMV_MAX_TOKENS
+
+        if s.prefill_cached and m > GEMV_MAX_TOKENS and name != "lm_head":
+            return tr.alloc(name, m * n * cb)  # F.linear over the kept W^T
         return _awq_triton(tr, s, name, m, k, n)
     if s.cpu_int4 and not s.cuda:
         from hisparse_cli.kernels.int4.awq_cpu import CPU_INT4_MAX_TOKENS, int4pack_applies

@@ -44,6 +44,16 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
             ("down_proj", im, hs, mb)]
 
 
+def prefill_cache_layer_bytes(cfg: ModelConfig, cb: int, cuda: bool) -> int:
+    """Bytes of one decoder layer's prefill weight cache (AWQLinear.keep_prefill_weight):
+    W^T of each INT4 linear as the engine runs them (q|k|v and gate|up stacked) in the compute
+    dtype, one tensor each."""
+    hs, qd, kd, im = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                      cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    a = cuda_block_bytes if cuda else (lambda n: n)
+    return sum(a(i * o * cb) for i, o in ((hs, qd + 2 * kd), (qd, hs), (hs, 2 * im), (im, hs)))
+
+
 def cpu_int4pack_items(cfg: ModelConfig, group: int, awq_lm_head: bool) -> list[WeightItem]:
     """The packed CPU decode copies of the AWQ linears (kernels/int4/awq_cpu.py), per linear as the
     loader stacks them (q|k|v, gate|up) and only where the shape allows the packing."""
@@ -91,8 +101,10 @@ def cpu_decode_item(cfg: ModelConfig, esize: int) -> WeightItem:
 
 def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_head: bool,
                  embeddings_on_host: bool, cuda: bool, lm_head_int8: bool = False,
-                 cpu_int4: bool = False, cpu_decode: int = 0) -> list[WeightItem]:
-    """cpu_decode: the element size of the native CPU decode copy (0: none)."""
+                 cpu_int4: bool = False, cpu_decode: int = 0,
+                 prefill_cache_layers: int = 0) -> list[WeightItem]:
+    """cpu_decode: the element size of the native CPU decode copy (0: none).
+    prefill_cache_layers: decoder layers whose INT4 linears keep W^T for prefill."""
     def a(n: int) -> int:
         return cuda_block_bytes(n) if cuda else max(n, 0)
 
@@ -136,6 +148,11 @@ def weight_items(cfg: ModelConfig, *, cb: int, awq: bool, group: int, awq_lm_hea
         why = " (device copy of the host-resident tied table)" if cfg.tie_word_embeddings else ""
         items.append(WeightItem("weights.lm_head", a(V * H * cb), f"[{V}, {H}] x {dt}{why}"))
     items.append(WeightItem("weights.rope", a(D // 2 * 4), f"inv_freq [{D // 2}] fp32"))
+    if awq and prefill_cache_layers:
+        items.append(WeightItem(
+            "weights.prefill_cache", prefill_cache_layers * prefill_cache_layer_bytes(cfg, cb, cuda),
+            f"{prefill_cache_layers} of {L} layers x W^T of (q|k|v, o, gate|up, down) x {dt}: "
+            "dequantized once, what prefill chunks multiply by (the budget's room after the run)"))
     if awq and cpu_int4 and not cuda:
         items += cpu_int4pack_items(cfg, group, awq_lm_head)
     if cpu_decode and not cuda and not awq:

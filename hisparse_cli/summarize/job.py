@@ -218,9 +218,8 @@ class Job:
         text = json.dumps(self.settings_view(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def choose_attention(self, doc: Document):
-        """The AttentionChoice for `doc` (planner/attention_choice.py): the planner asked about
-        the dense KV of the document's largest generation on this run's device and budget."""
+    def context_for(self, doc: Document) -> int:
+        """The prompt tokens of `doc`'s largest generation, as the plans below are asked."""
         engine = self.engine()
         max_pos = int(engine.cfg.max_position_embeddings)
         cap = self.settings.generation.max_new_tokens
@@ -230,7 +229,30 @@ class Job:
 
             tokens = count_tokens(engine.tokenizer, doc.text)
             context = max(1, min(max_pos - cap, tokens + PROMPT_OVERHEAD_TOKENS))
-        return self.attention_for(context, cap)
+        return context
+
+    def choose_attention(self, doc: Document):
+        """The AttentionChoice for `doc` (planner/attention_choice.py): the planner asked about
+        the dense KV of the document's largest generation on this run's device and budget."""
+        return self.attention_for(self.context_for(doc), self.settings.generation.max_new_tokens)
+
+    def keep_prefill_weights(self, context: int, new_tokens: int, sparse: SparseConfig) -> int:
+        """Give the engine the prefill weight cache the plan of this generation has room for
+        (planner/memory.py: on CUDA with INT4 weights, the layers whose W^T fit the budget
+        beside the run; else none) before it runs; returns the layers kept."""
+        engine = self.engine()
+        layers = 0
+        if self.device_plan is not None and self.device_plan.device == "cuda":
+            from hisparse_cli.planner.profile import plan_for_profile
+
+            plan = plan_for_profile(engine.cfg, self.profile, context_tokens=context,
+                                    max_new_tokens=new_tokens, sparse=sparse,
+                                    device_kind="cuda", prefill_cache_layers=None)
+            layers = int(plan.settings.get("prefill_cache_layers") or 0)
+        keep = getattr(engine, "keep_prefill_weights", None)
+        if keep is not None and (layers or getattr(engine, "prefill_cache_layers", 0)):
+            keep(layers)
+        return layers
 
     def attention_for(self, context: int, new_tokens: int):
         """The AttentionChoice for a generation of `context` prompt + `new_tokens` positions
@@ -258,7 +280,9 @@ class Job:
         from hisparse_cli.planner.attention_choice import running_under
 
         engine = self.engine()
-        choice = self.choose_attention(doc)
+        context, cap = self.context_for(doc), self.settings.generation.max_new_tokens
+        choice = self.attention_for(context, cap)
+        cache_layers = self.keep_prefill_weights(context, cap, choice.sparse)
         with running_under(engine, choice.sparse):
             result = summarize_document(doc, engine, self.settings, progress)
         if reference_text is not None:
@@ -273,7 +297,7 @@ class Job:
                           "kernel_compile_seconds": out["stats"]["kernel_compile_seconds"],
                           "kernel_load_seconds": out["stats"]["kernel_load_seconds"]}
         out["settings"] = {**self.settings_dict(), "attention": choice.to_dict(),
-                           **out["settings"]}
+                           "prefill_cache_layers": cache_layers, **out["settings"]}
         out["settings"]["sparse"] = asdict(choice.sparse)  # the policy the run used
         out["reference"] = reference_path
         tokenizer = getattr(engine, "tokenizer", None)

@@ -127,7 +127,9 @@ def run_warmup(job, steps: list[WarmupStep],
             progress(i, len(steps), step)
         ids = torch.randint(0, vocab, (step.prompt_tokens,), generator=g).tolist()
         # the attention a summarize of this length gets (its own cap of new tokens)
-        choice = job.attention_for(step.prompt_tokens, job.settings.generation.max_new_tokens)
+        cap = job.settings.generation.max_new_tokens
+        choice = job.attention_for(step.prompt_tokens, cap)
+        job.keep_prefill_weights(step.prompt_tokens, cap, choice.sparse)  # as summarize would
         t0 = time.perf_counter()
         with running_under(engine, choice.sparse):
             result = engine.generate(ids, gen=step.gen)

@@ -1,0 +1,142 @@
+"""The prefill weight cache (AWQLinear.keep_prefill_weight, Engine.keep_prefill_weights, the
+planner's `weights.prefill_cache`): a prefill-sized product multiplies by W^T dequantized once
+and equals the independent oracle (x @ the fp32-decoded weight); decode-sized products keep the
+INT4 kernels; an engine whose layers keep W^T gives the logits it gives without; the planner
+counts the cache, fills the budget's room with whole layers, drops the dequantize workspace
+from the trace when every layer keeps W^T, and plans none without a budget or off CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hisparse_cli.model.awq import AWQLinear
+from test_awq_ref import oracle_weight, random_awq
+
+
+def _linear(layout: str, bias: bool = True) -> tuple[AWQLinear, torch.Tensor, torch.Tensor]:
+    qw, qz, s, b = random_awq(256, 384, 128, seed=3, bias=bias)
+    mod = AWQLinear.from_checkpoint(qw, qz, s, b, 128, "cpu", torch.float32)
+    assert mod.set_layout(layout)
+    w = oracle_weight(qw, qz, s, 128).float()  # [in, out], decoded independently
+    return mod, w, (torch.zeros(384) if b is None else b.float())
+
+
+@pytest.mark.parametrize("layout", ["awq", "items"])
+def test_cached_product_equals_the_oracle_and_decode_keeps_int4(layout, monkeypatch):
+    monkeypatch.setenv("HISPARSE_BACKEND", "torch")  # the uncached product: the fp32 reference
+    mod, w, b = _linear(layout)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1))
+    before = mod(x)
+    held = mod.keep_prefill_weight(True, torch.float32)
+    assert held == 384 * 256 * 4 and mod.prefill_weight.shape == (384, 256)
+    calls = []
+    real = nn.functional.linear
+    monkeypatch.setattr(nn.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    after = mod(x)
+    assert calls == [1]  # one F.linear over the kept W^T
+    expect = x @ w + b
+    assert torch.allclose(after, expect, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(after, before, atol=1e-5, rtol=1e-5)
+    calls.clear()
+    one = mod(x[:1])  # a decode-sized product: the INT4 path, not the cache
+    assert calls == [] and torch.allclose(one, expect[:1], atol=1e-5, rtol=1e-5)
+    assert mod.keep_prefill_weight(False) == 0 and mod.prefill_weight is None
+    assert "prefill_weight" not in mod.state_dict()  # never saved with the checkpoint
+
+
+def test_cached_product_allocates_only_its_output():
+    """What planner/trace.linear counts for a cached layer's prefill product: y alone."""
+    from test_planner import AllocRecorder
+
+    mod, _, _ = _linear("awq", bias=False)
+    mod.keep_prefill_weight(True, torch.float32)
+    x = torch.randn(40, 256)
+    rec = AllocRecorder()
+    with rec:
+        y = mod(x)
+    assert rec.peak == rec.cur == y.numel() * y.element_size()
+
+
+def test_engine_keeps_whole_layers_and_the_logits_stay(tmp_path, monkeypatch):
+    from test_awq_model import _mixed_checkpoint
+
+    from hisparse_cli.config.settings import SparseConfig
+    from hisparse_cli.engine.engine import Engine
+
+    monkeypatch.setenv("HISPARSE_BACKEND", "torch")
+    out, _ = _mixed_checkpoint(tmp_path)
+    eng = Engine.from_pretrained(out, "cpu", torch.float32,
+                                 sparse=SparseConfig(window_size=None, global_tokens=0,
+                                                     recalibrate_topk=0, prefill_chunk=16))
+    ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    expect = eng.logits(ids)
+    layers = eng.model.model.layers
+
+    def kept(layer):  # a registered buffer (what forward reads), stacked q|k|v / gate|up too
+        mods = [m for m in layer.modules() if isinstance(m, AWQLinear)]
+        assert any(m.out_features > 64 for m in mods)  # layer 0's stacked q|k|v is among them
+        return [m._buffers["prefill_weight"] is not None for m in mods]
+
+    held = eng.keep_prefill_weights(1)
+    assert eng.prefill_cache_layers == 1 and all(kept(layers[0])) and not any(kept(layers[1]))
+    assert held == sum(m.in_features * m.out_features * 4 for m in layers[0].modules()
+                       if isinstance(m, AWQLinear))
+    assert torch.allclose(eng.logits(ids), expect, atol=1e-5, rtol=1e-5)
+    eng.keep_prefill_weights(99)  # capped at the model's layers
+    assert eng.prefill_cache_layers == 2 and all(kept(layers[1]))
+    assert torch.allclose(eng.logits(ids), expect, atol=1e-5, rtol=1e-5)
+    assert eng.keep_prefill_weights(0) == 0 and not any(kept(layers[0]) + kept(layers[1]))
+    assert eng.model.lm_head.prefill_weight is None  # the head is never kept (prefill: 1 row)
+
+
+def _plan(budget_gib, layers=None, device="cuda", context=32768):
+    from hisparse_cli.config.profiles import load_profile
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner.memory import GIB, plan_memory
+    from hisparse_cli.planner.shapes import SHAPES
+
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
+    sparse = load_profile("h200-141g").sparse_config()
+    return cfg, plan_memory(cfg, weight_format="awq-int4", sparse=sparse,
+                            context_tokens=context, max_new_tokens=256, kv_dtype="float16",
+                            compute_dtype="float16" if device == "cuda" else "float32",
+                            device_kind=device, backend="triton" if device == "cuda" else "torch",
+                            budget_bytes=None if budget_gib is None else int(budget_gib * GIB),
+                            prefill_cache_layers=layers)
+
+
+def test_planner_fills_the_room_with_whole_layers():
+    from hisparse_cli.planner.weights import prefill_cache_layer_bytes
+
+    cfg, base = _plan(12.0, layers=0)
+    per = prefill_cache_layer_bytes(cfg, 2, True)
+    _, auto = _plan(12.0)
+    n = auto.settings["prefill_cache_layers"]
+    assert n == (auto.budget_bytes - base.peak_allocated_bytes) // per and 0 < n < 32
+    item = next(i for i in auto.items if i.name == "weights.prefill_cache")
+    assert item.bytes == n * per and auto.fits
+    assert auto.peak_allocated_bytes == base.peak_allocated_bytes + n * per  # layers: the same
+    assert auto.weights_bytes == base.weights_bytes + n * per  # trace (one uncached layer left)
+    _, explicit = _plan(12.0, layers=n)
+    assert explicit.peak_allocated_bytes == auto.peak_allocated_bytes
+
+
+def test_every_layer_cached_drops_the_dequantize_workspace():
+    from hisparse_cli.planner.weights import prefill_cache_layer_bytes
+
+    cfg, base = _plan(80.0, layers=0)
+    _, full = _plan(80.0)
+    assert full.settings["prefill_cache_layers"] == 32
+    cache = 32 * prefill_cache_layer_bytes(cfg, 2, True)
+    activations = full.peak_allocated_bytes - full.weights_bytes
+    assert activations < base.peak_allocated_bytes - base.weights_bytes  # no W^T workspace
+    assert full.weights_bytes == base.weights_bytes + cache
+
+
+@pytest.mark.parametrize("budget, device", [(None, "cuda"), (80.0, "cpu"), (4.0, "cuda")])
+def test_no_cache_without_room_a_budget_or_cuda(budget, device):
+    _, plan = _plan(budget, device=device)
+    assert plan.settings["prefill_cache_layers"] == 0
+    assert not any(i.name == "weights.prefill_cache" for i in plan.items)
