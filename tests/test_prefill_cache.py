@@ -140,3 +140,22 @@ def test_no_cache_without_room_a_budget_or_cuda(budget, device):
     _, plan = _plan(budget, device=device)
     assert plan.settings["prefill_cache_layers"] == 0
     assert not any(i.name == "weights.prefill_cache" for i in plan.items)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["tiled", "items"])
+def test_cuda_cache_equals_the_dequantize_path(layout, monkeypatch):
+    """On the GPU: W^T from the layout's Triton dequantize equals the oracle's fp16 rounding
+    bit for bit, and the cached product equals the per-chunk dequantize + cuBLAS product."""
+    qw, qz, s, b = random_awq(4096, 1024, 128, seed=5, bias=False)
+    mod = AWQLinear.from_checkpoint(qw, qz, s, b, 128, "cuda", torch.float16)
+    assert mod.set_layout(layout)
+    w = oracle_weight(qw, qz, s, 128).t().contiguous().half().cuda()  # [out, in]
+    x = torch.randn(700, 4096, device="cuda", dtype=torch.float16)
+    before = mod(x)
+    mod.keep_prefill_weight(True)
+    assert torch.equal(mod.prefill_weight, w)
+    after = mod(x)
+    torch.cuda.synchronize()
+    scale = float(before.abs().max())
+    assert float((after - before).abs().max()) <= 2e-3 * scale
