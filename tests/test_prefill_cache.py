@@ -159,3 +159,42 @@ def test_cuda_cache_equals_the_dequantize_path(layout, monkeypatch):
     torch.cuda.synchronize()
     scale = float(before.abs().max())
     assert float((after - before).abs().max()) <= 2e-3 * scale
+
+
+class _EngineStub:
+    """What Job.keep_prefill_weights reads and calls on an engine."""
+
+    def __init__(self, cfg):
+        self.cfg, self.prefill_cache_layers, self.kept = cfg, 0, []
+
+    def keep_prefill_weights(self, layers: int) -> int:
+        self.kept.append(layers)
+        self.prefill_cache_layers = layers
+        return layers
+
+
+@pytest.mark.parametrize("profile, context, expect", [
+    ("h100-80g", 32768, 32), ("3090-24g", 32768, 30), ("3090-24g", 131072, 0),
+    ("4060ti-6g", 131072, 0)])
+def test_job_gives_the_engine_what_the_plan_has_room_for(profile, context, expect):
+    """summarize's wiring: the plan of the document's generation (the working set chosen
+    first) sizes the cache, and the engine is told before the run; a CPU run is never."""
+    from types import SimpleNamespace
+
+    from hisparse_cli.config.profiles import load_profile
+    from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner.shapes import SHAPES
+    from hisparse_cli.summarize.job import Job
+    from hisparse_cli.summarize.pipeline import SummarySettings
+
+    prof = load_profile(profile)
+    job = Job(prof, prof.sparse_config(), SummarySettings())
+    job._engine = _EngineStub(ModelConfig.from_dict(SHAPES["llama-3-8b-awq"]))
+    job.device_plan = SimpleNamespace(device="cuda")
+    choice = job.attention_for(context, 512)
+    assert job.keep_prefill_weights(context, 512, choice.sparse) == expect
+    assert job._engine.kept == ([expect] if expect else [])
+    job._engine.prefill_cache_layers = 5  # an earlier document's cache, then a CPU plan:
+    job.device_plan = SimpleNamespace(device="cpu")
+    assert job.keep_prefill_weights(context, 512, choice.sparse) == 0
+    assert job._engine.kept[-1] == 0  # dropped
