@@ -79,15 +79,22 @@ def test_engine_keeps_whole_layers_and_the_logits_stay(tmp_path, monkeypatch):
         assert any(m.out_features > 64 for m in mods)  # layer 0's stacked q|k|v is among them
         return [m._buffers["prefill_weight"] is not None for m in mods]
 
+    released = []
+    monkeypatch.setattr(eng, "release_cached_state", lambda: released.append(1))
     held = eng.keep_prefill_weights(1)
+    assert released == [1]  # growing: a kept run's storage goes first
     assert eng.prefill_cache_layers == 1 and all(kept(layers[0])) and not any(kept(layers[1]))
     assert held == sum(m.in_features * m.out_features * 4 for m in layers[0].modules()
                        if isinstance(m, AWQLinear))
     assert torch.allclose(eng.logits(ids), expect, atol=1e-5, rtol=1e-5)
+    n = len(released)  # (logits releases the kept state itself)
     eng.keep_prefill_weights(99)  # capped at the model's layers
+    assert len(released) == n + 1
     assert eng.prefill_cache_layers == 2 and all(kept(layers[1]))
     assert torch.allclose(eng.logits(ids), expect, atol=1e-5, rtol=1e-5)
+    n = len(released)
     assert eng.keep_prefill_weights(0) == 0 and not any(kept(layers[0]) + kept(layers[1]))
+    assert len(released) == n  # shrinking frees memory: the kept state may stay
     assert eng.model.lm_head.prefill_weight is None  # the head is never kept (prefill: 1 row)
 
 

@@ -210,12 +210,16 @@ class Engine:
         weights.py): the INT4 linears of the first `layers` decoder layers keep W^T dequantized
         in the compute dtype, so a prefill chunk multiplies by it (one cuBLAS call) instead of
         dequantizing it again; every other layer drops its copy (first, so memory goes down
-        before it goes up). Decode keeps the INT4 kernels. Returns the bytes held; 0 for a
+        before it goes up). Growing it first releases what the engine keeps between generate
+        calls (a larger earlier run's KV storage and graph: the plan that sized the cache counts
+        this run's, not both). Decode keeps the INT4 kernels. Returns the bytes held; 0 for a
         model without INT4 linears."""
         from hisparse_cli.model.awq import AWQLinear
 
         blocks = list(self.model.model.layers)
         layers = max(0, min(int(layers), len(blocks)))
+        if layers > self.prefill_cache_layers:
+            self.release_cached_state()
         mods = [[m for m in b.modules() if isinstance(m, AWQLinear)] for b in blocks]
         for group in mods[layers:]:
             for m in group:
