@@ -114,11 +114,18 @@ def _plan(budget_gib, layers=None, device="cuda", context=32768):
                             prefill_cache_layers=layers)
 
 
+# an 8B layer's W^T in fp16, by hand: q|k|v 4096x6144, o 4096x4096, gate|up 4096x28672,
+# down 14336x4096 (each a whole number of the allocator's 2 MiB blocks): 416 MiB
+LAYER_BYTES = 2 * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096)
+assert LAYER_BYTES == 416 << 20
+
+
 def test_planner_fills_the_room_with_whole_layers():
     from hisparse_cli.planner.weights import prefill_cache_layer_bytes
 
     cfg, base = _plan(12.0, layers=0)
-    per = prefill_cache_layer_bytes(cfg, 2, True)
+    per = LAYER_BYTES
+    assert prefill_cache_layer_bytes(cfg, 2, True) == per
     _, auto = _plan(12.0)
     n = auto.settings["prefill_cache_layers"]
     assert n == (auto.budget_bytes - base.peak_allocated_bytes) // per and 0 < n < 32
@@ -131,12 +138,10 @@ def test_planner_fills_the_room_with_whole_layers():
 
 
 def test_every_layer_cached_drops_the_dequantize_workspace():
-    from hisparse_cli.planner.weights import prefill_cache_layer_bytes
-
     cfg, base = _plan(80.0, layers=0)
     _, full = _plan(80.0)
     assert full.settings["prefill_cache_layers"] == 32
-    cache = 32 * prefill_cache_layer_bytes(cfg, 2, True)
+    cache = 32 * LAYER_BYTES
     activations = full.peak_allocated_bytes - full.weights_bytes
     assert activations < base.peak_allocated_bytes - base.weights_bytes  # no W^T workspace
     assert full.weights_bytes == base.weights_bytes + cache
@@ -180,25 +185,32 @@ class _EngineStub:
         return layers
 
 
-@pytest.mark.parametrize("profile, context, expect", [
-    ("h100-80g", 32768, 32), ("3090-24g", 32768, 30), ("3090-24g", 131072, 0),
-    ("4060ti-6g", 131072, 0)])
-def test_job_gives_the_engine_what_the_plan_has_room_for(profile, context, expect):
-    """summarize's wiring: the plan of the document's generation (the working set chosen
-    first) sizes the cache, and the engine is told before the run; a CPU run is never."""
+@pytest.mark.parametrize("profile, context, some", [
+    ("h100-80g", 32768, True), ("3090-24g", 32768, True), ("3090-24g", 131072, False),
+    ("4060ti-6g", 131072, False)])
+def test_job_gives_the_engine_what_the_plan_has_room_for(profile, context, some):
+    """summarize's wiring: the room beside the plan of the document's generation (the working
+    set chosen first: dense KV takes the 3090's room at 128K) sizes the cache in whole
+    416 MiB layers, and the engine is told before the run; a CPU run is never."""
     from types import SimpleNamespace
 
     from hisparse_cli.config.profiles import load_profile
     from hisparse_cli.model.config import ModelConfig
+    from hisparse_cli.planner.profile import plan_for_profile
     from hisparse_cli.planner.shapes import SHAPES
     from hisparse_cli.summarize.job import Job
     from hisparse_cli.summarize.pipeline import SummarySettings
 
     prof = load_profile(profile)
+    cfg = ModelConfig.from_dict(SHAPES["llama-3-8b-awq"])
     job = Job(prof, prof.sparse_config(), SummarySettings())
-    job._engine = _EngineStub(ModelConfig.from_dict(SHAPES["llama-3-8b-awq"]))
+    job._engine = _EngineStub(cfg)
     job.device_plan = SimpleNamespace(device="cuda")
     choice = job.attention_for(context, 512)
+    run = plan_for_profile(cfg, prof, context_tokens=context, max_new_tokens=512,
+                           sparse=choice.sparse, device_kind="cuda")  # the run, no cache
+    expect = min(32, (prof.vram_budget_bytes - run.peak_allocated_bytes) // LAYER_BYTES)
+    assert (expect > 0) == some
     assert job.keep_prefill_weights(context, 512, choice.sparse) == expect
     assert job._engine.kept == ([expect] if expect else [])
     job._engine.prefill_cache_layers = 5  # an earlier document's cache, then a CPU plan:
