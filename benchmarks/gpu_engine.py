@@ -35,11 +35,12 @@ KV, alone: a Llama-3-8B-shaped AWQ INT4 model, embeddings in host RAM, the --pro
 card). For each context, in the same run, three settings over the profile's:
   eviction-only  the profile's window / globals, window widened by retrieval_tokens + the
                  page-cache and summary bytes (the same resident KV; printed side by side)
-  eviction-only, layers   the same, decoded layer by layer (HISPARSE_DECODE_KERNEL=layers:
-                 what the retrieval tier decodes with, since the persistent kernel does not
-                 fill the page cache), so the tier's own cost is read beside the total
-  retrieval      the profile's settings + retrieval_tokens (page cache = retrieval_tokens);
-                 with --every 1,4,8 one row per retrieval_every (decode steps a choice serves)
+  eviction-only, layers   the same, decoded layer by layer (HISPARSE_DECODE_KERNEL=layers)
+  retrieval      the profile's settings + retrieval_tokens (page cache = retrieval_tokens),
+                 decoded as the run decodes it (auto: the persistent kernel, which reads the
+                 page cache beside the globals; the page choice runs before it); with
+                 --every 1,4,8 one row per retrieval_every (decode steps a choice serves)
+  retrieval ..., layers   the same, decoded layer by layer (with --retrieval-layers)
 Per run: prefill and decode tok/s, their ratios (retrieval / eviction-only), host->device bytes
 per decoded token (RunStats.bytes_to_cache over the decode), the page-cache hit rate, pages
 retrieved per step, the planner's device peak vs torch.cuda.max_memory_allocated and its host
@@ -895,6 +896,8 @@ def phase_retrieval(a) -> list[dict]:
             evict = same_resident_eviction(base, cfg, ctx)
             settings = [("retrieval" if e == 1 else f"retrieval every {e}",
                          replace(base, retrieval_every=e), "auto") for e in a.every]
+            if a.retrieval_layers:
+                settings += [(f"{n}, layers", sp, "layers") for n, sp, _ in settings]
             peers = [("eviction-only", evict, "auto"), ("eviction-only, layers", evict, "layers")]
             # on an emulated card the retrieval rows first: an out-of-memory peer (its widened
             # window, the allocator's fragmentation after the rows before it) cannot hide them
@@ -915,7 +918,7 @@ def phase_retrieval(a) -> list[dict]:
                 try:
                     rss0 = rss_bytes()
                     os.environ["HISPARSE_DECODE_KERNEL"] = kernel  # read when an Engine is made
-                    own = model if kernel == "auto" and name == "eviction-only" else layers_model
+                    own = model if kernel == "auto" else layers_model
                     eng = Engine(own, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                                  backend=backend)
                     os.environ.pop("HISPARSE_DECODE_KERNEL")
@@ -1072,6 +1075,8 @@ def main() -> None:
                     help="--retrieval: the retrieval tier's tokens (and page cache)")
     ap.add_argument("--every", default="1", type=lambda s: [int(x) for x in s.split(",")],
                     help="--retrieval: retrieval_every values, a retrieval row each (e.g. 1,4,8)")
+    ap.add_argument("--retrieval-layers", action="store_true",
+                    help="--retrieval: each retrieval row also decoded layer by layer")
     ap.add_argument("--window", type=int, default=None,
                     help="--retrieval: the retrieval row's window (default: the profile's)")
     ap.add_argument("--lm-head-format", choices=("checkpoint", "int8"), default=None,

@@ -78,13 +78,14 @@ def test_plan_shows_the_offload_store(tiny):
     assert plan["offload_store_bytes"] > 0 and plan["host_bytes"] >= plan["offload_store_bytes"]
     ex = plan["execution"]
     assert ex["graph_decode"]["value"] == "on"  # the page cache is filled inside the graph
-    assert ex["decode_kernel"]["value"] == "layers", ex["decode_kernel"]
+    assert ex["decode_kernel"]["value"] == "layers", ex["decode_kernel"]  # (not INT4)
     from hisparse_cli.engine import SparseConfig
     from hisparse_cli.kernels.cuda.cuda_step import settings_unsupported
 
-    # the persistent kernel does not fill the page cache: an INT4 model decodes layer by layer
-    why = settings_unsupported(SparseConfig(retrieval_tokens=64), torch.float16)
-    assert "retrieval tier" in why
+    # the persistent kernel reads the page cache as part of the key segment (the choice runs
+    # before it, engine/retrieval.py): the retrieval tier takes nothing from what it serves
+    assert settings_unsupported(SparseConfig(retrieval_tokens=64), torch.float16) is None
     assert settings_unsupported(SparseConfig(), torch.float16) is None
+    assert "fp16" in settings_unsupported(SparseConfig(retrieval_tokens=64), torch.float32)
     names = [i["name"] for i in plan["items"]]
     assert "kv.page_summaries" in names and "offload_store (host RAM)" in names

@@ -101,9 +101,9 @@ def test_graph_step_logic_equals_eager_on_cpu(tmp_path, monkeypatch, prompt, new
 
 @pytest.mark.parametrize("every", [1, 4])
 def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch, every):
-    """The retrieval tier in the decoder's step (its static form: pages scored over the whole
-    summary table with the offloaded range read from a device tensor, slots placed and filled
-    by the page-cache kernels, under the interpreter), uncaptured: the same tokens, offloads
+    """The retrieval tier in the decoder's step (its static form, before the forward: every
+    layer's pages scored over the whole summary table with the offloaded range read from a
+    device tensor, slots placed and filled by the page-cache kernels), uncaptured: the same tokens, offloads
     and page-cache counters as the eager loop, which scores the host-known slice. every 4:
     the kept steps skip on the device flag in the static form, on the host in the eager loop."""
     from hisparse_cli.engine import GenerationConfig, SparseConfig
@@ -123,12 +123,14 @@ def test_graph_step_with_retrieval_equals_eager_on_cpu(tmp_path, monkeypatch, ev
     monkeypatch.setattr(cuda_graph.GraphDecoder, "__init__",
                         lambda self, *a, **k: init(self, *a, **{**k, "capture": False}))
     steps = []
-    body = cuda_graph.GraphDecoder._body
-    monkeypatch.setattr(cuda_graph.GraphDecoder, "_body",
-                        lambda self: steps.append(self.ctx.static) or body(self))
+    from hisparse_cli.engine.retrieval import RetrievalTier
+
+    choose = RetrievalTier.choose_decode
+    monkeypatch.setattr(RetrievalTier, "choose_decode",
+                        lambda self, static=False: steps.append(static) or choose(self, static))
     monkeypatch.setattr(eng, "_use_graph", lambda gen: True)
     static = eng.generate(ids, gen=g)
-    assert steps and all(steps)
+    assert len(steps) == 23 and all(steps)  # every decode step, in the static form
     assert static.token_ids == eager.token_ids
     for key in ("pages_offloaded", "pages_retrieved_per_step", "cache_hit_rate",
                 "bytes_to_cache"):

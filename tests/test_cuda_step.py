@@ -384,7 +384,30 @@ def test_engine_generate_runs_the_kernel_in_its_graph(monkeypatch, kernel):
     assert len(persistent) == 24 and persistent[:8] == layers[:8]
 
 
-def _engine_tokens(kernel: str, monkeypatch) -> tuple[list[int], dict]:
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("every", [1, 4])
+def test_engine_generate_with_retrieval_runs_the_kernel(monkeypatch, every):
+    """The retrieval tier on the persistent kernel (engine/retrieval.py: a decode step chooses
+    every layer's pages before the kernel, from the queries the last step left in its
+    workspace; the kernel reads the page cache as more of the key segment): the run says
+    persistent, offloads the pages the layer-by-layer run offloads, retrieves, and greedy
+    decoding gives that run's tokens (first 8, as above)."""
+    from hisparse_cli.config.settings import SparseConfig
+
+    sparse = SparseConfig(sink_tokens=4, window_size=256, global_tokens=32, block_size=16,
+                          recalibrate_every=128, recalibrate_topk=32, prefill_chunk=256,
+                          retrieval_tokens=64, page_cache_tokens=96, retrieval_every=every)
+    layers, extra_l, st_l = _engine_tokens("layers", monkeypatch, sparse, stats=True)
+    persistent, extra_p, st_p = _engine_tokens("", monkeypatch, sparse, stats=True)
+    assert extra_l["decode_kernel"] == "layers"
+    assert extra_p["decode_kernel"] == "persistent", extra_p
+    assert st_p.pages_offloaded == st_l.pages_offloaded > 0
+    assert st_p.decode_bytes_to_cache > 0 and 0 <= st_p.decode_cache_hit_rate <= 1
+    assert len(persistent) == 24 and persistent[:8] == layers[:8]
+
+
+def _engine_tokens(kernel: str, monkeypatch, sparse=None, stats: bool = False):
     from hisparse_cli.config.settings import SparseConfig
     from hisparse_cli.engine.engine import Engine
     from hisparse_cli.model.config import ModelConfig
@@ -403,13 +426,15 @@ def _engine_tokens(kernel: str, monkeypatch) -> tuple[list[int], dict]:
     dev = torch.device("cuda")
     model = build_ours(cfg, dev, awq=True, host_emb=False, awq_lm_head=True, seed=7)
     bench.to_items(model)
-    sparse = SparseConfig(sink_tokens=4, window_size=256, global_tokens=32, block_size=16,
-                          recalibrate_every=128, recalibrate_topk=32, prefill_chunk=256)
+    sparse = sparse or SparseConfig(sink_tokens=4, window_size=256, global_tokens=32,
+                                    block_size=16, recalibrate_every=128, recalibrate_topk=32,
+                                    prefill_chunk=256)
     eng = Engine(model, cfg, sparse=sparse, device=dev, kv_dtype=torch.float16,
                  backend="triton")
-    res = eng.generate(prompt(600, cfg.vocab_size, seed=8), max_new_tokens=24, min_new_tokens=24)
+    n = 1500 if sparse.retrieval else 600  # (pages offloaded well before decode)
+    res = eng.generate(prompt(n, cfg.vocab_size, seed=8), max_new_tokens=24, min_new_tokens=24)
     eng.release_cached_state()
-    return res.token_ids, res.extra
+    return (res.token_ids, res.extra) + ((res.stats,) if stats else ())
 
 
 def test_decode_kernel_setting(monkeypatch):

@@ -50,7 +50,8 @@ def drive(cfg: SparseConfig, n: int, src: RandomQKV, decode_from: int | None = N
         while pos < n:
             if pos == decode_from and run.retrieval is not None:
                 run.retrieval.mark_decode()  # as Engine.generate does where decode starts
-            step = 1 if decode_from is not None and pos >= decode_from else cfg.prefill_chunk
+            decoding = decode_from is not None and pos >= decode_from
+            step = 1 if decoding else min(cfg.prefill_chunk, (decode_from or n) - pos)
             step = min(step, n - pos)
             run.step(src, torch.zeros(step, dtype=torch.int64))
             pos += step
@@ -184,8 +185,10 @@ def test_decode_keeps_a_choice_for_every_steps(every, monkeypatch):
     assert kept_steps > 0
 
 
-def _planted_run(retrieval_tokens: int):
-    """One key planted early (position 30) that the last queries look for."""
+def _planted_run(retrieval_tokens: int, asked_from: int = 219, every: int = 4):
+    """One key planted early (position 30) that the queries from `asked_from` on look for
+    (the decode queries before it look away from it); decode from position 220 (the last
+    prompt token, 219, asks already: a question at the end of a prompt)."""
     n = 240
     g = torch.Generator().manual_seed(11)
     src = Recording(n, seed=2)
@@ -193,10 +196,12 @@ def _planted_run(retrieval_tokens: int):
     src.k *= 0.2
     fact = torch.randn(D, generator=g)
     src.k[30] = 4.0 * fact
-    src.q[-20:] = 4.0 * fact
+    src.q[220:asked_from] = -4.0 * fact
+    src.q[asked_from:] = 4.0 * fact
     src.v[30] = 10.0
     cfg = SparseConfig(sink_tokens=4, window_size=32, global_tokens=0, block_size=8,
-                       recalibrate_topk=0, prefill_chunk=16, retrieval_tokens=retrieval_tokens)
+                       recalibrate_topk=0, prefill_chunk=16, retrieval_tokens=retrieval_tokens,
+                       retrieval_every=every)
     run, _ = drive(cfg, n, src, decode_from=n - 20)
     return src
 
@@ -213,6 +218,17 @@ def test_planted_fact_is_attended_after_eviction_only_with_retrieval():
         # with retrieval the value of the fact dominates the output; without, it is gone
         assert float(with_r.out[q, :grp].mean()) > 5.0, q
         assert float(without.out[q, :grp].mean()) < 1.0, q
+
+
+def test_decode_choice_uses_the_previous_steps_queries():
+    """A decode step's pages are chosen, before its forward, from the queries of the step
+    before it (engine/retrieval.py): with a choice every step, the fact asked for first at
+    decode position 226 is attended from position 227 on, not at 226 itself."""
+    src = _planted_run(16, asked_from=226, every=1)
+    grp = HQ // HKV
+    assert float(src.out[226, :grp].mean()) < 1.0
+    for q in range(227, 240):
+        assert float(src.out[q, :grp].mean()) > 5.0, q
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -305,7 +321,7 @@ def test_planner_bytes_equal_a_cpu_run(tiny_models, summary):
         c, t = run.cache, run.retrieval
         tensors = [c.k, c.v, c.score, c.sk, c.sv, c.spos, c.smass, c.sseen, c.ck, c.cv, c.cpos,
                    c.cmass, c.cseen, t.lo, t.row_of_page, t.range, t.slot_page, t.slot_used,
-                   t.step, t.counts, t.step_base, t.pick_ids] + (
+                   t.step, t.counts, t.step_base, t.pick_ids, t.last_q] + (
             [t.hi] if summary == "minmax" else [])
         allocated = sum(x.untyped_storage().nbytes() for x in tensors)
     planned = sum(items.get(n, 0) for n in ("kv.paged_kv", "kv.importance_scores",

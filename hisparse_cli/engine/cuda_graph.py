@@ -9,7 +9,8 @@ Engine keeps storage, decoder and graph for the next generate of the same shapes
 engine/decode_state.py), whose first step then replays instead of capturing. Host
 bookkeeping (block table, eviction, recalibration, the retrieval tier's offloads) runs between
 replays as plain Python plus eager tensor ops; the retrieval tier's page choice and copies run
-inside the graph (engine/retrieval.py, its static form); per-step inputs travel in one pinned-memory copy. Sampling stays on the
+inside the graph before the forward (engine/retrieval.py, its static form), for the layer-by-layer
+forward and the persistent kernel alike; per-step inputs travel in one pinned-memory copy. Sampling stays on the
 device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
 no host synchronisation per token. With the input embedding table in host memory (the
 tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/cuda/host_rows.py),
@@ -65,8 +66,6 @@ class GraphStepContext(StepContext):
             # key of a listed block is seen: it is not retrievable until it is evicted); its
             # widest, window + bs - 1, shows exactly the listed blocks at every position
             self.window += run.sparse.block_size - 1
-
-    static = True  # the retrieval tier's static-shape form: the same kernels every step
 
 
 class GraphDecoder:
@@ -263,8 +262,14 @@ class GraphDecoder:
         return logits
 
     def _forward(self) -> torch.Tensor:
+        tier = self.run.retrieval
+        if tier is not None:  # every layer's pages, from the last step's queries (static form:
+            tier.choose_decode(static=True)  # the same kernels every step, gated on the device)
         if self.cuda_step is not None:  # the whole step in one kernel (it reads the token's
-            return self.cuda_step()     # embedding row itself)
+            logits = self.cuda_step()   # embedding row itself)
+            if tier is not None:  # the step's queries for the next choice, from its q sums
+                self.cuda_step.keep_queries(tier)
+            return logits
         if self.host_table:
             if self.host_gather:  # the row read from host memory by a kernel in the graph
                 from hisparse_cli.kernels.cuda.host_rows import gather_rows

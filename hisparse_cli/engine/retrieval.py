@@ -12,11 +12,11 @@ A page is one KV block. When the host policy evicts a block that holds no sink
 Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D],
 float16 for a float32 cache: a ranking needs no more) is written to resident memory then.
 
-Every step, for every layer, before its attention: the step's queries score the offloaded
-pages against their summaries (kernels/attention/page_score_ref.py: each page's estimated
-attention mass summed over the queries and the query heads of each KV head), and each KV head
-takes its best `retrieval_pages`. Each KV head has a page cache of `page_cache_pages` slots in
-the layer's extra key segment ([Hkv, G + S * bs, D]: the globals, then the slots;
+A prefill chunk, for every layer, before its attention: the chunk's queries score the
+offloaded pages against their summaries (kernels/attention/page_score_ref.py: each page's
+estimated attention mass summed over the queries and the query heads of each KV head), and each
+KV head takes its best `retrieval_pages`. Each KV head has a page cache of `page_cache_pages`
+slots in the layer's extra key segment ([Hkv, G + S * bs, D]: the globals, then the slots;
 engine/kv_cache.py), the segment every attention kernel already reads beside the paged blocks.
 A page already in a slot is a hit; a miss is copied into the least recently used slot not
 needed this step (store -> slot; on CUDA the kernel reads the pinned store at its mapped
@@ -25,6 +25,15 @@ positions, every other slot -1 (masked), and a position that is also one of the 
 globals masked too (the same key never counts twice in a softmax). The attended set of a step
 is then sinks ∪ the step's window blocks ∪ globals ∪ the retrieved pages; with a budget
 covering every page it is every key: dense attention.
+
+A decode step chooses before its forward, for every layer at once, from the queries of the
+step before it (`last_q` [L, Hq, D], RoPE'd: each layer's last query row, written by the layer
+as it attends, or by the persistent decode kernel's step from its q sums): one scoring, one
+top-k, one placement and one copy over L x Hkv heads instead of five launches a layer, and no
+retrieval work between a layer's projection and its attention -- so the persistent decode
+kernel (kernels/cuda/cuda_step.py), which reads the page cache as part of the key segment,
+serves retrieval runs too. The query one position back stands for this one (consecutive
+queries attend alike; the choice is kept for `retrieval_every` steps anyway).
 
 Decode steps may keep the last choice (`retrieval_every` = k > 1, LServe's reusable page
 selector): the pages are chosen anew on every prefill chunk, on the first decode step, k decode
@@ -38,8 +47,8 @@ them on the device.
 Device-resident: picks, slot choice (kernels/attention/page_cache_*.py), the copy and the
 counters stay on the device; the host only knows which pages are offloaded (it evicted them)
 and mirrors that range into a device tensor. A step therefore never waits for the device, and
-a decode step is captured in a CUDA graph (`prepare(static=True)`: the scoring then runs over
-the whole summary table with the range read on the device). The counters are read once, by
+a decode step is captured in a CUDA graph (`choose_decode(static=True)`: the scoring then runs
+over the whole summary table with the range read on the device). The counters are read once, by
 `stats` at the end of a run (and per step only for `--trace`).
 """
 
@@ -79,12 +88,14 @@ class RetrievalTier:
     """Offload store + page summaries + page cache of one run (module doc)."""
 
     def __init__(self, cache: PagedKVCache, *, max_pages: int, retrieval_pages: int,
-                 cache_pages: int, summary: str, in_place: bool, backend, every: int = 1) -> None:
+                 cache_pages: int, summary: str, in_place: bool, backend, every: int = 1,
+                 query_heads: int) -> None:
         assert cache_pages >= retrieval_pages > 0, (cache_pages, retrieval_pages)
         self.cache, self.backend, self.kind = cache, backend, summary
         self.args = dict(max_pages=max_pages, retrieval_pages=retrieval_pages,
                          cache_pages=cache_pages, summary=summary, in_place=in_place,
-                         backend=backend, every=every)  # what a kept tier must match
+                         backend=backend, every=every, query_heads=query_heads)  # what a
+        # kept tier must match
         self.every = every
         self.L, self.H, self.D, self.bs = cache.L, cache.H, cache.D, cache.bs
         self.R, self.S = retrieval_pages, cache_pages
@@ -113,6 +124,8 @@ class RetrievalTier:
         self.counts = torch.zeros(3, **i64)  # picks, hits, misses over the run
         self.step_base = torch.zeros(3, **i64)  # counts when the current step began (trace)
         self.pick_ids = torch.arange(self.R, **i64)
+        # each layer's last query row (RoPE'd) of the latest step: a decode step's choice
+        self.last_q = torch.zeros((self.L, query_heads, self.D), dtype=dt, device=dev)
         self.seg_base = cache.G  # first slot column of the page cache in the key segment
         self._start_host_state()
 
@@ -138,7 +151,7 @@ class RetrievalTier:
             self.offload_done.synchronize()
         for t in (self.row_of_page, self.slot_page, self.slot_used):
             t.fill_(-1)
-        for t in (self.range, self.step, self.counts, self.step_base):
+        for t in (self.range, self.step, self.counts, self.step_base, self.last_q):
             t.zero_()
         self.active.fill_(1)
         self._start_host_state()
@@ -270,17 +283,10 @@ class RetrievalTier:
             self.active.fill_(int(choose))
             self.choose = choose
 
-    def select(self, layer: int, q: torch.Tensor, static: bool = False) -> torch.Tensor:
-        """[Hkv, R] int64: the pages each KV head of `layer` attends this step (distinct; -1 in
-        unused entries). static: scored over the whole summary table with the offloaded range
-        read on the device (the same shapes every step: a CUDA graph captures it)."""
+    def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """[Hkv, R] int64: the pages each KV head of `layer` attends this prefill chunk
+        (distinct; -1 in unused entries), scored by the chunk's queries q [T, Hq, D]."""
         scale = self.D ** -0.5
-        if static:
-            from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
-
-            scores = self.backend.page_scores_in_range(q, self.lo[layer], self.hi[layer],
-                                                       self.range, scale, self.active)
-            return top_valid_pages(scores, self.R)
         n, lo = len(self.offloaded), self.first_page  # the contiguous range [lo, lo + n)
         if n <= self.R:  # the budget covers every offloaded page: no scoring
             ids = self.pick_ids
@@ -289,25 +295,73 @@ class RetrievalTier:
                                            self.hi[layer, :, lo:lo + n], self.R, scale)
         return (top + lo).contiguous()
 
-    def prepare(self, layer: int, q: torch.Tensor, static: bool = False) -> None:
-        """Fill `layer`'s page-cache slots and their positions for the step's queries q, all
-        on the device (static: see `select`; it runs even before any page is offloaded)."""
+    def prepare(self, layer: int, q: torch.Tensor) -> None:
+        """Before `layer` attends with the step's queries q [T, Hq, D]: keep its last row for
+        the next decode step's choice; in a prefill chunk (not `decoding`) also fill the
+        layer's page-cache slots and their positions for q, all on the device (a decode step
+        chose before its forward: `choose_decode`)."""
+        self.last_q[layer].copy_(q[-1])
+        if self.decoding or not (self.offloaded and self.choose):
+            return
+        picks = self.select(layer, q)
+        fill = self.backend.place_pages(picks, self.slot_page[layer], self.slot_used[layer],
+                                        self.step, self.row_of_page, self.counts, None)
+        self._fill(layer, fill, None)
+
+    def choose_decode(self, static: bool = False) -> None:
+        """A decode step's page choice for every layer at once, before its forward, from the
+        previous step's queries (`last_q`; module doc). static: the same kernels every step
+        (a CUDA graph captures them), skipped on the device where `active` holds 0; else
+        only where this step chooses and pages are offloaded."""
         if not static and not (self.offloaded and self.choose):
-            return  # (static: the kernels read `active` on the device)
-        cache = self.cache
+            return
+        from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
+
+        L, H, S = self.L, self.H, self.S
         act = self.active if static else None
-        picks = self.select(layer, q, static)
-        sp, su = self.slot_page[layer], self.slot_used[layer]
-        fill = self.backend.place_pages(picks, sp, su, self.step, self.row_of_page, self.counts,
-                                        act)
+        heads = L * H  # (layer, KV head) pairs score as the heads of one step
+        q = self.last_q.view(1, -1, self.D)
+        lo, hi = (t.view(heads, self.max_pages, self.D) for t in (self.lo, self.hi))
+        scores = self.backend.page_scores_in_range(q, lo, hi, self.range, self.D ** -0.5, act)
+        picks = top_valid_pages(scores, self.R)
+        fill = self.backend.place_pages(picks, self.slot_page.view(heads, S),
+                                        self.slot_used.view(heads, S), self.step,
+                                        self.row_of_page, self.counts, act).view(L, H, S)
+        if self.in_place:  # the layers' storage does not merge into one head axis
+            for layer in range(L):
+                self._fill(layer, fill[layer], act)
+            return
+        cache, bs, D = self.cache, self.bs, self.D
+        # views, never copies (view() refuses what would need one): the kernel writes dst
+        dst_k, dst_v = (t[:, :, self.seg_base:].view(heads, S, bs, D)  # [L * Hkv, S, bs, D]
+                        for t in (cache.sk, cache.sv))
+        src_k, src_v = (t.permute(1, 2, 0, 3, 4).view(heads, self.max_pages, bs, D)
+                        for t in (self.store_k, self.store_v))  # [L * Hkv, pages, bs, D]
+        gpos = cache.gpos.view(heads, cache.G) if cache.G else None
+        self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill.view(heads, S),
+                                     self.slot_page.view(heads, S), self.slot_used.view(heads, S),
+                                     self.step, gpos,
+                                     cache.spos[:, :, self.seg_base:].view(heads, S * bs), act)
+
+    def _fill(self, layer: int, fill: torch.Tensor, act) -> None:
+        """Copy `layer`'s fill rows [Hkv, S] into its slots and write their positions."""
+        cache = self.cache
         if self.in_place:  # the layer's storage [cap, bs, Hkv, D] seen per head
             src_k, src_v = (t[layer].permute(2, 0, 1, 3) for t in (cache.k, cache.v))
         else:  # [pages, Hkv, bs, D] -> [Hkv, pages, bs, D] (strides)
             src_k, src_v = (t[:, layer].transpose(0, 1) for t in (self.store_k, self.store_v))
         dst_k, dst_v = (self._slot_view(t[layer]) for t in (cache.sk, cache.sv))
-        self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill, sp, su, self.step,
+        self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill, self.slot_page[layer],
+                                     self.slot_used[layer], self.step,
                                      cache.gpos[layer] if cache.G else None,
                                      self.positions(layer), act)
+
+    def keep_queries(self, raw_q: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> None:
+        """last_q from a step's pre-RoPE queries raw_q [L, Hq, D] (any float type; the
+        persistent decode kernel's q sums) and the step position's `rope_tables` operands."""
+        from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tabled
+
+        self.last_q.copy_(rope_tabled(raw_q, cos, sin_rot))
 
     def stored_page(self, layer: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) [Hkv, bs, D] of an offloaded page of `layer` as the store holds it (in place:

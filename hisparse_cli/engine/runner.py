@@ -2,9 +2,10 @@
 (`PagedKVCache`) + the step context the attention layers call. Prefill and decode are the same
 `step` with T tokens or one.
 
-Order of a step: reserve slots -> forward (each layer stores its K/V, with the retrieval tier
-fills its page cache for the step's queries, attends over {sinks ∪ globals ∪ window ∪
-retrieved pages}, adds importance mass) -> evict blocks that left every future window (best
+Order of a step: reserve slots -> (the retrieval tier, a decode step: every layer's page cache
+filled for the last step's queries, engine/retrieval.py) -> forward (each layer stores its K/V;
+with the retrieval tier a prefill chunk fills the layer's page cache for its queries; attends
+over {sinks ∪ globals ∪ window ∪ retrieved pages}, adds importance mass) -> evict blocks that left every future window (best
 tokens copied to candidate slots first; with the retrieval tier the blocks go to the offload
 store, engine/retrieval.py; then freed) -> recalibrate the globals when the step crossed a
 multiple of recalibrate_every.
@@ -26,8 +27,6 @@ from hisparse_cli.model.config import ModelConfig
 
 class StepContext:
     """AttentionContext of one step: where the step's tokens go and which blocks it reads."""
-
-    static = False  # the retrieval tier's static-shape form (a CUDA-graph step: GraphStepContext)
 
     def __init__(self, run: "KVRun", q_start: int, n: int) -> None:
         self.run, self.q_start, self.n = run, q_start, n
@@ -68,7 +67,7 @@ class StepContext:
         k_l, v_l, gk, gv, gpos, gmass, gseen, score = cache.layer_views[layer]
         glob = cache.G + cache.P > 0
         if run.retrieval is not None:  # the page cache (the segment after the globals)
-            run.retrieval.prepare(layer, q, static=self.static)
+            run.retrieval.prepare(layer, q)
         # masses go straight into the layer's score / global_mass / global_seen
         out, _, _ = run.backend.sparse_attention(
             q, k_l, v_l, self.block_ids, self.block_starts, self.q_start,
@@ -149,7 +148,7 @@ class KVRun:
                         retrieval_pages=sparse.retrieval_pages,
                         cache_pages=sparse.page_cache_pages, summary=sparse.retrieval_summary,
                         in_place=self.seq.offload_in_place, backend=backend,
-                        every=sparse.retrieval_every)
+                        every=sparse.retrieval_every, query_heads=cfg.num_attention_heads)
             kept = tier_source(args) if tier_source is not None and cache is not None else None
             self.retrieval = kept if kept is not None else RetrievalTier(self.cache, **args)
         self.kv_bytes_peak = 0  # resident: working-set blocks, slots, page cache, summaries
@@ -175,6 +174,8 @@ class KVRun:
         self.cache.reset_scores(new_blocks)
         self.kv_bytes_peak = max(self.kv_bytes_peak, self.resident_bytes())
         ctx = StepContext(self, start, n)
+        if self.retrieval is not None and self.retrieval.decoding:  # a decode step's pages,
+            self.retrieval.choose_decode()  # every layer's, from the last step's queries
         positions = torch.arange(start, start + n, device=self.device)
         logits = model(input_ids, positions, ctx, all_logits=all_logits)
         evicted = self.end_step(start, n)

@@ -108,6 +108,29 @@ def page_scoring(tr: Trace, s: StepShape, n: int, pages: int, k: int) -> SubPeak
     return SubPeak(peak, {"retrieval.page_scoring": peak})
 
 
+def decode_page_choice(tr: Trace, s: StepShape, max_pages: int, k: int,
+                       cache_pages: int) -> SubPeak:
+    """The temporaries of a decode step's page choice for every layer at once
+    (RetrievalTier.choose_decode), over the whole summary table (the CUDA graph's static
+    form; the eager CPU step the same, over the same table): the [L * Hkv, pages] fp32
+    scores (Triton's kernel writes only these; the torch reference also holds the queries in
+    fp32 clamped twice, two [L * Hkv, grp, pages] fp32 logits and their masked copy and
+    softmax), then topk's values and indices and the masked indices, and the placement's
+    fill rows [L * Hkv, S] int64."""
+    heads = s.layers * s.hkv
+    scores = tr.size(heads * max_pages * 4)
+    if s.backend == "triton" and s.d >= 16 and s.d & (s.d - 1) == 0:
+        scoring = scores
+    else:
+        rows = s.layers * s.hq
+        logits = tr.size(rows * max_pages * 4)
+        scoring = 3 * tr.size(rows * s.d * 4) + 2 * logits + scores
+        scoring = max(scoring, 2 * logits + scores)  # masked copy, then its softmax
+    pick = scores + tr.size(heads * k * 4) + 2 * tr.size(heads * k * 8)
+    peak = max(scoring, pick, tr.size(heads * k * 8) + tr.size(heads * cache_pages * 8))
+    return SubPeak(peak, {"retrieval.page_choice": peak})
+
+
 def policy(sparse: SparseConfig, model_window: int | None) -> SparseSequence:
     return SparseSequence(sparse, BlockPool(), model_window=model_window)
 
@@ -150,10 +173,11 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
             tr.alloc("kv.page_summaries", one)
         summ_bytes = n_summ * one
         # RetrievalTier's device state: row_of_page, range, slot_page, slot_used, step,
-        # counts, step_base, pick_ids (int64)
+        # counts, step_base, pick_ids (int64); last_q (the cache's dtype)
         slots = lh * sparse.page_cache_pages
         for n in (max_pages, 2, slots, slots, 1, 3, 3, sparse.retrieval_pages):
             tr.alloc("kv.page_cache_state", n * 8)
+        tr.alloc("kv.page_cache_state", s.layers * s.hq * s.d * s.kvb)
     store_host = 0 if seq.offload_in_place or not seq.retrieval else (
         2 * lh * max_pages * bs * s.d * s.kvb)
     bpb = 2 * s.layers * bs * s.hkv * s.d * s.kvb
@@ -196,7 +220,10 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
             tr.bump(SubPeak(tr.size(8 * len(new_blocks))), where)
         kv_peak = max(kv_peak, (pool.live - pool.offloaded) * bpb + slot_bytes + summ_bytes)
         n_off = (seq._next_evict - cdiv(seq.sinks, bs)) if seq.retrieval else 0
-        if n_off > sparse.retrieval_pages:  # page scoring of the step's queries
+        if decode and seq.retrieval and (n_off or graph_workspace):  # every layer's choice
+            tr.bump(decode_page_choice(tr, s, max_pages, sparse.retrieval_pages,
+                                       sparse.page_cache_pages), where + ": page choice")
+        elif not decode and n_off > sparse.retrieval_pages:  # the chunk's queries, a layer
             tr.bump(page_scoring(tr, s, n, n_off, sparse.retrieval_pages),
                     where + ": page scoring")
         nb = visible_count(seq, start, n)

@@ -13,10 +13,9 @@ each page's probability, summed over the tile's rows, into the output with an at
 No [rows, pages] tensor is materialised (the reference's two fp32 [Hkv, T * grp, n] tensors:
 268 MB at 128K tokens with chunks of 128 on an 8-KV-head model). Top-k: torch.topk on the
 scores (k is at most a few hundred pages; a Triton top-k is not written).
-`_page_bounds` (the ranged form, a decode step's few rows): one program per (KV head, tile of
-pages) writes the rows' bounds (pages outside the range -inf) into an [Hkv, rows, P] tensor
-(4 rows x 8K pages x 8 heads: 1 MiB); `_bounds_mass`, one program per KV head, then sums the
-rows' softmax over the pages in range (-1 elsewhere).
+`_ranged_mass` (the ranged form, a decode step's few rows, every layer's KV heads at once):
+one program per KV head, the same two passes over the pages in the device-held range, the
+sums stored (-1 for every page outside the range); no [rows, pages] tensor.
 Dots: fp16 (bf16) queries against summaries of the same type run on the tensor cores in that
 type (16-bit products are exact in the fp32 accumulator); fp32 queries (an fp32 cache's fp16
 summaries) in fp32 IEEE dots. Prefill (many rows) takes 64-row tiles.
@@ -124,63 +123,43 @@ def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
 
 
 @triton.jit
-def _page_bounds(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, act_ptr, n_rows, n_pages, scale,
-                 s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh, s_or,
+def _ranged_mass(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, act_ptr, n_rows, n_pages, scale,
+                 s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
                  GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, LOW: tl.constexpr, HAS_ACT: tl.constexpr):
-    """out[kvh, row, page] = scale * bound of every row (<= BLOCK_M) against a tile of pages;
-    -inf for a page outside [first, first + n) (rng_ptr, read here: no host read). With
-    HAS_ACT, nothing when act_ptr holds 0 (a step that keeps the last choice)."""
+    """out[kvh, page] = sum over the rows (<= BLOCK_M: one tile) of the softmax over the pages
+    in [first, first + n) (rng_ptr, read here: no host read) of their bounds; -1 for every
+    other page. One program per KV head: pass 1 over the pages in range keeps each row's max
+    and sum of exp (online), pass 2 writes every page. HAS_ACT: nothing where act_ptr holds 0
+    (a decode step that keeps the last choice)."""
     if HAS_ACT:
         if tl.load(act_ptr) == 0:
             return
     kvh = tl.program_id(0)
-    pg = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.load(rng_ptr)
-    ok = (pg >= first) & (pg < first + tl.load(rng_ptr + 1)) & (pg < n_pages)
     rows = tl.arange(0, BLOCK_M)
     qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW)
-    s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln, s_hn,
-                     scale, LOW)
-    s = tl.where(ok[None, :], s, float("-inf"))
-    tl.store(out_ptr + kvh * s_oh + rows[:, None] * s_or + pg[None, :], s,
-             mask=row_ok[:, None] & (pg < n_pages)[None, :])
-
-
-@triton.jit
-def _bounds_mass(b_ptr, rng_ptr, out_ptr, act_ptr, n_rows, n_pages, s_bh, s_br, s_oh,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ACT: tl.constexpr):
-    """out[kvh, page] = sum over rows of softmax over the pages in range of the bounds (pass 1:
-    each row's max and sum of exp, online; pass 2: the probabilities summed over the rows);
-    -1 outside [first, first + n). One program per KV head. HAS_ACT: as _page_bounds."""
-    if HAS_ACT:
-        if tl.load(act_ptr) == 0:
-            return
-    kvh = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
     first = tl.load(rng_ptr)
-    last = first + tl.load(rng_ptr + 1)
-    base = b_ptr + kvh * s_bh + rows[:, None] * s_br
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    for start in range(0, n_pages, BLOCK_N):
+    last = tl.minimum(first + tl.load(rng_ptr + 1), n_pages)
+    lo_h, hi_h = lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(first - first % BLOCK_N, last, BLOCK_N):  # pass 1: the range's tiles
         pg = start + tl.arange(0, BLOCK_N)
-        ok = row_ok[:, None] & ((pg >= first) & (pg < last))[None, :]
-        b = tl.load(base + pg[None, :], mask=ok, other=float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b, axis=1))
+        inside = (pg >= first) & (pg < last)
+        s = _tile_scores(qp, qn, lo_h, hi_h, pg, inside, dd, s_ln, s_hn, scale, LOW)
+        s = tl.where(inside[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no page yet
-        l_i = l_i * tl.exp(m_i - safe) + tl.sum(tl.where(ok, tl.exp(b - safe[:, None]), 0.0),
-                                                axis=1)
+        l_i = l_i * tl.exp(m_i - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
         m_i = m_new
     inv = tl.where(row_ok & (l_i > 0), 1.0 / l_i, 0.0)
     m_i = tl.where(m_i == float("-inf"), 0.0, m_i)  # (such a row adds nothing: inv is 0)
-    for start in range(0, n_pages, BLOCK_N):
+    for start in range(0, n_pages, BLOCK_N):  # pass 2: every page (-1 outside the range)
         pg = start + tl.arange(0, BLOCK_N)
         inside = (pg >= first) & (pg < last)
-        ok = row_ok[:, None] & inside[None, :]
-        b = tl.load(base + pg[None, :], mask=ok, other=float("-inf"))
-        p = tl.where(ok, tl.exp(b - m_i[:, None]) * inv[:, None], 0.0)
+        s = _tile_scores(qp, qn, lo_h, hi_h, pg, inside, dd, s_ln, s_hn, scale, LOW)
+        p = tl.exp(s - m_i[:, None]) * inv[:, None]
+        p = tl.where(row_ok[:, None] & inside[None, :], p, 0.0)
         tl.store(out_ptr + kvh * s_oh + pg, tl.where(inside, tl.sum(p, axis=0), -1.0),
                  mask=pg < n_pages)
 
@@ -192,11 +171,11 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                          rng: torch.Tensor, scale: float, block_n: int = 64,
                          active: torch.Tensor | None = None) -> torch.Tensor:
     """page_score_ref.page_scores_in_range: whole summary tables lo, hi [Hkv, P, D] and the
-    device range rng = (first, n); one program per (KV head, tile of pages) computes the
-    bounds of every row (a decode step's T x grp rows: a few), then one program per KV head
-    turns them into the pages' masses (`_bounds_mass`). Static shapes: a CUDA graph captures
-    it (two launches). active (int64 [1] on the device): where it holds 0 neither kernel
-    runs and the returned scores are undefined (the caller's page placement skips too)."""
+    device range rng = (first, n), one program per KV head (`_ranged_mass`; a decode step's
+    choice passes every layer's KV heads as the heads: hundreds of programs). Static shapes:
+    a CUDA graph captures it (one launch, no temporaries but the [Hkv, P] scores).
+    active (int64 [1] on the device): where it holds 0 the kernel does nothing and the
+    returned scores are undefined (the caller's page placement skips too)."""
     from hisparse_cli.kernels.attention.page_score_ref import page_scores_in_range as reference
 
     t, hq, d = q.shape
@@ -205,18 +184,12 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     if rows > MAX_RANGED_ROWS or d < 16 or d & (d - 1):
         return reference(q, lo, hi, rng, scale)
     assert q.stride(-1) == 1 and lo.stride(-1) == 1 and hi.stride(-1) == 1 and lo.shape == hi.shape
-    bounds = torch.empty((hkv, rows, n), dtype=torch.float32, device=q.device)
-    block_m = max(16, triton.next_power_of_2(rows))
-    act = rng if active is None else active
-    _page_bounds[(hkv, triton.cdiv(n, block_n))](
-        q, lo, hi, rng, bounds, act, rows, n, float(scale), q.stride(0), q.stride(1), lo.stride(0),
-        lo.stride(1), hi.stride(0), hi.stride(1), bounds.stride(0), bounds.stride(1),
-        GRP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q, lo),
-        HAS_ACT=active is not None)
     out = torch.empty((hkv, n), dtype=torch.float32, device=q.device)
-    _bounds_mass[(hkv,)](bounds, rng, out, act, rows, n, bounds.stride(0), bounds.stride(1),
-                         out.stride(0), BLOCK_R=max(2, triton.next_power_of_2(rows)),
-                         BLOCK_N=256, HAS_ACT=active is not None)
+    _ranged_mass[(hkv,)](
+        q, lo, hi, rng, out, rng if active is None else active, rows, n, float(scale),
+        q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), hi.stride(0), hi.stride(1),
+        out.stride(0), GRP=hq // hkv, D=d, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=block_n, LOW=_low(q, lo), HAS_ACT=active is not None)
     return out
 
 

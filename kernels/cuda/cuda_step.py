@@ -255,8 +255,6 @@ def settings_unsupported(sparse, kv_dtype: torch.dtype) -> str | None:
         return f"{sparse.global_tokens} global tokens (a multiple of {PAGE})"
     if globals_on and sparse.importance == "probe":
         return "the learned importance probe"
-    if sparse.retrieval:
-        return "the retrieval tier (its page cache is filled per layer: layer-by-layer decode)"
     return None
 
 
@@ -291,8 +289,6 @@ def unsupported(model, run) -> str | None:
         return f"{run.cache.G} global tokens (a multiple of {PAGE})"
     if run.token_scorer is not None:
         return "the learned importance probe"
-    if run.retrieval is not None:
-        return "the retrieval tier (its page cache is filled per layer: layer-by-layer decode)"
     return None
 
 
@@ -350,7 +346,10 @@ class CudaDecodeStep:
         props = torch.cuda.get_device_properties(device)
         self.ctas = props.multi_processor_count
         self.S = min(MAX_S, self.ctas // hkv)
-        n_pages = nb * run.sparse.block_size // PAGE + cache.G // PAGE
+        # the key segment beside the paged blocks: the globals, then (retrieval tier) the
+        # page-cache slots, which the step reads as more global slots (positions -1: masked)
+        self.seg = seg = cache.G + cache.P
+        n_pages = nb * run.sparse.block_size // PAGE + seg // PAGE
         unit_pages = self.unit_pages = -(-n_pages // self.S)
         if unit_pages > MAX_UNIT_PAGES:
             raise ValueError(f"{unit_pages} pages a split (the kernel takes {MAX_UNIT_PAGES})")
@@ -391,17 +390,17 @@ class CudaDecodeStep:
 
         table = model.model.embed_tokens.weight
         seq = run.seq
-        G = cache.G
+        G = seg
         p = StepParams()
         p.dev, p.tok = dev.data_ptr(), tok.data_ptr()
         p.embed, p.h, p.part = table.data_ptr(), self.h.data_ptr(), self.part.data_ptr()
         p.counter = self.ws.data_ptr()
         p.inv_freq = model.rope.inv_freq.data_ptr()
         p.kcache, p.vcache = cache.k.data_ptr(), cache.v.data_ptr()
-        p.gpos = cache.gpos.data_ptr() if G else 0
+        p.gpos = cache.spos.data_ptr() if G else 0  # ([L, Hkv, seg]: the globals' when P = 0)
         p.score = cache.score.data_ptr() if cache.score is not None else 0
-        p.gmass = cache.gmass.data_ptr() if G else 0
-        p.gseen = cache.gseen.data_ptr() if G else 0
+        p.gmass = cache.smass.data_ptr() if G else 0
+        p.gseen = cache.sseen.data_ptr() if G else 0
         p.capacity = cache.capacity
         p.stages, p.red_tiles = self.stages, red_tiles  # (_load_build: ring_plan's slots)
         p.flags = F_MASS if self.mass else 0
@@ -409,6 +408,9 @@ class CudaDecodeStep:
             nb, run.sparse.block_size, hkv, hq, hidden, G, self.S)
         p.sinks = seq.sinks
         p.window = seq.window if seq.window is not None else -1
+        if run.retrieval is not None and seq.window is not None:  # every key of a listed block,
+            p.window += run.sparse.block_size - 1  # as GraphStepContext's window (a key leaves
+            # the view only when its block is offloaded, and is retrievable from then on)
         p.min_distance = run.score_kwargs.get("score_min_distance", 0)
         p.scale, p.eps = run.scale, float(model.model.norm.eps)
         p.rope_scaling = float(model.rope.scaling)
@@ -424,8 +426,8 @@ class CudaDecodeStep:
                      enc(cache.v, [HD, hkv, rows_kv], kv_strides, [64, 1, PAGE], swizzle="128B")]
         if G:
             g_rows = L * hkv * G
-            self.maps += [enc(cache.gk, [HD, 1, g_rows], [HD * 2, HD * 2], [HD, 1, PAGE]),
-                          enc(cache.gv, [HD, 1, g_rows], [HD * 2, HD * 2], [64, 1, PAGE],
+            self.maps += [enc(cache.sk, [HD, 1, g_rows], [HD * 2, HD * 2], [HD, 1, PAGE]),
+                          enc(cache.sv, [HD, 1, g_rows], [HD * 2, HD * 2], [64, 1, PAGE],
                               swizzle="128B")]
         else:  # never read (no global pages): any valid map
             self.maps += self.maps[:2]
@@ -487,6 +489,19 @@ class CudaDecodeStep:
         self.function = build_kernel(self.gqa, norm_pairs(self.model.cfg.hidden_size),
                                      self.device_index, opts)[self.mass]
         self.function.set_max_dynamic_shared_memory(self.smem)
+
+    def keep_queries(self, tier) -> None:
+        """The retrieval tier's last_q from this step's q sums (pre-RoPE, fp32, in the
+        workspace until the next step zeroes it) rotated at the step's position: what each
+        layer's attention used, for the next decode step's page choice (engine/retrieval.py)."""
+        cfg = self.model.cfg
+        hq = cfg.num_attention_heads
+        L = cfg.num_hidden_layers
+        raw = self.ws[self.off_qkv:self.off_logits].view(L, self.qkv_n)[:, :hq * HD]
+        from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tables
+
+        cos, sin = self.model.rope.cos_sin(self.dev[0:1], torch.float32)
+        tier.keep_queries(raw.view(L, hq, HD), *rope_tables(cos, sin))
 
     def __call__(self) -> torch.Tensor:
         """One step on the current stream -> logits [1, V] fp32 (a static buffer)."""
