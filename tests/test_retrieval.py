@@ -373,3 +373,30 @@ def test_cuda_full_budget_equals_dense_and_store_round_trips(tiny_models, backen
     assert res.stats.bytes_to_cache > 0 and res.stats.pages_offloaded > 0
     # Triton attention decodes in the CUDA graph (the page cache filled inside it), torch eagerly
     assert ("cuda_graph" in res.extra) == (backend == "triton"), res.extra
+
+
+def test_keep_queries_rotates_the_raw_queries_at_the_position():
+    """The persistent kernel's step leaves each layer's q before RoPE (fp32 sums); the tier
+    keeps them rotated at the step's position: q cos + rotate_half(q) sin (the oracle written
+    out here), in the cache's dtype."""
+    from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tables
+    from hisparse_cli.model.rope import RotaryEmbedding
+
+    cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=0, block_size=8,
+                       recalibrate_topk=0, prefill_chunk=8, retrieval_tokens=16)
+    mcfg = _cfg()
+    run = KVRun(mcfg, cfg, torch.device("cpu"), torch.float32, select_backend("cpu"),
+                BlockPool(), total_tokens=64)
+    with run:
+        tier = run.retrieval
+        L = mcfg.num_hidden_layers
+        raw = torch.randn(L, HQ, D, generator=torch.Generator().manual_seed(3))
+        rope = RotaryEmbedding(mcfg, torch.device("cpu"))
+        pos = torch.tensor([37])
+        cos, sin = rope.cos_sin(pos, torch.float32)
+        tier.keep_queries(raw, *rope_tables(cos, sin))
+        half = D // 2
+        rot = torch.cat((-raw[..., half:], raw[..., :half]), dim=-1)
+        want = raw * cos[0] + rot * sin[0]
+        assert tier.last_q.shape == (L, HQ, D)
+        assert torch.allclose(tier.last_q, want, atol=1e-6)
