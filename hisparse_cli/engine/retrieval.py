@@ -59,6 +59,8 @@ from dataclasses import dataclass
 import torch
 
 from hisparse_cli.engine.kv_cache import PagedKVCache, int64_to_device
+from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
+from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tabled
 
 
 @dataclass
@@ -94,8 +96,8 @@ class RetrievalTier:
         self.cache, self.backend, self.kind = cache, backend, summary
         self.args = dict(max_pages=max_pages, retrieval_pages=retrieval_pages,
                          cache_pages=cache_pages, summary=summary, in_place=in_place,
-                         backend=backend, every=every, query_heads=query_heads)  # what a
-        # kept tier must match
+                         backend=backend, every=every,
+                         query_heads=query_heads)  # what a kept tier must match
         self.every = every
         self.L, self.H, self.D, self.bs = cache.L, cache.H, cache.D, cache.bs
         self.R, self.S = retrieval_pages, cache_pages
@@ -315,8 +317,6 @@ class RetrievalTier:
         only where this step chooses and pages are offloaded."""
         if not static and not (self.offloaded and self.choose):
             return
-        from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
-
         L, H, S = self.L, self.H, self.S
         act = self.active if static else None
         heads = L * H  # (layer, KV head) pairs score as the heads of one step
@@ -359,8 +359,6 @@ class RetrievalTier:
     def keep_queries(self, raw_q: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> None:
         """last_q from a step's pre-RoPE queries raw_q [L, Hq, D] (any float type; the
         persistent decode kernel's q sums) and the step position's `rope_tables` operands."""
-        from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tabled
-
         self.last_q.copy_(rope_tabled(raw_q, cos, sin_rot))
 
     def stored_page(self, layer: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
