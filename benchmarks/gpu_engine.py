@@ -973,6 +973,11 @@ def phase_retrieval(a) -> list[dict]:
                            "cuda_graph": (res.extra or {}).get("cuda_graph"),
                            "decode_kernel": (res.extra or {}).get("decode_kernel"),
                            "shared_model": own is model}
+                    if a.breakdown:  # a third generate under the profiler: its kernels
+                        log(f"kernel breakdown, {name}, {ctx} tokens:")
+                        row["kernels"] = kernel_breakdown(lambda: eng.generate(
+                            ids, max_new_tokens=a.decode_tokens,
+                            min_new_tokens=a.decode_tokens), top=24)
                     eng.release_cached_state()
                     del eng
                     free_all(dev)
@@ -1066,7 +1071,8 @@ def main() -> None:
                     help="(f): extra 4060ti-6g rows, SparseConfig overrides each, e.g. "
                     "prefill_chunk=1024,score_stride=16")
     ap.add_argument("--breakdown", action="store_true",
-                    help="(f): also a torch.profiler kernel breakdown of a 16K prefill each")
+                    help="(f): also a torch.profiler kernel breakdown of a 16K prefill each; "
+                    "--retrieval: of a third generate of each row")
     ap.add_argument("--retrieval", action="store_true",
                     help="run only the retrieval tier vs eviction-only at the same resident KV "
                     "(writes gpu_retrieval.json)")

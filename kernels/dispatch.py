@@ -123,38 +123,35 @@ class KernelBackend:
             from hisparse_cli.kernels.attention.page_score_ref import score_top_pages
         return score_top_pages(q, lo, hi, k, scale)
 
-    def page_scores_in_range(self, q, lo, hi, rng, scale: float, active=None):
+    def page_scores_in_range(self, q, lo, hi, rng, scale: float):
         """[Hkv, P] scores of the pages in the device range rng = (first, n) of whole summary
-        tables, -1 elsewhere (static shapes: the CUDA-graph decode step). active: an int64 [1]
-        device flag; where it is 0 the Triton kernels skip (the scores are then unused)."""
+        tables, -1 elsewhere (static shapes: the CUDA-graph decode step)."""
         if self._pow2_heads(q.shape[-1]):
             from hisparse_cli.kernels.attention.page_score_triton import page_scores_in_range
 
-            return page_scores_in_range(q, lo, hi, rng, scale, active=active)
+            return page_scores_in_range(q, lo, hi, rng, scale)
         from hisparse_cli.kernels.attention.page_score_ref import page_scores_in_range
 
         return page_scores_in_range(q, lo, hi, rng, scale)
 
-    def place_pages(self, picks, slot_page, slot_used, step, row_of_page, counts, active=None):
-        """Page-cache slots of a step's picks (LRU), on the device: fill_row [Hkv, S].
-        active 0 (an int64 [1] device flag): the step keeps the last choice, nothing changes."""
+    def place_pages(self, picks, slot_page, slot_used, step, row_of_page, counts):
+        """Page-cache slots of a step's picks (LRU), on the device: fill_row [Hkv, S]."""
         if self.attention == "triton":
             from hisparse_cli.kernels.attention.page_cache_triton import place_pages
         else:
             from hisparse_cli.kernels.attention.page_cache_ref import place_pages
-        return place_pages(picks, slot_page, slot_used, step, row_of_page, counts, active)
+        return place_pages(picks, slot_page, slot_used, step, row_of_page, counts)
 
     def fill_page_slots(self, dst_k, dst_v, src_k, src_v, fill_row, slot_page, slot_used,
-                        step, gpos, pos_out, active=None) -> None:
-        """The missing pages copied into their slots and the slots' positions written
-        (active 0: nothing)."""
+                        step, gpos, pos_out) -> None:
+        """The missing pages copied into their slots and the slots' positions written."""
         bs, d = dst_k.shape[2], dst_k.shape[3]
         if self._pow2_heads(d) and bs & (bs - 1) == 0:
             from hisparse_cli.kernels.attention.page_cache_triton import fill_page_slots
         else:
             from hisparse_cli.kernels.attention.page_cache_ref import fill_page_slots
         fill_page_slots(dst_k, dst_v, src_k, src_v, fill_row, slot_page, slot_used, step, gpos,
-                        pos_out, active)
+                        pos_out)
 
     # -- INT4 (AWQ GEMM layout) linear -----------------------------------------------------
     def awq_linear(self, x, qweight, qzeros, scales, bias, group_size, *, cpu_pack=None):

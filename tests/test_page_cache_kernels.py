@@ -170,33 +170,3 @@ def test_fill_copies_bit_exactly_and_writes_positions(impl, dev, dtype, globals_
                 assert int(pos[h, s * bs + j]) == (p if shown else -1), (h, s, j)
     if globals_:
         assert (seg_k[:, :globals_] == 7).all()
-
-
-@pytest.mark.parametrize("impl,dev", _impls())
-def test_an_inactive_step_changes_nothing(impl, dev):
-    """active = 0 (a decode step that keeps the last choice, retrieval_every > 1): placing and
-    filling leave slots, steps, counters, slot contents and positions untouched; active = 1
-    is the same as no flag."""
-    i64 = dict(dtype=torch.int64, device=dev)
-    heads, slots, bs, d = 2, 4, 4, 16
-    picks = torch.tensor([[3, 7], [1, -1]], **i64)
-    fresh = lambda: (torch.full((heads, slots), -1, **i64),  # noqa: E731
-                     torch.full((heads, slots), -1, **i64), torch.zeros(3, **i64))
-    rows = torch.arange(10, **i64)
-    step = torch.tensor([1], **i64)
-    src = torch.randn(heads, 10, bs, d, generator=torch.Generator().manual_seed(0)).to(dev)
-    outs = {}
-    for name, act in (("none", None), ("on", torch.ones(1, **i64)), ("off", torch.zeros(1, **i64))):
-        sp, su, counts = fresh()
-        fill = _place(impl)(picks, sp, su, step, rows, counts, act)
-        dk = torch.full((heads, slots, bs, d), 7.0, device=dev)
-        dv = dk.clone()
-        pos = torch.full((heads, slots * bs), -5, **i64)
-        _fill(impl)(dk, dv, src, src * 2, fill, sp, su, step, None, pos, act)
-        outs[name] = [t.cpu() for t in (sp, su, counts, dk, dv, pos)]
-    for a, b in zip(outs["none"], outs["on"]):
-        assert torch.equal(a, b)
-    sp, su, counts, dk, dv, pos = outs["off"]
-    assert (sp == -1).all() and (su == -1).all() and not counts.any()
-    assert (dk == 7).all() and (dv == 7).all() and (pos == -5).all()
-    assert outs["on"][2].tolist() == [3, 0, 3]  # (the active step did place and count)

@@ -10,7 +10,9 @@ engine/decode_state.py), whose first step then replays instead of capturing. Hos
 bookkeeping (block table, eviction, recalibration, the retrieval tier's offloads) runs between
 replays as plain Python plus eager tensor ops; the retrieval tier's page choice and copies run
 inside the graph before the forward (engine/retrieval.py, its static form), for the layer-by-layer
-forward and the persistent kernel alike; per-step inputs travel in one pinned-memory copy. Sampling stays on the
+forward and the persistent kernel alike. A step that keeps the last page choice
+(`retrieval_every` > 1) replays a second graph, captured without the choice into the same
+memory pool, writing the same logits buffer; per-step inputs travel in one pinned-memory copy. Sampling stays on the
 device; the host reads tokens back only every `sync_every` steps (to stop at EOS), so there is
 no host synchronisation per token. With the input embedding table in host memory (the
 tight-VRAM option) a kernel in the graph reads the token's row from it (kernels/cuda/host_rows.py),
@@ -115,14 +117,15 @@ class GraphDecoder:
                 self.x_host = torch.zeros((1, hidden), dtype=cdt, pin_memory=cuda)
         self.ctx = GraphStepContext(run, self.dev[0:1], self.dev[1:2], self.dev[2:2 + self.nb_max],
                                     self.dev[2 + self.nb_max:])
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None  # a step (with the page choice)
+        self.keep_graph: torch.cuda.CUDAGraph | None = None  # one keeping the last choice
+        self.logits: torch.Tensor | None = None  # both graphs' output
         # the greedy sampler inside the step (kernels/sampling/graph_sampler.py), where attached: the
         # step then writes the next token into self.tok itself
         self.sampler = None
         self.sampled = False  # the step (and its captured graph) runs self.sampler
         self.steps = 0
-        self.captures = 0  # graphs captured by this decoder (1 at most; 0 with capture=False)
+        self.captures = 0  # graphs captured by this decoder (2 at most; 0 with capture=False)
         # the persistent decode kernel (kernels/cuda/cuda_step.py) in place of the
         # layer-by-layer forward, where the plan chose it and this run allows it
         self.persistent = persistent
@@ -181,10 +184,11 @@ class GraphDecoder:
         return True
 
     def release(self) -> None:
-        """Drop the graph and its output (its private memory pool goes with them)."""
-        if self.graph is not None:
-            self.graph.reset()
-        self.graph, self.logits = None, None
+        """Drop the graphs and their output (their private memory pool goes with them)."""
+        for g in (self.keep_graph, self.graph):
+            if g is not None:
+                g.reset()
+        self.graph, self.keep_graph, self.logits = None, None, None
 
     def _prepare(self) -> None:
         """Host bookkeeping for the next position; one pinned copy of the step's inputs.
@@ -255,16 +259,16 @@ class GraphDecoder:
         sampler's history (the steps sample the rest)."""
         self.sampler(logits[-1], self.tok)
 
-    def _body(self) -> torch.Tensor:
-        logits = self._forward()
+    def _body(self, choose: bool = True) -> torch.Tensor:
+        logits = self._forward(choose)
         if self.sampled:
             self.sampler(logits[-1], self.tok)
         return logits
 
-    def _forward(self) -> torch.Tensor:
+    def _forward(self, choose: bool) -> torch.Tensor:
         tier = self.run.retrieval
-        if tier is not None:  # every layer's pages, from the last step's queries (static form:
-            tier.choose_decode(static=True)  # the same kernels every step, gated on the device)
+        if tier is not None and choose:  # every layer's pages, from the last step's queries
+            tier.choose_decode(static=True)  # (static form: the device-held offloaded range)
         if self.cuda_step is not None:  # the whole step in one kernel (it reads the token's
             logits = self.cuda_step()   # embedding row itself)
             if tier is not None:  # the step's queries for the next choice, from its q sums
@@ -293,31 +297,45 @@ class GraphDecoder:
             self.x.copy_(self.x_host, non_blocking=True)
         else:
             self.tok.copy_(token)
+        tier = self.run.retrieval
+        choose = tier is None or tier.choose  # (a kept choice: the graph without it)
+        graph = self.graph if choose else self.keep_graph
         if not self.capture:
-            result = self._body()
-        elif self.graph is None:  # first step: run eagerly (warms kernels up), then capture
-            result = self._capture()
-        else:
-            self.graph.replay()
+            result = self._body(choose)
+        elif graph is not None:
+            graph.replay()
             result = self.logits
+        elif choose or self.graph is not None:  # run eagerly (warms kernels up), then capture
+            result = self._capture(choose)
+        else:  # (a kept choice before any capture: the first decode step always chooses)
+            result = self._body(False)
         self.steps += 1
         self._after_step()
         return result
 
-    def _capture(self) -> torch.Tensor:
-        """The first step, eagerly on the graph stream, then captured; its logits."""
+    def _capture(self, choose: bool) -> torch.Tensor:
+        """A step, eagerly on the graph stream, then captured (choose: with the page choice,
+        as `graph`; else as `keep_graph`, after it: its pool, its logits buffer); its logits."""
         dev = self.run.device
         stream = graph_stream(dev.index if dev.index is not None else torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            out = self._body()
+            out = self._body(choose)
         torch.cuda.current_stream().wait_stream(stream)
         snapshot = self._scores_snapshot()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: one workspace
-            logits = self._body()
+        # the warm-up's stream (one cuBLAS workspace); the two graphs never run at once, and
+        # every tensor that lives from one replay to the next is held outside the pool
+        pool = None if choose else self.graph.pool()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            logits = self._body(choose)
+            if not choose and logits.data_ptr() != self.logits.data_ptr():
+                self.logits.copy_(logits)
         self._scores_restore(snapshot)  # capture does not run, but be exact anyway
-        self.graph, self.logits = graph, logits  # only a completed capture is kept
+        if choose:  # only a completed capture is kept
+            self.graph, self.logits = graph, logits
+        else:
+            self.keep_graph = graph
         self.captures += 1
         return out
 

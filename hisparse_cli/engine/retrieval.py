@@ -40,9 +40,9 @@ selector): the pages are chosen anew on every prefill chunk, on the first decode
 steps after the last choice, and at once after a page was offloaded or the globals were
 recalibrated (so a page leaving the window is reachable on the next step, and no retrieved key
 duplicates a new global); between those the slots keep their pages and positions, nothing is
-scored or copied. The choice is one host decision per step, written to a one-element device
-flag (`active`) only when it changes; the kernels read it, so the captured decode graph skips
-them on the device.
+scored or copied. The choice is one host decision per step (`choose`, made before the step's
+forward); the CUDA-graph decoder replays a graph without the choice's kernels on the steps
+that keep it (engine/cuda_graph.py).
 
 Device-resident: picks, slot choice (kernels/attention/page_cache_*.py), the copy and the
 counters stay on the device; the host only knows which pages are offloaded (it evicted them)
@@ -122,7 +122,6 @@ class RetrievalTier:
         self.slot_page = torch.full((self.L, self.H, self.S), -1, **i64)
         self.slot_used = torch.full((self.L, self.H, self.S), -1, **i64)
         self.step = torch.zeros(1, **i64)  # the step number slot_used compares with
-        self.active = torch.ones(1, **i64)  # 1: this step chooses its pages (module doc)
         self.counts = torch.zeros(3, **i64)  # picks, hits, misses over the run
         self.step_base = torch.zeros(3, **i64)  # counts when the current step began (trace)
         self.pick_ids = torch.arange(self.R, **i64)
@@ -139,7 +138,7 @@ class RetrievalTier:
         self.step_no = 0
         self.steps = 0  # steps that had offloaded pages
         self.decoding = False  # mark_decode: steps from now may keep the last choice
-        self.choose = True  # this step chooses its pages (host copy of `active`)
+        self.choose = True  # this step chooses its pages (module doc)
         self.kept_for = 0  # decode steps served by the last choice
         self.offloaded_at_choice = 0  # len(offloaded) when the pages were last chosen
         self.globals_changed = False  # a recalibration since the last choice
@@ -155,7 +154,6 @@ class RetrievalTier:
             t.fill_(-1)
         for t in (self.range, self.step, self.counts, self.step_base, self.last_q):
             t.zero_()
-        self.active.fill_(1)
         self._start_host_state()
 
     # -- sizes -----------------------------------------------------------------------------
@@ -281,9 +279,7 @@ class RetrievalTier:
             self.kept_for, self.globals_changed = 0, False
             self.offloaded_at_choice = len(self.offloaded)
         self.kept_for += 1
-        if choose != self.choose:  # one tiny device write when the decision flips
-            self.active.fill_(int(choose))
-            self.choose = choose
+        self.choose = choose
 
     def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """[Hkv, R] int64: the pages each KV head of `layer` attends this prefill chunk
@@ -307,29 +303,29 @@ class RetrievalTier:
             return
         picks = self.select(layer, q)
         fill = self.backend.place_pages(picks, self.slot_page[layer], self.slot_used[layer],
-                                        self.step, self.row_of_page, self.counts, None)
-        self._fill(layer, fill, None)
+                                        self.step, self.row_of_page, self.counts)
+        self._fill(layer, fill)
 
     def choose_decode(self, static: bool = False) -> None:
         """A decode step's page choice for every layer at once, before its forward, from the
-        previous step's queries (`last_q`; module doc). static: the same kernels every step
-        (a CUDA graph captures them), skipped on the device where `active` holds 0; else
-        only where this step chooses and pages are offloaded."""
-        if not static and not (self.offloaded and self.choose):
+        previous step's queries (`last_q`; module doc), where this step chooses. static: the
+        CUDA graph's form, the same kernels whatever the offloaded range (read on the device;
+        the graph replayed on steps that keep the choice has none of them); else only where
+        pages are offloaded."""
+        if not self.choose or not (static or self.offloaded):
             return
         L, H, S = self.L, self.H, self.S
-        act = self.active if static else None
         heads = L * H  # (layer, KV head) pairs score as the heads of one step
         q = self.last_q.view(1, -1, self.D)
         lo, hi = (t.view(heads, self.max_pages, self.D) for t in (self.lo, self.hi))
-        scores = self.backend.page_scores_in_range(q, lo, hi, self.range, self.D ** -0.5, act)
+        scores = self.backend.page_scores_in_range(q, lo, hi, self.range, self.D ** -0.5)
         picks = top_valid_pages(scores, self.R)
         fill = self.backend.place_pages(picks, self.slot_page.view(heads, S),
                                         self.slot_used.view(heads, S), self.step,
-                                        self.row_of_page, self.counts, act).view(L, H, S)
+                                        self.row_of_page, self.counts).view(L, H, S)
         if self.in_place:  # the layers' storage does not merge into one head axis
             for layer in range(L):
-                self._fill(layer, fill[layer], act)
+                self._fill(layer, fill[layer])
             return
         cache, bs, D = self.cache, self.bs, self.D
         # views, never copies (view() refuses what would need one): the kernel writes dst
@@ -341,9 +337,9 @@ class RetrievalTier:
         self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill.view(heads, S),
                                      self.slot_page.view(heads, S), self.slot_used.view(heads, S),
                                      self.step, gpos,
-                                     cache.spos[:, :, self.seg_base:].view(heads, S * bs), act)
+                                     cache.spos[:, :, self.seg_base:].view(heads, S * bs))
 
-    def _fill(self, layer: int, fill: torch.Tensor, act) -> None:
+    def _fill(self, layer: int, fill: torch.Tensor) -> None:
         """Copy `layer`'s fill rows [Hkv, S] into its slots and write their positions."""
         cache = self.cache
         if self.in_place:  # the layer's storage [cap, bs, Hkv, D] seen per head
@@ -354,7 +350,7 @@ class RetrievalTier:
         self.backend.fill_page_slots(dst_k, dst_v, src_k, src_v, fill, self.slot_page[layer],
                                      self.slot_used[layer], self.step,
                                      cache.gpos[layer] if cache.G else None,
-                                     self.positions(layer), act)
+                                     self.positions(layer))
 
     def keep_queries(self, raw_q: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> None:
         """last_q from a step's pre-RoPE queries raw_q [L, Hq, D] (any float type; the

@@ -30,13 +30,10 @@ import torch
 
 def place_pages(picks: torch.Tensor, slot_page: torch.Tensor, slot_used: torch.Tensor,
                 step: torch.Tensor, row_of_page: torch.Tensor,
-                counts: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+                counts: torch.Tensor) -> torch.Tensor:
     """Slots for the step's picks (module doc); updates slot_page, slot_used and counts in
-    place and returns fill_row [Hkv, S]. active: an int64 [1] tensor; 0 there: nothing is
-    changed (the step keeps the last choice; the returned rows are all -1)."""
+    place and returns fill_row [Hkv, S]."""
     h, r = picks.shape
-    if active is not None and int(active.reshape(-1)[0]) == 0:
-        return torch.full_like(slot_page, -1)
     s = slot_page.shape[1]
     assert r <= s and slot_used.shape == slot_page.shape and picks.dtype == torch.int64
     dev = picks.device
@@ -84,12 +81,10 @@ def slot_positions(slot_page: torch.Tensor, slot_used: torch.Tensor, step: torch
 def fill_page_slots(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
                     src_v: torch.Tensor, fill_row: torch.Tensor, slot_page: torch.Tensor,
                     slot_used: torch.Tensor, step: torch.Tensor, gpos: torch.Tensor | None,
-                    pos_out: torch.Tensor, active: torch.Tensor | None = None) -> None:
+                    pos_out: torch.Tensor) -> None:
     """dst[h, s] = src[h, fill_row[h, s]] where fill_row >= 0 (dst [Hkv, S, bs, D] slots,
     src [Hkv, rows, bs, D] on any device, any strides; bit for bit), and pos_out [Hkv, S * bs]
-    = slot_positions(...). active 0 (see place_pages): nothing is written."""
-    if active is not None and int(active.reshape(-1)[0]) == 0:
-        return
+    = slot_positions(...)."""
     assert dst_k.dtype == src_k.dtype and dst_k.shape[2:] == src_k.shape[2:]
     h, s = (fill_row >= 0).nonzero(as_tuple=True)
     if h.numel():

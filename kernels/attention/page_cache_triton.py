@@ -12,9 +12,7 @@ them, and the host never learns which pages a step picked.
   [bs, D] from the source (the pinned host store, read by the device at its mapped address
   under unified addressing, or the paged storage in place) and every slot writes its bs
   positions (picked this step: the page's positions, else -1; -1 where a global holds it).
-Both take `active` (an int64 [1] device tensor, or None): 0 there makes every program return
-at once, so a captured decode step keeps the last choice (`retrieval_every`) without a host
-branch. Head size and block size must be powers of two (asserted by the caller's dispatch).
+Head size and block size must be powers of two (asserted by the caller's dispatch).
 """
 
 from __future__ import annotations
@@ -25,11 +23,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _place_pages(picks_ptr, sp_ptr, su_ptr, step_ptr, row_ptr, fill_ptr, counts_ptr, act_ptr, R,
-                 S, R_P: tl.constexpr, S_P: tl.constexpr, HAS_ACT: tl.constexpr):
-    if HAS_ACT:
-        if tl.load(act_ptr) == 0:
-            return
+def _place_pages(picks_ptr, sp_ptr, su_ptr, step_ptr, row_ptr, fill_ptr, counts_ptr, R, S,
+                 R_P: tl.constexpr, S_P: tl.constexpr):
     h = tl.program_id(0)
     r = tl.arange(0, R_P)
     s = tl.arange(0, S_P)
@@ -65,7 +60,7 @@ def _place_pages(picks_ptr, sp_ptr, su_ptr, step_ptr, row_ptr, fill_ptr, counts_
 
 def place_pages(picks: torch.Tensor, slot_page: torch.Tensor, slot_used: torch.Tensor,
                 step: torch.Tensor, row_of_page: torch.Tensor,
-                counts: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+                counts: torch.Tensor) -> torch.Tensor:
     h, r = picks.shape
     s = slot_page.shape[1]
     assert r <= s and slot_used.shape == slot_page.shape
@@ -73,20 +68,16 @@ def place_pages(picks: torch.Tensor, slot_page: torch.Tensor, slot_used: torch.T
         assert t.dtype == torch.int64 and t.is_contiguous()
     fill = torch.empty_like(slot_page)
     r_p, s_p = triton.next_power_of_2(r), triton.next_power_of_2(s)
-    _place_pages[(h,)](picks, slot_page, slot_used, step, row_of_page, fill, counts,
-                       step if active is None else active, r, s, R_P=r_p, S_P=s_p,
-                       HAS_ACT=active is not None, num_warps=4 if s_p <= 64 else 8)
+    _place_pages[(h,)](picks, slot_page, slot_used, step, row_of_page, fill, counts, r, s,
+                       R_P=r_p, S_P=s_p, num_warps=4 if s_p <= 64 else 8)
     return fill
 
 
 @triton.jit
 def _fill_page_slots(dk_ptr, dv_ptr, sk_ptr, sv_ptr, fill_ptr, sp_ptr, su_ptr, step_ptr,
-                     gpos_ptr, pos_ptr, act_ptr, S, G, s_dh, s_ds, s_dt, s_kh, s_kr, s_kt, s_vh,
+                     gpos_ptr, pos_ptr, S, G, s_dh, s_ds, s_dt, s_kh, s_kr, s_kt, s_vh,
                      s_vr, s_vt, s_gh, s_ph, BS: tl.constexpr, D: tl.constexpr,
-                     G_P: tl.constexpr, HAS_G: tl.constexpr, HAS_ACT: tl.constexpr):
-    if HAS_ACT:
-        if tl.load(act_ptr) == 0:
-            return
+                     G_P: tl.constexpr, HAS_G: tl.constexpr):
     h = tl.program_id(0)
     s = tl.program_id(1)
     t = tl.arange(0, BS)
@@ -112,7 +103,7 @@ def _fill_page_slots(dk_ptr, dv_ptr, sk_ptr, sv_ptr, fill_ptr, sp_ptr, su_ptr, s
 def fill_page_slots(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor,
                     src_v: torch.Tensor, fill_row: torch.Tensor, slot_page: torch.Tensor,
                     slot_used: torch.Tensor, step: torch.Tensor, gpos: torch.Tensor | None,
-                    pos_out: torch.Tensor, active: torch.Tensor | None = None) -> None:
+                    pos_out: torch.Tensor) -> None:
     h, s, bs, d = dst_k.shape
     assert dst_k.stride() == dst_v.stride() and dst_k.stride(-1) == 1
     assert src_k.stride(-1) == 1 and src_v.stride(-1) == 1 and src_k.dtype == dst_k.dtype
@@ -120,12 +111,11 @@ def fill_page_slots(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tenso
     g = gpos.shape[1] if gpos is not None else 0
     gp = gpos if g else pos_out  # (unread without globals)
     _fill_page_slots[(h, s)](
-        dst_k, dst_v, src_k, src_v, fill_row, slot_page, slot_used, step, gp, pos_out,
-        step if active is None else active, s, g,
+        dst_k, dst_v, src_k, src_v, fill_row, slot_page, slot_used, step, gp, pos_out, s, g,
         dst_k.stride(0), dst_k.stride(1), dst_k.stride(2), src_k.stride(0), src_k.stride(1),
         src_k.stride(2), src_v.stride(0), src_v.stride(1), src_v.stride(2), gp.stride(0),
         pos_out.stride(0), BS=bs, D=d, G_P=triton.next_power_of_2(max(g, 1)), HAS_G=g > 0,
-        HAS_ACT=active is not None, num_warps=2)
+        num_warps=2)
 
 
 __all__ = ["place_pages", "fill_page_slots"]

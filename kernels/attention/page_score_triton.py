@@ -123,18 +123,14 @@ def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
 
 
 @triton.jit
-def _ranged_mass(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, act_ptr, n_rows, n_pages, scale,
+def _ranged_mass(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale,
                  s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
                  GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, LOW: tl.constexpr, HAS_ACT: tl.constexpr):
+                 BLOCK_N: tl.constexpr, LOW: tl.constexpr):
     """out[kvh, page] = sum over the rows (<= BLOCK_M: one tile) of the softmax over the pages
     in [first, first + n) (rng_ptr, read here: no host read) of their bounds; -1 for every
     other page. One program per KV head: pass 1 over the pages in range keeps each row's max
-    and sum of exp (online), pass 2 writes every page. HAS_ACT: nothing where act_ptr holds 0
-    (a decode step that keeps the last choice)."""
-    if HAS_ACT:
-        if tl.load(act_ptr) == 0:
-            return
+    and sum of exp (online), pass 2 writes every page."""
     kvh = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW)
@@ -168,14 +164,11 @@ MAX_RANGED_ROWS = 64  # page_scores_in_range's rows (T x grp) in one tile; more:
 
 
 def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                         rng: torch.Tensor, scale: float, block_n: int = 64,
-                         active: torch.Tensor | None = None) -> torch.Tensor:
+                         rng: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
     """page_score_ref.page_scores_in_range: whole summary tables lo, hi [Hkv, P, D] and the
     device range rng = (first, n), one program per KV head (`_ranged_mass`; a decode step's
     choice passes every layer's KV heads as the heads: hundreds of programs). Static shapes:
-    a CUDA graph captures it (one launch, no temporaries but the [Hkv, P] scores).
-    active (int64 [1] on the device): where it holds 0 the kernel does nothing and the
-    returned scores are undefined (the caller's page placement skips too)."""
+    a CUDA graph captures it (one launch, no temporaries but the [Hkv, P] scores)."""
     from hisparse_cli.kernels.attention.page_score_ref import page_scores_in_range as reference
 
     t, hq, d = q.shape
@@ -186,10 +179,10 @@ def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     assert q.stride(-1) == 1 and lo.stride(-1) == 1 and hi.stride(-1) == 1 and lo.shape == hi.shape
     out = torch.empty((hkv, n), dtype=torch.float32, device=q.device)
     _ranged_mass[(hkv,)](
-        q, lo, hi, rng, out, rng if active is None else active, rows, n, float(scale),
+        q, lo, hi, rng, out, rows, n, float(scale),
         q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), hi.stride(0), hi.stride(1),
         out.stride(0), GRP=hq // hkv, D=d, BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_N=block_n, LOW=_low(q, lo), HAS_ACT=active is not None)
+        BLOCK_N=block_n, LOW=_low(q, lo))
     return out
 
 
