@@ -5,10 +5,10 @@
 Order of a step: reserve slots -> (the retrieval tier, a decode step: every layer's page cache
 filled for the last step's queries, engine/retrieval.py) -> forward (each layer stores its K/V;
 with the retrieval tier a prefill chunk fills the layer's page cache for its queries; attends
-over {sinks ∪ globals ∪ window ∪ retrieved pages}, adds importance mass) -> evict blocks that left every future window (best
-tokens copied to candidate slots first; with the retrieval tier the blocks go to the offload
-store, engine/retrieval.py; then freed) -> recalibrate the globals when the step crossed a
-multiple of recalibrate_every.
+over {sinks ∪ globals ∪ window ∪ retrieved pages}, adds importance mass) -> evict blocks that
+left every future window (best tokens copied to candidate slots first; with the retrieval tier
+the blocks go to the offload store, engine/retrieval.py; then freed) -> recalibrate the
+globals when the step crossed a multiple of recalibrate_every.
 """
 
 from __future__ import annotations

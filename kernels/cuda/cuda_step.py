@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tables
+
 SOURCE = Path(__file__).with_name("decode_step.cu")
 _INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
 
@@ -498,8 +500,6 @@ class CudaDecodeStep:
         hq = cfg.num_attention_heads
         L = cfg.num_hidden_layers
         raw = self.ws[self.off_qkv:self.off_logits].view(L, self.qkv_n)[:, :hq * HD]
-        from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tables
-
         cos, sin = self.model.rope.cos_sin(self.dev[0:1], torch.float32)
         tier.keep_queries(raw.view(L, hq, HD), *rope_tables(cos, sin))
 
