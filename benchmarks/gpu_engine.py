@@ -77,6 +77,7 @@ from hisparse_cli.model.config import ModelConfig  # noqa: E402
 from hisparse_cli.planner.memory import CUDA_CONTEXT_BYTES, GIB, plan_memory  # noqa: E402
 from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
 from hisparse_cli.config.profiles import load_profile  # noqa: E402
+from hisparse_cli.kernels.attention.page_score_ref import summary_bytes  # noqa: E402
 
 MIB = 1 << 20
 T0 = time.perf_counter()
@@ -837,8 +838,8 @@ def same_resident_eviction(sparse, cfg: ModelConfig, context: int):
     widened by the page cache plus the page summaries' bytes, in tokens."""
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     pages = -(-context // sparse.block_size)
-    n_summ = 1 if sparse.retrieval_summary == "mean" else 2
-    summ = n_summ * cfg.num_hidden_layers * cfg.num_key_value_heads * pages * cfg.head_dim * 2
+    summ = summary_bytes(cfg.num_hidden_layers * cfg.num_key_value_heads, pages, cfg.head_dim,
+                         sparse.retrieval_summary)
     extra = sparse.page_cache_pages * sparse.block_size + summ // per_token
     return replace(sparse, retrieval_tokens=0, window_size=sparse.window_size + extra)
 
@@ -927,9 +928,13 @@ def phase_retrieval(a) -> list[dict]:
                     free_all(dev)
                     pinned0 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
                         if hasattr(torch.cuda, "host_memory_stats") else None
-                    res = eng.generate(ids, max_new_tokens=a.decode_tokens,
-                                       min_new_tokens=a.decode_tokens)
+                    runs = [eng.generate(ids, max_new_tokens=a.decode_tokens,
+                                         min_new_tokens=a.decode_tokens)
+                            for _ in range(max(1, a.repeat))]  # timed: the median of these
+                    res = runs[-1]
                     s = res.stats
+                    prefills = [r.stats.prefill_tok_s for r in runs]
+                    decodes = [(r.stats.new_tokens - 1) / r.stats.decode_seconds for r in runs]
                     state = getattr(eng, "_decode_state", None)
                     tier = getattr(state, "tier", None)
                     pinned1 = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) \
@@ -942,8 +947,9 @@ def phase_retrieval(a) -> list[dict]:
                            "retrieval_tokens": sparse.retrieval_tokens,
                            "retrieval_every": sparse.retrieval_every,
                            "lm_head": "int8" if int8_head else "fp16",
-                           "prefill_tok_s": s.prefill_tok_s,
-                           "decode_tok_s": (s.new_tokens - 1) / s.decode_seconds,
+                           "prefill_tok_s": statistics.median(prefills),
+                           "decode_tok_s": statistics.median(decodes),
+                           "prefill_tok_s_runs": prefills, "decode_tok_s_runs": decodes,
                            "peak_bytes": s.peak_memory_bytes,
                            # the other model's bytes, where two are loaded (not this run's)
                            "other_model_bytes": other,
@@ -1031,7 +1037,8 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=6.0, help="card size for (d); 0: skip")
     ap.add_argument("--skip-static", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="(e): run each context this many times, keep the last")
+                    help="(e): run each context this many times, keep the last; --retrieval: "
+                    "time each row this many times (after its warm-up), the median")
     ap.add_argument("--h200-alt", default=None,
                     help="also run h200-141g with these SparseConfig overrides, e.g. "
                          "window_size=4096,prefill_chunk=1024 (rows labelled h200-alt)")

@@ -61,7 +61,7 @@ def main() -> None:
     from hisparse_cli.engine.retrieval import _host_store
     from hisparse_cli.kernels.attention import page_cache_triton as pc
     from hisparse_cli.kernels.attention import page_score_triton as ps
-    from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
+    from hisparse_cli.kernels.attention.page_score_ref import page_summary, top_valid_pages
 
     dev = torch.device("cuda")
     P, S = a.pages, a.slots
@@ -111,8 +111,8 @@ def main() -> None:
     del store_k, store_v, pin
 
     # 2. a decode step's choice over every layer: scoring, top-k, placement
-    lo = torch.randn((heads, P, D), dtype=torch.float16, device=dev)
-    hi = lo + torch.rand_like(lo)
+    keys = torch.randn((heads, P, 2, D), dtype=torch.float16, device=dev)
+    lo, hi = page_summary(keys, "minmax")
     q = torch.randn((1, L * HQ, D), dtype=torch.float16, device=dev)
     rng = torch.tensor([4, P - 40], dtype=torch.int64, device=dev)
     res["ranged_scoring_ms"] = bench(lambda: ps.page_scores_in_range(q, lo, hi, rng, D ** -0.5))
@@ -129,8 +129,8 @@ def main() -> None:
     # 3. a prefill chunk's scoring, one layer
     res["prefill_scoring_ms"] = {}
     for n in (1024, 2048):
-        lo1 = torch.randn((H, n, D), dtype=torch.float16, device=dev)
-        hi1 = lo1 + torch.rand_like(lo1)
+        lo1, hi1 = page_summary(torch.randn((H, n, 2, D), dtype=torch.float16, device=dev),
+                                "minmax")
         for t in (1024, 512, 256, 128):
             qq = torch.randn((t, HQ, D), dtype=torch.float16, device=dev)
             ms = bench(lambda: ps.score_top_pages(qq, lo1, hi1, S, D ** -0.5))

@@ -1,7 +1,9 @@
 """Page scoring + top-k (kernels/attention/page_score_*.py) against brute force, over dtype x
 pages x budget: the reference equals an explicit loop over queries, heads and pages; the
 Triton kernel equals the reference (`gpu`; also on the CPU with TRITON_INTERPRET=1); the
-ranged form (whole tables, a device range) equals the reference over the range's slice."""
+ranged form (whole tables, a device range) equals the reference over the range's slice; the
+INT8 summaries dequantize to within half a step of the exact ones, and a minmax summary still
+bounds every key of its page."""
 
 from __future__ import annotations
 
@@ -10,24 +12,30 @@ import os
 import pytest
 import torch
 
-from hisparse_cli.kernels.attention.page_score_ref import (page_scores, page_scores_in_range,
-                                                           page_summary, score_top_pages)
+from hisparse_cli.kernels.attention.page_score_ref import (Summary, page_scores,
+                                                           page_scores_in_range, page_summary,
+                                                           quantize_summary, score_top_pages)
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 def brute(q, lo, hi, scale):
+    """The scores from first principles: each summary channel is its INT8 value times its
+    page's scale, each bound a sum over channels of max(q * lo, q * hi), in float64."""
     t, hq, d = q.shape
-    hkv, n, _ = lo.shape
+    hkv, n, _ = lo.values.shape
     grp = hq // hkv
     out = torch.zeros(hkv, n, dtype=torch.float64)
     for h in range(hkv):
         for ti in range(t):
             for g in range(grp):
                 qq = q[ti, h * grp + g].double()
-                b = torch.stack([torch.maximum(qq * lo[h, j].double(), qq * hi[h, j].double()).sum()
-                                 for j in range(n)])
-                out[h] += torch.softmax(b * scale, 0)
+                b = []
+                for j in range(n):
+                    lo_j = lo.values[h, j].double() * float(lo.scale[h, j])
+                    hi_j = hi.values[h, j].double() * float(hi.scale[h, j])
+                    b.append(torch.maximum(qq * lo_j, qq * hi_j).sum())
+                out[h] += torch.softmax(torch.stack(b) * scale, 0)
     return out
 
 
@@ -47,11 +55,41 @@ def test_reference_equals_brute_force(dtype, t, n, kind):
     got = page_scores(q, lo, hi, 0.25).double()
     assert torch.allclose(got, brute(q, lo, hi, 0.25), atol=TOL[dtype] * t * 2)
     if kind == "minmax":  # the bound is an upper bound of every key's q.k in the page
+        lo_f, hi_f = lo.dequantize(), hi.dequantize()
         for h in range(2):
             qq = q[:, h * 2:(h + 1) * 2].float().reshape(-1, 16)
-            bound = qq.clamp(min=0) @ hi[h].float().T + qq.clamp(max=0) @ lo[h].float().T
+            bound = qq.clamp(min=0) @ hi_f[h].T + qq.clamp(max=0) @ lo_f[h].T
             dots = torch.einsum("rd,nbd->rnb", qq, pages[h].float()).amax(-1)
             assert (bound >= dots - 1e-4).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "down", "up"])
+def test_quantized_summary_layout_and_error(dtype, rounding):
+    """INT8 values in [-127, 127], one fp32 scale a page = the page's absmax / 127 (1 for an
+    all-zero page), dequantized within half a step (nearest) or one step on the rounding's
+    side (down: never above, up: never below)."""
+    x = (torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    x[1, 2] = 0
+    s = quantize_summary(x, rounding)
+    assert s.values.dtype == torch.int8 and s.scale.dtype == torch.float32
+    assert s.values.shape == x.shape and s.scale.shape == x.shape[:-1]
+    assert s.values.abs().max() <= 127
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    assert torch.equal(s.scale[amax > 0], (amax / 127)[amax > 0])
+    assert s.scale[1, 2] == 1 and (s.values[1, 2] == 0).all()
+    step = s.scale.unsqueeze(-1)
+    err = s.dequantize() - xf
+    tol = 1e-6 * xf.abs().amax()
+    if rounding == "nearest":
+        assert (err.abs() <= step / 2 + tol).all()
+    elif rounding == "down":
+        assert (err <= tol).all() and (err >= -step - tol).all()
+    else:
+        assert (err >= -tol).all() and (err <= step + tol).all()
+    if rounding == "nearest":  # the absmax channel is exact (floor and ceil may miss by one)
+        assert (s.values.abs().amax(-1)[amax > 0] == 127).all()
 
 
 @pytest.mark.parametrize("k", [1, 4, 17])
@@ -85,9 +123,11 @@ def _check_triton(dtype, t, n, k, dev):
 
     q, lo, hi, _ = _inputs(t, n, dtype, "minmax", device=dev, seed=t)
     # a strided summary view, as the engine passes it ([L, Hkv, pages, D] sliced)
-    big_lo = torch.zeros(2, n + 9, 16, dtype=dtype, device=dev)
-    big_lo[:, 4:4 + n] = lo
-    got = tri(q, big_lo[:, 4:4 + n], hi, 0.25)
+    big_lo = Summary(torch.zeros(2, n + 9, 16, dtype=torch.int8, device=dev),
+                     torch.zeros(2, n + 9, device=dev))
+    big_lo.values[:, 4:4 + n] = lo.values
+    big_lo.scale[:, 4:4 + n] = lo.scale
+    got = tri(q, big_lo.pages(4, 4 + n), hi, 0.25)
     want = page_scores(q, lo, hi, 0.25)
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * t), (got - want).abs().max()
     top = score_top_pages(q, lo, hi, k, 0.25)
@@ -108,8 +148,8 @@ def test_ranged_reference_equals_the_slice(t, total, first, n):
     got = page_scores_in_range(q, lo, hi, torch.tensor([first, n]), 0.25)
     want = torch.full((2, total), -1.0)
     if n:
-        want[:, first:first + n] = page_scores(q, lo[:, first:first + n], hi[:, first:first + n],
-                                               0.25)
+        want[:, first:first + n] = page_scores(q, lo.pages(first, first + n),
+                                               hi.pages(first, first + n), 0.25)
     assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
 
 

@@ -14,6 +14,7 @@ from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.kernels.dispatch import select_backend
+from hisparse_cli.kernels.attention.page_score_ref import quantize_summary
 
 from test_sparse_attention import HKV, HQ, D, RandomQKV, _cfg
 
@@ -257,9 +258,10 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype):
                     want = ref[p * 8:(p + 1) * 8].transpose(0, 1)  # [Hkv, bs, D]
                     assert torch.equal(got, want), (p, copy_offload)
                 keys = src.k[p * 8:(p + 1) * 8].transpose(0, 1)  # summaries of the same bits
-                sdt = tier.lo.dtype
-                assert torch.equal(tier.lo[0, :, p], keys.amin(1).to(sdt))
-                assert torch.equal(tier.hi[0, :, p], keys.amax(1).to(sdt))
+                for table, want in ((tier.lo, quantize_summary(keys.amin(1), "down")),
+                                    (tier.hi, quantize_summary(keys.amax(1), "up"))):
+                    assert torch.equal(table.values[0, :, p], want.values)
+                    assert torch.equal(table.scale[0, :, p], want.scale)
 
 
 def test_settings_validation():
@@ -320,9 +322,9 @@ def test_planner_bytes_equal_a_cpu_run(tiny_models, summary):
     with run:
         c, t = run.cache, run.retrieval
         tensors = [c.k, c.v, c.score, c.sk, c.sv, c.spos, c.smass, c.sseen, c.ck, c.cv, c.cpos,
-                   c.cmass, c.cseen, t.lo, t.row_of_page, t.range, t.slot_page, t.slot_used,
+                   c.cmass, c.cseen, *t.lo, t.row_of_page, t.range, t.slot_page, t.slot_used,
                    t.step, t.counts, t.step_base, t.pick_ids, t.last_q] + (
-            [t.hi] if summary == "minmax" else [])
+            [*t.hi] if summary == "minmax" else [])
         allocated = sum(x.untyped_storage().nbytes() for x in tensors)
     planned = sum(items.get(n, 0) for n in ("kv.paged_kv", "kv.importance_scores",
                                              "kv.global_and_page_cache_slots",

@@ -57,12 +57,16 @@ def test_rms_norm_rows(rec):
 
 def test_page_scoring_rows_and_pages(rec):
     """The retrieval tier's prefill scoring: a chunk's rows (ragged last chunk) and the pages
-    offloaded so far (one more every block) add no variant."""
+    offloaded so far (one more every block; the scales' head stride is a page count) add no
+    variant."""
+    from hisparse_cli.kernels.attention.page_score_ref import page_summary
     from hisparse_cli.kernels.attention.page_score_triton import page_scores
 
     for t, n in ((4, 1), (4, 16), (4, 17), (3, 33)):  # 16 rows (BLOCK_M 16), then 12
-        page_scores(torch.randn(t, 4, 16), torch.randn(2, n, 16), torch.randn(2, n, 16), 0.25)
-    _no_int_classes(rec, "page_score_triton._page_mass", "n_rows", "n_pages", "s_oh")
+        lo, hi = page_summary(torch.randn(2, n, 4, 16), "minmax")
+        page_scores(torch.randn(t, 4, 16), lo, hi, 0.25)
+    _no_int_classes(rec, "page_score_triton._page_mass", "n_rows", "n_pages", "s_lsh", "s_hsh",
+                    "s_oh")
     assert len(rec.keys["page_score_triton._page_mass"]) == 1
 
 

@@ -9,8 +9,10 @@ A page is one KV block. When the host policy evicts a block that holds no sink
     [pages, L, Hkv, bs, D] (page-major: a step's evicted pages, consecutive, are one
     contiguous asynchronous copy); the block goes back to the pool (the next step waits for
     the copy before writing into a reused block).
-Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D],
-float16 for a float32 cache: a ranking needs no more) is written to resident memory then.
+Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D]
+in INT8 with an fp32 scale a page and KV head, page_score_ref.Summary: a ranking needs no more,
+and the summaries are the one resident part that grows with the document) is written to
+resident memory then.
 
 A prefill chunk, for every layer, before its attention: the chunk's queries score the
 offloaded pages against their summaries (kernels/attention/page_score_ref.py: each page's
@@ -59,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse_cli.engine.kv_cache import PagedKVCache, int64_to_device
-from hisparse_cli.kernels.attention.page_score_ref import top_valid_pages
+from hisparse_cli.kernels.attention.page_score_ref import Summary, top_valid_pages
 from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tabled
 
 
@@ -103,10 +105,9 @@ class RetrievalTier:
         self.R, self.S = retrieval_pages, cache_pages
         self.max_pages, self.in_place = max_pages, in_place
         dev, dt = cache.device, cache.dtype
-        shape = (self.L, self.H, max_pages, self.D)
-        sdt = torch.float16 if dt == torch.float32 else dt  # summaries: 2 bytes a channel
-        self.lo = torch.zeros(shape, dtype=sdt, device=dev)
-        self.hi = self.lo if summary == "mean" else torch.zeros(shape, dtype=sdt, device=dev)
+        self.lo = _summary_table(self.L, self.H, max_pages, self.D, dev)
+        self.hi = self.lo if summary == "mean" else _summary_table(self.L, self.H, max_pages,
+                                                                   self.D, dev)
         cuda = dev.type == "cuda"
         if in_place:
             self.store_k = self.store_v = None
@@ -153,13 +154,13 @@ class RetrievalTier:
         for t in (self.row_of_page, self.slot_page, self.slot_used):
             t.fill_(-1)
         for t in (self.range, self.step, self.counts, self.step_base, self.last_q):
-            t.zero_()
+            t.zero_()  # (stale summaries need no reset: a page is scored once it is written)
         self._start_host_state()
 
     # -- sizes -----------------------------------------------------------------------------
     def summary_bytes(self) -> int:
-        n = 1 if self.kind == "mean" else 2
-        return n * self.lo.numel() * self.lo.element_size()
+        tables = (self.lo,) if self.hi is self.lo else (self.lo, self.hi)
+        return sum(t.values.numel() + t.scale.numel() * 4 for t in tables)
 
     def page_bytes(self) -> int:
         """K and V bytes of one page over every layer."""
@@ -217,9 +218,10 @@ class RetrievalTier:
         pg = int64_to_device(pages, cache.device)
         keys = cache.k.index_select(1, ids).permute(0, 3, 1, 2, 4)  # [L, Hkv, n, bs, D]
         lo, hi = self.backend.page_summary(keys, self.kind)
-        self.lo.index_copy_(2, pg, lo.to(self.lo.dtype))
-        if self.hi is not self.lo:
-            self.hi.index_copy_(2, pg, hi.to(self.hi.dtype))
+        for table, new in ((self.lo, lo),) if self.hi is self.lo else ((self.lo, lo),
+                                                                        (self.hi, hi)):
+            table.values.index_copy_(2, pg, new.values)
+            table.scale.index_copy_(2, pg, new.scale)
         if self.in_place:
             rows = physical
             self.row_of_page.index_copy_(0, pg, ids)
@@ -289,8 +291,11 @@ class RetrievalTier:
         if n <= self.R:  # the budget covers every offloaded page: no scoring
             ids = self.pick_ids
             return torch.where(ids < n, ids + lo, -1).expand(self.H, -1).contiguous()
-        top = self.backend.score_top_pages(q, self.lo[layer, :, lo:lo + n],
-                                           self.hi[layer, :, lo:lo + n], self.R, scale)
+        lo_s, hi_s = (Summary(t.values[layer], t.scale[layer]).pages(lo, lo + n)
+                      for t in (self.lo, self.hi))
+        if self.hi is self.lo:
+            hi_s = lo_s  # (the reference then dequantizes once)
+        top = self.backend.score_top_pages(q, lo_s, hi_s, self.R, scale)
         return (top + lo).contiguous()
 
     def prepare(self, layer: int, q: torch.Tensor) -> None:
@@ -317,7 +322,9 @@ class RetrievalTier:
         L, H, S = self.L, self.H, self.S
         heads = L * H  # (layer, KV head) pairs score as the heads of one step
         q = self.last_q.view(1, -1, self.D)
-        lo, hi = (t.view(heads, self.max_pages, self.D) for t in (self.lo, self.hi))
+        lo, hi = self.lo.heads_flat(heads), self.hi.heads_flat(heads)
+        if self.hi is self.lo:
+            hi = lo  # (the reference then dequantizes once)
         scores = self.backend.page_scores_in_range(q, lo, hi, self.range, self.D ** -0.5)
         picks = top_valid_pages(scores, self.R)
         fill = self.backend.place_pages(picks, self.slot_page.view(heads, S),
@@ -372,6 +379,12 @@ class RetrievalTier:
     def positions(self, layer: int) -> torch.Tensor:
         """[Hkv, S*bs] positions the layer's page cache showed this step (-1 = not seen)."""
         return self.cache.spos[layer, :, self.seg_base:]
+
+
+def _summary_table(L: int, H: int, pages: int, d: int, dev: torch.device) -> Summary:
+    """A zeroed summary table: INT8 values [L, Hkv, pages, D], fp32 scales [L, Hkv, pages]."""
+    return Summary(torch.zeros((L, H, pages, d), dtype=torch.int8, device=dev),
+                   torch.zeros((L, H, pages), dtype=torch.float32, device=dev))
 
 
 def _host_store(shape: tuple, dtype: torch.dtype, cuda: bool) -> torch.Tensor:

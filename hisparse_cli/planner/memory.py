@@ -407,7 +407,7 @@ _RESIDENT = {
     "kv.global_and_page_cache_slots": ("{G} global tokens + the retrieval tier's page-cache "
                                        "slots per layer/KV head: K, V + pos/mass/seen"),
     "kv.page_summaries": ("retrieval tier: one key summary per page (mean: one, minmax: two "
-                          "[L, Hkv, pages, D]; fp16 for an fp32 cache)"),
+                          "[L, Hkv, pages, D]; INT8 values + an fp32 scale a page)"),
     "kv.page_cache_state": ("retrieval tier: which page each page-cache slot holds and when it "
                             "was last picked [L, Hkv, slots], the page -> store row map, counters"),
     "logits": "fp32 logits [V] of the previous (and, after the forward, the current) step",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.sparsity import SparseSequence, cdiv
+from hisparse_cli.kernels.attention.page_score_ref import summary_bytes
 from hisparse_cli.planner.attn import AttnStep
 from hisparse_cli.planner.step import evict_peak, forward_peak, recalibrate_peak
 from hisparse_cli.planner.trace import StepShape, SubPeak, Trace
@@ -166,12 +167,12 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
                        lh * n * 4):
             tr.alloc(name, nbytes)
     summ_bytes = 0
-    if seq.retrieval:  # RetrievalTier: fp16 summaries for an fp32 cache, else the cache's
+    if seq.retrieval:  # RetrievalTier: INT8 summaries [L, Hkv, pages, D] + fp32 scales
         n_summ = 1 if sparse.retrieval_summary == "mean" else 2
-        one = lh * max_pages * s.d * (2 if s.kvb == 4 else s.kvb)
         for _ in range(n_summ):
-            tr.alloc("kv.page_summaries", one)
-        summ_bytes = n_summ * one
+            tr.alloc("kv.page_summaries", lh * max_pages * s.d)
+            tr.alloc("kv.page_summaries", lh * max_pages * 4)
+        summ_bytes = summary_bytes(lh, max_pages, s.d, sparse.retrieval_summary)
         # RetrievalTier's device state: row_of_page, range, slot_page, slot_used, step,
         # counts, step_base, pick_ids (int64); last_q (the cache's dtype)
         slots = lh * sparse.page_cache_pages
@@ -244,7 +245,12 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
         if seq.retrieval and any(e.offloaded for e in evicted):  # summaries of the new pages
             no = sum(e.offloaded for e in evicted)
             keys = tr.size(s.layers * no * bs * s.hkv * s.d * s.kvb)
-            tr.bump(SubPeak(keys + 2 * tr.size(lh * no * s.d * s.kvb)), where + ": offload")
+            # page_summary: the min or max (or the fp32 mean), its fp32 copy and quotient,
+            # the INT8 values and scales (an upper estimate of the live set)
+            one = lh * no
+            summ = (tr.size(one * s.d * s.kvb) + 2 * tr.size(one * s.d * 4)
+                    + n_summ * (tr.size(one * s.d) + 2 * tr.size(one * 4)))
+            tr.bump(SubPeak(keys + summ), where + ": offload")
         if evicted and s.C:
             ne = len(evicted)
             fresh = sum(bs - min(bs, max(0, seq.sinks - e.start)) for e in evicted)

@@ -2,9 +2,12 @@
 
 Layouts (shared with page_score_triton.py):
     pages:     [Hkv, n, bs, D]   keys of n offloaded pages of one layer, per KV head
-    summary:   (lo, hi) [Hkv, n, D] each: "minmax" = per-channel min and max of the page's
-               keys (Quest); "mean" = (mean key, mean key): the same scoring formula then
-               gives q . mean
+    summary:   (lo, hi) each a `Summary` of [Hkv, n, D]: "minmax" = per-channel min and max
+               of the page's keys (Quest); "mean" = (mean key, mean key): the same scoring
+               formula then gives q . mean. Stored in INT8 with one fp32 scale per page and
+               KV head (symmetric: absmax / 127), a quarter of an fp32 cache's bytes and half
+               of an fp16 one's: min rounds down and max up, so the dequantized min/max still
+               bound every key of the page; the mean rounds to nearest
     q:         [T, Hq, D] the step's queries (after RoPE); GQA: query head h reads KV head
                h // (Hq // Hkv)
 Page score (per KV head): each query row (a step's query x a query head of the KV head) rates
@@ -20,33 +23,77 @@ set of pages, and the mass sum picks the pages most of them want.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+QMAX = 127  # symmetric INT8: values in [-127, 127]
 
-def page_summary(pages: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lo, hi) [..., n, D] of pages [..., n, bs, D], in the pages' dtype (module doc)."""
+
+class Summary(NamedTuple):
+    """Page key summaries [..., n, D] as INT8 values and one fp32 scale a page [..., n]: the
+    summary is values * scale (module doc)."""
+
+    values: torch.Tensor  # int8 [..., n, D]
+    scale: torch.Tensor  # float32 [..., n]
+
+    def dequantize(self) -> torch.Tensor:
+        """[..., n, D] float32."""
+        return self.values.float() * self.scale.unsqueeze(-1)
+
+    def pages(self, first: int, last: int) -> "Summary":
+        """The pages [first, last) of every head (views)."""
+        return Summary(self.values[..., first:last, :], self.scale[..., first:last])
+
+    def heads_flat(self, heads: int) -> "Summary":
+        """[L, Hkv, P, ...] seen as [heads = L * Hkv, P, ...] (views)."""
+        return Summary(self.values.view(heads, *self.values.shape[-2:]),
+                       self.scale.view(heads, self.scale.shape[-1]))
+
+
+def quantize_summary(x: torch.Tensor, rounding: str = "nearest") -> Summary:
+    """x [..., n, D] as a Summary: scale = absmax over D / 127 per page (1 for an all-zero
+    page); rounding "down" (floor) for a minimum, "up" (ceil) for a maximum, so that the
+    dequantized bound still holds, "nearest" otherwise."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / QMAX, 1.0)
+    r = xf / scale.unsqueeze(-1)
+    {"nearest": r.round_, "down": r.floor_, "up": r.ceil_}[rounding]()
+    return Summary(r.clamp_(-QMAX, QMAX).to(torch.int8), scale)
+
+
+def page_summary(pages: torch.Tensor, kind: str) -> tuple[Summary, Summary]:
+    """(lo, hi) of pages [..., n, bs, D], each [..., n, D] in INT8 (module doc)."""
     if kind == "minmax":
-        return pages.amin(dim=-2), pages.amax(dim=-2)
+        return (quantize_summary(pages.amin(dim=-2), "down"),
+                quantize_summary(pages.amax(dim=-2), "up"))
     if kind == "mean":
-        m = pages.float().mean(dim=-2).to(pages.dtype)
+        m = quantize_summary(pages.mean(dim=-2, dtype=torch.float32))
         return m, m
     raise ValueError(f"unknown summary kind {kind!r}")
 
 
-def page_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def summary_bytes(heads: int, pages: int, d: int, kind: str) -> int:
+    """Device bytes of the summaries of `pages` pages for `heads` (layer, KV head) pairs: per
+    summary INT8 values and an fp32 scale a page; minmax keeps two summaries, mean one."""
+    return (1 if kind == "mean" else 2) * heads * pages * (d + 4)
+
+
+def page_bounds(q: torch.Tensor, lo: Summary, hi: Summary, scale: float) -> torch.Tensor:
     """[Hkv, T * grp, n] fp32: scale * the bound of every query row against every page."""
     t, hq, d = q.shape
-    hkv = lo.shape[0]
+    hkv = lo.values.shape[0]
     grp = hq // hkv
     qf = q.float().reshape(t, hkv, grp, d).permute(1, 0, 2, 3).reshape(hkv, t * grp, d)
-    s = torch.bmm(qf.clamp(min=0), hi.float().transpose(1, 2))  # [Hkv, T*grp, n]
-    s += torch.bmm(qf.clamp(max=0), lo.float().transpose(1, 2))
+    lo_f = lo.dequantize()
+    hi_f = lo_f if hi is lo else hi.dequantize()
+    s = torch.bmm(qf.clamp(min=0), hi_f.transpose(1, 2))  # [Hkv, T*grp, n]
+    s += torch.bmm(qf.clamp(max=0), lo_f.transpose(1, 2))
     return s.mul_(scale)
 
 
-def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def page_scores(q: torch.Tensor, lo: Summary, hi: Summary, scale: float) -> torch.Tensor:
     """[Hkv, n] fp32: each page's score (module doc) for the step's queries q [T, Hq, D]."""
     return torch.softmax(page_bounds(q, lo, hi, scale), dim=-1).sum(dim=1)
 
@@ -66,12 +113,13 @@ def scores_from_bounds(bounds: torch.Tensor, inside: torch.Tensor) -> torch.Tens
     return torch.softmax(b, dim=-1).sum(dim=1).masked_fill_(~inside, -1.0)
 
 
-def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                         rng: torch.Tensor, scale: float) -> torch.Tensor:
-    """[Hkv, P] fp32 over whole summary tables lo, hi [Hkv, P, D]: the pages in the range
+def page_scores_in_range(q: torch.Tensor, lo: Summary, hi: Summary, rng: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """[Hkv, P] fp32 over whole summary tables lo, hi ([Hkv, P, D]): the pages in the range
     rng = (first, n) (an int64 device tensor) score as page_scores over that slice would score
     them; every other page -1. Static shapes, no host read of the range (CUDA-graph decode)."""
-    return scores_from_bounds(page_bounds(q, lo, hi, scale), in_range(lo.shape[1], rng))
+    return scores_from_bounds(page_bounds(q, lo, hi, scale),
+                              in_range(lo.values.shape[1], rng))
 
 
 def top_valid_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -93,11 +141,11 @@ def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
     return idx.sort(dim=-1).values
 
 
-def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
+def score_top_pages(q: torch.Tensor, lo: Summary, hi: Summary, k: int,
                     scale: float) -> torch.Tensor:
     """top_pages(page_scores(q, lo, hi, scale), k): the pages a step retrieves, per KV head."""
     return top_pages(page_scores(q, lo, hi, scale), k)
 
 
-__all__ = ["page_summary", "page_bounds", "page_scores", "in_range", "scores_from_bounds",
+__all__ = ["Summary", "quantize_summary", "summary_bytes", "page_summary", "page_bounds", "page_scores", "in_range", "scores_from_bounds",
            "page_scores_in_range", "top_pages", "top_valid_pages", "score_top_pages"]

@@ -1,9 +1,9 @@
 """Triton page scoring of the retrieval tier (the contract and the torch oracle:
 kernels/attention/page_score_ref.py; selected by kernels/dispatch.py on CUDA).
 
-    page_scores(q [T, Hq, D], lo [Hkv, n, D], hi [Hkv, n, D], scale) -> [Hkv, n] fp32
+    page_scores(q [T, Hq, D], lo, hi: Summary [Hkv, n, D], scale) -> [Hkv, n] fp32
     score_top_pages(q, lo, hi, k, scale) -> [Hkv, k] int64, ascending
-    page_scores_in_range(q, lo [Hkv, P, D], hi, rng, scale) -> [Hkv, P] fp32 (-1 outside
+    page_scores_in_range(q, lo, hi [Hkv, P, D], rng, scale) -> [Hkv, P] fp32 (-1 outside
         the device range rng = (first, n): the CUDA-graph decode step's static form)
 
 Version 1 (`_page_mass`): one program per (KV head, tile of BLOCK_M query rows; a row is a
@@ -16,9 +16,10 @@ scores (k is at most a few hundred pages; a Triton top-k is not written).
 `_ranged_mass` (the ranged form, a decode step's few rows, every layer's KV heads at once):
 one program per KV head, the same two passes over the pages in the device-held range, the
 sums stored (-1 for every page outside the range); no [rows, pages] tensor.
-Dots: fp16 (bf16) queries against summaries of the same type run on the tensor cores in that
-type (16-bit products are exact in the fp32 accumulator); fp32 queries (an fp32 cache's fp16
-summaries) in fp32 IEEE dots. Prefill (many rows) takes 64-row tiles.
+Dots: the summaries' INT8 values (page_score_ref.Summary) convert exactly to the queries'
+type; fp16 (bf16) queries run on the tensor cores in that type (16-bit products are exact in
+the fp32 accumulator), fp32 queries (an fp32 cache) in fp32 IEEE dots; each page's column is
+then multiplied by its scale. Prefill (many rows) takes 64-row tiles.
 Any strides on the last-but-one dims; the last dim must be contiguous (asserted).
 """
 
@@ -28,21 +29,29 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse_cli.kernels.attention.page_score_ref import Summary
+
 
 @triton.jit
-def _tile_scores(qp, qn, lo_ptr, hi_ptr, pg, ok, dd, s_ln, s_hn, scale, LOW: tl.constexpr):
+def _tile_scores(qp, qn, lo_ptr, hi_ptr, ls_ptr, hs_ptr, pg, ok, dd, s_ln, s_hn, scale,
+                 LOW: tl.constexpr):
     """scale * (q+ . hi + q- . lo) of a tile of query rows against the pages `pg` of one KV
-    head (the upper bound of q . k over a page's keys); pages past the end load as zeros.
-    LOW: q and the summaries are one 16-bit type, the dots run on the tensor cores in it
-    (the products are exact in the fp32 accumulator); else fp32 IEEE dots."""
-    lo = tl.load(lo_ptr + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None], other=0.0)
-    hi = tl.load(hi_ptr + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None], other=0.0)
+    head (the upper bound of q . k over a page's keys); pages past the end load as zeros. The
+    summaries are INT8 with one fp32 scale a page (ls_ptr, hs_ptr): each dot runs on the
+    integer values, then scales its page's column. LOW: q is 16-bit, the values convert to its
+    type exactly (|v| <= 127) and the dots run on the tensor cores (the products are exact in
+    the fp32 accumulator); else fp32 IEEE dots."""
+    lo = tl.load(lo_ptr + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None], other=0)
+    hi = tl.load(hi_ptr + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None], other=0)
+    ls = tl.load(ls_ptr + pg, mask=ok, other=0.0)
+    hs = tl.load(hs_ptr + pg, mask=ok, other=0.0)
     if LOW:
-        s = tl.dot(qp, tl.trans(hi)) + tl.dot(qn, tl.trans(lo))
+        sp = tl.dot(qp, tl.trans(hi.to(qp.dtype)))
+        sn = tl.dot(qn, tl.trans(lo.to(qn.dtype)))
     else:
-        s = (tl.dot(qp, tl.trans(hi.to(tl.float32)), input_precision="ieee")
-             + tl.dot(qn, tl.trans(lo.to(tl.float32)), input_precision="ieee"))
-    return s * scale
+        sp = tl.dot(qp, tl.trans(hi.to(tl.float32)), input_precision="ieee")
+        sn = tl.dot(qn, tl.trans(lo.to(tl.float32)), input_precision="ieee")
+    return (sp * hs[None, :] + sn * ls[None, :]) * scale
 
 
 @triton.jit
@@ -60,9 +69,10 @@ def _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP: tl.constexpr, D: tl.c
     return tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype), row_ok, dd
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_pages", "s_oh"])  # rows, pages, out stride
-def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
-               s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
+@triton.jit(do_not_specialize=["n_rows", "n_pages", "s_lsh", "s_hsh", "s_oh"])  # rows, pages
+# and the strides that are a page count (the scales' and the output's head strides)
+def _page_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, out_ptr, n_rows, n_pages, scale,
+               s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_lsh, s_hsh, s_oh,
                GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, LOW: tl.constexpr):
     kvh = tl.program_id(0)
@@ -73,8 +83,8 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
     for start in range(0, n_pages, BLOCK_N):  # pass 1: each row's max and sum of exp
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
-        s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln,
-                         s_hn, scale, LOW)
+        s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, ls_ptr + kvh * s_lsh,
+                         hs_ptr + kvh * s_hsh, pg, ok, dd, s_ln, s_hn, scale, LOW)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
@@ -83,24 +93,33 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, out_ptr, n_rows, n_pages, scale,
     for start in range(0, n_pages, BLOCK_N):  # pass 2: probabilities summed over the rows
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
-        s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, pg, ok, dd, s_ln,
-                         s_hn, scale, LOW)
+        s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, ls_ptr + kvh * s_lsh,
+                         hs_ptr + kvh * s_hsh, pg, ok, dd, s_ln, s_hn, scale, LOW)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & ok[None, :], p, 0.0)
         tl.atomic_add(out_ptr + kvh * s_oh + pg, tl.sum(p, axis=0), mask=ok)
 
 
-def _low(q: torch.Tensor, lo: torch.Tensor) -> bool:
-    """The dots run in a 16-bit type: q and the summaries are both fp16 or both bf16."""
-    return q.dtype == lo.dtype and q.dtype in (torch.float16, torch.bfloat16)
+def _low(q: torch.Tensor) -> bool:
+    """The dots run in q's 16-bit type (fp16 or bf16)."""
+    return q.dtype in (torch.float16, torch.bfloat16)
 
 
-def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+def _check(q: torch.Tensor, lo: Summary, hi: Summary) -> None:
+    """The layouts the kernels assume (module doc)."""
+    assert lo.values.shape == hi.values.shape and lo.values.shape[-1] == q.shape[-1]
+    assert lo.values.dtype == torch.int8 and lo.scale.dtype == torch.float32
+    assert q.stride(-1) == 1
+    for x in (lo.values, hi.values, lo.scale, hi.scale):
+        assert x.stride(-1) == 1
+
+
+def page_scores(q: torch.Tensor, lo: Summary, hi: Summary, scale: float,
                 block_m: int | None = None, block_n: int = 64) -> torch.Tensor:
     t, hq, d = q.shape
-    hkv, n, _ = lo.shape
-    assert hq % hkv == 0 and lo.shape == hi.shape and lo.shape[-1] == d
-    assert q.stride(-1) == 1 and lo.stride(-1) == 1 and hi.stride(-1) == 1
+    hkv, n, _ = lo.values.shape
+    assert hq % hkv == 0
+    _check(q, lo, hi)
     assert d >= 16 and d & (d - 1) == 0, "head_dim must be a power of two >= 16"
     grp = hq // hkv
     out = torch.zeros((hkv, n), dtype=torch.float32, device=q.device)
@@ -109,22 +128,24 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: floa
     rows = t * grp
     block_m = block_m or (64 if rows >= 256 else 16)
     grid = (hkv, triton.cdiv(rows, block_m))
-    _page_mass[grid](q, lo, hi, out, rows, n, float(scale), q.stride(0), q.stride(1),
-                     lo.stride(0), lo.stride(1), hi.stride(0), hi.stride(1), out.stride(0),
-                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q, lo))
+    _page_mass[grid](q, lo.values, hi.values, lo.scale, hi.scale, out, rows, n, float(scale),
+                     q.stride(0), q.stride(1), lo.values.stride(0), lo.values.stride(1),
+                     hi.values.stride(0), hi.values.stride(1), lo.scale.stride(0),
+                     hi.scale.stride(0), out.stride(0),
+                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q))
     return out
 
 
-def score_top_pages(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int,
+def score_top_pages(q: torch.Tensor, lo: Summary, hi: Summary, k: int,
                     scale: float) -> torch.Tensor:
     from hisparse_cli.kernels.attention.page_score_ref import top_pages
 
     return top_pages(page_scores(q, lo, hi, scale), k)
 
 
-@triton.jit
-def _ranged_mass(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale,
-                 s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_oh,
+@triton.jit(do_not_specialize=["s_lsh", "s_hsh"])  # the scales' head stride: a page count
+def _ranged_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, rng_ptr, out_ptr, n_rows, n_pages,
+                 scale, s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_lsh, s_hsh, s_oh,
                  GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, LOW: tl.constexpr):
     """out[kvh, page] = sum over the rows (<= BLOCK_M: one tile) of the softmax over the pages
@@ -137,12 +158,14 @@ def _ranged_mass(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale
     first = tl.load(rng_ptr)
     last = tl.minimum(first + tl.load(rng_ptr + 1), n_pages)
     lo_h, hi_h = lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh
+    ls_h, hs_h = ls_ptr + kvh * s_lsh, hs_ptr + kvh * s_hsh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(first - first % BLOCK_N, last, BLOCK_N):  # pass 1: the range's tiles
         pg = start + tl.arange(0, BLOCK_N)
         inside = (pg >= first) & (pg < last)
-        s = _tile_scores(qp, qn, lo_h, hi_h, pg, inside, dd, s_ln, s_hn, scale, LOW)
+        s = _tile_scores(qp, qn, lo_h, hi_h, ls_h, hs_h, pg, inside, dd, s_ln, s_hn, scale,
+                         LOW)
         s = tl.where(inside[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no page yet
@@ -153,7 +176,8 @@ def _ranged_mass(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale
     for start in range(0, n_pages, BLOCK_N):  # pass 2: every page (-1 outside the range)
         pg = start + tl.arange(0, BLOCK_N)
         inside = (pg >= first) & (pg < last)
-        s = _tile_scores(qp, qn, lo_h, hi_h, pg, inside, dd, s_ln, s_hn, scale, LOW)
+        s = _tile_scores(qp, qn, lo_h, hi_h, ls_h, hs_h, pg, inside, dd, s_ln, s_hn, scale,
+                         LOW)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & inside[None, :], p, 0.0)
         tl.store(out_ptr + kvh * s_oh + pg, tl.where(inside, tl.sum(p, axis=0), -1.0),
@@ -163,26 +187,27 @@ def _ranged_mass(q_ptr, lo_ptr, hi_ptr, rng_ptr, out_ptr, n_rows, n_pages, scale
 MAX_RANGED_ROWS = 64  # page_scores_in_range's rows (T x grp) in one tile; more: the reference
 
 
-def page_scores_in_range(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                         rng: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
-    """page_score_ref.page_scores_in_range: whole summary tables lo, hi [Hkv, P, D] and the
+def page_scores_in_range(q: torch.Tensor, lo: Summary, hi: Summary, rng: torch.Tensor,
+                         scale: float, block_n: int = 64) -> torch.Tensor:
+    """page_score_ref.page_scores_in_range: whole summary tables lo, hi ([Hkv, P, D]) and the
     device range rng = (first, n), one program per KV head (`_ranged_mass`; a decode step's
     choice passes every layer's KV heads as the heads: hundreds of programs). Static shapes:
     a CUDA graph captures it (one launch, no temporaries but the [Hkv, P] scores)."""
     from hisparse_cli.kernels.attention.page_score_ref import page_scores_in_range as reference
 
     t, hq, d = q.shape
-    hkv, n, _ = lo.shape
+    hkv, n, _ = lo.values.shape
     rows = t * (hq // hkv)
     if rows > MAX_RANGED_ROWS or d < 16 or d & (d - 1):
         return reference(q, lo, hi, rng, scale)
-    assert q.stride(-1) == 1 and lo.stride(-1) == 1 and hi.stride(-1) == 1 and lo.shape == hi.shape
+    _check(q, lo, hi)
     out = torch.empty((hkv, n), dtype=torch.float32, device=q.device)
     _ranged_mass[(hkv,)](
-        q, lo, hi, rng, out, rows, n, float(scale),
-        q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), hi.stride(0), hi.stride(1),
+        q, lo.values, hi.values, lo.scale, hi.scale, rng, out, rows, n, float(scale),
+        q.stride(0), q.stride(1), lo.values.stride(0), lo.values.stride(1),
+        hi.values.stride(0), hi.values.stride(1), lo.scale.stride(0), hi.scale.stride(0),
         out.stride(0), GRP=hq // hkv, D=d, BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_N=block_n, LOW=_low(q, lo))
+        BLOCK_N=block_n, LOW=_low(q))
     return out
 
 
