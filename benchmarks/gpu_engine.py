@@ -861,7 +861,8 @@ def phase_retrieval(a) -> list[dict]:
     log(f"backend {backend}: {why}")
     calib = calibrate(dev)
     prof = load_profile(a.profile)
-    base = prof.sparse_config(retrieval_tokens=a.retrieval_tokens, window_size=a.window)
+    base = prof.sparse_config(retrieval_tokens=a.retrieval_tokens, window_size=a.window,
+                              prefill_chunk=a.chunk)
     int8_head = a.lm_head_format == "int8" or (a.lm_head_format is None
                                                 and prof.lm_head_format == "int8")
     cfg = ModelConfig.from_dict(SHAPES["llama-3-8b"])
@@ -899,7 +900,8 @@ def phase_retrieval(a) -> list[dict]:
                          replace(base, retrieval_every=e), "auto") for e in a.every]
             if a.retrieval_layers:
                 settings += [(f"{n}, layers", sp, "layers") for n, sp, _ in settings]
-            peers = [("eviction-only", evict, "auto"), ("eviction-only, layers", evict, "layers")]
+            peers = [] if a.no_peers else [("eviction-only", evict, "auto"),
+                                           ("eviction-only, layers", evict, "layers")]
             # on an emulated card the retrieval rows first: an out-of-memory peer (its widened
             # window, the allocator's fragmentation after the rows before it) cannot hide them
             settings = settings + peers if a.budget_gib else peers + settings
@@ -996,7 +998,10 @@ def phase_retrieval(a) -> list[dict]:
                     free_all(dev)
                     row = {"setting": name, "context": ctx, "window": sparse.window_size,
                            "predicted_peak_bytes": plan.peak_allocated_bytes,
-                           "result": "out of memory: " + str(exc).split(".")[0]}
+                           "result": "out of memory: " + str(exc).split(".")[0],
+                           "message": str(exc)[:700],
+                           "max_reserved_bytes": torch.cuda.max_memory_reserved(dev),
+                           "max_allocated_bytes": torch.cuda.max_memory_allocated(dev)}
                     rows.append(row)
                     log(json.dumps(row))
             for name in (n for n, _, _ in settings if n.startswith("retrieval") and n in pair):
@@ -1090,6 +1095,10 @@ def main() -> None:
                     help="--retrieval: retrieval_every values, a retrieval row each (e.g. 1,4,8)")
     ap.add_argument("--retrieval-layers", action="store_true",
                     help="--retrieval: each retrieval row also decoded layer by layer")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="--retrieval: the prefill chunk (default: the profile's)")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="--retrieval: the retrieval rows only (no eviction-only peers)")
     ap.add_argument("--window", type=int, default=None,
                     help="--retrieval: the retrieval row's window (default: the profile's)")
     ap.add_argument("--lm-head-format", choices=("checkpoint", "int8"), default=None,
