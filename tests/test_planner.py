@@ -571,6 +571,38 @@ def test_check_plan_fits_and_oom_guard():
         allocator_cap_bytes(512 * mib, card=True)
 
 
+# torch 2.11's message when an emulated 6 GiB card ran out at 128K (H100, 2026-12-07)
+_FRAGMENTED = ("CUDA out of memory. Tried to allocate 128.00 MiB. GPU 0 has a total capacity of "
+               "79.18 GiB of which 73.46 GiB is free. Including non-PyTorch memory, this process "
+               "has 5.68 GiB memory in use. 5.03 GiB allowed; Of the allocated memory 4.59 GiB "
+               "is allocated by PyTorch, and 342.79 MiB is reserved by PyTorch but unallocated. "
+               "If reserved but unallocated memory is large try setting "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def test_a_fragmented_allocator_says_so_and_names_expandable_segments(monkeypatch):
+    """A CUDA OOM whose reserved-but-unallocated memory covers the refused size is reported
+    as fragmentation, with expandable segments in the hint (one line, exit 5); a full card,
+    or expandable segments already on, keeps the plain message and hint."""
+    from hisparse_cli.planner.vram import oom_error
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    err = oom_error(torch.OutOfMemoryError(_FRAGMENTED), "prefill")
+    assert err.exit_code == 5 and "\n" not in str(err)
+    assert "342.79 MiB was reserved by torch but unallocated" in str(err)
+    assert str(err).startswith("out of memory during prefill: CUDA out of memory. Tried to "
+                               "allocate 128.00 MiB, while")
+    assert err.hint.startswith("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    assert "--prefill-chunk" in err.hint
+    full = _FRAGMENTED.replace("342.79 MiB is reserved", "20.00 MiB is reserved")
+    err = oom_error(torch.OutOfMemoryError(full))
+    assert "fragmented" not in str(err) and "expandable" not in err.hint
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    err = oom_error(torch.OutOfMemoryError(_FRAGMENTED))
+    assert "fragmented" not in str(err) and "expandable" not in err.hint
+
+
 def test_a_refused_host_allocation_is_a_resource_error():
     """torch's CPU allocator refusing an allocation (a RuntimeError, not MemoryError) is an
     out-of-memory error: oom_guard and the CLI's handler make it exit 5, in one line."""

@@ -233,12 +233,16 @@ def test_decode_choice_uses_the_previous_steps_queries():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_offloaded_pages_round_trip_bit_exactly(dtype):
-    """Every offloaded page, read back through the store, is its tokens' K/V bit for bit."""
+def test_offloaded_pages_round_trip_bit_exactly(dtype, monkeypatch):
+    """Every offloaded page, read back through the store, is its tokens' K/V bit for bit; the
+    copy out runs in groups of at most 2 pages here (COPY_GROUP_BYTES), so a step's 3 evicted
+    pages take two groups."""
+    from hisparse_cli.engine import retrieval
+
     n = 100
     for copy_offload in (False, True):
         cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=0, block_size=8,
-                           recalibrate_topk=0, prefill_chunk=8, retrieval_tokens=16,
+                           recalibrate_topk=0, prefill_chunk=24, retrieval_tokens=16,
                            retrieval_summary="minmax")
         pool = BlockPool()
         run = KVRun(_cfg(), cfg, torch.device("cpu"), dtype, select_backend("cpu"), pool,
@@ -248,8 +252,9 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype):
         src.q, src.out = src.q.to(dtype), src.out.to(dtype)
         src.run = run
         with run:
-            for s in range(0, n, 8):
-                run.step(src, torch.zeros(min(8, n - s), dtype=torch.int64))
+            monkeypatch.setattr(retrieval, "COPY_GROUP_BYTES", run.retrieval.page_bytes())
+            for s in range(0, n, 24):
+                run.step(src, torch.zeros(min(24, n - s), dtype=torch.int64))
             tier = run.retrieval
             assert tier.offloaded == list(range(1, len(tier.offloaded) + 1))
             assert (tier.store_k is None) == (not copy_offload)

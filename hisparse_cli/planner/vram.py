@@ -159,7 +159,37 @@ def oom_error(exc: BaseException, what: str | None = None,
     else:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
     during = f" during {what}" if what else ""
+    fragmented = _fragmented(str(exc))
+    if fragmented:
+        first = (f"{'. '.join(first.split('. ')[:2])}, while {fragmented} was reserved by "
+                 f"torch but unallocated in pieces too small (the allocator is fragmented)")
+        hint = (f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (measured: 128K tokens "
+                f"with the retrieval tier in an emulated 6 GiB card), or {hint or _OOM_HINT}")
     return ResourceError(f"out of memory{during}: {first}", hint=hint or _OOM_HINT)
+
+
+_SIZE = r"([\d.]+) (KiB|MiB|GiB)"
+
+
+def _fragmented(message: str) -> str | None:
+    """"X MiB" where a CUDA out-of-memory message says the caching allocator held at least
+    the refused allocation reserved but unallocated (fragmentation, not a full card), and
+    expandable segments are not already on; else None."""
+    tried = re.search(r"Tried to allocate " + _SIZE, message)
+    free = re.search(_SIZE + r" is reserved by PyTorch but unallocated", message)
+    if not (tried and free) or "expandable_segments:True" in _alloc_conf():
+        return None
+    unit = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    want = float(tried.group(1)) * unit[tried.group(2)]
+    held = float(free.group(1)) * unit[free.group(2)]
+    return f"{free.group(1)} {free.group(2)}" if held >= want else None
+
+
+def _alloc_conf() -> str:
+    import os
+
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF",
+                                                                          "")
 
 
 def release_cached_memory() -> None:
