@@ -13,8 +13,8 @@ from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.errors import ConfigError
-from hisparse_cli.kernels.dispatch import select_backend
 from hisparse_cli.kernels.attention.page_score_ref import quantize_summary
+from hisparse_cli.kernels.dispatch import select_backend
 
 from test_sparse_attention import HKV, HQ, D, RandomQKV, _cfg
 

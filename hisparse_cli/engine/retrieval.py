@@ -6,9 +6,9 @@ A page is one KV block. When the host policy evicts a block that holds no sink
   * in place (the CPU: host and device are one memory): the block stays where it is in the
     paged storage, held by the store (never reused; `BlockPool.offload`), no copy;
   * copied (CUDA): its K/V are copied, on a side stream, into pinned host memory
-    [pages, L, Hkv, bs, D] (page-major: a step's evicted pages, consecutive, are one
-    contiguous asynchronous copy); the block goes back to the pool (the next step waits for
-    the copy before writing into a reused block).
+    [pages, L, Hkv, bs, D] (page-major: a step's evicted pages, consecutive, are contiguous
+    asynchronous copies of at most COPY_GROUP_BYTES each); the block goes back to the pool
+    (the next step waits for the copy before writing into a reused block).
 Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D]
 in INT8 with an fp32 scale a page and KV head, page_score_ref.Summary: a ranking needs no more,
 and the summaries are the one resident part that grows with the document) is written to
