@@ -77,7 +77,7 @@ from hisparse_cli.model.config import ModelConfig  # noqa: E402
 from hisparse_cli.planner.memory import CUDA_CONTEXT_BYTES, GIB, plan_memory  # noqa: E402
 from hisparse_cli.planner.shapes import SHAPES  # noqa: E402
 from hisparse_cli.config.profiles import load_profile  # noqa: E402
-from hisparse_cli.kernels.attention.page_score_ref import summary_bytes  # noqa: E402
+from hisparse_cli.engine.retrieval_sizes import summary_bytes  # noqa: E402
 
 MIB = 1 << 20
 T0 = time.perf_counter()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import weakref
 from dataclasses import replace
 
@@ -569,6 +571,15 @@ def test_check_plan_fits_and_oom_guard():
                                display_bytes=0) == 11 << 29
     with pytest.raises(ConfigError, match="leaves nothing"):
         allocator_cap_bytes(512 * mib, card=True)
+
+
+def test_the_planner_imports_no_torch():
+    """`hisparse plan`'s arithmetic (and the budget checks) load without torch: the retrieval
+    tier's sizes come from engine/retrieval_sizes.py, not from the tier or its kernels."""
+    code = ("import sys, hisparse_cli.planner.memory, hisparse_cli.planner.vram; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # torch 2.11's message when an emulated 6 GiB card ran out at 128K (H100, 2026-12-07)

@@ -237,7 +237,7 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype, monkeypatch):
     """Every offloaded page, read back through the store, is its tokens' K/V bit for bit; the
     copy out runs in groups of at most 2 pages here (COPY_GROUP_BYTES), so a step's 3 evicted
     pages take two groups."""
-    from hisparse_cli.engine import retrieval
+    from hisparse_cli.engine import retrieval_sizes
 
     n = 100
     for copy_offload in (False, True):
@@ -252,7 +252,7 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype, monkeypatch):
         src.q, src.out = src.q.to(dtype), src.out.to(dtype)
         src.run = run
         with run:
-            monkeypatch.setattr(retrieval, "COPY_GROUP_BYTES", run.retrieval.page_bytes())
+            monkeypatch.setattr(retrieval_sizes, "COPY_GROUP_BYTES", run.retrieval.page_bytes())
             for s in range(0, n, 24):
                 run.step(src, torch.zeros(min(24, n - s), dtype=torch.int64))
             tier = run.retrieval

@@ -7,8 +7,8 @@ A page is one KV block. When the host policy evicts a block that holds no sink
     paged storage, held by the store (never reused; `BlockPool.offload`), no copy;
   * copied (CUDA): its K/V are copied, on a side stream, into pinned host memory
     [pages, L, Hkv, bs, D] (page-major: a step's evicted pages, consecutive, are contiguous
-    asynchronous copies of at most COPY_GROUP_BYTES each); the block goes back to the pool
-    (the next step waits for the copy before writing into a reused block).
+    asynchronous copies of at most retrieval_sizes.COPY_GROUP_BYTES each); the block goes back
+    to the pool (the next step waits for the copy before writing into a reused block).
 Its key summary (`retrieval_summary`: per-channel min/max, or the mean key; [L, Hkv, pages, D]
 in INT8 with an fp32 scale a page and KV head, page_score_ref.Summary: a ranking needs no more,
 and the summaries are the one resident part that grows with the document) is written to
@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse_cli.engine.kv_cache import PagedKVCache, int64_to_device
+from hisparse_cli.engine.retrieval_sizes import copy_group_pages
 from hisparse_cli.kernels.attention.page_score_ref import Summary, top_valid_pages
 from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tabled
 
@@ -86,9 +87,6 @@ class RetrievalStats:
                 "pages_retrieved": self.pages_retrieved, "cache_hits": self.hits,
                 "cache_misses": self.misses, "cache_hit_rate": self.hit_rate,
                 "bytes_to_cache": self.bytes_to_cache, "bytes_offloaded": self.bytes_offloaded}
-
-
-COPY_GROUP_BYTES = 16 << 20  # the offload copy's largest side-stream temporary (_copy_out)
 
 
 class RetrievalTier:
@@ -221,8 +219,8 @@ class RetrievalTier:
         pg = int64_to_device(pages, cache.device)
         keys = cache.k.index_select(1, ids).permute(0, 3, 1, 2, 4)  # [L, Hkv, n, bs, D]
         lo, hi = self.backend.page_summary(keys, self.kind)
-        for table, new in ((self.lo, lo),) if self.hi is self.lo else ((self.lo, lo),
-                                                                        (self.hi, hi)):
+        pairs = [(self.lo, lo)] if self.hi is self.lo else [(self.lo, lo), (self.hi, hi)]
+        for table, new in pairs:
             table.values.index_copy_(2, pg, new.values)
             table.scale.index_copy_(2, pg, new.scale)
         if self.in_place:
@@ -244,16 +242,17 @@ class RetrievalTier:
 
     def _copy_out(self, ids: torch.Tensor, pages: list[int]) -> None:
         """The blocks `ids` (logical `pages`) into the host store, on the side stream, in
-        groups of at most COPY_GROUP_BYTES of K (or V): each group one gather straight into
-        the store's layout [n, L, Hkv, bs, D] and one copy. The side stream's allocations stay
-        cached in its own pool, which the main stream cannot reuse: whole-chunk temporaries
-        (a gather and its contiguous copy, 64 MiB each at 8B with 1,024-token chunks) held
-        ~192 MiB of a 6 GiB card there for the rest of the run; groups hold ~32 MiB."""
+        groups of at most retrieval_sizes.COPY_GROUP_BYTES of K (or V): each group one gather
+        straight into the store's layout [n, L, Hkv, bs, D] and one copy. The side stream's
+        allocations stay cached in its own pool, which the main stream cannot reuse:
+        whole-chunk temporaries (a gather and its contiguous copy, 64 MiB each at 8B with
+        1,024-token chunks) held ~192 MiB of a 6 GiB card there for the rest of the run;
+        groups hold ~32 MiB."""
         cache, side = self.cache, self.side
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(cache.device))
             ids.record_stream(side)  # made on the main stream, read on the side stream
-        group = max(1, COPY_GROUP_BYTES // (self.page_bytes() // 2))
+        group = copy_group_pages(self.page_bytes() // 2)
         with torch.cuda.stream(side) if side is not None else _nullcontext():
             for src, dst in ((cache.k, self.store_k), (cache.v, self.store_v)):
                 by_page = src.permute(1, 0, 3, 2, 4)  # [cap, L, Hkv, bs, D] (a view)

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.sparsity import SparseSequence, cdiv
-from hisparse_cli.engine.retrieval import COPY_GROUP_BYTES
-from hisparse_cli.kernels.attention.page_score_ref import summary_bytes
+from hisparse_cli.engine.retrieval_sizes import copy_group_pages, summary_bytes
 from hisparse_cli.planner.attn import AttnStep
 from hisparse_cli.planner.step import evict_peak, forward_peak, recalibrate_peak
 from hisparse_cli.planner.trace import StepShape, SubPeak, Trace
@@ -254,7 +253,7 @@ def simulate_run(s: StepShape, sparse: SparseConfig, model_window: int | None, p
             copy = 0  # the copy to the host store: one group's gather (RetrievalTier._copy_out)
             if not seq.offload_in_place:
                 page_k = s.layers * bs * s.hkv * s.d * s.kvb
-                copy = tr.size(min(no, max(1, COPY_GROUP_BYTES // page_k)) * page_k)
+                copy = tr.size(min(no, copy_group_pages(page_k)) * page_k)
             tr.bump(SubPeak(keys + summ + copy), where + ": offload")
         if evicted and s.C:
             ne = len(evicted)

@@ -20,6 +20,7 @@ Nothing here imports torch at module import time.
 from __future__ import annotations
 
 import gc
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -163,8 +164,7 @@ def oom_error(exc: BaseException, what: str | None = None,
     if fragmented:
         first = (f"{'. '.join(first.split('. ')[:2])}, while {fragmented} was reserved by "
                  f"torch but unallocated in pieces too small (the allocator is fragmented)")
-        hint = (f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (measured: 128K tokens "
-                f"with the retrieval tier in an emulated 6 GiB card), or {hint or _OOM_HINT}")
+        hint = f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or {hint or _OOM_HINT}"
     return ResourceError(f"out of memory{during}: {first}", hint=hint or _OOM_HINT)
 
 
@@ -186,8 +186,6 @@ def _fragmented(message: str) -> str | None:
 
 
 def _alloc_conf() -> str:
-    import os
-
     return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF",
                                                                           "")
 

@@ -74,12 +74,6 @@ def page_summary(pages: torch.Tensor, kind: str) -> tuple[Summary, Summary]:
     raise ValueError(f"unknown summary kind {kind!r}")
 
 
-def summary_bytes(heads: int, pages: int, d: int, kind: str) -> int:
-    """Device bytes of the summaries of `pages` pages for `heads` (layer, KV head) pairs: per
-    summary INT8 values and an fp32 scale a page; minmax keeps two summaries, mean one."""
-    return (1 if kind == "mean" else 2) * heads * pages * (d + 4)
-
-
 def page_bounds(q: torch.Tensor, lo: Summary, hi: Summary, scale: float) -> torch.Tensor:
     """[Hkv, T * grp, n] fp32: scale * the bound of every query row against every page."""
     t, hq, d = q.shape
@@ -147,5 +141,6 @@ def score_top_pages(q: torch.Tensor, lo: Summary, hi: Summary, k: int,
     return top_pages(page_scores(q, lo, hi, scale), k)
 
 
-__all__ = ["Summary", "quantize_summary", "summary_bytes", "page_summary", "page_bounds", "page_scores", "in_range", "scores_from_bounds",
-           "page_scores_in_range", "top_pages", "top_valid_pages", "score_top_pages"]
+__all__ = ["Summary", "quantize_summary", "page_summary", "page_bounds", "page_scores",
+           "in_range", "scores_from_bounds", "page_scores_in_range", "top_pages",
+           "top_valid_pages", "score_top_pages"]
