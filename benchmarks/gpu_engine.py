@@ -69,6 +69,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from hisparse_cli.config.env import prefer_expandable_segments  # noqa: E402
+
+ALLOC_CONF = prefer_expandable_segments()  # the CLI's allocator, unless PYTORCH_*ALLOC_CONF is set
+
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -122,7 +126,7 @@ def environment(dev: torch.device) -> dict:
     import transformers
 
     env = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "device": str(dev), "python": sys.version.split()[0]}
+           "device": str(dev), "python": sys.version.split()[0], "cuda_alloc_conf": ALLOC_CONF}
     try:
         import triton
 
@@ -945,6 +949,7 @@ def phase_retrieval(a) -> list[dict]:
                         layers_model if own is model else model)
                     row = {"setting": name, "context": ctx,
                            "device": torch.cuda.get_device_name(dev),
+                           "alloc_conf": ALLOC_CONF,
                            "window": sparse.window_size,
                            "retrieval_tokens": sparse.retrieval_tokens,
                            "retrieval_every": sparse.retrieval_every,

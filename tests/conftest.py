@@ -3,7 +3,8 @@ marker that skips without CUDA; `--gpu-group NAME`, the GPU tests in groups that
 device call (GPU_GROUPS; README, Development); the real model's home for the slow tests.
 
 OpenMP's spin-wait is bounded before torch loads (config/env.py: bound_openmp_spin), as the
-CLI does: the suite's torch calls then do not collapse when another process holds a CPU."""
+CLI does: the suite's torch calls then do not collapse when another process holds a CPU. CUDA's
+allocator gets expandable segments as the CLI gives it (prefer_expandable_segments)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from hisparse_cli.config.env import bound_openmp_spin
+from hisparse_cli.config.env import bound_openmp_spin, prefer_expandable_segments
 
 bound_openmp_spin()  # before the first `import torch` of the session (libgomp reads it once)
+prefer_expandable_segments()  # the GPU tests run the CLI's CUDA allocator settings
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

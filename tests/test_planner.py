@@ -7,6 +7,7 @@ The `gpu` test compares the predicted peak with torch.cuda.max_memory_allocated.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -604,7 +605,7 @@ def test_a_fragmented_allocator_says_so_and_names_expandable_segments(monkeypatc
     assert "342.79 MiB was reserved by torch but unallocated" in str(err)
     assert str(err).startswith("out of memory during prefill: CUDA out of memory. Tried to "
                                "allocate 128.00 MiB, while")
-    assert err.hint.startswith("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    assert err.hint.startswith("add expandable_segments:True to PYTORCH_CUDA_ALLOC_CONF")
     assert "--prefill-chunk" in err.hint
     full = _FRAGMENTED.replace("342.79 MiB is reserved", "20.00 MiB is reserved")
     err = oom_error(torch.OutOfMemoryError(full))
@@ -612,6 +613,57 @@ def test_a_fragmented_allocator_says_so_and_names_expandable_segments(monkeypatc
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     err = oom_error(torch.OutOfMemoryError(_FRAGMENTED))
     assert "fragmented" not in str(err) and "expandable" not in err.hint
+
+
+def test_expandable_segments_are_preferred_unless_the_user_configured_the_allocator():
+    """The CLI, load_engine and the tests turn torch's expandable segments on, before CUDA
+    initialises, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set (kept as set,
+    even empty of that option) or CUDA is initialised already (torch has read them)."""
+    from hisparse_cli.config.env import allocator_setting, prefer_expandable_segments
+
+    env: dict = {}
+    assert prefer_expandable_segments(env, cuda_initialized=False) == \
+        "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env = {name: "max_split_size_mb:128"}
+        assert prefer_expandable_segments(env, cuda_initialized=False) == \
+            "max_split_size_mb:128"
+        assert env == {name: "max_split_size_mb:128"}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "  "}  # blank: not a choice
+    assert prefer_expandable_segments(env, cuda_initialized=False) == \
+        "expandable_segments:True"
+    env = {}
+    assert prefer_expandable_segments(env, cuda_initialized=True) == "" and env == {}
+    assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": "a:1", "PYTORCH_ALLOC_CONF": "b:2"}) \
+        == "a:1,b:2"
+
+
+@pytest.mark.gpu
+def test_expandable_segments_reach_torch_and_keep_the_budget_cap():
+    """On CUDA, the setting made after `import torch` (before CUDA initialises) is the one
+    torch's allocator runs with: its segments are expandable, and an emulated card's cap
+    (set_per_process_memory_fraction, vram.apply_budget) still refuses what exceeds it."""
+    code = ("import os, torch\n"
+            "from hisparse_cli.config.env import prefer_expandable_segments\n"
+            "os.environ.pop('PYTORCH_CUDA_ALLOC_CONF', None)\n"
+            "os.environ.pop('PYTORCH_ALLOC_CONF', None)\n"
+            "print(prefer_expandable_segments())\n"
+            "x = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')\n"
+            "segs = torch.cuda.memory._snapshot()['segments']\n"
+            "print(all(s.get('is_expandable') for s in segs) and len(segs) > 0)\n"
+            "total = torch.cuda.get_device_properties(0).total_memory\n"
+            "torch.cuda.set_per_process_memory_fraction((1 << 30) / total)\n"
+            "y = torch.empty(512 << 20, dtype=torch.uint8, device='cuda')\n"
+            "try:\n"
+            "    z = torch.empty(768 << 20, dtype=torch.uint8, device='cuda')\n"
+            "    print('not capped')\n"
+            "except torch.OutOfMemoryError:\n"
+            "    print('capped')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={k: v for k, v in os.environ.items()
+                                          if "ALLOC_CONF" not in k})
+    assert out.stdout.split() == ["expandable_segments:True", "True", "capped"]
 
 
 def test_a_refused_host_allocation_is_a_resource_error():

@@ -175,9 +175,10 @@ def _root(version: Annotated[Optional[bool], typer.Option(
         "--version", "-V", callback=_version, is_eager=True,
         help="Print the version and exit.")] = None) -> None:
     """hisparse: long-document summarizer with sparse attention."""
-    from hisparse_cli.config.env import bound_openmp_spin
+    from hisparse_cli.config.env import bound_openmp_spin, prefer_expandable_segments
 
     bound_openmp_spin()  # before any command loads torch (libgomp reads it once)
+    prefer_expandable_segments()  # before CUDA initialises (torch reads it once)
 
 
 def _register() -> None:

@@ -21,6 +21,7 @@ runs); what a run decides from them is fixed once, in its `ExecutionPlan`
 | HISPARSE_THREADS, OMP_NUM_THREADS | `threads_setting` (`Environment.threads`) | CPU threads in every phase (config/threads.py) |
 | OMP_WAIT_POLICY, GOMP_SPINCOUNT | `openmp_wait_setting`, `bound_openmp_spin` | OpenMP's wait; the spin is bounded before torch loads |
 | CC | `c_compiler_setting` | the C compiler of the native CPU kernels (kernels/cpu/) |
+| PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF | `allocator_setting`, `prefer_expandable_segments` | torch's CUDA allocator: expandable segments unless the user set either |
 
 The test-only variables (HISPARSE_SLOW_TESTS, HISPARSE_TEST_HOME) are read by tests/conftest.py.
 """
@@ -40,6 +41,8 @@ NVRTC_ENV = "HISPARSE_NVRTC"
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 THREADS_ENV = "HISPARSE_THREADS"
 SPIN_ENV, SPIN_COUNT = "GOMP_SPINCOUNT", "10000"
+ALLOC_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch >= 2.9 reads either
+EXPANDABLE = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,29 @@ def bound_openmp_spin(environ=None, torch_loaded: bool | None = None) -> str:
     return openmp_wait_setting(env)
 
 
+def allocator_setting(environ=None) -> str:
+    """torch's CUDA allocator settings as set (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF;
+    "" when neither is)."""
+    env = os.environ if environ is None else environ
+    return ",".join(env[k] for k in ALLOC_ENVS if env.get(k, "").strip())
+
+
+def prefer_expandable_segments(environ=None, cuda_initialized: bool | None = None) -> str:
+    """Run torch's CUDA caching allocator with expandable segments
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) unless the user set its variables or
+    CUDA is initialised already (torch reads them once, when CUDA initialises). A plan that
+    fits a small card can still fail on fixed-size segments: a 128K-token run of the 8B model
+    in the emulated 6 GiB card stranded 343 MiB in segments too small for a 128 MiB request
+    (BENCHMARKS.md). Returns the allocator settings the process runs with."""
+    env = os.environ if environ is None else environ
+    if cuda_initialized is None:
+        torch = sys.modules.get("torch")
+        cuda_initialized = torch is not None and torch.cuda.is_initialized()
+    if not cuda_initialized and not allocator_setting(env):
+        env[ALLOC_ENVS[0]] = EXPANDABLE
+    return allocator_setting(env)
+
+
 def c_compiler_setting() -> str:
     """CC: the C compiler the native CPU kernels are built with first ("" when unset)."""
     return os.environ.get("CC", "").strip()
@@ -181,6 +207,7 @@ def triton_interpret() -> bool:
 __all__ = ["Environment", "read_environment", "backend_setting", "decode_kernel_setting",
            "hisparse_home", "debug_enabled", "pdl_allowed", "nvrtc_override",
            "triton_interpret", "triton_cache_setting", "threads_setting",
-           "openmp_wait_setting", "bound_openmp_spin", "c_compiler_setting", "BACKENDS",
-           "DECODE_KERNELS", "NVRTC_ENV", "TRITON_CACHE_ENV", "THREADS_ENV", "SPIN_ENV",
-           "SPIN_COUNT"]
+           "openmp_wait_setting", "bound_openmp_spin", "c_compiler_setting",
+           "allocator_setting", "prefer_expandable_segments", "BACKENDS", "DECODE_KERNELS",
+           "NVRTC_ENV", "TRITON_CACHE_ENV", "THREADS_ENV", "SPIN_ENV", "SPIN_COUNT",
+           "ALLOC_ENVS", "EXPANDABLE"]

@@ -20,11 +20,11 @@ Nothing here imports torch at module import time.
 from __future__ import annotations
 
 import gc
-import os
 import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+from hisparse_cli.config.env import EXPANDABLE, allocator_setting
 from hisparse_cli.errors import ConfigError, ResourceError
 from hisparse_cli.planner.memory import CUDA_CONTEXT_BYTES, GIB, MemoryPlan
 
@@ -164,7 +164,8 @@ def oom_error(exc: BaseException, what: str | None = None,
     if fragmented:
         first = (f"{'. '.join(first.split('. ')[:2])}, while {fragmented} was reserved by "
                  f"torch but unallocated in pieces too small (the allocator is fragmented)")
-        hint = f"set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or {hint or _OOM_HINT}"
+        hint = (f"add expandable_segments:True to PYTORCH_CUDA_ALLOC_CONF (or unset it: "
+                f"hisparse then turns them on), or {hint or _OOM_HINT}")
     return ResourceError(f"out of memory{during}: {first}", hint=hint or _OOM_HINT)
 
 
@@ -177,17 +178,12 @@ def _fragmented(message: str) -> str | None:
     expandable segments are not already on; else None."""
     tried = re.search(r"Tried to allocate " + _SIZE, message)
     free = re.search(_SIZE + r" is reserved by PyTorch but unallocated", message)
-    if not (tried and free) or "expandable_segments:True" in _alloc_conf():
+    if not (tried and free) or EXPANDABLE in allocator_setting():
         return None
     unit = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     want = float(tried.group(1)) * unit[tried.group(2)]
     held = float(free.group(1)) * unit[free.group(2)]
     return f"{free.group(1)} {free.group(2)}" if held >= want else None
-
-
-def _alloc_conf() -> str:
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF",
-                                                                          "")
 
 
 def release_cached_memory() -> None:

@@ -137,10 +137,13 @@ def load_engine(model_path: Path, profile: HardwareProfile, sparse: SparseConfig
                 threads: int | None = None):
     """(Engine, DevicePlan) for `model_path` under `profile` (warnings go to `warn`).
     threads: --threads (None: HISPARSE_THREADS, else the automatic policy; config/threads.py),
-    applied before the weights load; the engine's ExecutionPlan carries it."""
+    applied before the weights load; the engine's ExecutionPlan carries it. CUDA's allocator
+    gets expandable segments unless the user configured it (config/env.py)."""
+    from hisparse_cli.config.env import prefer_expandable_segments
     from hisparse_cli.config.threads import apply_thread_policy, resolve_thread_policy
 
     policy = apply_thread_policy(resolve_thread_policy(threads))  # before torch loads
+    prefer_expandable_segments()  # before CUDA initialises (a worker process comes here first)
     import torch
 
     from hisparse_cli.engine.engine import Engine
