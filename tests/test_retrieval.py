@@ -15,6 +15,7 @@ from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.kernels.attention.page_score_ref import quantize_summary
 from hisparse_cli.kernels.dispatch import select_backend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_sparse_attention import HKV, HQ, D, RandomQKV, _cfg
 
@@ -236,8 +237,20 @@ def test_decode_choice_uses_the_previous_steps_queries():
 def test_offloaded_pages_round_trip_bit_exactly(dtype, monkeypatch):
     """Every offloaded page, read back through the store, is its tokens' K/V bit for bit; the
     copy out runs in groups of at most 2 pages here (COPY_GROUP_BYTES), so a step's 3 evicted
-    pages take two groups."""
+    pages take two groups: each group's gather (its temporary) holds at most 2 pages of K or
+    V, and a step's copy gathers ceil(pages / 2) times for K and as often for V."""
     from hisparse_cli.engine import retrieval_sizes
+
+    class Gathers(TorchDispatchMode):  # the row counts of the copy's gathers
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.index_select.default:
+                self.rows.append(out.shape[0])
+            return out
 
     n = 100
     for copy_offload in (False, True):
@@ -253,9 +266,22 @@ def test_offloaded_pages_round_trip_bit_exactly(dtype, monkeypatch):
         src.run = run
         with run:
             monkeypatch.setattr(retrieval_sizes, "COPY_GROUP_BYTES", run.retrieval.page_bytes())
+            tier, copies = run.retrieval, []
+            copy_out = tier._copy_out
+
+            def recorded(ids, pages):
+                with Gathers() as seen:
+                    copy_out(ids, pages)
+                copies.append((len(pages), seen.rows))
+
+            monkeypatch.setattr(tier, "_copy_out", recorded)
             for s in range(0, n, 24):
                 run.step(src, torch.zeros(min(24, n - s), dtype=torch.int64))
-            tier = run.retrieval
+            assert bool(copies) == copy_offload
+            for pages, rows in copies:
+                groups = [min(2, pages - g) for g in range(0, pages, 2)]
+                assert rows == groups + groups, (pages, rows)  # K's groups, then V's
+            assert any(pages > 2 for pages, _ in copies) == copy_offload
             assert tier.offloaded == list(range(1, len(tier.offloaded) + 1))
             assert (tier.store_k is None) == (not copy_offload)
             for p in tier.offloaded:
