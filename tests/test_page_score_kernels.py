@@ -102,31 +102,37 @@ def test_top_pages_are_the_best_k(k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t,n,k", [(1, 37, 4), (16, 300, 16), (128, 1000, 32)])
-def test_triton_scores_equal_the_reference(dtype, t, n, k):
-    _check_triton(dtype, t, n, k, "cuda")
+def test_triton_scores_equal_the_reference(dtype, t, n, k, kind):
+    _check_triton(dtype, t, n, k, "cuda", kind)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton interpreter on the CPU: TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("t,n,k", [(1, 37, 4), (5, 130, 16)])
-def test_triton_scores_interpreted(dtype, t, n, k):
-    _check_triton(dtype, t, n, k, "cpu")
+def test_triton_scores_interpreted(dtype, t, n, k, kind):
+    _check_triton(dtype, t, n, k, "cpu", kind)
 
 
-def _check_triton(dtype, t, n, k, dev):
+def _check_triton(dtype, t, n, k, dev, kind):
+    """The kernel against the reference; a mean summary is passed as the engine passes it,
+    one Summary as lo and hi (the kernel's one-dot form)."""
     pytest.importorskip("triton")
     from hisparse_cli.kernels.attention.page_score_triton import page_scores as tri
 
-    q, lo, hi, _ = _inputs(t, n, dtype, "minmax", device=dev, seed=t)
+    q, lo, hi, _ = _inputs(t, n, dtype, kind, device=dev, seed=t)
+    assert (hi is lo) == (kind == "mean")
     # a strided summary view, as the engine passes it ([L, Hkv, pages, D] sliced)
     big_lo = Summary(torch.zeros(2, n + 9, 16, dtype=torch.int8, device=dev),
                      torch.zeros(2, n + 9, device=dev))
     big_lo.values[:, 4:4 + n] = lo.values
     big_lo.scale[:, 4:4 + n] = lo.scale
-    got = tri(q, big_lo.pages(4, 4 + n), hi, 0.25)
+    view = big_lo.pages(4, 4 + n)
+    got = tri(q, view, view if hi is lo else hi, 0.25)
     want = page_scores(q, lo, hi, 0.25)
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-3 * t), (got - want).abs().max()
     top = score_top_pages(q, lo, hi, k, 0.25)
@@ -165,11 +171,11 @@ def test_top_valid_pages_pads_with_minus_one(k):
     assert got[1].tolist() == [-1] * k
 
 
-def _check_ranged(dtype, t, total, first, n, dev):
+def _check_ranged(dtype, t, total, first, n, dev, kind="minmax"):
     pytest.importorskip("triton")
     from hisparse_cli.kernels.attention.page_score_triton import page_scores_in_range as tri
 
-    q, lo, hi, _ = _inputs(t, total, dtype, "minmax", device=dev, seed=total + t)
+    q, lo, hi, _ = _inputs(t, total, dtype, kind, device=dev, seed=total + t)
     rng = torch.tensor([first, n], device=dev)
     got = tri(q, lo, hi, rng, 0.25)
     want = page_scores_in_range(q, lo, hi, rng, 0.25)
@@ -179,14 +185,16 @@ def _check_ranged(dtype, t, total, first, n, dev):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton interpreter on the CPU: TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
 @pytest.mark.parametrize("t,total,first,n", [(1, 150, 7, 100), (3, 70, 0, 70), (1, 40, 2, 0)])
-def test_triton_ranged_scores_interpreted(t, total, first, n):
-    _check_ranged(torch.float16, t, total, first, n, "cpu")
+def test_triton_ranged_scores_interpreted(t, total, first, n, kind):
+    _check_ranged(torch.float16, t, total, first, n, "cpu", kind)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("t,total,first,n", [(1, 2100, 1, 2000), (4, 600, 3, 597),
                                              (1, 8200, 1, 8199), (1, 64, 1, 0)])
-def test_triton_ranged_scores_equal_the_reference(dtype, t, total, first, n):
-    _check_ranged(dtype, t, total, first, n, "cuda")
+def test_triton_ranged_scores_equal_the_reference(dtype, t, total, first, n, kind):
+    _check_ranged(dtype, t, total, first, n, "cuda", kind)

@@ -81,8 +81,9 @@ def page_bounds(q: torch.Tensor, lo: Summary, hi: Summary, scale: float) -> torc
     grp = hq // hkv
     qf = q.float().reshape(t, hkv, grp, d).permute(1, 0, 2, 3).reshape(hkv, t * grp, d)
     lo_f = lo.dequantize()
-    hi_f = lo_f if hi is lo else hi.dequantize()
-    s = torch.bmm(qf.clamp(min=0), hi_f.transpose(1, 2))  # [Hkv, T*grp, n]
+    if hi is lo:  # the mean: q+ . m + q- . m = q . m, one product
+        return torch.bmm(qf, lo_f.transpose(1, 2)).mul_(scale)  # [Hkv, T*grp, n]
+    s = torch.bmm(qf.clamp(min=0), hi.dequantize().transpose(1, 2))
     s += torch.bmm(qf.clamp(max=0), lo_f.transpose(1, 2))
     return s.mul_(scale)
 

@@ -19,7 +19,8 @@ sums stored (-1 for every page outside the range); no [rows, pages] tensor.
 Dots: the summaries' INT8 values (page_score_ref.Summary) convert exactly to the queries'
 type; fp16 (bf16) queries run on the tensor cores in that type (16-bit products are exact in
 the fp32 accumulator), fp32 queries (an fp32 cache) in fp32 IEEE dots; each page's column is
-then multiplied by its scale. Prefill (many rows) takes 64-row tiles.
+then multiplied by its scale. The mean summary (lo is hi) bounds nothing: its score is
+q . mean, one dot a tile instead of two (`ONE`). Prefill (many rows) takes 64-row tiles.
 Any strides on the last-but-one dims; the last dim must be contiguous (asserted).
 """
 
@@ -33,32 +34,38 @@ from hisparse_cli.kernels.attention.page_score_ref import Summary
 
 
 @triton.jit
+def _summary_dot(q, v_ptr, pg, ok, dd, s_vn, LOW: tl.constexpr):
+    """q . v for the INT8 summary values v of the pages `pg` (zeros past the end): in q's
+    16-bit type on the tensor cores with LOW (|v| <= 127 converts exactly; the products are
+    exact in the fp32 accumulator), else fp32 IEEE dots."""
+    v = tl.load(v_ptr + pg[:, None] * s_vn + dd[None, :], mask=ok[:, None], other=0)
+    if LOW:
+        return tl.dot(q, tl.trans(v.to(q.dtype)))
+    return tl.dot(q, tl.trans(v.to(tl.float32)), input_precision="ieee")
+
+
+@triton.jit
 def _tile_scores(qp, qn, lo_ptr, hi_ptr, ls_ptr, hs_ptr, pg, ok, dd, s_ln, s_hn, scale,
-                 LOW: tl.constexpr):
+                 LOW: tl.constexpr, ONE: tl.constexpr):
     """scale * (q+ . hi + q- . lo) of a tile of query rows against the pages `pg` of one KV
     head (the upper bound of q . k over a page's keys); pages past the end load as zeros. The
     summaries are INT8 with one fp32 scale a page (ls_ptr, hs_ptr): each dot runs on the
-    integer values, then scales its page's column. LOW: q is 16-bit, the values convert to its
-    type exactly (|v| <= 127) and the dots run on the tensor cores (the products are exact in
-    the fp32 accumulator); else fp32 IEEE dots."""
-    lo = tl.load(lo_ptr + pg[:, None] * s_ln + dd[None, :], mask=ok[:, None], other=0)
-    hi = tl.load(hi_ptr + pg[:, None] * s_hn + dd[None, :], mask=ok[:, None], other=0)
-    ls = tl.load(ls_ptr + pg, mask=ok, other=0.0)
+    integer values, then scales its page's column. ONE: lo is hi (the mean summary), qp is the
+    whole q, and the bound is scale * q . mean: one dot, not two."""
     hs = tl.load(hs_ptr + pg, mask=ok, other=0.0)
-    if LOW:
-        sp = tl.dot(qp, tl.trans(hi.to(qp.dtype)))
-        sn = tl.dot(qn, tl.trans(lo.to(qn.dtype)))
-    else:
-        sp = tl.dot(qp, tl.trans(hi.to(tl.float32)), input_precision="ieee")
-        sn = tl.dot(qn, tl.trans(lo.to(tl.float32)), input_precision="ieee")
-    return (sp * hs[None, :] + sn * ls[None, :]) * scale
+    sp = _summary_dot(qp, hi_ptr, pg, ok, dd, s_hn, LOW) * hs[None, :]
+    if not ONE:
+        ls = tl.load(ls_ptr + pg, mask=ok, other=0.0)
+        sp = sp + _summary_dot(qn, lo_ptr, pg, ok, dd, s_ln, LOW) * ls[None, :]
+    return sp * scale
 
 
 @triton.jit
 def _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP: tl.constexpr, D: tl.constexpr,
-                LOW: tl.constexpr):
+                LOW: tl.constexpr, ONE: tl.constexpr):
     """(q+, q-, row_ok, dd) of query rows `rows` of KV head kvh (a row is a query x a query
-    head of the KV head): in q's 16-bit type (exact) with LOW, else fp32."""
+    head of the KV head): in q's 16-bit type (exact) with LOW, else fp32. ONE (one summary):
+    (q, q, ...), the sign split unneeded."""
     row_ok = rows < n_rows
     dd = tl.arange(0, D)
     t, g = rows // GRP, rows % GRP
@@ -66,6 +73,8 @@ def _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP: tl.constexpr, D: tl.c
                 mask=row_ok[:, None], other=0.0)
     if not LOW:
         q = q.to(tl.float32)
+    if ONE:
+        return q, q, row_ok, dd
     return tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype), row_ok, dd
 
 
@@ -74,17 +83,17 @@ def _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP: tl.constexpr, D: tl.c
 def _page_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, out_ptr, n_rows, n_pages, scale,
                s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_lsh, s_hsh, s_oh,
                GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, LOW: tl.constexpr):
+               BLOCK_N: tl.constexpr, LOW: tl.constexpr, ONE: tl.constexpr):
     kvh = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW)
+    qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW, ONE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, n_pages, BLOCK_N):  # pass 1: each row's max and sum of exp
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
         s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, ls_ptr + kvh * s_lsh,
-                         hs_ptr + kvh * s_hsh, pg, ok, dd, s_ln, s_hn, scale, LOW)
+                         hs_ptr + kvh * s_hsh, pg, ok, dd, s_ln, s_hn, scale, LOW, ONE)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
@@ -94,7 +103,7 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, out_ptr, n_rows, n_pages, 
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
         s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, ls_ptr + kvh * s_lsh,
-                         hs_ptr + kvh * s_hsh, pg, ok, dd, s_ln, s_hn, scale, LOW)
+                         hs_ptr + kvh * s_hsh, pg, ok, dd, s_ln, s_hn, scale, LOW, ONE)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & ok[None, :], p, 0.0)
         tl.atomic_add(out_ptr + kvh * s_oh + pg, tl.sum(p, axis=0), mask=ok)
@@ -132,7 +141,8 @@ def page_scores(q: torch.Tensor, lo: Summary, hi: Summary, scale: float,
                      q.stride(0), q.stride(1), lo.values.stride(0), lo.values.stride(1),
                      hi.values.stride(0), hi.values.stride(1), lo.scale.stride(0),
                      hi.scale.stride(0), out.stride(0),
-                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q))
+                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q),
+                     ONE=hi is lo)
     return out
 
 
@@ -147,14 +157,14 @@ def score_top_pages(q: torch.Tensor, lo: Summary, hi: Summary, k: int,
 def _ranged_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, rng_ptr, out_ptr, n_rows, n_pages,
                  scale, s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_lsh, s_hsh, s_oh,
                  GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, LOW: tl.constexpr):
+                 BLOCK_N: tl.constexpr, LOW: tl.constexpr, ONE: tl.constexpr):
     """out[kvh, page] = sum over the rows (<= BLOCK_M: one tile) of the softmax over the pages
     in [first, first + n) (rng_ptr, read here: no host read) of their bounds; -1 for every
     other page. One program per KV head: pass 1 over the pages in range keeps each row's max
     and sum of exp (online), pass 2 writes every page."""
     kvh = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
-    qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW)
+    qp, qn, row_ok, dd = _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP, D, LOW, ONE)
     first = tl.load(rng_ptr)
     last = tl.minimum(first + tl.load(rng_ptr + 1), n_pages)
     lo_h, hi_h = lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh
@@ -165,7 +175,7 @@ def _ranged_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, rng_ptr, out_ptr, n_rows
         pg = start + tl.arange(0, BLOCK_N)
         inside = (pg >= first) & (pg < last)
         s = _tile_scores(qp, qn, lo_h, hi_h, ls_h, hs_h, pg, inside, dd, s_ln, s_hn, scale,
-                         LOW)
+                         LOW, ONE)
         s = tl.where(inside[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no page yet
@@ -177,7 +187,7 @@ def _ranged_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, rng_ptr, out_ptr, n_rows
         pg = start + tl.arange(0, BLOCK_N)
         inside = (pg >= first) & (pg < last)
         s = _tile_scores(qp, qn, lo_h, hi_h, ls_h, hs_h, pg, inside, dd, s_ln, s_hn, scale,
-                         LOW)
+                         LOW, ONE)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & inside[None, :], p, 0.0)
         tl.store(out_ptr + kvh * s_oh + pg, tl.where(inside, tl.sum(p, axis=0), -1.0),
@@ -207,7 +217,7 @@ def page_scores_in_range(q: torch.Tensor, lo: Summary, hi: Summary, rng: torch.T
         q.stride(0), q.stride(1), lo.values.stride(0), lo.values.stride(1),
         hi.values.stride(0), hi.values.stride(1), lo.scale.stride(0), hi.scale.stride(0),
         out.stride(0), GRP=hq // hkv, D=d, BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_N=block_n, LOW=_low(q))
+        BLOCK_N=block_n, LOW=_low(q), ONE=hi is lo)
     return out
 
 
