@@ -1,7 +1,7 @@
 """Where a retrieval decode step's page choice goes: its kernels alone at the 8B shapes.
 
     python benchmarks/gpu_retrieval_kernels.py [--pages 2048] [--slots 64] [--miss 0.81]
-                                               [--out DIR]        # repo root, a CUDA machine
+                                               [--summary K] [--out DIR]        # repo root, a CUDA machine
 
 The retrieval tier (engine/retrieval.py) at Llama-3-8B's shapes (32 layers x 8 KV heads,
 32 query heads, head size 128, 16-token pages), `--pages` offloaded pages (2,048 = 32K tokens)
@@ -13,6 +13,7 @@ and `--slots` page-cache slots per (layer, KV head) (64 = 1,024 retrieval tokens
    top-k, the placement (`_place_pages`);
 3. a prefill chunk's scoring for one layer (`score_top_pages`) at 1,024 / 512 / 256 / 128
    queries against 1,024 and 2,048 pages.
+The scorings are timed for each `--summary` kind (mean, the default, and minmax).
 Prints one line a measurement and writes DIR/gpu_retrieval_kernels.json (DIR: --out, else $OUT,
 else ./out). Random data: these kernels' times do not depend on the values.
 BENCHMARKS.md, "the retrieval tier vs eviction-only", quotes it.
@@ -52,8 +53,11 @@ def main() -> None:
                     help="page-cache slots per layer and KV head (= pages retrieved)")
     ap.add_argument("--miss", type=float, default=0.81,
                     help="share of the slots copied (0.81: the random-weight decode's misses)")
+    ap.add_argument("--summary", default="mean,minmax",
+                    help="page summaries whose scoring is timed (comma list; mean: the default)")
     ap.add_argument("--out", default=None, help="folder for the JSON (else $OUT, else ./out)")
     a = ap.parse_args()
+    kinds = a.summary.split(",")
     import torch
 
     if not torch.cuda.is_available():
@@ -112,10 +116,13 @@ def main() -> None:
 
     # 2. a decode step's choice over every layer: scoring, top-k, placement
     keys = torch.randn((heads, P, 2, D), dtype=torch.float16, device=dev)
-    lo, hi = page_summary(keys, "minmax")
     q = torch.randn((1, L * HQ, D), dtype=torch.float16, device=dev)
     rng = torch.tensor([4, P - 40], dtype=torch.int64, device=dev)
-    res["ranged_scoring_ms"] = bench(lambda: ps.page_scores_in_range(q, lo, hi, rng, D ** -0.5))
+    for kind in kinds:
+        lo, hi = page_summary(keys, kind)
+        ms = bench(lambda: ps.page_scores_in_range(q, lo, hi, rng, D ** -0.5))
+        res[f"ranged_scoring_{kind}_ms"] = ms
+        print(f"ranged scoring ({kind}): {ms:.3f}", flush=True)
     scores = ps.page_scores_in_range(q, lo, hi, rng, D ** -0.5)
     res["top_valid_pages_ms"] = bench(lambda: top_valid_pages(scores, S))
     row_of_page = torch.arange(P, dtype=torch.int64, device=dev)
@@ -123,19 +130,20 @@ def main() -> None:
     picks = top_valid_pages(scores, S)
     res["place_pages_ms"] = bench(lambda: pc.place_pages(picks, slot_page, slot_used, step,
                                                          row_of_page, counts))
-    for key in ("ranged_scoring_ms", "top_valid_pages_ms", "place_pages_ms"):
+    for key in ("top_valid_pages_ms", "place_pages_ms"):
         print(f"{key}: {res[key]:.3f}", flush=True)
 
     # 3. a prefill chunk's scoring, one layer
     res["prefill_scoring_ms"] = {}
-    for n in (1024, 2048):
-        lo1, hi1 = page_summary(torch.randn((H, n, 2, D), dtype=torch.float16, device=dev),
-                                "minmax")
-        for t in (1024, 512, 256, 128):
-            qq = torch.randn((t, HQ, D), dtype=torch.float16, device=dev)
-            ms = bench(lambda: ps.score_top_pages(qq, lo1, hi1, S, D ** -0.5))
-            res["prefill_scoring_ms"][f"{t}_queries_{n}_pages"] = ms
-            print(f"prefill scoring T={t} n={n}: {ms:.3f} ms", flush=True)
+    for kind in kinds:
+        for n in (1024, 2048):
+            lo1, hi1 = page_summary(torch.randn((H, n, 2, D), dtype=torch.float16, device=dev),
+                                    kind)
+            for t in (1024, 512, 256, 128):
+                qq = torch.randn((t, HQ, D), dtype=torch.float16, device=dev)
+                ms = bench(lambda: ps.score_top_pages(qq, lo1, hi1, S, D ** -0.5))
+                res["prefill_scoring_ms"][f"{kind}_{t}_queries_{n}_pages"] = ms
+                print(f"prefill scoring ({kind}) T={t} n={n}: {ms:.3f} ms", flush=True)
 
     out = Path(a.out or os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
