@@ -13,7 +13,8 @@ and `--slots` page-cache slots per (layer, KV head) (64 = 1,024 retrieval tokens
    top-k, the placement (`_place_pages`);
 3. a prefill chunk's scoring for one layer (`score_top_pages`) at 1,024 / 512 / 256 / 128
    queries against 1,024 and 2,048 pages.
-The scorings are timed for each `--summary` kind (mean, the default, and minmax).
+The scorings are timed for each `--summary` kind (mean, the default, and minmax); then
+4. the prefill scoring's tile shapes and warps (the first kind, 1,024 queries, 2,048 pages).
 Prints one line a measurement and writes DIR/gpu_retrieval_kernels.json (DIR: --out, else $OUT,
 else ./out). Random data: these kernels' times do not depend on the values.
 BENCHMARKS.md, "the retrieval tier vs eviction-only", quotes it.
@@ -144,6 +145,24 @@ def main() -> None:
                 ms = bench(lambda: ps.score_top_pages(qq, lo1, hi1, S, D ** -0.5))
                 res["prefill_scoring_ms"][f"{kind}_{t}_queries_{n}_pages"] = ms
                 print(f"prefill scoring ({kind}) T={t} n={n}: {ms:.3f} ms", flush=True)
+
+    # 4. the prefill scoring's tiles (rows x pages) and warps, 1,024 queries x 2,048 pages
+    res["prefill_scoring_tiles_ms"] = {}
+    lo1, hi1 = page_summary(torch.randn((H, 2048, 2, D), dtype=torch.float16, device=dev),
+                            kinds[0])
+    qq = torch.randn((1024, HQ, D), dtype=torch.float16, device=dev)
+    for bm in (32, 64, 128):
+        for bn in (32, 64, 128):
+            for nw in (4, 8):
+                try:
+                    ms = bench(lambda: ps.page_scores(qq, lo1, hi1, D ** -0.5, block_m=bm,
+                                                      block_n=bn, num_warps=nw))
+                except Exception as exc:  # noqa: BLE001  (a tile too big for shared memory)
+                    print(f"tiles {bm}x{bn} warps {nw}: {type(exc).__name__}", flush=True)
+                    continue
+                res["prefill_scoring_tiles_ms"][f"{kinds[0]}_m{bm}_n{bn}_w{nw}"] = ms
+                print(f"prefill scoring ({kinds[0]}) tiles {bm}x{bn} warps {nw}: {ms:.3f} ms",
+                      flush=True)
 
     out = Path(a.out or os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)

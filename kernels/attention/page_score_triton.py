@@ -124,7 +124,8 @@ def _check(q: torch.Tensor, lo: Summary, hi: Summary) -> None:
 
 
 def page_scores(q: torch.Tensor, lo: Summary, hi: Summary, scale: float,
-                block_m: int | None = None, block_n: int = 64) -> torch.Tensor:
+                block_m: int | None = None, block_n: int = 64,
+                num_warps: int = 4) -> torch.Tensor:
     t, hq, d = q.shape
     hkv, n, _ = lo.values.shape
     assert hq % hkv == 0
@@ -142,7 +143,7 @@ def page_scores(q: torch.Tensor, lo: Summary, hi: Summary, scale: float,
                      hi.values.stride(0), hi.values.stride(1), lo.scale.stride(0),
                      hi.scale.stride(0), out.stride(0),
                      GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q),
-                     ONE=hi is lo)
+                     ONE=hi is lo, num_warps=num_warps)
     return out
 
 
