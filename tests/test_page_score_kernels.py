@@ -198,3 +198,40 @@ def test_triton_ranged_scores_interpreted(t, total, first, n, kind):
                                              (1, 8200, 1, 8199), (1, 64, 1, 0)])
 def test_triton_ranged_scores_equal_the_reference(dtype, t, total, first, n, kind):
     _check_ranged(dtype, t, total, first, n, "cuda", kind)
+
+
+_KERNEL_ARGS = ("q_ptr", "lo_ptr", "hi_ptr", "ls_ptr", "hs_ptr", "out_ptr", "n_rows", "n_pages",
+                "scale", "s_qt", "s_qh", "s_lh", "s_ln", "s_hh", "s_hn", "s_lsh", "s_hsh", "s_oh")
+
+
+@pytest.mark.parametrize("one", [True, False])
+@pytest.mark.parametrize("qtype", ["*fp16", "*fp32"])  # 16-bit (tensor-core) dots, fp32
+@pytest.mark.parametrize("name", ["_page_mass", "_ranged_mass"])
+def test_triton_kernels_compile_for_hopper(name, qtype, one, tmp_path, monkeypatch):
+    """Both kernels, both dot types, both summary forms, compiled for sm_90 on the CPU
+    (Triton's own compiler, not its interpreter: the interpreter runs Python control flow that
+    the compiler rejects, such as an early return in a constexpr branch)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hisparse_cli.kernels.attention import page_score_triton as kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    types = {"q_ptr": qtype, "lo_ptr": "*i8", "hi_ptr": "*i8", "ls_ptr": "*fp32",
+             "hs_ptr": "*fp32", "out_ptr": "*fp32", "scale": "fp32"}
+    args = list(_KERNEL_ARGS)
+    if name == "_ranged_mass":
+        args.insert(5, "rng_ptr")
+        types["rng_ptr"] = "*i64"
+    consts = {"GRP": 4, "D": 128, "BLOCK_M": 64 if name == "_page_mass" else 16,
+              "BLOCK_N": 64, "LOW": qtype != "*fp32", "ONE": one}
+    signature = {a: types.get(a, "i32") for a in args} | {c: "constexpr" for c in consts}
+    source = ASTSource(fn=getattr(kernels, name), signature=signature, constexprs=consts)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as exc:  # no CUDA toolchain beside this Triton (ptxas)
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"Triton cannot finish a CUDA build here: {exc}")
+        raise
+    assert "ttgir" in compiled.asm

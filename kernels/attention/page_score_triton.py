@@ -39,9 +39,11 @@ def _summary_dot(q, v_ptr, pg, ok, dd, s_vn, LOW: tl.constexpr):
     16-bit type on the tensor cores with LOW (|v| <= 127 converts exactly; the products are
     exact in the fp32 accumulator), else fp32 IEEE dots."""
     v = tl.load(v_ptr + pg[:, None] * s_vn + dd[None, :], mask=ok[:, None], other=0)
-    if LOW:
-        return tl.dot(q, tl.trans(v.to(q.dtype)))
-    return tl.dot(q, tl.trans(v.to(tl.float32)), input_precision="ieee")
+    if LOW:  # (no early return: Triton would still compile the statements after the branch)
+        s = tl.dot(q, tl.trans(v.to(q.dtype)))
+    else:
+        s = tl.dot(q, tl.trans(v.to(tl.float32)), input_precision="ieee")
+    return s
 
 
 @triton.jit
@@ -53,11 +55,11 @@ def _tile_scores(qp, qn, lo_ptr, hi_ptr, ls_ptr, hs_ptr, pg, ok, dd, s_ln, s_hn,
     integer values, then scales its page's column. ONE: lo is hi (the mean summary), qp is the
     whole q, and the bound is scale * q . mean: one dot, not two."""
     hs = tl.load(hs_ptr + pg, mask=ok, other=0.0)
-    sp = _summary_dot(qp, hi_ptr, pg, ok, dd, s_hn, LOW) * hs[None, :]
+    s = _summary_dot(qp, hi_ptr, pg, ok, dd, s_hn, LOW) * hs[None, :]
     if not ONE:
         ls = tl.load(ls_ptr + pg, mask=ok, other=0.0)
-        sp = sp + _summary_dot(qn, lo_ptr, pg, ok, dd, s_ln, LOW) * ls[None, :]
-    return sp * scale
+        s += _summary_dot(qn, lo_ptr, pg, ok, dd, s_ln, LOW) * ls[None, :]
+    return s * scale
 
 
 @triton.jit
@@ -74,8 +76,10 @@ def _query_rows(q_ptr, kvh, rows, n_rows, s_qt, s_qh, GRP: tl.constexpr, D: tl.c
     if not LOW:
         q = q.to(tl.float32)
     if ONE:
-        return q, q, row_ok, dd
-    return tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype), row_ok, dd
+        qp, qn = q, q
+    else:
+        qp, qn = tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype)
+    return qp, qn, row_ok, dd
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_pages", "s_lsh", "s_hsh", "s_oh"])  # rows, pages
