@@ -617,8 +617,9 @@ def test_a_fragmented_allocator_says_so_and_names_expandable_segments(monkeypatc
 
 def test_expandable_segments_are_preferred_unless_the_user_configured_the_allocator():
     """The CLI, load_engine and the tests turn torch's expandable segments on, before CUDA
-    initialises, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set (kept as set,
-    even empty of that option) or CUDA is initialised already (torch has read them)."""
+    initialises, unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set (then kept as
+    set, even without expandable segments) or CUDA is initialised already (torch has read
+    them)."""
     from hisparse_cli.config.env import allocator_setting, prefer_expandable_segments
 
     env: dict = {}
