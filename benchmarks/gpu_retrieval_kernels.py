@@ -1,7 +1,7 @@
 """Where a retrieval decode step's page choice goes: its kernels alone at the 8B shapes.
 
     python benchmarks/gpu_retrieval_kernels.py [--pages 2048] [--slots 64] [--miss 0.81]
-                                               [--summary K] [--out DIR]        # repo root, a CUDA machine
+        [--summary mean,minmax] [--out DIR]        # repo root, a CUDA machine
 
 The retrieval tier (engine/retrieval.py) at Llama-3-8B's shapes (32 layers x 8 KV heads,
 32 query heads, head size 128, 16-token pages), `--pages` offloaded pages (2,048 = 32K tokens)

@@ -3,7 +3,8 @@ pages x budget: the reference equals an explicit loop over queries, heads and pa
 Triton kernel equals the reference (`gpu`; also on the CPU with TRITON_INTERPRET=1); the
 ranged form (whole tables, a device range) equals the reference over the range's slice; the
 INT8 summaries dequantize to within half a step of the exact ones, and a minmax summary still
-bounds every key of its page."""
+bounds every key of its page; both Triton kernels compile for sm_90 on the CPU (Triton's
+compiler rejects what its interpreter runs)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.block_pool import BlockPool
@@ -15,7 +16,6 @@ from hisparse_cli.engine.runner import KVRun
 from hisparse_cli.errors import ConfigError
 from hisparse_cli.kernels.attention.page_score_ref import quantize_summary
 from hisparse_cli.kernels.dispatch import select_backend
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_sparse_attention import HKV, HQ, D, RandomQKV, _cfg
 
