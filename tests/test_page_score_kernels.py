@@ -15,14 +15,16 @@ import torch
 
 from hisparse_cli.kernels.attention.page_score_ref import (Summary, page_scores,
                                                            page_scores_in_range, page_summary,
-                                                           quantize_summary, score_top_pages)
+                                                           pool_queries, quantize_summary,
+                                                           score_top_pages)
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 def brute(q, lo, hi, scale):
     """The scores from first principles: each summary channel is its INT8 value times its
-    page's scale, each bound a sum over channels of max(q * lo, q * hi), in float64."""
+    page's scale, each bound a sum over channels of max(q * lo, q * hi), each row's softmax
+    over the pages, a page's score the largest of its rows' probabilities; in float64."""
     t, hq, d = q.shape
     hkv, n, _ = lo.values.shape
     grp = hq // hkv
@@ -36,7 +38,7 @@ def brute(q, lo, hi, scale):
                     lo_j = lo.values[h, j].double() * float(lo.scale[h, j])
                     hi_j = hi.values[h, j].double() * float(hi.scale[h, j])
                     b.append(torch.maximum(qq * lo_j, qq * hi_j).sum())
-                out[h] += torch.softmax(torch.stack(b) * scale, 0)
+                out[h] = torch.maximum(out[h], torch.softmax(torch.stack(b) * scale, 0))
     return out
 
 
@@ -90,6 +92,15 @@ def test_quantized_summary_layout_and_error(dtype, rounding):
         assert (err <= tol).all() and (err >= -step - tol).all()
     else:
         assert (err >= -tol).all() and (err <= step + tol).all()
+
+
+@pytest.mark.parametrize("t,n", [(1, 4), (8, 4), (9, 4), (3, 4), (7, 2), (5, 1)])
+def test_pool_queries_are_the_means_of_consecutive_positions(t, n):
+    q = torch.randn(t, 4, 16, generator=torch.Generator().manual_seed(t))
+    got = pool_queries(q, n)
+    groups = [list(range(i, min(i + n, t))) for i in range(0, t, n)]
+    want = torch.stack([q[g].mean(dim=0) for g in groups])
+    assert got.shape == (len(groups), 4, 16) and torch.allclose(got, want, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [1, 4, 17])

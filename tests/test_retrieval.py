@@ -222,6 +222,35 @@ def test_planted_fact_is_attended_after_eviction_only_with_retrieval():
         assert float(without.out[q, :grp].mean()) < 1.0, q
 
 
+def test_prefill_scores_pages_from_pooled_queries(monkeypatch):
+    """A prefill chunk's page scoring gets the mean query of every QUERY_POOL consecutive
+    positions of the chunk (engine/retrieval.py), per query head, not the raw queries."""
+    from hisparse_cli.engine import retrieval
+    from hisparse_cli.kernels.attention import page_score_ref
+
+    seen = []
+    backend_cls = type(select_backend("cpu"))
+    original = backend_cls.score_top_pages
+
+    def record(self, q, lo, hi, k, scale):
+        seen.append(q.clone())
+        return original(self, q, lo, hi, k, scale)
+
+    monkeypatch.setattr(backend_cls, "score_top_pages", record)
+    chunk, n = 10, 120
+    cfg = SparseConfig(sink_tokens=4, window_size=16, global_tokens=0, block_size=8,
+                       recalibrate_topk=0, prefill_chunk=chunk,
+                       retrieval_tokens=8)
+    src = Recording(n, seed=5)
+    drive(cfg, n, src)
+    assert seen and retrieval.QUERY_POOL == 4
+    layers = _cfg().num_hidden_layers
+    starts = [s for s in range(0, n, chunk) for _ in range(layers)][-len(seen):]
+    for q, start in zip(seen, starts):
+        want = page_score_ref.pool_queries(src.q[start:start + chunk], 4)
+        assert q.shape == (3, HQ, D) and torch.allclose(q, want, atol=1e-6)
+
+
 def test_decode_choice_uses_the_previous_steps_queries():
     """A decode step's pages are chosen, before its forward, from the queries of the step
     before it (engine/retrieval.py): with a choice every step, the fact asked for first at

@@ -14,10 +14,11 @@ in INT8 with an fp32 scale a page and KV head, page_score_ref.Summary: a ranking
 and the summaries are the one resident part that grows with the document) is written to
 resident memory then.
 
-A prefill chunk, for every layer, before its attention: the chunk's queries score the
-offloaded pages against their summaries (kernels/attention/page_score_ref.py: each page's
-estimated attention mass summed over the queries and the query heads of each KV head), and each
-KV head takes its best `retrieval_pages`. Each KV head has a page cache of `page_cache_pages`
+A prefill chunk, for every layer, before its attention: the chunk's queries, pooled (the mean
+query of every QUERY_POOL consecutive positions, per query head), score the offloaded pages
+against their summaries (kernels/attention/page_score_ref.py: each page's score is the largest
+estimated attention probability any pooled query of the KV head's query heads gives it), and
+each KV head takes its best `retrieval_pages`. Each KV head has a page cache of `page_cache_pages`
 slots in the layer's extra key segment ([Hkv, G + S * bs, D]: the globals, then the slots;
 engine/kv_cache.py), the segment every attention kernel already reads beside the paged blocks.
 A page already in a slot is a hit; a miss is copied into the least recently used slot not
@@ -62,7 +63,7 @@ import torch
 
 from hisparse_cli.engine.kv_cache import PagedKVCache, int64_to_device
 from hisparse_cli.engine.retrieval_sizes import copy_group_pages
-from hisparse_cli.kernels.attention.page_score_ref import Summary, top_valid_pages
+from hisparse_cli.kernels.attention.page_score_ref import Summary, pool_queries, top_valid_pages
 from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tabled
 
 
@@ -87,6 +88,15 @@ class RetrievalStats:
                 "pages_retrieved": self.pages_retrieved, "cache_hits": self.hits,
                 "cache_misses": self.misses, "cache_hit_rate": self.hit_rate,
                 "bytes_to_cache": self.bytes_to_cache, "bytes_offloaded": self.bytes_offloaded}
+
+
+# A prefill chunk scores its pages from the mean query of every 4 consecutive positions: on the
+# CPU study (QUALITY.md, 12 eval_dev documents, SmolLM2, ~7K tokens, teacher-forced, paired
+# against every query) long-range retention -0.37 [-1.39, +0.38], KL -0.003 [-0.006, +0.001],
+# recall +0.002; 2 positions: KL -0.003 [-0.005, -0.002], retention -0.11. Neighbouring
+# queries want the same pages, and the mean is steadier than any one of them; the scoring
+# reads a quarter of the rows (the GPU prefill's one per-layer cost that grows with the chunk).
+QUERY_POOL = 4
 
 
 class RetrievalTier:
@@ -295,7 +305,8 @@ class RetrievalTier:
 
     def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """[Hkv, R] int64: the pages each KV head of `layer` attends this prefill chunk
-        (distinct; -1 in unused entries), scored by the chunk's queries q [T, Hq, D]."""
+        (distinct; -1 in unused entries), scored by the chunk's queries q [T, Hq, D], pooled
+        over QUERY_POOL positions."""
         scale = self.D ** -0.5
         n, lo = len(self.offloaded), self.first_page  # the contiguous range [lo, lo + n)
         if n <= self.R:  # the budget covers every offloaded page: no scoring
@@ -305,6 +316,7 @@ class RetrievalTier:
                       for t in (self.lo, self.hi))
         if self.hi is self.lo:
             hi_s = lo_s  # (the reference then dequantizes once)
+        q = pool_queries(q, QUERY_POOL)
         top = self.backend.score_top_pages(q, lo_s, hi_s, self.R, scale)
         return (top + lo).contiguous()
 

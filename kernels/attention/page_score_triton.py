@@ -8,14 +8,15 @@ kernels/attention/page_score_ref.py; selected by kernels/dispatch.py on CUDA).
 
 Version 1 (`_page_mass`): one program per (KV head, tile of BLOCK_M query rows; a row is a
 query x a query head of the KV head). Two passes over the pages: the first keeps each row's
-running max and sum of exp (online softmax) of scale * (q+ . hi + q- . lo), the second adds
-each page's probability, summed over the tile's rows, into the output with an atomic add.
+running max and sum of exp (online softmax) of scale * (q+ . hi + q- . lo), the second takes
+each page's largest probability over the tile's rows into the output with an atomic max (the
+output starts at 0; probabilities are >= 0).
 No [rows, pages] tensor is materialised (the reference's two fp32 [Hkv, T * grp, n] tensors:
 268 MB at 128K tokens with chunks of 128 on an 8-KV-head model). Top-k: torch.topk on the
 scores (k is at most a few hundred pages; a Triton top-k is not written).
 `_ranged_mass` (the ranged form, a decode step's few rows, every layer's KV heads at once):
 one program per KV head, the same two passes over the pages in the device-held range, the
-sums stored (-1 for every page outside the range); no [rows, pages] tensor.
+largest probabilities stored (-1 for every page outside the range); no [rows, pages] tensor.
 Dots: the summaries' INT8 values (page_score_ref.Summary) convert exactly to the queries'
 type; fp16 (bf16) queries run on the tensor cores in that type (16-bit products are exact in
 the fp32 accumulator), fp32 queries (an fp32 cache) in fp32 IEEE dots; each page's column is
@@ -103,14 +104,14 @@ def _page_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, out_ptr, n_rows, n_pages, 
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
         m_i = m_new
     inv = tl.where(row_ok, 1.0 / l_i, 0.0)
-    for start in range(0, n_pages, BLOCK_N):  # pass 2: probabilities summed over the rows
+    for start in range(0, n_pages, BLOCK_N):  # pass 2: each page's largest probability
         pg = start + tl.arange(0, BLOCK_N)
         ok = pg < n_pages
         s = _tile_scores(qp, qn, lo_ptr + kvh * s_lh, hi_ptr + kvh * s_hh, ls_ptr + kvh * s_lsh,
                          hs_ptr + kvh * s_hsh, pg, ok, dd, s_ln, s_hn, scale, LOW, ONE)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & ok[None, :], p, 0.0)
-        tl.atomic_add(out_ptr + kvh * s_oh + pg, tl.sum(p, axis=0), mask=ok)
+        tl.atomic_max(out_ptr + kvh * s_oh + pg, tl.max(p, axis=0), mask=ok)
 
 
 def _low(q: torch.Tensor) -> bool:
@@ -163,9 +164,9 @@ def _ranged_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, rng_ptr, out_ptr, n_rows
                  scale, s_qt, s_qh, s_lh, s_ln, s_hh, s_hn, s_lsh, s_hsh, s_oh,
                  GRP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, LOW: tl.constexpr, ONE: tl.constexpr):
-    """out[kvh, page] = sum over the rows (<= BLOCK_M: one tile) of the softmax over the pages
-    in [first, first + n) (rng_ptr, read here: no host read) of their bounds; -1 for every
-    other page. One program per KV head: pass 1 over the pages in range keeps each row's max
+    """out[kvh, page] = the largest over the rows (<= BLOCK_M: one tile) of the softmax over
+    the pages in [first, first + n) (rng_ptr, read here: no host read) of their bounds; -1 for
+    every other page. One program per KV head: pass 1 over the pages in range keeps each row's max
     and sum of exp (online), pass 2 writes every page."""
     kvh = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -195,7 +196,7 @@ def _ranged_mass(q_ptr, lo_ptr, hi_ptr, ls_ptr, hs_ptr, rng_ptr, out_ptr, n_rows
                          LOW, ONE)
         p = tl.exp(s - m_i[:, None]) * inv[:, None]
         p = tl.where(row_ok[:, None] & inside[None, :], p, 0.0)
-        tl.store(out_ptr + kvh * s_oh + pg, tl.where(inside, tl.sum(p, axis=0), -1.0),
+        tl.store(out_ptr + kvh * s_oh + pg, tl.where(inside, tl.max(p, axis=0), -1.0),
                  mask=pg < n_pages)
 
 
