@@ -948,21 +948,28 @@ def test_retrieval_plan_items_sum_to_peak_at_128k(backend):
 
 
 def test_page_scoring_temporaries_by_backend():
-    """Triton's scoring kernel writes only the [Hkv, pages] fp32 scores; the torch reference
-    holds the fp32 queries and two [Hkv, rows, pages] fp32 logits; both then keep topk's
+    """The chunk's queries pooled over QUERY_POOL positions are held throughout; Triton's
+    scoring kernel writes only the [Hkv, pages] fp32 scores; the torch reference holds the
+    pooled queries in fp32 and two [Hkv, rows, pages] fp32 logits; both then keep topk's
     values and indices."""
     from types import SimpleNamespace
 
+    from hisparse_cli.engine.retrieval_sizes import QUERY_POOL
     from hisparse_cli.planner.run import page_scoring
     from hisparse_cli.planner.trace import Trace
 
     tr = Trace(False)  # CPU: sizes are the bytes themselves
     n, hq, hkv, d, pages, k = 512, 32, 8, 128, 8000, 64
-    shape = dict(hq=hq, hkv=hkv, d=d)
+    m = n // QUERY_POOL
+    held = m * hq * d * 2
+    shape = dict(hq=hq, hkv=hkv, d=d, cb=2)
     triton = page_scoring(tr, SimpleNamespace(backend="triton", **shape), n, pages, k)
     torch_ = page_scoring(tr, SimpleNamespace(backend="torch", **shape), n, pages, k)
-    assert triton.peak == hkv * pages * 4 + max(hkv * k * 12, 3 * hkv * k * 8)
-    assert torch_.peak == 3 * n * hq * d * 4 + 2 * n * hq * pages * 4 + hkv * pages * 4
+    assert triton.peak == held + hkv * pages * 4 + max(hkv * k * 12, 3 * hkv * k * 8)
+    assert torch_.peak == held + 3 * m * hq * d * 4 + 2 * m * hq * pages * 4 + hkv * pages * 4
     assert triton.live == {"retrieval.page_scoring": triton.peak}
-    odd = page_scoring(tr, SimpleNamespace(backend="triton", hq=hq, hkv=hkv, d=96), n, pages, k)
+    one = page_scoring(tr, SimpleNamespace(backend="triton", **shape), 1, pages, k)
+    assert one.peak == hkv * pages * 4 + max(hkv * k * 12, 3 * hkv * k * 8)  # nothing pooled
+    odd = page_scoring(tr, SimpleNamespace(backend="triton", hq=hq, hkv=hkv, d=96, cb=2), n,
+                       pages, k)
     assert odd.peak > triton.peak  # no Triton scoring for a head size not a power of two

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse_cli.engine.kv_cache import PagedKVCache, int64_to_device
-from hisparse_cli.engine.retrieval_sizes import copy_group_pages
+from hisparse_cli.engine.retrieval_sizes import QUERY_POOL, copy_group_pages
 from hisparse_cli.kernels.attention.page_score_ref import Summary, pool_queries, top_valid_pages
 from hisparse_cli.kernels.norm_rope.norm_rope_ref import rope_tabled
 
@@ -88,15 +88,6 @@ class RetrievalStats:
                 "pages_retrieved": self.pages_retrieved, "cache_hits": self.hits,
                 "cache_misses": self.misses, "cache_hit_rate": self.hit_rate,
                 "bytes_to_cache": self.bytes_to_cache, "bytes_offloaded": self.bytes_offloaded}
-
-
-# A prefill chunk scores its pages from the mean query of every 4 consecutive positions: on the
-# CPU study (QUALITY.md, 12 eval_dev documents, SmolLM2, ~7K tokens, teacher-forced, paired
-# against every query) long-range retention -0.37 [-1.39, +0.38], KL -0.003 [-0.006, +0.001],
-# recall +0.002; 2 positions: KL -0.003 [-0.005, -0.002], retention -0.11. Neighbouring
-# queries want the same pages, and the mean is steadier than any one of them; the scoring
-# reads a quarter of the rows (the GPU prefill's one per-layer cost that grows with the chunk).
-QUERY_POOL = 4
 
 
 class RetrievalTier:

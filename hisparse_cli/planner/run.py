@@ -12,8 +12,9 @@ workspace), what was live at that moment, and the KV numbers `RunStats` reports.
 Retrieval tier (engine/retrieval.py): the key segment is G + page-cache slots wide, the page
 summaries are resident, the storage holds every block where pages are offloaded in place (the
 CPU) and the pinned host store every page on CUDA (`extra["offload_store_host_bytes"]`); each
-step with offloaded pages adds its scoring transient (page_score_ref.page_scores: the
-queries' fp32 copies and two [Hkv, T * grp, pages] fp32 score tensors) and each eviction its
+step with offloaded pages adds its scoring transient (the chunk's queries pooled over
+QUERY_POOL positions; page_score_ref.page_scores: their fp32 copies and two
+[Hkv, T / QUERY_POOL * grp, pages] fp32 score tensors) and each eviction its
 summary transient.
 """
 
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 from hisparse_cli.engine.block_pool import BlockPool
 from hisparse_cli.config.settings import SparseConfig
 from hisparse_cli.engine.sparsity import SparseSequence, cdiv
-from hisparse_cli.engine.retrieval_sizes import copy_group_pages, summary_bytes
+from hisparse_cli.engine.retrieval_sizes import (QUERY_POOL, copy_group_pages, pooled_queries,
+                                                 summary_bytes)
 from hisparse_cli.planner.attn import AttnStep
 from hisparse_cli.planner.step import evict_peak, forward_peak, recalibrate_peak
 from hisparse_cli.planner.trace import StepShape, SubPeak, Trace
@@ -93,19 +95,24 @@ def sampled_queries(q_start: int, n: int, stride: int) -> int:
 
 
 def page_scoring(tr: Trace, s: StepShape, n: int, pages: int, k: int) -> SubPeak:
-    """The temporaries of one layer's page scoring (KernelBackend.score_top_pages) for n
-    queries over `pages` offloaded pages, keeping k: Triton's kernel writes only the [Hkv,
-    pages] fp32 scores; the torch reference also holds the queries (fp32, clamped twice) and
-    two [Hkv, n * grp, pages] fp32 logits. Then topk's values and indices, and their sort."""
+    """The temporaries of one layer's page scoring (RetrievalTier.select) for a chunk of n
+    queries over `pages` offloaded pages, keeping k: the queries pooled (pooled_queries(n)
+    rows of [Hq, D], held to the end; with a partial last group two parts and their cat);
+    Triton's kernel writes only the [Hkv, pages] fp32 scores, the torch reference also holds
+    the pooled queries (fp32, clamped twice) and two [Hkv, rows * grp, pages] fp32 logits.
+    Then topk's values and indices, and their sort."""
+    m = pooled_queries(n)
+    held = tr.size(m * s.hq * s.d * s.cb) if m != n else 0
+    pooling = 2 * held if m != n and n % QUERY_POOL and n > QUERY_POOL else held
     scores = tr.size(s.hkv * pages * 4)
     if s.backend == "triton" and s.d >= 16 and s.d & (s.d - 1) == 0:
-        scoring = scores
+        scoring = held + scores
     else:
-        rows = n * s.hq
-        scoring = 3 * tr.size(rows * s.d * 4) + 2 * tr.size(rows * pages * 4) + scores
+        rows = m * s.hq
+        scoring = held + 3 * tr.size(rows * s.d * 4) + 2 * tr.size(rows * pages * 4) + scores
     idx = tr.size(s.hkv * k * 8)
-    pick = scores + max(tr.size(s.hkv * k * 4) + idx, 3 * idx)  # topk; then idx.sort()
-    peak = max(scoring, pick)
+    pick = held + scores + max(tr.size(s.hkv * k * 4) + idx, 3 * idx)  # topk; then idx.sort()
+    peak = max(pooling, scoring, pick)
     return SubPeak(peak, {"retrieval.page_scoring": peak})
 
 
