@@ -21,7 +21,11 @@ Dots: the summaries' INT8 values (page_score_ref.Summary) convert exactly to the
 type; fp16 (bf16) queries run on the tensor cores in that type (16-bit products are exact in
 the fp32 accumulator), fp32 queries (an fp32 cache) in fp32 IEEE dots; each page's column is
 then multiplied by its scale. The mean summary (lo is hi) bounds nothing: its score is
-q . mean, one dot a tile instead of two (`ONE`). Prefill (many rows) takes 64-row tiles.
+q . mean, one dot a tile instead of two (`ONE`). A prefill chunk's scoring (>= 256 rows) takes
+128 x 128 tiles (rows x pages) with 16-bit queries, fewer rows 16 x 128 (fp32 queries: 64 x 64
+and 16 x 64, the tiles the fp32 dots were measured with): at 32K with 4060ti-6g settings on an H100
+the tier's prefill ran at 17.7K and 17.9K tok/s with 128 x 128 tiles against 12.1K and 14.3K
+with 64 x 64, in two calls with the order swapped (BENCHMARKS.md).
 Any strides on the last-but-one dims; the last dim must be contiguous (asserted).
 """
 
@@ -129,7 +133,7 @@ def _check(q: torch.Tensor, lo: Summary, hi: Summary) -> None:
 
 
 def page_scores(q: torch.Tensor, lo: Summary, hi: Summary, scale: float,
-                block_m: int | None = None, block_n: int = 64,
+                block_m: int | None = None, block_n: int | None = None,
                 num_warps: int = 4) -> torch.Tensor:
     t, hq, d = q.shape
     hkv, n, _ = lo.values.shape
@@ -141,13 +145,15 @@ def page_scores(q: torch.Tensor, lo: Summary, hi: Summary, scale: float,
     if n == 0 or t == 0:
         return out
     rows = t * grp
-    block_m = block_m or (64 if rows >= 256 else 16)
+    low = _low(q)
+    block_n = block_n or (128 if low else 64)
+    block_m = block_m or ((128 if low else 64) if rows >= 256 else 16)
     grid = (hkv, triton.cdiv(rows, block_m))
     _page_mass[grid](q, lo.values, hi.values, lo.scale, hi.scale, out, rows, n, float(scale),
                      q.stride(0), q.stride(1), lo.values.stride(0), lo.values.stride(1),
                      hi.values.stride(0), hi.values.stride(1), lo.scale.stride(0),
                      hi.scale.stride(0), out.stride(0),
-                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=_low(q),
+                     GRP=grp, D=d, BLOCK_M=block_m, BLOCK_N=block_n, LOW=low,
                      ONE=hi is lo, num_warps=num_warps)
     return out
 
