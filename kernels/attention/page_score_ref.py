@@ -19,9 +19,10 @@ rows want strongly (a copy head reading a passage seen once) are kept beside tho
 want broadly. QUALITY.md measured it against the mass summed over the rows (what an attention
 recall maximises) on 12 eval_dev documents at the same resident KV (SmolLM2, ~7K tokens): the
 long-range retention ratio -0.48 [-0.97, -0.12], KL, top-1 and perplexity unchanged, recall
--0.006. (The same study, at 2K tokens, had found the summed mass far ahead of Quest's decode
-rule, the largest bound over the rows, unnormalised: a row's softmax is what makes the rows
-comparable.)
+-0.006. (An earlier 2K-token study had found the summed mass far ahead of Quest's decode rule,
+the largest unnormalised bound over the rows: retention ratio 2.66 against 7.18. The largest
+here is taken over each row's normalised probabilities.) A prefill chunk's rows are its
+queries pooled over 4 positions (`pool_queries`, by engine/retrieval.py).
 """
 
 from __future__ import annotations
