@@ -103,7 +103,7 @@ def page_scoring(tr: Trace, s: StepShape, n: int, pages: int, k: int) -> SubPeak
     Then topk's values and indices, and their sort."""
     m = pooled_queries(n)
     held = tr.size(m * s.hq * s.d * s.cb) if m != n else 0
-    pooling = 2 * held if m != n and n % QUERY_POOL and n > QUERY_POOL else held
+    pooling = 2 * held if n > QUERY_POOL and n % QUERY_POOL else held
     scores = tr.size(s.hkv * pages * 4)
     if s.backend == "triton" and s.d >= 16 and s.d & (s.d - 1) == 0:
         scoring = held + scores
