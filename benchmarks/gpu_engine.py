@@ -47,7 +47,7 @@ retrieved per step, the planner's device peak vs torch.cuda.max_memory_allocated
 offload store vs the pinned bytes allocated. Each timed run follows an untimed one of the same
 setting on the same Engine (compilation, the graph's capture and the pinned store's allocation
 stay out of the row; its decode replays the kept graph), whose decode rate is kept beside it.
-Writes $OUT/gpu_retrieval.json.
+Writes $OUT/gpu_retrieval.json, after every row ("complete": false until the run ends).
 Attention backend: Triton when kernels/attention/attention_triton.py imports and agrees with the torch
 reference on a smoke shape, else the torch reference (HISPARSE_BACKEND=torch), said loudly.
 Phases that would overrun --time-budget are skipped with the reason printed.
@@ -856,8 +856,10 @@ def rss_bytes() -> int:
     return 0
 
 
-def phase_retrieval(a) -> list[dict]:
-    """--retrieval: eviction-only and retrieval rows per context, and their ratios."""
+def phase_retrieval(a, save=None) -> list[dict]:
+    """--retrieval: eviction-only and retrieval rows per context, and their ratios; each row
+    logged as it is measured and, with `save`, handed to save(rows) at once (a run cut short
+    by a timeout keeps what it measured)."""
     from hisparse_cli.engine.engine import Engine
 
     dev = torch.device("cuda")
@@ -895,6 +897,13 @@ def phase_retrieval(a) -> list[dict]:
         return sum(seen.values())
 
     rows = []
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        log(json.dumps(row, default=str))
+        if save is not None:
+            save(rows)
+
     try:
         for ctx in (int(c) for c in a.contexts.split(",")):
             ids = prompt(ctx, cfg.vocab_size)
@@ -919,8 +928,7 @@ def phase_retrieval(a) -> list[dict]:
                     row = {"setting": name, "context": ctx, "window": sparse.window_size,
                            "predicted_peak_bytes": plan.peak_allocated_bytes,
                            "result": "not run: the planner says it does not fit the budget"}
-                    rows.append(row)
-                    log(json.dumps(row))
+                    keep(row)
                     continue
                 try:
                     rss0 = rss_bytes()
@@ -995,8 +1003,7 @@ def phase_retrieval(a) -> list[dict]:
                     del eng
                     free_all(dev)
                     pair[name] = row
-                    rows.append(row)
-                    log(json.dumps(row, default=str))
+                    keep(row)
                 except torch.OutOfMemoryError as exc:  # the emulated card: the row says so
                     os.environ.pop("HISPARSE_DECODE_KERNEL", None)
                     eng = None
@@ -1007,16 +1014,14 @@ def phase_retrieval(a) -> list[dict]:
                            "message": str(exc)[:700],
                            "max_reserved_bytes": torch.cuda.max_memory_reserved(dev),
                            "max_allocated_bytes": torch.cuda.max_memory_allocated(dev)}
-                    rows.append(row)
-                    log(json.dumps(row))
+                    keep(row)
             for name in (n for n, _, _ in settings if n.startswith("retrieval") and n in pair):
                 rt = pair[name]
                 for peer in (p for p in ("eviction-only", "eviction-only, layers") if p in pair):
                     ev = pair[peer]
-                    rows.append({"setting": f"ratio {name} / {peer}", "context": ctx,
-                                 "decode": rt["decode_tok_s"] / ev["decode_tok_s"],
-                                 "prefill": rt["prefill_tok_s"] / ev["prefill_tok_s"]})
-                    log(json.dumps(rows[-1]))
+                    keep({"setting": f"ratio {name} / {peer}", "context": ctx,
+                          "decode": rt["decode_tok_s"] / ev["decode_tok_s"],
+                          "prefill": rt["prefill_tok_s"] / ev["prefill_tok_s"]})
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     return rows
@@ -1025,11 +1030,16 @@ def phase_retrieval(a) -> list[dict]:
 def retrieval_main(a) -> None:
     """--retrieval alone: its rows into $OUT/gpu_retrieval.json and onto stdout."""
     t0 = time.perf_counter()
-    rows = phase_retrieval(a)
     out = Path(a.out or os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_retrieval.json").write_text(json.dumps(
-        {"rows": rows, "seconds": time.perf_counter() - t0}, indent=2, default=str))
+
+    def save(rows: list[dict], complete: bool = False) -> None:
+        (out / "gpu_retrieval.json").write_text(json.dumps(
+            {"rows": rows, "seconds": time.perf_counter() - t0, "complete": complete},
+            indent=2, default=str))
+
+    rows = phase_retrieval(a, save)
+    save(rows, complete=True)
     for r in rows:
         print(json.dumps(r, default=str))
 
