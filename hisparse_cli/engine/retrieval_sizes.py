@@ -10,9 +10,10 @@ COPY_GROUP_BYTES = 16 << 20  # the offload copy's largest side-stream temporary
 # (page_score_ref.pool_queries): on the CPU study (QUALITY.md, 12 eval_dev documents, SmolLM2,
 # ~7K tokens, teacher-forced, paired against every query) long-range retention -0.37 [-1.39,
 # +0.38], KL -0.003 [-0.006, +0.001], recall +0.002; 2 positions: KL -0.003 [-0.005, -0.002],
-# retention -0.11. Neighbouring queries want the same pages, and the mean is steadier than any
-# one of them; the scoring reads a quarter of the rows (the GPU prefill's one per-layer cost
-# that grows with the chunk).
+# retention -0.11. That holds for the mean-key summary: scoring with the exact keys instead,
+# pooling lost most of their gain (retention 3.89 against 0.95 unpooled, QUALITY.md), so a
+# sharper summary must re-measure it. The scoring reads a quarter of the rows (the GPU
+# prefill's one per-layer cost that grows with the chunk).
 QUERY_POOL = 4
 
 
